@@ -1,0 +1,3 @@
+from ckptkit.cli import app
+
+app(prog_name="ckptkit")

@@ -1,0 +1,219 @@
+"""The ``ckptkit`` command line: thin wrappers that parse, call the library and render."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ckptkit import __version__
+from ckptkit.errors import CkptkitError
+
+app = typer.Typer(
+    name="ckptkit",
+    help="Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Format(str, Enum):
+    meta = "meta"
+    hf = "hf"
+    hf_bin = "hf-bin"
+    internal = "internal"
+
+
+class DType(str, Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class ModelType(str, Enum):
+    llama2 = "llama2"
+    llama3 = "llama3"
+    llama3_1 = "llama3_1"
+    llama3_2 = "llama3_2"
+    mistral = "mistral"
+    qwen2 = "qwen2"
+    gemma = "gemma"
+    phi3 = "phi3"
+
+
+def user_errors(fn: F) -> F:
+    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CkptkitError as e:
+            err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+            raise typer.Exit(1) from None
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            err.print(f"[red]error:[/red] {where}{e.strerror or e}", markup=True, highlight=False)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("interrupted; nothing was written to the destination")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"ckptkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    """Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats."""
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+@user_errors
+def inspect(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory or one weight / index file.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
+) -> None:
+    """List format, model type, dtypes and tensors; reads metadata only."""
+    from ckptkit.inspect import inspect_path
+
+    info = inspect_path(path, model_type.value if model_type else None)
+    if json_out:
+        sys.stdout.write(json.dumps(info) + "\n")
+        return
+    dtypes = Counter(t["dtype"] for t in info["tensors"])
+    out.print(f"[bold]{path}[/bold]")
+    out.print(f"format      {info['format']}")
+    out.print(f"model type  {info['model_type'] or 'unknown'}")
+    out.print(f"dtypes      {', '.join(f'{d} ({n})' for d, n in dtypes.most_common())}")
+    out.print(f"tensors     {len(info['tensors'])}")
+    out.print(f"parameters  {info['num_params']:,}")
+    out.print(f"bytes       {info['total_bytes']:,} ({_human(info['total_bytes'])})")
+    out.print(f"files       {', '.join(info['files'])}")
+    table = Table("name", "shape", "dtype", "file", box=None, header_style="bold")
+    for t in info["tensors"]:
+        table.add_row(t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"])
+    out.print(table)
+
+
+@app.command()
+@user_errors
+def convert(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (never modified).")],
+    dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist or be empty).")],
+    to: Annotated[Format, typer.Option("--to", help="Target format.")],
+    from_: Annotated[Format | None, typer.Option("--from", help="Force the source format.")] = None,
+    model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
+    dtype: Annotated[DType | None, typer.Option(help="Cast floating tensors (default: keep every dtype and byte).")] = None,
+    shards: Annotated[int | None, typer.Option(help="Meta model-parallel ranks to write.")] = None,
+    max_shard_size: Annotated[str | None, typer.Option(help='HF shard size limit, e.g. "5GB".')] = None,
+    force: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
+    verify: Annotated[bool, typer.Option(help="Re-read the output and compare it with SRC, tensor by tensor.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
+) -> None:
+    """Convert SRC to DST in another format, streaming one tensor at a time."""
+    from ckptkit.convert import convert as run_convert
+
+    start = time.perf_counter()
+    result = run_convert(
+        src, dst, to.value,
+        from_format=from_.value if from_ else None,
+        model_type=model_type.value if model_type else None,
+        dtype=dtype.value if dtype else None,
+        shards=shards, max_shard_size=max_shard_size, force=force, verify=verify, quiet=quiet,
+    )
+    if quiet:
+        return
+    for note in result.notes:
+        err.print(f"note: {note}", highlight=False)
+    files = len(result.plan.files)
+    layout = "restored the source layout" if result.plan.restored else f"{files} weight file{'s' * (files != 1)}"
+    err.print(
+        f"wrote {dst} ({to.value}, {layout}, {_human(result.bytes_written)}) in {time.perf_counter() - start:.1f}s"
+        + ("; verified bitwise against the source" if verify else ""),
+        highlight=False,
+    )
+
+
+@app.command()
+@user_errors
+def verify(
+    a: Annotated[Path, typer.Argument(help="First checkpoint (any format).")],
+    b: Annotated[Path, typer.Argument(help="Second checkpoint (any format).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Compare two checkpoints tensor by tensor, bitwise, in canonical names."""
+    from ckptkit.verify import verify_paths
+
+    report = verify_paths(a, b, quiet=json_out)
+    if json_out:
+        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+    else:
+        for name in report.only_in_a:
+            out.print(f"only in {a}: {name}", highlight=False)
+        for name in report.only_in_b:
+            out.print(f"only in {b}: {name}", highlight=False)
+        for d in report.differences:
+            out.print(f"differs: {d.describe()}", highlight=False)
+        if report.ignored:
+            out.print(f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False)
+        verdict = "identical" if report.ok else "DIFFERENT"
+        out.print(f"{verdict}: {report.identical} of {report.compared} common tensors bitwise equal", highlight=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+# --- generate (native model; body in ckptkit/train/generation.py) -------------------------------
+
+
+@app.command()
+@user_errors
+def generate(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (any format) with a tokenizer.")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(min=1, help="Sample from the k most likely tokens.")] = None,
+    adapter: Annotated[Path | None, typer.Option(help="PEFT LoRA adapter directory to apply.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
+) -> None:
+    """Continue PROMPT with the native model (KV-cached greedy or sampled decoding)."""
+    from ckptkit.train.generation import generate_text
+
+    text = generate_text(
+        str(checkpoint), prompt, max_new_tokens, temperature, top_k, str(adapter) if adapter else None, seed
+    )
+    sys.stdout.write(text + "\n")
+
+
+# --- end generate --------------------------------------------------------------------------------

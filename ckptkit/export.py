@@ -1,0 +1,43 @@
+"""Write a canonical state dict back in the layout of the checkpoint it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ckptkit.checkpoint import Lazy, open_checkpoint
+from ckptkit.convert import Options, Result, check_destination, write_checkpoint
+from ckptkit.errors import CkptkitError
+
+
+def save_checkpoint_like(
+    source: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    force: bool = False,
+    quiet: bool = True,
+) -> Result:
+    """Write canonical ``state_dict`` in ``source``'s own format, file names, shards and dtypes.
+
+    Tensors the model does not use (``rope.freqs``...) and non-weight files are carried
+    over from ``source``. ``out_dir`` is complete or absent afterwards.
+    """
+    source, out_dir = Path(source), Path(out_dir)
+    with open_checkpoint(source) as src:
+        missing = [k for k in src.tensors if k not in state_dict]
+        extra = [k for k in state_dict if k not in src.tensors]
+        if missing or extra:
+            raise CkptkitError(
+                f"state dict does not match {source}: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        tensors = {}
+        for name, lazy in src.tensors.items():
+            t = state_dict[name]
+            if tuple(t.shape) != lazy.shape:
+                raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {source} has {list(lazy.shape)}")
+            tensors[name] = Lazy(lazy.shape, lazy.dtype, lambda t=t, d=lazy.dtype: t.detach().to("cpu", d).contiguous())
+        mine = dataclasses.replace(src, tensors=tensors, origin=src.own_layout)
+        check_destination(source, out_dir, force)
+        return write_checkpoint(mine, out_dir, Options(src.format), quiet=quiet)

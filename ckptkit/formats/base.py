@@ -1,0 +1,87 @@
+"""What every format adapter hands out: a read-only view of one checkpoint's raw layout."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.tensor_info import TensorInfo
+
+ORIGIN_FILE = "ckptkit-origin.json"  # sidecar beside converted weights: the source's layout
+INTERNAL_FILE = "ckptkit.json"  # the internal format's own description
+
+
+class TensorReader(Protocol):
+    infos: dict[str, TensorInfo]
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RawCheckpoint:
+    """Native tensor names, their files and metadata, with lazy tensor access.
+
+    Attributes:
+        format: the format name (``meta``, ``hf``, ``hf-bin``, ``internal``).
+        root: the checkpoint directory.
+        files: weight files in order, each with its tensor names in stored order.
+        infos: every native tensor (Meta ranks merged) in stored order.
+        config_name / config_text / config: the metadata file (config.json, params.json).
+        index: ``{"name", "text"}`` of an HF index file, or None.
+        file_metadata: safetensors ``__metadata__`` per file (None for pickles).
+        split_dims: Meta rank-split dim per tensor (None: replicated); empty otherwise.
+    """
+
+    format: str
+    root: Path
+    files: dict[str, list[str]]
+    infos: dict[str, TensorInfo]
+    readers: dict[str, TensorReader]
+    config_name: str
+    config_text: str
+    config: dict[str, Any]
+    index: dict[str, str] | None = None
+    file_metadata: dict[str, dict[str, str] | None] = field(default_factory=dict)
+    split_dims: dict[str, int | None] = field(default_factory=dict)
+
+    def read(self, name: str) -> torch.Tensor:
+        """One native tensor, materialised (Meta ranks concatenated)."""
+        files = [f for f, keys in self.files.items() if name in keys] if self.split_dims else [self.infos[name].file]
+        parts = [self.readers[f].read(name) for f in files]
+        if len(parts) == 1:
+            return parts[0]
+        dim = self.split_dims.get(name)
+        return parts[0] if dim is None else torch.cat(parts, dim=dim)
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+
+
+def read_json(path: Path) -> tuple[str, dict[str, Any]]:
+    """A JSON object file as (text, parsed); one-line errors for unreadable or invalid ones."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CkptkitError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise CkptkitError(f"{path}: not valid UTF-8 JSON") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CkptkitError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise CkptkitError(f"{path}: expected a JSON object")
+    return text, data
+
+
+def natural_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

@@ -1,0 +1,160 @@
+"""Streaming access to torch pickles (Meta's ``consolidated.NN.pth``, HF's ``.bin``).
+
+Reading uses ``torch.load(weights_only=True, mmap=True)``: the pickle is parsed, tensor
+data stays on disk until a tensor is read, and the pages of a tensor that has been read
+are handed back to the kernel so resident memory does not grow with the file.
+
+Writing lays the zip archive out first (``torch.save`` of fake tensors under
+``torch.serialization.skip_data``), then fills each tensor's bytes in place and patches
+the archive's CRC-32 fields, so no step holds more than one tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pickle
+import re
+import struct
+import warnings
+import zipfile
+import zlib
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.tensor_info import TensorInfo
+
+_PAGE = mmap.PAGESIZE
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _madvise = _libc.madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # not a POSIX libc: release is skipped
+    _madvise = None
+_MADV_DONTNEED = 4
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Give the resident pages of an mmap-backed tensor back to the kernel."""
+    if _madvise is None or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    start -= start % _PAGE
+    end += -end % _PAGE
+    _madvise(start, end - start, _MADV_DONTNEED)
+
+
+def _load(path: Path) -> tuple[object, bool]:
+    """``torch.load`` with weights_only=True, mmap when the file allows it.
+
+    Returns the loaded object and whether its tensors are backed by the mapped file.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
+            except RuntimeError as e:
+                if "_use_new_zipfile_serialization" not in str(e):
+                    raise
+                # A legacy (pre-zip) pickle cannot be mapped: read it whole.
+                return torch.load(path, map_location="cpu", weights_only=True), False
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "Weights only load failed" not in text and "Unsupported global" not in text:
+            raise CkptkitError(f"{path}: not a torch checkpoint (corrupt or not a pickle)") from None
+        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        why = f" (it imports {m.group(1)})" if m else ""
+        raise CkptkitError(
+            f"{path}: refusing to load: the pickle needs more than weights_only=True allows{why}"
+        ) from None
+    except (KeyError, EOFError):
+        raise CkptkitError(f"{path}: not a torch checkpoint (corrupt or not a pickle)") from None
+    except (RuntimeError, OSError, ValueError, zipfile.BadZipFile) as e:
+        lines = str(e).strip().splitlines()
+        msg = lines[0] if lines else type(e).__name__
+        raise CkptkitError(f"{path}: not a readable torch checkpoint ({msg})") from None
+
+
+class TorchPickleReader:
+    """Lazy reader of one ``torch.save`` file holding a flat dict of tensors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        obj, self._mapped = _load(path)
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise CkptkitError(f"{path}: expected a flat dict of tensors (a state dict)")
+        self._tensors: dict[str, torch.Tensor] = obj
+        self.infos = {
+            k: TensorInfo(k, tuple(v.shape), v.dtype, path.name) for k, v in obj.items()
+        }
+
+    def read(self, name: str) -> torch.Tensor:
+        src = self._tensors[name]
+        out = src.clone(memory_format=torch.contiguous_format)
+        if self._mapped:
+            release_pages(src)
+        return out
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+class TorchPickleWriter:
+    """Writes one ``torch.save``-compatible file whose tensors are fixed up front.
+
+    Args:
+        path: file to create.
+        entries: (name, dtype, shape) for every tensor, in dict order.
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        self.path = path
+        with FakeTensorMode():
+            fake = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in entries}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save(fake, path)
+        # Storage records are numbered in the order the pickler meets them: dict order.
+        with zipfile.ZipFile(path) as z:
+            infos = {zi.filename.split("/", 1)[1]: zi for zi in z.infolist()}
+            central_start = z.start_dir
+            order = z.infolist()
+        reader = torch._C.PyTorchFileReader(str(path))
+        self._records: dict[str, tuple[int, int, str]] = {}
+        for i, (name, dtype, shape) in enumerate(entries):
+            record = f"data/{i}"
+            nbytes = TensorInfo(name, tuple(shape), dtype).nbytes
+            assert infos[record].file_size == nbytes, (name, record)
+            self._records[name] = (reader.get_record_offset(record), nbytes, record)
+        self._zipinfos = infos
+        self._central: dict[str, int] = {}
+        pos = central_start
+        for zi in order:  # central directory entries, in archive order
+            self._central[zi.filename.split("/", 1)[1]] = pos
+            pos += 46 + len(zi.filename.encode()) + len(zi.extra) + len(zi.comment)
+        self._crcs: dict[str, int] = {}
+        self._fd = os.open(path, os.O_RDWR)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        offset, nbytes, record = self._records[name]
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        assert data.nbytes == nbytes, (name, data.nbytes, nbytes)
+        os.pwrite(self._fd, memoryview(data), offset)
+        self._crcs[record] = zlib.crc32(memoryview(data))
+
+    def close(self) -> None:
+        missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]
+        if missing:
+            raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
+        for record, crc in self._crcs.items():
+            packed = struct.pack("<I", crc)
+            os.pwrite(self._fd, packed, self._zipinfos[record].header_offset + 14)
+            os.pwrite(self._fd, packed, self._central[record] + 16)
+        os.close(self._fd)

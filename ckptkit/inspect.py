@@ -1,0 +1,105 @@
+"""Metadata-only listing of a checkpoint directory or a single weight file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptkit.checkpoint import detect_format, open_checkpoint, open_raw
+from ckptkit.dtypes import dtype_name
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import RawCheckpoint, read_json
+from ckptkit.formats.safetensors_io import SafetensorsReader
+from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.formats.torch_io import TorchPickleReader
+
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+
+
+def inspect_path(path: str | Path, model_type: str | None = None) -> dict[str, Any]:
+    """Describe a checkpoint without reading tensor data.
+
+    Returns the object ``ckptkit inspect --json`` prints.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CkptkitError(f"{p}: no such file or directory")
+    if p.is_dir():
+        return _inspect_dir(p, model_type)
+    if p.name.endswith(".index.json"):
+        return _inspect_index(p)
+    if p.suffix in WEIGHT_SUFFIXES:
+        return _inspect_file(p)
+    raise CkptkitError(f"{p}: not a weight file (expected .pth, .pt, .bin, .safetensors or *.index.json)")
+
+
+def _describe(fmt: str, model_type: str | None, files: list[str], per_file: list[TensorInfo], merged: dict[str, TensorInfo]) -> dict[str, Any]:
+    return {
+        "format": fmt,
+        "model_type": model_type,
+        "files": files,
+        "num_params": sum(i.numel for i in merged.values()),
+        "total_bytes": sum(i.nbytes for i in per_file),
+        "tensors": [
+            {"name": i.name, "shape": list(i.shape), "dtype": dtype_name(i.dtype), "file": i.file} for i in per_file
+        ],
+    }
+
+
+def _per_file(raw: RawCheckpoint) -> list[TensorInfo]:
+    return [raw.readers[f].infos[k] for f, keys in raw.files.items() for k in keys]
+
+
+def _inspect_dir(root: Path, model_type: str | None) -> dict[str, Any]:
+    fmt = detect_format(root)
+    try:
+        with open_checkpoint(root, fmt, model_type) as ckpt:
+            raw = ckpt.raw
+            return _describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos)
+    except CkptkitError as e:
+        if "model type" not in str(e) and "model_type" not in str(e) and "which Llama" not in str(e):
+            raise
+    raw = open_raw(root, fmt)  # an unknown model: still list what is there
+    try:
+        return _describe(fmt, None, list(raw.files), _per_file(raw), raw.infos)
+    finally:
+        raw.close()
+
+
+def _open_file(path: Path) -> Any:
+    return SafetensorsReader(path) if path.suffix == ".safetensors" else TorchPickleReader(path)
+
+
+def _file_format(path: Path) -> str:
+    if path.name.startswith("consolidated."):
+        return "meta"
+    if path.suffix == ".safetensors":
+        return "hf" if path.name.startswith("model") else "safetensors"
+    return "hf-bin" if path.name.startswith("pytorch_model") else "torch"
+
+
+def _inspect_file(path: Path) -> dict[str, Any]:
+    reader = _open_file(path)
+    try:
+        infos = list(reader.infos.values())
+        return _describe(_file_format(path), None, [path.name], infos, reader.infos)
+    finally:
+        reader.close()
+
+
+def _inspect_index(path: Path) -> dict[str, Any]:
+    _, doc = read_json(path)
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CkptkitError(f"{path}: has no weight_map")
+    names = sorted(set(weight_map.values()))
+    infos: list[TensorInfo] = []
+    for name in names:
+        shard = path.parent / name
+        if not shard.is_file():
+            raise CkptkitError(f"{path}: names shard {name}, which does not exist")
+        reader = _open_file(shard)
+        infos += list(reader.infos.values())
+        reader.close()
+    fmt = "hf" if path.name.startswith("model") else "hf-bin"
+    return _describe(fmt, None, names, infos, {i.name: i for i in infos})

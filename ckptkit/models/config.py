@@ -1,0 +1,80 @@
+"""The family-independent model config every format is translated to and from."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer, in ckptkit's canonical terms.
+
+    Canonical tensor names (HF rotate-half rope layout for q/k, every family):
+
+        tok_embeddings.weight
+        layers.{i}.sa_norm.scale
+        layers.{i}.attn.{q,k,v}_proj.weight     (+ .bias when ``attention_bias``)
+        layers.{i}.attn.output_proj.weight
+        layers.{i}.mlp_norm.scale
+        layers.{i}.mlp.w1.weight  (gate)   layers.{i}.mlp.w3.weight  (up)
+        layers.{i}.mlp.w2.weight  (down)
+        norm.scale
+        output.weight                            (absent when ``tie_word_embeddings``)
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style llama3 scaling dict: rope_type, factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings. None: plain rope.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight)
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of ``cfg`` with its shape, in canonical (module) order."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[f"{p}attn.{name}_proj.weight"] = (rows, h)
+            if cfg.attention_bias:
+                shapes[f"{p}attn.{name}_proj.bias"] = (rows,)
+        shapes[f"{p}attn.output_proj.weight"] = (h, q)
+        shapes[f"{p}mlp.w1.weight"] = (inter, h)
+        shapes[f"{p}mlp.w3.weight"] = (inter, h)
+        shapes[f"{p}mlp.w2.weight"] = (h, inter)
+        shapes[f"{p}sa_norm.scale"] = (h,)
+        shapes[f"{p}mlp_norm.scale"] = (h,)
+    shapes["norm.scale"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, h)
+    return shapes

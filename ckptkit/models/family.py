@@ -1,0 +1,54 @@
+"""The base class of a model family: its layouts per format and its config translation."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ckptkit.errors import CkptkitError
+from ckptkit.models.config import ModelConfig
+from ckptkit.models.spec import Layout
+
+
+class Family:
+    """A model type. Subclasses fill in the class attributes and the config translation.
+
+    Attributes:
+        name: the model type users pass to ``--model-type``.
+        hf_model_types: ``config.json`` ``model_type`` values this family may have.
+        meta_container: ``"pth"`` or ``"safetensors"`` when the family has a Meta
+            layout (Mistral publishes ``consolidated.safetensors``), else None.
+        vocab_parallel: Meta ranks split ``tok_embeddings`` on the vocabulary (dim 0)
+            rather than on the hidden dim (dim 1).
+    """
+
+    name: ClassVar[str]
+    hf_model_types: ClassVar[tuple[str, ...]]
+    hf_architecture: ClassVar[str]
+    meta_container: ClassVar[str | None] = None
+    vocab_parallel: ClassVar[bool] = False
+
+    # --- layouts -------------------------------------------------------------
+    def hf_layout(self, cfg: ModelConfig) -> Layout:
+        raise NotImplementedError
+
+    def meta_layout(self, cfg: ModelConfig) -> Layout:
+        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
+
+    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Tensors Meta's own checkpoints carry that the model does not use."""
+        return {}
+
+    # --- configs -------------------------------------------------------------
+    def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError
+
+    def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def config_from_meta(self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+        raise CkptkitError(f"{self.name} has no Meta layout")
+
+    def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
+        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")

@@ -1,0 +1,259 @@
+"""The Llama family: Llama 2, Llama 3, Llama 3.1 (rope scaling), Llama 3.2 (tied).
+
+Meta's layout stores q/k rows in interleaved-pair rope order (canonical is HF's
+rotate-half order), names modules ``attention.wq`` ... ``feed_forward.w1``, and derives
+the FFN size from ``dim``, ``multiple_of`` and ``ffn_dim_multiplier``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ckptkit.errors import CkptkitError
+from ckptkit.models.config import ModelConfig
+from ckptkit.models.family import Family
+from ckptkit.models.spec import (
+    COPY,
+    ROPE_K,
+    ROPE_Q,
+    TIED,
+    Layout,
+    Rule,
+    hf_common_config,
+    hf_common_fields,
+    hf_llama_layout,
+)
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def meta_ffn_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Meta's FFN size: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
+    h = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        h = int(ffn_dim_multiplier * h)
+    return multiple_of * ((h + multiple_of - 1) // multiple_of)
+
+
+def meta_ffn_params(dim: int, ffn: int) -> tuple[int, float | None]:
+    """A (multiple_of, ffn_dim_multiplier) pair that reproduces ``ffn`` for ``dim``."""
+    for mult in (None, 1.3, 1.5, 2.0, 1.0, 1.2, 1.25, 1.4):
+        for power in range(13, -1, -1):
+            if meta_ffn_size(dim, 2**power, mult) == ffn:
+                return 2**power, mult
+    raise CkptkitError(
+        f"intermediate size {ffn} cannot be expressed as Meta's multiple_of/ffn_dim_multiplier for dim {dim}"
+    )
+
+
+def meta_layer_rules() -> tuple[Rule, ...]:
+    a, f = "layers.{i}.attention.", "layers.{i}.feed_forward."
+    return (
+        Rule(a + "wq.weight", ("layers.{i}.attn.q_proj.weight",), ROPE_Q),
+        Rule(a + "wk.weight", ("layers.{i}.attn.k_proj.weight",), ROPE_K),
+        Rule(a + "wv.weight", ("layers.{i}.attn.v_proj.weight",)),
+        Rule(a + "wo.weight", ("layers.{i}.attn.output_proj.weight",)),
+        Rule(f + "w1.weight", ("layers.{i}.mlp.w1.weight",)),
+        Rule(f + "w2.weight", ("layers.{i}.mlp.w2.weight",)),
+        Rule(f + "w3.weight", ("layers.{i}.mlp.w3.weight",)),
+        Rule("layers.{i}.attention_norm.weight", ("layers.{i}.sa_norm.scale",)),
+        Rule("layers.{i}.ffn_norm.weight", ("layers.{i}.mlp_norm.scale",)),
+    )
+
+
+def meta_output_rule(cfg: ModelConfig) -> Rule:
+    # Meta's tied checkpoints (Llama 3.2) still store output.weight, equal to the embeddings.
+    if cfg.tie_word_embeddings:
+        return Rule("output.weight", ("tok_embeddings.weight",), TIED)
+    return Rule("output.weight", ("output.weight",), COPY)
+
+
+class Llama2(Family):
+    name = "llama2"
+    hf_model_types = ("llama",)
+    hf_architecture = "LlamaForCausalLM"
+    meta_container = "pth"
+    vocab_parallel = False
+    default_theta: ClassVar[float] = 10000.0
+    max_positions: ClassVar[int] = 4096
+    rope_factor: ClassVar[float | None] = None
+
+    def hf_layout(self, cfg: ModelConfig) -> Layout:
+        return hf_llama_layout(cfg)
+
+    def meta_layout(self, cfg: ModelConfig) -> Layout:
+        # Llama 2's own order: embeddings, final norm, output, layers, rope.freqs.
+        return Layout(
+            head=(
+                Rule("tok_embeddings.weight", ("tok_embeddings.weight",)),
+                Rule("norm.weight", ("norm.scale",)),
+                meta_output_rule(cfg),
+            ),
+            layer=meta_layer_rules(),
+            unused=(r"rope\.freqs",),
+        )
+
+    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        hd = cfg.head_dim
+        freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
+        return {"rope.freqs": freqs.to(torch.bfloat16)}
+
+    def rope_scaling(self) -> dict[str, Any] | None:
+        if self.rope_factor is None:
+            return None
+        return {**LLAMA3_SCALING, "factor": self.rope_factor}
+
+    def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
+        return hf_common_config(cfg, self.name)
+
+    def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+        out = hf_common_fields(cfg, self.hf_architecture, "llama", dtype)
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1, initializer_range=0.02)
+        return out
+
+    def config_from_meta(
+        self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False
+    ) -> ModelConfig:
+        try:
+            dim, n_heads, n_layers = int(params["dim"]), int(params["n_heads"]), int(params["n_layers"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CkptkitError(f"params.json: missing or invalid {e}") from None
+        n_kv = int(params.get("n_kv_heads") or n_heads)
+        head_dim = int(params.get("head_dim") or dim // n_heads)
+        emb = shapes.get("tok_embeddings.weight")
+        if emb is None:
+            raise CkptkitError("tok_embeddings.weight is missing")
+        vocab = int(params.get("vocab_size") or -1)
+        if vocab > 0 and vocab != emb[0]:
+            raise CkptkitError(
+                f"params.json says vocab_size {vocab} but tok_embeddings.weight has {emb[0]} rows"
+            )
+        w1 = shapes.get("layers.0.feed_forward.w1.weight")
+        extra: dict[str, Any] = {}
+        if "hidden_dim" in params:
+            ffn = int(params["hidden_dim"])
+            what = f"hidden_dim {ffn}"
+        else:
+            mult = params.get("ffn_dim_multiplier")
+            multiple_of = int(params.get("multiple_of", 256))
+            ffn = meta_ffn_size(dim, multiple_of, mult)
+            what = f"dim {dim}, multiple_of {multiple_of}, ffn_dim_multiplier {mult} give FFN size {ffn}"
+            extra = {"multiple_of": multiple_of, "ffn_dim_multiplier": mult}
+        if w1 is not None and w1[0] != ffn:
+            raise CkptkitError(
+                f"params.json contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows"
+            )
+        scaled = bool(params.get("use_scaled_rope"))
+        return ModelConfig(
+            model_type=self.name,
+            vocab_size=emb[0],
+            hidden_size=dim,
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            intermediate_size=ffn,
+            norm_eps=float(params.get("norm_eps", 1e-5)),
+            rope_theta=float(params.get("rope_theta", self.default_theta)),
+            rope_scaling=self.rope_scaling() if scaled else None,
+            max_position_embeddings=self.max_positions,
+            tie_word_embeddings=tied,
+            extra=extra,
+        )
+
+    def _meta_ffn(self, cfg: ModelConfig) -> tuple[int, float | None]:
+        mo, mult = cfg.extra.get("multiple_of"), cfg.extra.get("ffn_dim_multiplier")
+        if mo is not None and meta_ffn_size(cfg.hidden_size, mo, mult) == cfg.intermediate_size:
+            return mo, mult
+        return meta_ffn_params(cfg.hidden_size, cfg.intermediate_size)
+
+    def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
+        multiple_of, mult = self._meta_ffn(cfg)
+        out: dict[str, Any] = {"dim": cfg.hidden_size, "multiple_of": multiple_of}
+        if mult is not None:
+            out["ffn_dim_multiplier"] = mult
+        out.update(n_heads=cfg.num_heads, n_layers=cfg.num_layers)
+        if cfg.num_kv_heads != cfg.num_heads:
+            out["n_kv_heads"] = cfg.num_kv_heads
+        out.update(norm_eps=cfg.norm_eps, vocab_size=-1)
+        if cfg.rope_theta != self.default_theta:
+            out["rope_theta"] = cfg.rope_theta
+        return out
+
+
+class Llama3(Llama2):
+    name = "llama3"
+    vocab_parallel = True
+    default_theta = 500000.0
+    max_positions = 8192
+
+    def meta_layout(self, cfg: ModelConfig) -> Layout:
+        # Llama 3's own order: embeddings, layers, final norm, output.
+        return Layout(
+            head=(Rule("tok_embeddings.weight", ("tok_embeddings.weight",)),),
+            layer=meta_layer_rules(),
+            tail=(Rule("norm.weight", ("norm.scale",)), meta_output_rule(cfg)),
+            unused=(r"rope\.freqs",),
+        )
+
+    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        return {}
+
+    def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
+        multiple_of, mult = self._meta_ffn(cfg)
+        out: dict[str, Any] = {
+            "dim": cfg.hidden_size,
+            "n_layers": cfg.num_layers,
+            "n_heads": cfg.num_heads,
+            "n_kv_heads": cfg.num_kv_heads,
+            "vocab_size": cfg.vocab_size,
+            "multiple_of": multiple_of,
+        }
+        if mult is not None:
+            out["ffn_dim_multiplier"] = mult
+        out.update(norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)
+        if cfg.rope_scaling:
+            out["use_scaled_rope"] = True
+        return out
+
+
+class Llama3_1(Llama3):
+    name = "llama3_1"
+    max_positions = 131072
+    rope_factor = 8.0
+
+
+class Llama3_2(Llama3_1):
+    name = "llama3_2"
+    rope_factor = 32.0
+
+
+FAMILIES = (Llama2(), Llama3(), Llama3_1(), Llama3_2())
+
+
+def detect_hf(cfg: dict[str, Any]) -> str | None:
+    """Which Llama the HF config describes; None when unsure."""
+    from ckptkit.models.spec import rope_parameters
+
+    theta, scaling = rope_parameters(cfg)
+    if scaling:
+        if scaling.get("rope_type") != "llama3":
+            return None
+        if scaling.get("factor") == 32.0 or cfg.get("tie_word_embeddings"):
+            return "llama3_2"
+        return "llama3_1"
+    return {10000.0: "llama2", 500000.0: "llama3"}.get(theta)
+
+
+def detect_meta(params: dict[str, Any], tied: bool) -> str | None:
+    """Which Llama Meta's params.json describes; None when unsure."""
+    if params.get("use_scaled_rope"):
+        return "llama3_2" if tied else "llama3_1"
+    return {10000.0: "llama2", 500000.0: "llama3"}.get(float(params.get("rope_theta", 10000.0)))

@@ -1,0 +1,55 @@
+"""Phi-3: fused ``qkv_proj`` (q rows, then k, then v) and ``gate_up_proj`` (gate, then up),
+split into canonical q/k/v and w1/w3 and fused back exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptkit.models.config import ModelConfig
+from ckptkit.models.family import Family
+from ckptkit.models.spec import FUSED, Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
+
+
+class Phi3(Family):
+    name = "phi3"
+    hf_model_types = ("phi3",)
+    hf_architecture = "Phi3ForCausalLM"
+
+    def hf_layout(self, cfg: ModelConfig) -> Layout:
+        p = "model.layers.{i}."
+        layer = (
+            Rule(p + "self_attn.qkv_proj.weight",
+                 ("layers.{i}.attn.q_proj.weight", "layers.{i}.attn.k_proj.weight", "layers.{i}.attn.v_proj.weight"),
+                 FUSED),
+            Rule(p + "self_attn.o_proj.weight", ("layers.{i}.attn.output_proj.weight",)),
+            Rule(p + "mlp.gate_up_proj.weight", ("layers.{i}.mlp.w1.weight", "layers.{i}.mlp.w3.weight"), FUSED),
+            Rule(p + "mlp.down_proj.weight", ("layers.{i}.mlp.w2.weight",)),
+            Rule(p + "input_layernorm.weight", ("layers.{i}.sa_norm.scale",)),
+            Rule(p + "post_attention_layernorm.weight", ("layers.{i}.mlp_norm.scale",)),
+        )
+        return Layout(
+            head=(Rule("model.embed_tokens.weight", ("tok_embeddings.weight",)),),
+            layer=layer,
+            tail=(Rule("model.norm.weight", ("norm.scale",)), hf_output_rule(cfg)),
+        )
+
+    def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
+        model = hf_common_config(cfg, self.name)
+        for key in ("original_max_position_embeddings", "sliding_window", "resid_pdrop", "embd_pdrop"):
+            if key in cfg:
+                model.extra[key] = cfg[key]
+        partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        model.extra["partial_rotary_factor"] = partial
+        return model
+
+    def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+        out = hf_common_fields(cfg, self.hf_architecture, "phi3", dtype)
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.extra.get("partial_rotary_factor", 1.0)
+        for key in ("original_max_position_embeddings", "sliding_window", "resid_pdrop", "embd_pdrop"):
+            if key in cfg.extra:
+                out[key] = cfg.extra[key]
+        out.update(initializer_range=0.02)
+        return out
+
+
+FAMILIES = (Phi3(),)

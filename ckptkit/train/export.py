@@ -1,0 +1,47 @@
+"""Merged export: base weights with LoRA folded in, written in the base checkpoint's own format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.lora import base_state_dict
+from ckptkit.train.peft_io import read_lora_weights
+
+
+def export_merged(model: nn.Module, base_checkpoint: str | Path, out_dir: str | Path) -> None:
+    """Write ``model``'s weights with its adapters merged, laid out like ``base_checkpoint``.
+
+    Format, file names, shards and dtype follow the base checkpoint
+    (:func:`ckptkit.save_checkpoint_like`); the merge is computed in float32.
+    """
+    from ckptkit import save_checkpoint_like
+
+    save_checkpoint_like(str(base_checkpoint), base_state_dict(model, merged=True), str(out_dir))
+
+
+def merge_adapter_into_checkpoint(
+    base_checkpoint: str | Path, adapter_dir: str | Path, out_dir: str | Path, model_type: str | None = None
+) -> None:
+    """Fold a PEFT LoRA adapter into a checkpoint on disk, without building a model.
+
+    Each targeted weight becomes ``(W.float() + scaling * B @ A).to(W.dtype)``: one
+    rounding to the stored dtype. Every other tensor passes through untouched.
+    """
+    from ckptkit import load_checkpoint, save_checkpoint_like
+
+    cfg, state_dict = load_checkpoint(str(base_checkpoint), model_type=model_type)
+    _, weights = read_lora_weights(adapter_dir, cfg.model_type)
+    for module, w in weights.items():
+        key = f"{module}.weight"
+        if key not in state_dict:
+            raise CkptkitError(f"adapter targets {key}, which the checkpoint does not have")
+        base = state_dict[key]
+        if (w.b.shape[0], w.a.shape[1]) != tuple(base.shape):
+            raise CkptkitError(
+                f"adapter for {key} has shape {(w.b.shape[0], w.a.shape[1])}, weight is {tuple(base.shape)}"
+            )
+        state_dict[key] = (base.float() + (w.b.float() @ w.a.float()) * w.scaling).to(base.dtype)
+    save_checkpoint_like(str(base_checkpoint), state_dict, str(out_dir))

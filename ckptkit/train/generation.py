@@ -1,0 +1,105 @@
+"""Text generation with the native model: greedy or temperature / top-k sampling, KV-cached."""
+
+from __future__ import annotations
+
+import torch
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.model import KVCache, Transformer
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, vocab); ``temperature <= 0`` is greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Prompt plus up to ``max_new_tokens`` new tokens, (B, T + n).
+
+    Batched prompts are left-padded with ``attention_mask`` marking real tokens. A
+    sequence that emits an EOS id is padded afterwards with ``pad_token_id`` (default:
+    the first EOS id), and decoding stops once every sequence has finished, as in
+    ``transformers`` ``generate``.
+    """
+    if input_ids.ndim != 2:
+        raise CkptkitError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    eos = torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []), device=input_ids.device
+    )
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    weight = model.tok_embeddings.weight
+    cache = KVCache(model.config, B, T + max_new_tokens, device=weight.device, dtype=weight.dtype)
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    tokens, step_input = input_ids, input_ids
+    for _ in range(max_new_tokens):
+        logits = model(step_input, attention_mask=attention_mask, cache=cache)[:, -1]
+        next_ids = sample_next(logits, temperature, top_k, generator)
+        next_ids = torch.where(finished, torch.full_like(next_ids, pad), next_ids)
+        tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+        if len(eos):
+            finished |= torch.isin(next_ids, eos)
+            if bool(finished.all()):
+                break
+        step_input = next_ids[:, None]
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+    return tokens
+
+
+def generate_text(
+    checkpoint: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    adapter: str | None = None,
+    seed: int = 0,
+) -> str:
+    """Body of ``ckptkit generate``: load checkpoint (+ adapter) and tokenizer, return prompt + completion."""
+    from ckptkit.train.model import load_model
+    from ckptkit.train.peft_io import load_adapter
+    from ckptkit.train.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(checkpoint)  # first: fail before reading any weights
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(checkpoint, device=device, dtype=None if device == "cuda" else torch.float32)
+    eos = model.config.eos_token_id
+    eos_ids = sorted(set(tokenizer.eos_ids) | set([eos] if isinstance(eos, int) else eos or []))
+    if adapter is not None:
+        load_adapter(model, adapter, merge=True)
+    prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise CkptkitError("the prompt encodes to no tokens")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = generate(
+        model,
+        torch.tensor([prompt_ids], device=device),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        eos_token_id=eos_ids,
+        generator=generator,
+    )
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,215 @@
+"""LoRA for the native model: low-rank adapters on chosen projections, exact merge/unmerge.
+
+A :class:`LoRALinear` *is* an ``nn.Linear`` (same ``weight``/``bias`` names, so the
+base state dict keeps its canonical keys) with two extra parameters, ``lora_a``
+(r, in) and ``lora_b`` (out, r), initialised as PEFT does (A kaiming-uniform, B zeros)
+and applied as ``W x + (alpha / r) * B A dropout(x)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckptkit.errors import CkptkitError
+
+# Short target names -> canonical module leaf names (ckptkit.models.config docstring).
+TARGETS: dict[str, str] = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "output_proj",
+    "gate": "w1",
+    "up": "w3",
+    "down": "w2",
+    "output": "output",
+}
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` plus a low-rank update; base weight and bias are frozen."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        lora_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if rank <= 0:
+            raise CkptkitError(f"LoRA rank must be positive, got {rank}")
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+        self.merged = False
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=lora_dtype or dtype))
+        self.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=lora_dtype or dtype))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # PEFT's init_lora_weights=True
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, lora_dtype: torch.dtype | None = None
+    ) -> LoRALinear:
+        """Wrap an existing linear, sharing its weight and bias tensors."""
+        w = linear.weight
+        if lora_dtype is None:  # PEFT's autocast_adapter_dtype: half-precision bases get float32 adapters
+            lora_dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+        with torch.device("meta"):
+            lora = cls(linear.in_features, linear.out_features, rank, alpha, dropout, linear.bias is not None)
+        lora.weight = nn.Parameter(w.data, requires_grad=False)
+        if linear.bias is not None:
+            lora.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        lora.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=lora_dtype))
+        lora.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=w.device, dtype=lora_dtype))
+        nn.init.kaiming_uniform_(lora.lora_a, a=math.sqrt(5))
+        return lora
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling * B @ A`` in float32."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = F.linear(x, self.weight, self.bias)
+        if self.merged:
+            return result
+        a = self.dropout(x).to(self.lora_a.dtype)
+        update = F.linear(F.linear(a, self.lora_a), self.lora_b) * self.scaling
+        return (result + update).to(result.dtype)  # summed in the wider dtype, like PEFT
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the update into ``weight`` (computed in float32, rounded once)."""
+        if not self.merged:
+            self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update again (exact up to float rounding of the weight dtype)."""
+        if self.merged:
+            self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
+            self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, merged={self.merged}"
+
+
+def resolve_targets(targets: Iterable[str]) -> set[str]:
+    """Canonical leaf names for short names (``q``, ``gate``...) or canonical leaf names."""
+    leaves = set()
+    for t in targets:
+        if t in TARGETS:
+            leaves.add(TARGETS[t])
+        elif t in TARGETS.values():
+            leaves.add(t)
+        else:
+            raise CkptkitError(f"unknown LoRA target {t!r}; choose from {', '.join(TARGETS)}")
+    return leaves
+
+
+def apply_lora(
+    model: nn.Module,
+    targets: Iterable[str] = ("q", "v"),
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    layers: Iterable[int] | None = None,
+    ranks: dict[str, int] | None = None,
+    lora_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Replace the targeted linears with :class:`LoRALinear` in place and freeze everything else.
+
+    ``targets``: short names (see :data:`TARGETS`) or canonical leaf names. ``layers``
+    restricts to those layer indices. ``ranks`` overrides the rank per canonical module
+    name (e.g. ``{"layers.0.attn.q_proj": 4}``; scaling stays ``alpha / rank``).
+    """
+    leaves = resolve_targets(targets)
+    if "output" in leaves and getattr(model, "output", None) is None:
+        raise CkptkitError("LoRA on the output projection is not supported for tied embeddings")
+    keep = set(layers) if layers is not None else None
+    names = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in leaves or not isinstance(module, nn.Linear):
+            continue
+        if keep is not None and name.startswith("layers.") and int(name.split(".")[1]) not in keep:
+            continue
+        names.append(name)
+    if not names:
+        raise CkptkitError(f"no module matches LoRA targets {sorted(leaves)}")
+    return add_lora(model, {n: (ranks or {}).get(n, rank) for n in names}, alpha, dropout, lora_dtype)
+
+
+def add_lora(
+    model: nn.Module,
+    ranks: dict[str, int],
+    alpha: float,
+    dropout: float = 0.0,
+    lora_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Wrap exactly the named linears (canonical module name -> rank); freeze all base parameters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, rank in ranks.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise CkptkitError(f"model has no module {name!r} to put a LoRA adapter on") from None
+        if isinstance(module, LoRALinear):
+            raise CkptkitError(f"{name} already has a LoRA adapter")
+        if not isinstance(module, nn.Linear):
+            raise CkptkitError(f"{name} is not a linear layer; LoRA supports linear layers only")
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(
+            model.get_submodule(parent_name), leaf, LoRALinear.from_linear(module, rank, alpha, dropout, lora_dtype)
+        )
+    return model
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Canonical module name -> LoRA module."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold every adapter into its base weight (forward then skips the adapters)."""
+    for m in lora_modules(model).values():
+        m.merge()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    """Undo :func:`merge_lora`."""
+    for m in lora_modules(model).values():
+        m.unmerge()
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors, ``<module>.lora_a`` / ``<module>.lora_b``."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+
+
+def base_state_dict(model: nn.Module, merged: bool = True) -> dict[str, torch.Tensor]:
+    """Canonical state dict without adapter tensors; ``merged`` folds the adapters in.
+
+    Weights stay in their own dtype; the merge is computed in float32 and rounded once.
+    The model itself is left unchanged.
+    """
+    out = {k: v for k, v in model.state_dict().items() if not k.endswith((".lora_a", ".lora_b"))}
+    if merged:
+        for name, m in lora_modules(model).items():
+            if not m.merged:
+                w = m.weight.detach()
+                out[f"{name}.weight"] = (w.float() + m.delta_weight().detach()).to(w.dtype)
+    return out

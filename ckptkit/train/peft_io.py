@@ -1,0 +1,252 @@
+"""LoRA adapters in PEFT's on-disk format (``adapter_model.safetensors`` + ``adapter_config.json``).
+
+Keys are ``base_model.model.<HF module>.lora_{A,B}.weight`` with HF module names from
+:func:`ckptkit.models.hf_key`, so adapters round-trip with ``peft.PeftModel`` on the
+matching ``transformers`` model. Supported: plain LoRA (optionally rsLoRA, per-module
+ranks) on 1:1-mapped linear layers; anything else fails with one ``CkptkitError`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PREFIX = "base_model.model."
+
+# Every field PEFT 0.21 writes for a LoraConfig, at PEFT's defaults.
+_PEFT_DEFAULTS: dict[str, Any] = {
+    "alora_invocation_tokens": None,
+    "alpha_pattern": {},
+    "arrow_config": None,
+    "auto_mapping": None,
+    "base_model_name_or_path": None,
+    "bias": "none",
+    "corda_config": None,
+    "ensure_weight_tying": False,
+    "eva_config": None,
+    "exclude_modules": None,
+    "fan_in_fan_out": False,
+    "inference_mode": True,
+    "init_lora_weights": True,
+    "kasa_config": None,
+    "layer_replication": None,
+    "layers_pattern": None,
+    "layers_to_transform": None,
+    "loftq_config": {},
+    "lora_alpha": 8,
+    "lora_bias": False,
+    "lora_dropout": 0.0,
+    "lora_ga_config": None,
+    "megatron_config": None,
+    "megatron_core": "megatron.core",
+    "modules_to_save": None,
+    "monteclora_config": None,
+    "peft_type": "LORA",
+    "qalora_group_size": 16,
+    "r": 8,
+    "rank_pattern": {},
+    "revision": None,
+    "target_modules": None,
+    "target_parameters": None,
+    "task_type": "CAUSAL_LM",
+    "trainable_token_indices": None,
+    "use_bdlora": None,
+    "use_dora": False,
+    "use_qalora": False,
+    "use_rslora": False,
+    "velora_config": None,
+}
+
+
+def _hf_module(model_type: str, canonical_module: str) -> str:
+    from ckptkit.models import hf_key
+
+    try:
+        name = hf_key(model_type, f"{canonical_module}.weight")
+    except (CkptkitError, KeyError, ValueError) as exc:
+        raise CkptkitError(
+            f"LoRA on {canonical_module} cannot be written in PEFT format for {model_type} "
+            f"(no 1:1 Hugging Face module, e.g. Phi-3's fused qkv_proj/gate_up_proj): {exc}"
+        ) from None
+    return name.removesuffix(".weight")
+
+
+def _canonical_module(model_type: str, hf_module: str) -> str:
+    from ckptkit.models import canonical_key
+
+    fused = ("qkv_proj", "gate_up_proj")
+    if hf_module.rsplit(".", 1)[-1] in fused:
+        raise CkptkitError(
+            f"adapter targets the fused {model_type} module {hf_module}; fused targets are not supported"
+        )
+    try:
+        name = canonical_key(model_type, f"{hf_module}.weight")
+    except (CkptkitError, KeyError, ValueError) as exc:
+        raise CkptkitError(f"adapter targets {hf_module}, which has no {model_type} counterpart: {exc}") from None
+    return name.removesuffix(".weight")
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None) -> None:
+    """Write the model's LoRA adapters as a PEFT adapter directory."""
+    modules = lora_modules(model)
+    if not modules:
+        raise CkptkitError("model has no LoRA adapters to save")
+    model_type = model.config.model_type
+    alphas = {m.alpha for m in modules.values()}
+    dropouts = {m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0 for m in modules.values()}
+    if len(alphas) > 1 or len(dropouts) > 1:
+        raise CkptkitError("PEFT format needs one lora_alpha and one lora_dropout for all adapters")
+    if any(m.merged for m in modules.values()):
+        raise CkptkitError("unmerge the LoRA adapters before saving them")
+
+    tensors: dict[str, torch.Tensor] = {}
+    hf_names: dict[str, str] = {}
+    for name, m in modules.items():
+        hf = hf_names[name] = _hf_module(model_type, name)
+        tensors[f"{_PREFIX}{hf}.lora_A.weight"] = m.lora_a.detach().contiguous().cpu()
+        tensors[f"{_PREFIX}{hf}.lora_B.weight"] = m.lora_b.detach().contiguous().cpu()
+
+    # Leaf names when every linear with that leaf is adapted, full module names otherwise.
+    canonical_leaves = {n.rsplit(".", 1)[-1] for n in modules}
+    candidates = [
+        n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n.rsplit(".", 1)[-1] in canonical_leaves
+    ]
+    if len(candidates) == len(modules):
+        target_modules = sorted({hf.rsplit(".", 1)[-1] for hf in hf_names.values()})
+    else:
+        target_modules = sorted(hf_names.values())
+    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
+    rank_pattern = {hf_names[n]: m.rank for n, m in modules.items() if m.rank != rank}
+
+    config = dict(_PEFT_DEFAULTS)
+    config.update(
+        base_model_name_or_path=base_model_name_or_path,
+        lora_alpha=alphas.pop(),
+        lora_dropout=dropouts.pop(),
+        r=rank,
+        rank_pattern=rank_pattern,
+        target_modules=target_modules,
+        use_rslora=any(not math.isclose(m.scaling, m.alpha / m.rank) for m in modules.values()),
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Validated PEFT adapter config and its tensors (keys as stored)."""
+    folder = Path(adapter_dir)
+    cfg_path = folder / ADAPTER_CONFIG
+    if not cfg_path.is_file():
+        raise CkptkitError(f"{folder} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CkptkitError(f"{cfg_path} is not valid JSON: {exc}") from None
+    _check_supported(config)
+    if (folder / ADAPTER_WEIGHTS).is_file():
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    elif (folder / "adapter_model.bin").is_file():
+        tensors = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
+    return config, tensors
+
+
+def _check_supported(config: dict[str, Any]) -> None:
+    def unsupported(what: str) -> CkptkitError:
+        return CkptkitError(f"unsupported PEFT adapter: {what}")
+
+    if config.get("peft_type") != "LORA":
+        raise unsupported(f"peft_type {config.get('peft_type')!r} (only LORA)")
+    if config.get("use_dora"):
+        raise unsupported("DoRA (use_dora)")
+    checks = {
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        f"bias={config.get('bias')!r}": config.get("bias", "none") != "none",
+        "lora_bias": bool(config.get("lora_bias")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "layer_replication": bool(config.get("layer_replication")),
+        "target_parameters": bool(config.get("target_parameters")),
+        "trainable_token_indices": bool(config.get("trainable_token_indices")),
+        "use_qalora": bool(config.get("use_qalora")),
+        "alora_invocation_tokens": bool(config.get("alora_invocation_tokens")),
+    }
+    for what, bad in checks.items():
+        if bad:
+            raise unsupported(what)
+
+
+class AdapterWeights(NamedTuple):
+    """One LoRA pair for a canonical module: ``delta W = scaling * b @ a``."""
+
+    a: torch.Tensor  # (r, in)
+    b: torch.Tensor  # (out, r)
+    scaling: float
+
+
+def read_lora_weights(adapter_dir: str | Path, model_type: str) -> tuple[dict[str, Any], dict[str, AdapterWeights]]:
+    """The adapter's config and its LoRA pairs keyed by canonical module name."""
+    config, tensors = read_adapter(adapter_dir)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        body = key.removeprefix(_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            suffix = f".{part}.weight"
+            if body.endswith(suffix):
+                module = _canonical_module(model_type, body.removesuffix(suffix))
+                pairs.setdefault(module, {})[part] = tensor
+                break
+        else:
+            raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
+    if not pairs:
+        raise CkptkitError(f"adapter in {adapter_dir} has no LoRA weights")
+    alpha = float(config.get("lora_alpha", 8))
+    out = {}
+    for module, ab in pairs.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise CkptkitError(f"adapter has an incomplete LoRA pair for {module}")
+        a, b = ab["lora_A"], ab["lora_B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise CkptkitError(
+                f"adapter LoRA A/B shapes {tuple(a.shape)}, {tuple(b.shape)} do not pair up for {module}"
+            )
+        rank = a.shape[0]
+        out[module] = AdapterWeights(a, b, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
+    return config, out
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
+    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
+    config, weights = read_lora_weights(adapter_dir, model.config.model_type)
+    alpha, dropout = float(config.get("lora_alpha", 8)), float(config.get("lora_dropout") or 0.0)
+    add_lora(model, {name: w.a.shape[0] for name, w in weights.items()}, alpha, dropout)
+    modules = lora_modules(model)
+    with torch.no_grad():
+        for name, w in weights.items():
+            m: LoRALinear = modules[name]
+            if w.a.shape != m.lora_a.shape or w.b.shape != m.lora_b.shape:
+                raise CkptkitError(
+                    f"adapter shapes for {name} ({tuple(w.a.shape)}, {tuple(w.b.shape)}) "
+                    f"do not fit the model ({tuple(m.lora_a.shape)}, {tuple(m.lora_b.shape)})"
+                )
+            m.lora_a.copy_(w.a)
+            m.lora_b.copy_(w.b)
+            m.scaling = w.scaling
+    if merge:
+        merge_lora(model)
+    return model

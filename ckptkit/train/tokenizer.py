@@ -1,0 +1,105 @@
+"""Tokenizer found next to a checkpoint: HF ``tokenizer.json`` or sentencepiece ``tokenizer.model``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+from ckptkit.errors import CkptkitError
+
+
+class Tokenizer(Protocol):
+    """What generation needs: text <-> ids, plus the end-of-sequence ids."""
+
+    eos_ids: list[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for ``text``, with the BOS token when the tokenizer adds one."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text for ``ids``, special tokens skipped."""
+        ...
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` read with the ``tokenizers`` library (its post-processor adds BOS)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad files
+            raise CkptkitError(f"cannot read tokenizer {path}: {str(exc).splitlines()[0]}") from exc
+        self.eos_ids: list[int] = []
+        tok_cfg = path.parent / "tokenizer_config.json"
+        if tok_cfg.is_file():  # transformers' record of the EOS token
+            eos = json.loads(tok_cfg.read_text()).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            eos_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
+            self.eos_ids = [eos_id] if eos_id is not None else []
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece ``tokenizer.model`` (Llama 2, Mistral, Gemma); BOS prepended when defined."""
+
+    def __init__(self, path: Path) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(path))
+        except (OSError, RuntimeError) as exc:
+            raise CkptkitError(
+                f"{path} is not a sentencepiece model (tiktoken-format tokenizers such as Meta Llama 3's "
+                "are not supported; add a tokenizer.json)"
+            ) from exc
+        eos = self._sp.eos_id()
+        self.eos_ids: list[int] = [eos] if eos >= 0 else []
+
+    def encode(self, text: str) -> list[int]:
+        bos = self._sp.bos_id()
+        return ([bos] if bos >= 0 else []) + self._sp.EncodeAsIds(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.DecodeIds(ids)
+
+
+def load_tokenizer(checkpoint: str | Path, eos_token_id: int | list[int] | None = None) -> Tokenizer:
+    """The tokenizer stored with ``checkpoint`` (a checkpoint dir, or a file inside one).
+
+    Prefers ``tokenizer.json``, then ``tokenizer.model``, then a ``tokenizer.model`` one
+    level up (Meta downloads keep it beside the model folder). End-of-sequence ids are
+    ``eos_token_id`` (from the model config) plus those in ``generation_config.json``.
+    """
+    path = Path(checkpoint)
+    folder = path if path.is_dir() else path.parent
+    tok: Tokenizer
+    if (folder / "tokenizer.json").is_file():
+        tok = HFTokenizer(folder / "tokenizer.json")
+    elif (folder / "tokenizer.model").is_file():
+        tok = SentencePieceTokenizer(folder / "tokenizer.model")
+    elif (folder.parent / "tokenizer.model").is_file():
+        tok = SentencePieceTokenizer(folder.parent / "tokenizer.model")
+    else:
+        raise CkptkitError(f"no tokenizer found for {checkpoint} (expected tokenizer.json or tokenizer.model)")
+    eos = set(tok.eos_ids) | set(_as_list(eos_token_id))
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.is_file():
+        eos |= set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")))
+    tok.eos_ids = sorted(eos)
+    return tok
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)

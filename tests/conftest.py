@@ -1,0 +1,69 @@
+"""Shared test helpers: fixture locations and layout comparison."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+META_FAMILIES = ("llama2", "llama3", "llama3_1", "llama3_2", "mistral")
+ALL_FAMILIES = META_FAMILIES + ("qwen2", "gemma", "phi3")
+
+
+def fixture_dirs() -> list[Path]:
+    """Every fixture checkpoint directory (hf/*, hf-bin/*, meta/*)."""
+    return sorted(p for fmt in ("hf", "hf-bin", "meta") for p in (FIXTURES / fmt).iterdir() if p.is_dir())
+
+
+def fixture_family(path: Path) -> str:
+    return path.name.split("-")[0]
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def raw_layout(root: Path) -> dict:
+    """Weight files, tensor names in stored order, dtypes, shapes and bytes, read independently
+    of ckptkit: safetensors by the library, pickles by torch.load(weights_only=True)."""
+    from safetensors import safe_open
+
+    files = {}
+    for p in sorted(root.iterdir()):
+        if p.suffix == ".safetensors":
+            with safe_open(p, "pt") as f:
+                header_len = int.from_bytes(p.read_bytes()[:8], "little")
+                header = json.loads(p.read_bytes()[8 : 8 + header_len])
+                header.pop("__metadata__", None)
+                order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+                files[p.name] = [(k, f.get_tensor(k)) for k in order]
+        elif p.suffix in (".pth", ".bin"):
+            sd = torch.load(p, weights_only=True, map_location="cpu")
+            files[p.name] = list(sd.items())
+    return files
+
+
+def assert_same_layout(a: Path, b: Path) -> None:
+    """Same weight file names, same tensor names in the same order, same dtypes and bytes,
+    same index weight_map."""
+    la, lb = raw_layout(a), raw_layout(b)
+    assert list(la) == list(lb), "weight file names differ"
+    for name in la:
+        ka, kb = [k for k, _ in la[name]], [k for k, _ in lb[name]]
+        assert ka == kb, f"{name}: tensor names or order differ"
+        for (k, ta), (_, tb) in zip(la[name], lb[name], strict=True):
+            assert ta.dtype == tb.dtype and ta.shape == tb.shape, f"{name}:{k} dtype/shape differ"
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), f"{name}:{k} bytes differ"
+    for index in a.glob("*.index.json"):
+        wa = json.loads(index.read_text())["weight_map"]
+        wb = json.loads((b / index.name).read_text())["weight_map"]
+        assert wa == wb, f"{index.name}: weight_map differs"
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Path:
+    return FIXTURES

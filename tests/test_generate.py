@@ -1,0 +1,132 @@
+"""KV-cached generation vs transformers, tokenizer loading, and the ``generate`` command."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import FAMILIES, FIXTURES, fixture_config, hf_dir, hf_model, native_model
+from typer.testing import CliRunner
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.generation import generate, generate_text, sample_next
+from ckptkit.train.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_generate(family: str) -> None:
+    prompt = torch.randint(3, fixture_config(family).vocab_size, (1, 7), generator=torch.Generator().manual_seed(11))
+    ref_model = hf_model(family)
+    eos = ref_model.generation_config.eos_token_id
+    ours = generate(native_model(family), prompt, 20, eos_token_id=eos)
+    ref = ref_model.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "gemma"])
+def test_batched_left_padded_greedy_matches_transformers(family: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.randint(3, fixture_config(family).vocab_size, (2, 8), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    ours = generate(native_model(family), ids, 20, attention_mask=mask)
+    ref = hf_model(family).generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert torch.equal(ours, ref)
+
+
+def test_eos_stops_and_pads_finished_rows() -> None:
+    model = native_model("llama2")
+    prompt = torch.tensor([[1, 50, 60], [1, 70, 80]])
+    free = generate(model, prompt, 6)
+    eos = int(free[0, 4])  # make row 0's second new token the "EOS"
+    out = generate(model, prompt, 6, eos_token_id=eos, pad_token_id=0)
+    assert out[0, 4] == eos and (out[0, 5:] == 0).all()
+    if eos not in free[1, 3:].tolist():
+        assert out.shape[1] == free.shape[1] and torch.equal(out[1], free[1])
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_next(logits, temperature=0.7, top_k=1), logits.argmax(-1))
+    a = sample_next(logits, 1.0, 10, torch.Generator().manual_seed(3))
+    b = sample_next(logits, 1.0, 10, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    top10 = logits.topk(10, dim=-1).indices
+    assert all(a[i] in top10[i] for i in range(4))
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3", "qwen2", "gemma"])
+def test_tokenizer_matches_transformers(family: str) -> None:
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox jumps over the lazy dog. Hello world!"
+    ours = load_tokenizer(hf_dir(family))
+    ref = AutoTokenizer.from_pretrained(hf_dir(family))
+    ids = ours.encode(text)
+    assert isinstance(ours, HFTokenizer)
+    assert ids == ref(text)["input_ids"]
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ref.eos_token_id in ours.eos_ids
+
+
+def test_sentencepiece_tokenizer_from_meta_dir() -> None:
+    meta = FIXTURES / "meta" / "llama2"
+    if not (meta / "tokenizer.model").is_file():
+        pytest.skip("meta fixture missing")
+    from transformers import AutoTokenizer
+
+    tok = load_tokenizer(meta)
+    assert isinstance(tok, SentencePieceTokenizer)
+    text = "Hello world, this is ckptkit."
+    assert tok.encode(text) == AutoTokenizer.from_pretrained(hf_dir("llama2"))(text)["input_ids"]
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_ids == [2]
+
+
+def _weights_only(family: str, tmp_path: Path) -> Path:
+    dst = tmp_path / f"{family}-no-tokenizer"
+    dst.mkdir()
+    for f in hf_dir(family).iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_missing_tokenizer_is_one_line_cli_error(tmp_path: Path) -> None:
+    from ckptkit.cli import app
+
+    ckpt = _weights_only("llama3", tmp_path)
+    with pytest.raises(CkptkitError, match="no tokenizer found"):
+        load_tokenizer(ckpt)
+    result = CliRunner().invoke(app, ["generate", str(ckpt), "--prompt", "hi"])
+    assert result.exit_code == 1
+    message = result.stderr.strip() if hasattr(result, "stderr") else result.output.strip()
+    assert len(message.splitlines()) == 1
+    assert "no tokenizer found" in message and "Traceback" not in result.output
+
+
+def test_generate_command_greedy_matches_library(capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptkit.cli import app
+
+    ckpt = hf_dir("llama2")
+    expected = generate_text(str(ckpt), "The quick brown", max_new_tokens=8)
+    result = CliRunner().invoke(app, ["generate", str(ckpt), "--prompt", "The quick brown", "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected + "\n"
+    assert expected.startswith("The quick brown")
+    sampled = CliRunner().invoke(
+        app,
+        ["generate", str(ckpt), "--prompt", "The", "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "20"],
+    )
+    assert sampled.exit_code == 0, sampled.output
