@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from ckptkit.models.spec import COPY, FUSED, ROPE_K, ROPE_Q, TIED, Layout
 from ckptkit.transforms import rope_meta_to_hf, split_rows
 
 FORMATS = ("meta", "hf", "hf-bin", "internal")
-TIE_SAMPLE_BYTES = 1 << 20
+TIE_SAMPLE_BYTES = 4096
 
 
 @dataclass
@@ -55,9 +56,19 @@ class Checkpoint:
     raw: RawCheckpoint
     tensors: dict[str, Lazy]
     unused: dict[str, Lazy]
-    origin: dict[str, Any]
-    own_layout: dict[str, Any]
+    recorded_origin: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def own_layout(self) -> dict[str, Any]:
+        """This checkpoint's layout, as recorded for converting back to it later."""
+        if self.format == "internal":
+            return self.recorded_origin or {}
+        return own_layout(self.raw, self.family, self.unused)
+
+    @property
+    def origin(self) -> dict[str, Any]:
+        return self.recorded_origin if self.recorded_origin is not None else self.own_layout
 
     def close(self) -> None:
         self.raw.close()
@@ -154,25 +165,25 @@ def _build(root: Path, raw: RawCheckpoint, model_type: str | None) -> Checkpoint
             raise CkptkitError(f"{where}: missing or invalid field {e}") from None
         layout = family.hf_layout(cfg)
     tensors, unused = _canonical_view(raw, layout, cfg)
-    own = own_layout(raw, family, unused)
-    origin, notes = _read_origin(root, raw) or (own, [])
-    return Checkpoint(root, raw.format, family, cfg, raw, tensors, unused, origin, own, notes)
+    return Checkpoint(root, raw.format, family, cfg, raw, tensors, unused, _read_origin(root, raw))
 
 
 def _meta_tied(raw: RawCheckpoint) -> bool:
-    """Whether Meta's output.weight repeats tok_embeddings (Llama 3.2), judged by a sample."""
+    """Whether Meta's output.weight repeats tok_embeddings (Llama 3.2 vs 3.1).
+
+    Judged from a fixed-size sample, so opening stays independent of the weights' size;
+    a conversion still checks the whole tensors before it drops the copy.
+    """
     emb, out = raw.infos.get("tok_embeddings.weight"), raw.infos.get("output.weight")
     if emb is None:
         return False
     if out is None:
         return True
-    if emb.shape != out.shape or emb.dtype != out.dtype:
+    if not raw.config.get("use_scaled_rope") or emb.shape != out.shape or emb.dtype != out.dtype:
         return False
-    first = next(iter(raw.files))
-    reader = raw.readers[first]
-    a, b = reader.read("tok_embeddings.weight"), reader.read("output.weight")
-    n = min(a.numel(), TIE_SAMPLE_BYTES // a.element_size())
-    return bool(torch.equal(a.reshape(-1)[:n], b.reshape(-1)[:n]))
+    reader = raw.readers[next(iter(raw.files))]
+    a = reader.sample("tok_embeddings.weight", TIE_SAMPLE_BYTES)
+    return a == reader.sample("output.weight", TIE_SAMPLE_BYTES)
 
 
 def _canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
@@ -290,7 +301,7 @@ def decode_tensor(d: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype_from_name(d["dtype"])).reshape(d["shape"]).clone()
 
 
-def _read_origin(root: Path, raw: RawCheckpoint) -> tuple[dict[str, Any], list[str]] | None:
+def _read_origin(root: Path, raw: RawCheckpoint) -> dict[str, Any] | None:
     """The origin layout recorded beside converted weights, if it still matches them."""
     if raw.format == "internal":
         return None
@@ -303,7 +314,7 @@ def _read_origin(root: Path, raw: RawCheckpoint) -> tuple[dict[str, Any], list[s
         sizes = {name: (root / name).stat().st_size for name in raw.files}
         if written["format"] != raw.format or written["files"] != sizes:
             return None
-        return doc["origin"], []
+        return doc["origin"]
     except (CkptkitError, KeyError, TypeError, OSError):
         return None
 
@@ -333,8 +344,7 @@ def _build_internal(root: Path, raw: RawCheckpoint, model_type: str | None) -> C
         if tensors[name].shape != shape:
             raise CkptkitError(f"{root / tensors[name].file}: the config contradicts the tensor shapes: {name}")
     tensors = {k: tensors[k] for k in expected}
-    origin = doc.get("origin") or {}
-    return Checkpoint(root, "internal", family, cfg, raw, tensors, unused, origin, origin)
+    return Checkpoint(root, "internal", family, cfg, raw, tensors, unused, doc.get("origin") or {})
 
 
 def load_checkpoint(path: str | Path, model_type: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -291,7 +291,7 @@ def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "con
 
 
 def _write_origin_files(ckpt: Checkpoint, plan: Plan, out_dir: Path) -> None:
-    origin = ckpt.origin if ckpt.origin else ckpt.own_layout
+    origin = ckpt.origin
     if plan.format == "internal":
         doc = {
             "format": "internal",

@@ -38,6 +38,6 @@ def save_checkpoint_like(
             if tuple(t.shape) != lazy.shape:
                 raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {source} has {list(lazy.shape)}")
             tensors[name] = Lazy(lazy.shape, lazy.dtype, lambda t=t, d=lazy.dtype: t.detach().to("cpu", d).contiguous())
-        mine = dataclasses.replace(src, tensors=tensors, origin=src.own_layout)
+        mine = dataclasses.replace(src, tensors=tensors, recorded_origin=src.own_layout)
         check_destination(source, out_dir, force)
         return write_checkpoint(mine, out_dir, Options(src.format), quiet=quiet)

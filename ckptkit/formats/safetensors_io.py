@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, itemsize
+from ckptkit.dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
 
@@ -102,15 +102,27 @@ class SafetensorsReader:
             got += n
         return buf.view(info.dtype).reshape(info.shape)
 
+    def sample(self, name: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` of a tensor's data."""
+        info = self.infos[name]
+        with self.path.open("rb") as f:
+            f.seek(self._data_start + self._offsets[name])
+            return f.read(min(nbytes, info.nbytes))
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
+# The safetensors library sorts data by its dtype enum, descending, then by name.
+_LIBRARY_RANK = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64"]
+
+
 def library_order(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[str]:
-    """The data order the safetensors library uses: larger dtypes first, then by name."""
-    return [e[0] for e in sorted(entries, key=lambda e: (-itemsize(e[1]), e[0]))]
+    """The data order the safetensors library writes: by dtype (its enum order, largest
+    first), then by name."""
+    return [e[0] for e in sorted(entries, key=lambda e: (-_LIBRARY_RANK.index(TORCH_TO_SAFETENSORS[e[1]]), e[0]))]
 
 
 class SafetensorsWriter:

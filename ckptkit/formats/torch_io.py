@@ -101,6 +101,11 @@ class TorchPickleReader:
             release_pages(src)
         return out
 
+    def sample(self, name: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` of a tensor's data."""
+        flat = self._tensors[name].reshape(-1).view(torch.uint8)
+        return flat[:nbytes].numpy().tobytes()
+
     def close(self) -> None:
         self._tensors = {}
 

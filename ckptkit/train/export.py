@@ -8,7 +8,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.lora import base_state_dict
-from ckptkit.train.peft_io import read_lora_weights
+from ckptkit.train.peft_io import check_base_copies, read_lora_weights
 
 
 def export_merged(model: nn.Module, base_checkpoint: str | Path, out_dir: str | Path) -> None:
@@ -33,8 +33,9 @@ def merge_adapter_into_checkpoint(
     from ckptkit import load_checkpoint, save_checkpoint_like
 
     cfg, state_dict = load_checkpoint(str(base_checkpoint), model_type=model_type)
-    _, weights = read_lora_weights(adapter_dir, cfg.model_type)
-    for module, w in weights.items():
+    adapter = read_lora_weights(adapter_dir, cfg.model_type)
+    check_base_copies(adapter, state_dict)
+    for module, w in adapter.lora.items():
         key = f"{module}.weight"
         if key not in state_dict:
             raise CkptkitError(f"adapter targets {key}, which the checkpoint does not have")

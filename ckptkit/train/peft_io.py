@@ -199,10 +199,21 @@ class AdapterWeights(NamedTuple):
     scaling: float
 
 
-def read_lora_weights(adapter_dir: str | Path, model_type: str) -> tuple[dict[str, Any], dict[str, AdapterWeights]]:
-    """The adapter's config and its LoRA pairs keyed by canonical module name."""
+class Adapter(NamedTuple):
+    """A parsed PEFT LoRA adapter in canonical names."""
+
+    config: dict[str, Any]
+    lora: dict[str, AdapterWeights]  # canonical module name -> pair
+    # Base weights PEFT stores beside the adapter when embeddings / lm_head are targeted
+    # (``save_embedding_layers="auto"``); canonical tensor name -> tensor.
+    base_copies: dict[str, torch.Tensor]
+
+
+def read_lora_weights(adapter_dir: str | Path, model_type: str) -> Adapter:
+    """Parse a PEFT LoRA adapter into canonical module names."""
     config, tensors = read_adapter(adapter_dir)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         body = key.removeprefix(_PREFIX)
         for part in ("lora_A", "lora_B"):
@@ -212,11 +223,15 @@ def read_lora_weights(adapter_dir: str | Path, model_type: str) -> tuple[dict[st
                 pairs.setdefault(module, {})[part] = tensor
                 break
         else:
-            raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
+            if not body.endswith(".weight") or ".lora_" in body:
+                raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
+            base_copies[
+                _canonical_module(model_type, body.removesuffix(".weight").removesuffix(".base_layer")) + ".weight"
+            ] = tensor
     if not pairs:
         raise CkptkitError(f"adapter in {adapter_dir} has no LoRA weights")
     alpha = float(config.get("lora_alpha", 8))
-    out = {}
+    lora = {}
     for module, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
             raise CkptkitError(f"adapter has an incomplete LoRA pair for {module}")
@@ -226,18 +241,30 @@ def read_lora_weights(adapter_dir: str | Path, model_type: str) -> tuple[dict[st
                 f"adapter LoRA A/B shapes {tuple(a.shape)}, {tuple(b.shape)} do not pair up for {module}"
             )
         rank = a.shape[0]
-        out[module] = AdapterWeights(a, b, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
-    return config, out
+        lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
+    return Adapter(config, lora, base_copies)
+
+
+def check_base_copies(adapter: Adapter, base: dict[str, torch.Tensor]) -> None:
+    """Base weights stored in the adapter must equal the model's: ckptkit does not replace them."""
+    for name, stored in adapter.base_copies.items():
+        if name not in base:
+            raise CkptkitError(f"adapter stores base weight {name}, which the model does not have")
+        ours = base[name]
+        if stored.shape != ours.shape or not torch.equal(stored.float(), ours.detach().float().cpu()):
+            raise CkptkitError(f"adapter stores a modified copy of {name} (e.g. resized embeddings); not supported")
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
     """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
-    config, weights = read_lora_weights(adapter_dir, model.config.model_type)
-    alpha, dropout = float(config.get("lora_alpha", 8)), float(config.get("lora_dropout") or 0.0)
-    add_lora(model, {name: w.a.shape[0] for name, w in weights.items()}, alpha, dropout)
+    adapter = read_lora_weights(adapter_dir, model.config.model_type)
+    check_base_copies(adapter, model.state_dict())
+    alpha = float(adapter.config.get("lora_alpha", 8))
+    dropout = float(adapter.config.get("lora_dropout") or 0.0)
+    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout)
     modules = lora_modules(model)
     with torch.no_grad():
-        for name, w in weights.items():
+        for name, w in adapter.lora.items():
             m: LoRALinear = modules[name]
             if w.a.shape != m.lora_a.shape or w.b.shape != m.lora_b.shape:
                 raise CkptkitError(

@@ -1,0 +1,428 @@
+"""Benchmark ckptkit conversion against ``cp -r`` on a synthetic Llama-2-7B-shaped checkpoint.
+
+What it measures
+----------------
+For each requested layer count (default 2 and 4) the script
+
+1. builds a synthetic Hugging Face safetensors checkpoint with Llama-2-7B tensor shapes
+   (hidden 4096, 32 heads, intermediate 11008, vocab 32000, bf16, random data) but only
+   N decoder layers: one shard for the embeddings, one per layer, one for the final norm
+   and ``lm_head``, plus ``model.safetensors.index.json`` and a ``config.json`` that
+   ckptkit detects as ``llama2`` (rope_theta 10000). Tensors are generated one at a time
+   and each shard is written with ``safetensors`` on its own, so building needs about one
+   shard of memory (~0.5 GB), not the whole model;
+2. times, each as its own subprocess, with wall time and the child's peak RSS
+   (``ru_maxrss`` from ``os.wait4`` on that child's pid):
+
+   * ``cp -r`` of the HF directory (the baseline),
+   * ``ckptkit convert --to meta`` (HF -> Meta; this run also makes the Meta copy),
+   * ``ckptkit convert --to hf`` of that Meta copy (Meta -> HF),
+   * ``ckptkit inspect --json`` of the HF and of the Meta directory,
+   * ``python -c "import ckptkit.cli, ckptkit.convert"``: the import floor of every
+     ckptkit process (no target; it explains the inspect and RSS numbers);
+
+3. checks the targets: convert wall time <= 2x ``cp -r`` of the same checkpoint; convert
+   peak RSS < 2x the largest tensor + 500 MB and about the same (within 10 %) for every
+   size; inspect < 1 s. As a correctness check it runs ``ckptkit verify`` on the HF source
+   against the Meta -> HF output and compares the weight files byte for byte.
+
+Page cache: dropping it needs CAP_SYS_ADMIN (``/proc/sys/vm/drop_caches``), which a
+container usually lacks, so by default every command sees a warm cache: its input is read
+once, untimed, just before it runs. ``--cold`` instead evicts the input files with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` (no privileges needed; on a VM the host may still
+cache them). After each command that writes, ``sync`` runs untimed so its dirty pages are
+not flushed during the next measurement; the time that ``sync`` took is reported on its own.
+
+Sizes are decimal (1 MB = 10^6 bytes). Times are the median of ``--repeat`` runs, peak RSS
+the maximum.
+
+Run::
+
+    python bench/convert.py                    # 2 and 4 layers, temp dir in /tmp, removed after
+    python bench/convert.py --layers 2 4 8 --repeat 3 --workdir /tmp/ckb --keep
+    python bench/convert.py --json results.json   # also write the raw numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+# Llama-2-7B
+HIDDEN = 4096
+HEADS = 32
+INTERMEDIATE = 11008
+VOCAB = 32000
+DTYPE = torch.bfloat16
+
+MB = 1_000_000
+RSS_SLACK = 500 * MB  # the target is 2x the largest tensor + this
+RSS_FLAT_TOLERANCE = 0.10  # peak RSS "about the same" across sizes: within 10 %
+INSPECT_LIMIT_S = 1.0
+CONVERT_VS_CP = 2.0
+
+
+# --- building the synthetic checkpoint -------------------------------------------------
+
+
+def layer_shapes(i: int) -> dict[str, tuple[int, ...]]:
+    p = f"model.layers.{i}."
+    return {
+        p + "input_layernorm.weight": (HIDDEN,),
+        p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+        p + "self_attn.k_proj.weight": (HIDDEN, HIDDEN),
+        p + "self_attn.v_proj.weight": (HIDDEN, HIDDEN),
+        p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+        p + "post_attention_layernorm.weight": (HIDDEN,),
+        p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+        p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+        p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+    }
+
+
+def shard_plan(layers: int) -> list[dict[str, tuple[int, ...]]]:
+    """Tensor names and shapes per shard: embeddings, one shard per layer, norm + lm_head."""
+    shards: list[dict[str, tuple[int, ...]]] = [{"model.embed_tokens.weight": (VOCAB, HIDDEN)}]
+    shards += [layer_shapes(i) for i in range(layers)]
+    shards.append({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
+    return shards
+
+
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """bf16 data shaped like trained weights: norms near 1, matrices ~N(0, 0.02)."""
+    if len(shape) == 1:
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(DTYPE)
+    out = torch.empty(shape, dtype=DTYPE)
+    rows = max(1, (64 * MB) // (4 * shape[1]))  # fp32 scratch of at most 64 MB
+    for start in range(0, shape[0], rows):
+        chunk = out[start : start + rows]
+        chunk.copy_(torch.randn(chunk.shape, generator=gen).mul_(0.02))
+    return out
+
+
+def config_json(layers: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dtype": "bfloat16",
+        "eos_token_id": 2,
+        "head_dim": HIDDEN // HEADS,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": INTERMEDIATE,
+        "max_position_embeddings": 4096,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": HEADS,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": VOCAB,
+    }
+
+
+def build_hf(root: Path, layers: int, seed: int) -> tuple[int, int]:
+    """Write the synthetic checkpoint; returns (total bytes, largest tensor bytes)."""
+    root.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    shards = shard_plan(layers)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = largest = params = 0
+    for i, shapes in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {k: random_tensor(k, s, gen) for k, s in shapes.items()}
+        save_file(tensors, str(root / name), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = name
+            total += t.nbytes
+            params += t.numel()
+            largest = max(largest, t.nbytes)
+        del tensors
+    index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (root / "config.json").write_text(json.dumps(config_json(layers), indent=2, sort_keys=True) + "\n")
+    return total, largest
+
+
+# --- measuring -------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    wall_s: float
+    peak_rss: int  # bytes
+    sync_s: float = 0.0
+
+
+@dataclass
+class Measurement:
+    layers: int
+    label: str
+    argv: list[str]
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return statistics.median(r.wall_s for r in self.runs)
+
+    @property
+    def peak_rss(self) -> int:
+        return max(r.peak_rss for r in self.runs)
+
+    @property
+    def sync_s(self) -> float:
+        return statistics.median(r.sync_s for r in self.runs)
+
+
+def files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def warm(paths: list[Path]) -> None:
+    """Read every file once so the timed command finds it in the page cache."""
+    buf = bytearray(16 << 20)
+    for root in paths:
+        for p in files_under(root):
+            with p.open("rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop the (clean) cached pages of these files; needs no privileges."""
+    os.sync()
+    for root in paths:
+        for p in files_under(root):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_child(argv: list[str], log: Path) -> tuple[float, int, int]:
+    """Run argv; (wall seconds, peak RSS bytes of that child, exit status)."""
+    with log.open("wb") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return wall, usage.ru_maxrss * 1024, proc.returncode  # ru_maxrss is in KiB on Linux
+
+
+class Bench:
+    def __init__(self, workdir: Path, repeat: int, cold: bool, ckptkit: list[str]):
+        self.workdir, self.repeat, self.cold, self.ckptkit = workdir, repeat, cold, ckptkit
+        self.results: list[Measurement] = []
+
+    def measure(
+        self, layers: int, label: str, argv: list[str], inputs: list[Path], output: Path | None = None
+    ) -> Measurement:
+        m = Measurement(layers, label, argv)
+        for rep in range(self.repeat):
+            if output is not None and output.exists():
+                shutil.rmtree(output)
+            os.sync()
+            (evict if self.cold else warm)(inputs)
+            log = self.workdir / f"log-{layers}-{label.replace(' ', '_').replace('>', '')}-{rep}.txt"
+            wall, rss, rc = run_child(argv, log)
+            if rc != 0:
+                sys.stderr.write(log.read_text(errors="replace")[-3000:])
+                raise SystemExit(f"{' '.join(argv)} exited with {rc} (log: {log})")
+            t = time.perf_counter()
+            if output is not None:
+                os.sync()
+            m.runs.append(Run(wall, rss, time.perf_counter() - t if output is not None else 0.0))
+            print(f"  {layers} layers  {label:<22} {wall:7.2f} s  {rss / MB:8.0f} MB", flush=True)
+        self.results.append(m)
+        return m
+
+
+# --- reporting -------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    mem = next((ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")), "0")
+    import safetensors
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": str(os.cpu_count()),
+        "ram": f"{int(mem) / 1024**2:.1f} GiB",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "pass" if ok else "**FAIL**"
+
+
+def report(
+    bench: Bench, sizes: dict[int, tuple[int, int]], checks: dict[int, tuple[bool, bool]], argv: list[str]
+) -> tuple[str, dict[str, Any]]:
+    largest = max(lg for _, lg in sizes.values())
+    rss_limit = 2 * largest + RSS_SLACK
+    by = {(m.layers, m.label): m for m in bench.results}
+    lines = [
+        f"command: `{' '.join(argv)}`",
+        "",
+        f"cache: {'cold (inputs evicted with posix_fadvise)' if bench.cold else 'warm (inputs read once before each run)'}; "
+        f"median of {bench.repeat} run(s); largest tensor {largest / MB:.0f} MB "
+        f"-> RSS limit 2x{largest / MB:.0f} + 500 = {rss_limit / MB:.0f} MB",
+        "",
+        "| layers | size | command | wall s | x cp | peak RSS MB | sync after s | target | result |",
+        "|---:|---:|---|---:|---:|---:|---:|---|---|",
+    ]
+    targets: list[tuple[str, bool]] = []
+    convert_labels = ("convert hf>meta", "convert meta>hf")
+    for layers, (total, _) in sizes.items():
+        cp = by[(layers, "cp -r")].wall_s
+        for m in (r for r in bench.results if r.layers == layers):
+            ratio = m.wall_s / cp
+            target, ok = "", None
+            if m.label in convert_labels:
+                ok_t, ok_m = ratio <= CONVERT_VS_CP, m.peak_rss < rss_limit
+                target = f"<= {CONVERT_VS_CP:g}x cp; RSS < {rss_limit / MB:.0f} MB"
+                ok = ok_t and ok_m
+                res = f"time {verdict(ok_t)}, RSS {verdict(ok_m)}"
+                targets += [(f"{m.label} {layers}L wall <= 2x cp", ok_t), (f"{m.label} {layers}L RSS < limit", ok_m)]
+            elif m.label.startswith("inspect"):
+                ok = m.wall_s < INSPECT_LIMIT_S
+                target, res = f"< {INSPECT_LIMIT_S:g} s", verdict(ok)
+                targets.append((f"{m.label} {layers}L < 1 s", ok))
+            else:
+                res = ""
+            sync = f"{m.sync_s:.2f}" if m.sync_s else ""
+            lines.append(
+                f"| {layers} | {total / MB:,.0f} MB | {m.label} | {m.wall_s:.2f} | {ratio:.2f} | "
+                f"{m.peak_rss / MB:,.0f} | {sync} | {target} | {res} |"
+            )
+    lines += ["", "| check | result |", "|---|---|"]
+    layer_counts = sorted(sizes)
+    for label in convert_labels:
+        rss = [by[(n, label)].peak_rss for n in layer_counts]
+        flat = max(rss) <= min(rss) * (1 + RSS_FLAT_TOLERANCE)
+        spread = ", ".join(f"{n}L {r / MB:.0f} MB" for n, r in zip(layer_counts, rss, strict=True))
+        targets.append((f"{label} peak RSS flat across sizes ({spread})", flat))
+    for layers, (verified, identical) in checks.items():
+        targets.append((f"{layers}L round trip: `ckptkit verify` HF source vs meta>hf output", verified))
+        targets.append((f"{layers}L round trip: weight files byte-identical to the source", identical))
+    lines += [f"| {name} | {verdict(ok)} |" for name, ok in targets]
+    raw = {
+        "machine": machine(),
+        "argv": argv,
+        "cold": bench.cold,
+        "repeat": bench.repeat,
+        "sizes": {str(k): {"total_bytes": t, "largest_tensor_bytes": lg} for k, (t, lg) in sizes.items()},
+        "rss_limit_bytes": rss_limit,
+        "measurements": [asdict(m) | {"wall_s": m.wall_s, "peak_rss": m.peak_rss} for m in bench.results],
+        "targets": dict(targets),
+    }
+    return "\n".join(lines), raw
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+def weights_identical(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir() if p.suffix == ".safetensors")
+    other = sorted(p.name for p in b.iterdir() if p.suffix == ".safetensors")
+    return names == other and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
+def bench_size(bench: Bench, layers: int, seed: int) -> tuple[tuple[int, int], tuple[bool, bool]]:
+    base = bench.workdir / f"{layers}L"
+    hf, meta, back, copy = base / "hf", base / "meta", base / "hf-roundtrip", base / "hf-copy"
+    if base.exists():
+        shutil.rmtree(base)
+    t = time.perf_counter()
+    total, largest = build_hf(hf, layers, seed)
+    print(f"{layers} layers: built {total / MB:,.0f} MB of HF safetensors in {time.perf_counter() - t:.1f} s", flush=True)
+    ck = bench.ckptkit
+    bench.measure(layers, "cp -r", ["cp", "-r", str(hf), str(copy)], [hf], copy)
+    shutil.rmtree(copy)
+    bench.measure(layers, "convert hf>meta", [*ck, "convert", str(hf), str(meta), "--to", "meta", "--quiet"], [hf], meta)
+    bench.measure(layers, "convert meta>hf", [*ck, "convert", str(meta), str(back), "--to", "hf", "--quiet"], [meta], back)
+    bench.measure(layers, "inspect hf", [*ck, "inspect", str(hf), "--json"], [hf])
+    bench.measure(layers, "inspect meta", [*ck, "inspect", str(meta), "--json"], [meta])
+    imports = [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert, ckptkit.inspect"]
+    bench.measure(layers, "import ckptkit (floor)", imports, [])
+    verify = subprocess.run([*ck, "verify", str(hf), str(back)], capture_output=True, text=True)
+    print(f"  verify: {verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr.strip()}")
+    identical = weights_identical(hf, back)
+    return (total, largest), (verify.returncode == 0, identical)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layer counts to build (default: 2 4)")
+    ap.add_argument("--workdir", type=Path, help="where checkpoints go (default: a new directory in /tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per command; median time, max RSS (default 1)")
+    ap.add_argument("--cold", action="store_true", help="evict inputs from the page cache before each run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="also write the raw numbers here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.repeat < 1 or any(n < 1 for n in args.layers):
+        raise SystemExit("--repeat and --layers must be positive")
+    made = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="ckptkit-bench-", dir="/tmp")) if made else args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(workdir.resolve(), args.repeat, args.cold, [sys.executable, "-m", "ckptkit"])
+    print(" | ".join(f"{k} {v}" for k, v in machine().items()), flush=True)
+    sizes: dict[int, tuple[int, int]] = {}
+    checks: dict[int, tuple[bool, bool]] = {}
+    try:
+        for layers in args.layers:
+            sizes[layers], checks[layers] = bench_size(bench, layers, args.seed)
+            if not args.keep:
+                shutil.rmtree(bench.workdir / f"{layers}L")
+    finally:
+        if not args.keep:
+            for layers in args.layers:
+                shutil.rmtree(bench.workdir / f"{layers}L", ignore_errors=True)
+            if made:
+                shutil.rmtree(workdir, ignore_errors=True)
+    shown = ["python", "bench/convert.py", *(argv if argv is not None else sys.argv[1:])]
+    table, raw = report(bench, sizes, checks, shown)
+    print()
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1) + "\n")
+    return 0 if all(raw["targets"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

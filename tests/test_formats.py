@@ -1,0 +1,143 @@
+"""The streaming readers and writers against the reference libraries, and inspect."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from ckptkit.checkpoint import open_checkpoint
+from ckptkit.convert import convert
+from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter, library_order
+from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
+from ckptkit.inspect import inspect_path
+from conftest import FIXTURES
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.float64]
+
+state_dicts = st.dictionaries(
+    st.text("abcxyz._0123456789", min_size=1, max_size=12),
+    st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPES)),
+    min_size=1, max_size=6,
+).map(lambda d: {k: (torch.rand(s) * 100).to(dt) for k, (s, dt) in d.items()})
+
+
+@settings(max_examples=40, deadline=None)
+@given(sd=state_dicts, reverse=st.booleans())
+def test_safetensors_writer_is_byte_identical_to_the_library(sd: dict, reverse: bool, tmp_path_factory) -> None:
+    d = tmp_path_factory.mktemp("st")
+    save_file(sd, d / "ref.safetensors", metadata={"format": "pt"})
+    entries = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()]
+    order = library_order(entries)
+    writer = SafetensorsWriter(d / "mine.safetensors", sorted(entries, key=lambda e: order.index(e[0])), {"format": "pt"})
+    for k in (reversed(list(sd)) if reverse else sd):  # any write order
+        writer.write(k, sd[k])
+    writer.close()
+    assert (d / "mine.safetensors").read_bytes() == (d / "ref.safetensors").read_bytes()
+    reader = SafetensorsReader(d / "ref.safetensors")
+    assert all(torch.equal(reader.read(k), v) for k, v in sd.items())
+
+
+@settings(max_examples=30, deadline=None)
+@given(sd=state_dicts)
+def test_torch_writer_loads_with_torch_and_passes_zip_crc(sd: dict, tmp_path_factory) -> None:
+    path = tmp_path_factory.mktemp("pt") / "x.pth"
+    writer = TorchPickleWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()])
+    for k in reversed(list(sd)):
+        writer.write(k, sd[k])
+    writer.close()
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    for mmap in (False, True):
+        loaded = torch.load(path, weights_only=True, mmap=mmap)
+        assert list(loaded) == list(sd)
+        assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in sd.items())
+    reader = TorchPickleReader(path)
+    assert all(torch.equal(reader.read(k), v) for k, v in sd.items())
+
+
+def test_inspect_json_describes_hf_fixture() -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(FIXTURES / "hf" / "llama3"), "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    info = json.loads(out.stdout)
+    assert info["format"] == "hf" and info["model_type"] == "llama3"
+    assert info["files"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / "hf" / "llama3")
+    assert info["num_params"] == model.num_parameters()
+    assert info["total_bytes"] == json.loads((FIXTURES / "hf" / "llama3" / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert {t["dtype"] for t in info["tensors"]} == {"bfloat16"}
+    names = {t["name"]: t for t in info["tensors"]}
+    assert names["model.layers.0.self_attn.k_proj.weight"]["shape"] == [32, 64]
+
+
+@pytest.mark.parametrize("path", ["meta/llama2-2rank", "hf-bin/llama2", "meta/mistral", "hf/phi3"])
+def test_inspect_reads_no_tensor_data(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a, **k):
+        raise AssertionError("inspect read tensor data")
+
+    monkeypatch.setattr(SafetensorsReader, "read", refuse)
+    monkeypatch.setattr(TorchPickleReader, "read", refuse, raising=True)
+    info = inspect_path(FIXTURES / path)
+    assert info["tensors"] and info["model_type"]
+
+
+def test_inspect_single_files() -> None:
+    info = inspect_path(FIXTURES / "meta" / "llama2-2rank" / "consolidated.01.pth")
+    assert info["format"] == "meta" and info["files"] == ["consolidated.01.pth"]
+    info = inspect_path(FIXTURES / "hf" / "gemma" / "model.safetensors.index.json")
+    assert len(info["files"]) == 3 and info["num_params"] > 0
+
+
+def test_dtype_cast_and_verify(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf" / "qwen2", tmp_path / "f32", "meta" if False else "hf", dtype="float32", verify=True)
+    with open_checkpoint(tmp_path / "f32") as ck:
+        assert {t.dtype for t in ck.tensors.values()} == {torch.float32}
+    cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
+    assert cfg["dtype"] == "float32"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "verify", str(FIXTURES / "hf" / "qwen2"), str(tmp_path / "f32"), "--json"],
+        capture_output=True, text=True,
+    )
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and not report["identical"]
+    assert report["differences"][0]["dtype_a"] == "bfloat16" and report["differences"][0]["dtype_b"] == "float32"
+    assert report["differences"][0]["max_abs_diff"] == 0.0  # widening is exact
+
+
+def test_non_weight_files_are_carried(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf" / "mistral", tmp_path / "m", "meta")
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "m" / name).read_bytes() == (FIXTURES / "hf" / "mistral" / name).read_bytes()
+    assert not (tmp_path / "m" / "config.json").exists()
+    assert json.loads((tmp_path / "m" / "params.json").read_text())["n_kv_heads"] == 2
+
+
+def test_max_shard_size_reshards_hf(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf" / "llama2", tmp_path / "one", "hf", max_shard_size="10GB")
+    assert sorted(p.name for p in (tmp_path / "one").glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+    convert(tmp_path / "one", tmp_path / "many", "hf-bin", max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "many").glob("*.bin"))
+    assert len(shards) > 2 and shards[0] == f"pytorch_model-00001-of-{len(shards):05d}.bin"
+    index = json.loads((tmp_path / "many" / "pytorch_model.bin.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+
+
+def test_cli_convert_prints_summary_and_quiet_prints_nothing(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / "meta" / "llama2")]
+    loud = subprocess.run([*base, str(tmp_path / "a"), "--to", "hf"], capture_output=True, text=True, check=True)
+    assert "wrote" in loud.stderr and "rope.freqs" in loud.stderr  # says what it did not carry
+    quiet = subprocess.run([*base, str(tmp_path / "b"), "--to", "hf", "--quiet"], capture_output=True, text=True, check=True)
+    assert quiet.stdout == "" and quiet.stderr == ""

@@ -1,0 +1,170 @@
+"""PEFT-format adapters: ckptkit -> peft.PeftModel and peft -> ckptkit give the same logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import TOL, hf_dir, hf_model, native_model, padded_batch
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.generation import generate, generate_text
+from ckptkit.train.lora import apply_lora, lora_modules, merge_lora
+from ckptkit.train.peft_io import load_adapter, save_adapter
+
+ALL = ["q", "k", "v", "o", "gate", "up", "down", "output"]
+HF_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen) * 0.05)
+
+
+def _peft_saved(family: str, out: Path, seed: int = 0, **lora_kwargs) -> torch.nn.Module:
+    """A PEFT LoRA model on the HF fixture with non-zero B, saved to ``out``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(family), LoraConfig(task_type="CAUSAL_LM", **lora_kwargs))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(out)
+    return model.eval()
+
+
+def _logits(model: torch.nn.Module, family: str, hf: bool = False) -> torch.Tensor:
+    ids, mask = padded_batch(384, seed=21)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        if hf:
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[mask.bool()]
+        return model(ids, attention_mask=mask)[mask.bool()]
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3", "qwen2", "mistral", "gemma"])
+def test_ckptkit_adapter_loads_in_peft(family: str, tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    model = native_model(family)
+    targets = [t for t in ALL if t != "output" or not model.config.tie_word_embeddings]
+    apply_lora(model, targets, rank=4, alpha=8)
+    _randomize(model, seed=1)
+    save_adapter(model, tmp_path, base_model_name_or_path=str(hf_dir(family)))
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    expected_targets = HF_ALL + (["lm_head"] if "output" in targets else [])
+    assert config["target_modules"] == sorted(expected_targets)
+    assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"]) == ("LORA", "CAUSAL_LM", 4, 8)
+    assert config["base_model_name_or_path"] == str(hf_dir(family))
+
+    peft_model = PeftModel.from_pretrained(hf_model(family), tmp_path).eval()
+    assert (_logits(peft_model, family, hf=True) - _logits(model, family)).abs().max().item() <= TOL
+
+
+def test_adapter_config_has_the_fields_peft_writes(tmp_path: Path) -> None:
+    _peft_saved("llama3", tmp_path / "peft", r=4, lora_alpha=8, target_modules=["q_proj"])
+    model = apply_lora(native_model("llama3"), ["q"], rank=4, alpha=8)
+    save_adapter(model, tmp_path / "ours")
+    theirs = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    ours = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert set(ours) == set(theirs) - {"peft_version"}
+    assert {k: v for k, v in ours.items() if k != "base_model_name_or_path"} == {
+        k: v for k, v in theirs.items() if k not in ("peft_version", "base_model_name_or_path")
+    }
+    from safetensors import safe_open
+
+    keys = {}
+    for side in ("peft", "ours"):
+        with safe_open(str(tmp_path / side / "adapter_model.safetensors"), "pt") as f:
+            keys[side] = set(f.keys())
+    assert keys["ours"] == keys["peft"]
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys["ours"]
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [
+        ("llama2", {"r": 4, "lora_alpha": 16, "target_modules": HF_ALL + ["lm_head"]}),
+        ("llama3", {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
+        ("qwen2", {"r": 4, "lora_alpha": 8, "target_modules": HF_ALL}),
+        ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["o_proj", "down_proj"]}),
+        ("llama3", {"r": 4, "lora_alpha": 8, "target_modules": ["v_proj"], "use_rslora": True}),
+        ("gemma", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "up_proj"], "rank_pattern": {"up_proj": 2}}),
+        ("llama2", {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "layers_to_transform": [1]}),
+    ],
+)
+def test_peft_adapter_loads_in_ckptkit(family: str, kwargs: dict, tmp_path: Path) -> None:
+    peft_model = _peft_saved(family, tmp_path, **kwargs)
+    model = load_adapter(native_model(family), tmp_path)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora" not in n)
+    diff = (_logits(peft_model, family, hf=True) - _logits(model, family)).abs().max().item()
+    assert diff <= TOL
+    # and the merged model agrees too
+    merge_lora(model)
+    assert (_logits(peft_model, family, hf=True) - _logits(model, family)).abs().max().item() <= TOL
+
+
+def test_round_trip_through_peft_format(tmp_path: Path) -> None:
+    model = apply_lora(native_model("llama3"), ["q", "v", "down"], rank=4, alpha=8, layers=[0])
+    _randomize(model, seed=3)
+    save_adapter(model, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"] == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+    ]
+    again = load_adapter(native_model("llama3"), tmp_path)
+    assert torch.equal(_logits(again, "llama3"), _logits(model, "llama3"))
+
+
+def test_generate_with_adapter_uses_it(tmp_path: Path) -> None:
+    _peft_saved("llama2", tmp_path / "adapter", r=4, lora_alpha=64, target_modules=HF_ALL)
+    text = generate_text(str(hf_dir("llama2")), "The quick", max_new_tokens=6, adapter=str(tmp_path / "adapter"))
+    from ckptkit.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(hf_dir("llama2"))
+    model = load_adapter(native_model("llama2"), tmp_path / "adapter", merge=True)
+    ids = generate(model, torch.tensor([tok.encode("The quick")]), 6, eos_token_id=tok.eos_ids)
+    assert text == tok.decode(ids[0].tolist())
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def test_unsupported_adapters_are_one_line_errors(tmp_path: Path) -> None:
+    def error(family: str, folder: Path) -> str:
+        with pytest.raises(CkptkitError) as info:
+            load_adapter(native_model(family), folder)
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    _peft_saved("llama3", tmp_path / "dora", r=4, target_modules=["q_proj"], use_dora=True)
+    assert "DoRA" in error("llama3", tmp_path / "dora")
+
+    _peft_saved("phi3", tmp_path / "fused", r=4, target_modules=["qkv_proj"])
+    assert "fused" in error("phi3", tmp_path / "fused")
+
+    _peft_saved("llama3", tmp_path / "bias", r=4, target_modules=["q_proj"])
+    _edit_config(tmp_path / "bias", bias="all")
+    assert "bias" in error("llama3", tmp_path / "bias")
+
+    _peft_saved("llama3", tmp_path / "save", r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert "modules_to_save" in error("llama3", tmp_path / "save")
+
+    assert "not a PEFT adapter" in error("llama3", tmp_path / "nowhere")
+
+    model = apply_lora(native_model("phi3"), ["q"], rank=2)
+    with pytest.raises(CkptkitError, match="PEFT format"):
+        save_adapter(model, tmp_path / "phi3-q")

@@ -1,0 +1,56 @@
+"""Every transform's inverse restores its input bitwise, for random shapes and dtypes."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptkit.transforms import join_rows, merge_ranks, rope_hf_to_meta, rope_meta_to_hf, split_ranks, split_rows
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(heads=st.integers(1, 8), half=st.integers(1, 8), cols=st.integers(0, 9), dtype=DTYPES, seed=st.integers(0, 999))
+def test_rope_permutation_inverts(heads: int, half: int, cols: int, dtype: torch.dtype, seed: int) -> None:
+    shape = (heads * half * 2, cols) if cols else (heads * half * 2,)  # weights and biases
+    w = _random(shape, dtype, seed)
+    assert _bitwise(rope_hf_to_meta(rope_meta_to_hf(w, heads), heads), w)
+    assert _bitwise(rope_meta_to_hf(rope_hf_to_meta(w, heads), heads), w)
+
+
+def test_rope_permutation_matches_the_reference_formula() -> None:
+    # transformers' convert_llama_weights_to_hf: w.view(n, hd // 2, 2, dim).transpose(1, 2)
+    n, hd, dim = 4, 8, 6
+    w = torch.arange(n * hd * dim, dtype=torch.float32).reshape(n * hd, dim)
+    reference = w.view(n, hd // 2, 2, dim).transpose(1, 2).reshape(n * hd, dim)
+    assert torch.equal(rope_meta_to_hf(w, n), reference)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4), cols=st.integers(1, 7), dtype=DTYPES, seed=st.integers(0, 999))
+def test_fused_split_inverts(sizes: list[int], cols: int, dtype: torch.dtype, seed: int) -> None:
+    w = _random((sum(sizes), cols), dtype, seed)
+    parts = split_rows(w, sizes)
+    assert [p.shape[0] for p in parts] == sizes
+    assert _bitwise(join_rows(parts), w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(1, 8), rows=st.integers(1, 5), cols=st.integers(1, 5), dim=st.sampled_from([0, 1, None]),
+       dtype=DTYPES, seed=st.integers(0, 999))
+def test_rank_split_inverts(ranks: int, rows: int, cols: int, dim: int | None, dtype: torch.dtype, seed: int) -> None:
+    shape = (rows * (ranks if dim == 0 else 1), cols * (ranks if dim == 1 else 1))
+    w = _random(shape, dtype, seed)
+    parts = split_ranks(w, ranks, dim)
+    assert len(parts) == ranks
+    assert _bitwise(merge_ranks(parts, dim), w)
