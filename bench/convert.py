@@ -11,14 +11,15 @@ For each requested layer count (default 2 and 4) the script
    ckptkit detects as ``llama2`` (rope_theta 10000). Tensors are generated one at a time
    and each shard is written with ``safetensors`` on its own, so building needs about one
    shard of memory (~0.5 GB), not the whole model;
-2. times, each as its own subprocess, with wall time and the child's peak RSS
-   (``ru_maxrss`` from ``os.wait4`` on that child's pid):
+2. runs, each as its own subprocess, and records wall time, CPU time (user + system) and
+   peak RSS (``ru_maxrss`` of that process, read with ``wait4`` by a small launcher; see
+   ``run_child`` for why not straight from this process):
 
    * ``cp -r`` of the HF directory (the baseline),
    * ``ckptkit convert --to meta`` (HF -> Meta; this run also makes the Meta copy),
    * ``ckptkit convert --to hf`` of that Meta copy (Meta -> HF),
    * ``ckptkit inspect --json`` of the HF and of the Meta directory,
-   * ``python -c "import ckptkit.cli, ckptkit.convert"``: the import floor of every
+   * ``python -c "import ckptkit.cli, ckptkit.convert, ckptkit.inspect"``: the floor of every
      ckptkit process (no target; it explains the inspect and RSS numbers);
 
 3. checks the targets: convert wall time <= 2x ``cp -r`` of the same checkpoint; convert
@@ -33,8 +34,12 @@ once, untimed, just before it runs. ``--cold`` instead evicts the input files wi
 cache them). After each command that writes, ``sync`` runs untimed so its dirty pages are
 not flushed during the next measurement; the time that ``sync`` took is reported on its own.
 
-Sizes are decimal (1 MB = 10^6 bytes). Times are the median of ``--repeat`` runs, peak RSS
-the maximum.
+The commands run ``--repeat`` times (default 3), interleaved (cp, hf>meta, meta>hf,
+inspect, inspect, imports; then again), so that each conversion is compared with a ``cp``
+run made under the same machine load: "wall / cp" is the median of those per-round
+ratios. Wall and CPU times are medians, peak RSS the maximum. Sizes are decimal
+(1 MB = 10^6 bytes). The exit status is 1 only when the round trip is not exact; missed
+performance targets are reported, not enforced.
 
 Run::
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import math
 import os
 import platform
 import shutil
@@ -69,6 +75,7 @@ HEADS = 32
 INTERMEDIATE = 11008
 VOCAB = 32000
 DTYPE = torch.bfloat16
+FULL_LAYERS = 32
 
 MB = 1_000_000
 RSS_SLACK = 500 * MB  # the target is 2x the largest tensor + this
@@ -162,7 +169,10 @@ def build_hf(root: Path, layers: int, seed: int) -> tuple[int, int]:
             params += t.numel()
             largest = max(largest, t.nbytes)
         del tensors
-    index = {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_parameters": params, "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (root / "config.json").write_text(json.dumps(config_json(layers), indent=2, sort_keys=True) + "\n")
     return total, largest
@@ -174,8 +184,9 @@ def build_hf(root: Path, layers: int, seed: int) -> tuple[int, int]:
 @dataclass
 class Run:
     wall_s: float
+    cpu_s: float  # user + system time of the process
     peak_rss: int  # bytes
-    sync_s: float = 0.0
+    sync_s: float | None = None  # the untimed sync after a command that writes
 
 
 @dataclass
@@ -190,12 +201,17 @@ class Measurement:
         return statistics.median(r.wall_s for r in self.runs)
 
     @property
+    def cpu_s(self) -> float:
+        return statistics.median(r.cpu_s for r in self.runs)
+
+    @property
     def peak_rss(self) -> int:
         return max(r.peak_rss for r in self.runs)
 
     @property
-    def sync_s(self) -> float:
-        return statistics.median(r.sync_s for r in self.runs)
+    def sync_s(self) -> float | None:
+        syncs = [r.sync_s for r in self.runs if r.sync_s is not None]
+        return statistics.median(syncs) if syncs else None
 
 
 def files_under(path: Path) -> list[Path]:
@@ -214,7 +230,6 @@ def warm(paths: list[Path]) -> None:
 
 def evict(paths: list[Path]) -> None:
     """Drop the (clean) cached pages of these files; needs no privileges."""
-    os.sync()
     for root in paths:
         for p in files_under(root):
             fd = os.open(p, os.O_RDONLY)
@@ -224,54 +239,100 @@ def evict(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-def run_child(argv: list[str], log: Path) -> tuple[float, int, int]:
-    """Run argv; (wall seconds, peak RSS bytes of that child, exit status)."""
+def can_drop_caches() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w"):
+            return True
+    except OSError:
+        return False
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+# A child's ru_maxrss is not its own peak when the parent is big: Popen starts it with
+# vfork(), so the child shares the parent's address space until exec, and exec records
+# that address space's high-water mark in the child's maxrss (measured here: `true` run
+# from an 830 MB Python parent reports 830 MB through os.wait4). So every command runs
+# under a tiny launcher, and the numbers come from the launcher's wait4 on its own
+# child: GNU time where installed, otherwise this Python snippet (whose ~10 MB then
+# becomes the floor of every RSS reading).
+TIME = "/usr/bin/time"
+LAUNCHER = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, ru = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(f"{ru.ru_maxrss} {ru.ru_utime} {ru.ru_stime}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_child(argv: list[str], log: Path) -> tuple[Run, int]:
+    """Run argv with stdout and stderr to ``log``; its numbers and exit status."""
+    stats = log.with_suffix(".rusage")
+    if os.access(TIME, os.X_OK):
+        wrapped = [TIME, "-f", "%M %U %S", "-o", str(stats), *argv]
+    else:
+        wrapped = [sys.executable, "-S", "-c", LAUNCHER, str(stats), *argv]
     with log.open("wb") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
+        rc = subprocess.run(wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
         wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-    return wall, usage.ru_maxrss * 1024, proc.returncode  # ru_maxrss is in KiB on Linux
+    # GNU time puts "Command exited with non-zero status N" on a line of its own first.
+    last = stats.read_text().strip().splitlines()[-1].split() if stats.exists() else ["0", "0", "0"]
+    kib, user, system = int(last[0]), float(last[1]), float(last[2])
+    return Run(wall, user + system, kib * 1024), rc  # ru_maxrss is in KiB on Linux
 
 
 class Bench:
     def __init__(self, workdir: Path, repeat: int, cold: bool, ckptkit: list[str]):
         self.workdir, self.repeat, self.cold, self.ckptkit = workdir, repeat, cold, ckptkit
-        self.results: list[Measurement] = []
+        self.results: dict[tuple[int, str], Measurement] = {}
+        self.loads: list[float] = []
 
-    def measure(
-        self, layers: int, label: str, argv: list[str], inputs: list[Path], output: Path | None = None
-    ) -> Measurement:
-        m = Measurement(layers, label, argv)
-        for rep in range(self.repeat):
-            if output is not None and output.exists():
-                shutil.rmtree(output)
-            os.sync()
-            (evict if self.cold else warm)(inputs)
-            log = self.workdir / f"log-{layers}-{label.replace(' ', '_').replace('>', '')}-{rep}.txt"
-            wall, rss, rc = run_child(argv, log)
-            if rc != 0:
-                sys.stderr.write(log.read_text(errors="replace")[-3000:])
-                raise SystemExit(f"{' '.join(argv)} exited with {rc} (log: {log})")
+    def measure(self, layers: int, label: str, argv: list[str], inputs: list[Path], output: Path | None = None) -> Run:
+        """One timed run of argv; ``output`` is removed first and synced after."""
+        m = self.results.setdefault((layers, label), Measurement(layers, label, argv))
+        if output is not None and output.exists():
+            shutil.rmtree(output)
+        os.sync()
+        (evict if self.cold else warm)(inputs)
+        self.loads.append(loadavg())
+        slug = "".join(c if c.isalnum() else "_" for c in label)
+        log = self.workdir / f"log-{layers}L-{slug}-{len(m.runs)}.txt"
+        run, rc = run_child(argv, log)
+        if rc != 0:
+            sys.stderr.write(log.read_text(errors="replace")[-3000:])
+            raise SystemExit(f"{' '.join(argv)} exited with {rc} (log: {log})")
+        if output is not None:
             t = time.perf_counter()
-            if output is not None:
-                os.sync()
-            m.runs.append(Run(wall, rss, time.perf_counter() - t if output is not None else 0.0))
-            print(f"  {layers} layers  {label:<22} {wall:7.2f} s  {rss / MB:8.0f} MB", flush=True)
-        self.results.append(m)
-        return m
+            os.sync()
+            run.sync_s = time.perf_counter() - t
+        m.runs.append(run)
+        print(
+            f"  {layers}L  {label:<24} wall {run.wall_s:6.2f} s  cpu {run.cpu_s:6.2f} s  "
+            f"peak RSS {run.peak_rss / MB:6.0f} MB  (load {self.loads[-1]:.1f})",
+            flush=True,
+        )
+        return run
 
 
 # --- reporting -------------------------------------------------------------------------
 
 
 def machine() -> dict[str, str]:
-    mem = next((ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")), "0")
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    mem = next((ln.split()[1] for ln in meminfo if ln.startswith("MemTotal")), "0")
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln),
+        platform.machine(),
+    )
     import safetensors
 
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": model,
         "cores": str(os.cpu_count()),
         "ram": f"{int(mem) / 1024**2:.1f} GiB",
         "kernel": platform.release(),
@@ -285,68 +346,122 @@ def verdict(ok: bool) -> str:
     return "pass" if ok else "**FAIL**"
 
 
+CONVERTS = ("convert hf>meta", "convert meta>hf")
+
+
+def ratio_to_cp(bench: Bench, layers: int, label: str) -> float:
+    """Median over repetitions of wall / the wall of the cp run just before it."""
+    runs, cps = bench.results[(layers, label)].runs, bench.results[(layers, "cp -r")].runs
+    return statistics.median(r.wall_s / c.wall_s for r, c in zip(runs, cps, strict=True))
+
+
 def report(
     bench: Bench, sizes: dict[int, tuple[int, int]], checks: dict[int, tuple[bool, bool]], argv: list[str]
 ) -> tuple[str, dict[str, Any]]:
     largest = max(lg for _, lg in sizes.values())
     rss_limit = 2 * largest + RSS_SLACK
-    by = {(m.layers, m.label): m for m in bench.results}
+    cache = "cold (inputs evicted with posix_fadvise)" if bench.cold else "warm (inputs read just before each run)"
     lines = [
         f"command: `{' '.join(argv)}`",
         "",
-        f"cache: {'cold (inputs evicted with posix_fadvise)' if bench.cold else 'warm (inputs read once before each run)'}; "
-        f"median of {bench.repeat} run(s); largest tensor {largest / MB:.0f} MB "
-        f"-> RSS limit 2x{largest / MB:.0f} + 500 = {rss_limit / MB:.0f} MB",
+        f"page cache {cache}; {bench.repeat} interleaved repetition(s): wall and CPU are medians, "
+        f"peak RSS the maximum; load average {min(bench.loads):.1f}-{max(bench.loads):.1f} on "
+        f"{os.cpu_count()} cores during the runs. Largest tensor {largest / MB:.0f} MB, so the RSS "
+        f"limit is 2 x {largest / MB:.0f} + 500 = {rss_limit / MB:.0f} MB.",
         "",
-        "| layers | size | command | wall s | x cp | peak RSS MB | sync after s | target | result |",
-        "|---:|---:|---|---:|---:|---:|---:|---|---|",
+        "| layers | size | command | wall s (min-max) | CPU s | wall / cp | peak RSS MB | sync s | target | result |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     targets: list[tuple[str, bool]] = []
-    convert_labels = ("convert hf>meta", "convert meta>hf")
     for layers, (total, _) in sizes.items():
-        cp = by[(layers, "cp -r")].wall_s
-        for m in (r for r in bench.results if r.layers == layers):
-            ratio = m.wall_s / cp
-            target, ok = "", None
-            if m.label in convert_labels:
+        for (n, label), m in bench.results.items():
+            if n != layers:
+                continue
+            ratio = ratio_to_cp(bench, layers, label)
+            target = res = ""
+            if label in CONVERTS:
                 ok_t, ok_m = ratio <= CONVERT_VS_CP, m.peak_rss < rss_limit
-                target = f"<= {CONVERT_VS_CP:g}x cp; RSS < {rss_limit / MB:.0f} MB"
-                ok = ok_t and ok_m
+                target = f"<= {CONVERT_VS_CP:g}x cp, < {rss_limit / MB:.0f} MB"
                 res = f"time {verdict(ok_t)}, RSS {verdict(ok_m)}"
-                targets += [(f"{m.label} {layers}L wall <= 2x cp", ok_t), (f"{m.label} {layers}L RSS < limit", ok_m)]
-            elif m.label.startswith("inspect"):
+                targets += [
+                    (f"{label} {layers}L: wall <= {CONVERT_VS_CP:g}x cp -r ({ratio:.1f}x)", ok_t),
+                    (f"{label} {layers}L: peak RSS < {rss_limit / MB:.0f} MB ({m.peak_rss / MB:.0f} MB)", ok_m),
+                ]
+            elif label.startswith("inspect"):
                 ok = m.wall_s < INSPECT_LIMIT_S
                 target, res = f"< {INSPECT_LIMIT_S:g} s", verdict(ok)
-                targets.append((f"{m.label} {layers}L < 1 s", ok))
-            else:
-                res = ""
-            sync = f"{m.sync_s:.2f}" if m.sync_s else ""
+                targets.append((f"{label} {layers}L: < {INSPECT_LIMIT_S:g} s ({m.wall_s:.2f} s)", ok))
+            walls = [r.wall_s for r in m.runs]
+            spread = f" ({min(walls):.2f}-{max(walls):.2f})" if len(walls) > 1 else ""
+            sync = f"{m.sync_s:.2f}" if m.sync_s is not None else ""
             lines.append(
-                f"| {layers} | {total / MB:,.0f} MB | {m.label} | {m.wall_s:.2f} | {ratio:.2f} | "
-                f"{m.peak_rss / MB:,.0f} | {sync} | {target} | {res} |"
+                f"| {layers} | {total / MB:,.0f} MB | {label} | {m.wall_s:.2f}{spread} | {m.cpu_s:.2f} | "
+                f"{ratio:.2f} | {m.peak_rss / MB:,.0f} | {sync} | {target} | {res} |"
             )
-    lines += ["", "| check | result |", "|---|---|"]
     layer_counts = sorted(sizes)
-    for label in convert_labels:
-        rss = [by[(n, label)].peak_rss for n in layer_counts]
+    for label in CONVERTS:
+        rss = [bench.results[(n, label)].peak_rss for n in layer_counts]
         flat = max(rss) <= min(rss) * (1 + RSS_FLAT_TOLERANCE)
         spread = ", ".join(f"{n}L {r / MB:.0f} MB" for n, r in zip(layer_counts, rss, strict=True))
-        targets.append((f"{label} peak RSS flat across sizes ({spread})", flat))
+        targets.append((f"{label}: peak RSS flat across sizes, within 10 % ({spread})", flat))
     for layers, (verified, identical) in checks.items():
-        targets.append((f"{layers}L round trip: `ckptkit verify` HF source vs meta>hf output", verified))
-        targets.append((f"{layers}L round trip: weight files byte-identical to the source", identical))
-    lines += [f"| {name} | {verdict(ok)} |" for name, ok in targets]
+        targets.append(
+            (f"{layers}L round trip: `ckptkit verify` of the HF source against the meta>hf output", verified)
+        )
+        targets.append((f"{layers}L round trip: meta>hf weight files byte-identical to the source", identical))
+    lines += ["", "| check | result |", "|---|---|", *(f"| {name} | {verdict(ok)} |" for name, ok in targets)]
+    lines += extrapolation(bench, sizes)
     raw = {
         "machine": machine(),
         "argv": argv,
         "cold": bench.cold,
         "repeat": bench.repeat,
+        "load_average": [min(bench.loads), max(bench.loads)],
         "sizes": {str(k): {"total_bytes": t, "largest_tensor_bytes": lg} for k, (t, lg) in sizes.items()},
         "rss_limit_bytes": rss_limit,
-        "measurements": [asdict(m) | {"wall_s": m.wall_s, "peak_rss": m.peak_rss} for m in bench.results],
+        "measurements": [
+            asdict(m) | {"wall_s": m.wall_s, "cpu_s": m.cpu_s, "peak_rss": m.peak_rss} for m in bench.results.values()
+        ],
         "targets": dict(targets),
     }
     return "\n".join(lines), raw
+
+
+def full_model_bytes() -> int:
+    """Bytes of the real Llama-2-7B (32 layers) with these shapes."""
+    shards = shard_plan(FULL_LAYERS)
+    return sum(math.prod(shape) * 2 for shard in shards for shape in shard.values())
+
+
+def extrapolation(bench: Bench, sizes: dict[int, tuple[int, int]]) -> list[str]:
+    """Per-GB cost between the smallest and largest size, and the 32-layer estimate.
+
+    A line through two sizes separates the fixed cost of a run (interpreter, imports,
+    setup) from the cost per byte; extended to the real model's 13.5 GB it estimates
+    whether the ratio to cp would hold there. An estimate, not a measurement.
+    """
+    if len(sizes) < 2:
+        return []
+    small, large = min(sizes), max(sizes)
+    gb = (sizes[large][0] - sizes[small][0]) / 1e9
+    full = full_model_bytes()
+    lines = [
+        "",
+        f"Fixed + per-GB cost from the {small}- and {large}-layer runs, extended to the full "
+        f"32-layer model ({full / 1e9:.1f} GB) -- an estimate, not a measurement:",
+        "",
+        "| command | fixed s | s per GB | est. 32 layers s | est. / cp |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    est: dict[str, float] = {}
+    for label in ("cp -r", *CONVERTS):
+        w_s, w_l = bench.results[(small, label)].wall_s, bench.results[(large, label)].wall_s
+        slope = (w_l - w_s) / gb
+        fixed = w_s - slope * sizes[small][0] / 1e9
+        est[label] = w_l + slope * (full - sizes[large][0]) / 1e9
+        ratio = f"{est[label] / est['cp -r']:.2f}" if label != "cp -r" else "1.00"
+        lines.append(f"| {label} | {fixed:.2f} | {slope:.2f} | {est[label]:.1f} | {ratio} |")
+    return lines
 
 
 # --- main ------------------------------------------------------------------------------
@@ -365,28 +480,37 @@ def bench_size(bench: Bench, layers: int, seed: int) -> tuple[tuple[int, int], t
         shutil.rmtree(base)
     t = time.perf_counter()
     total, largest = build_hf(hf, layers, seed)
-    print(f"{layers} layers: built {total / MB:,.0f} MB of HF safetensors in {time.perf_counter() - t:.1f} s", flush=True)
+    took = time.perf_counter() - t
+    print(f"{layers} layers: built {total / MB:,.0f} MB of HF safetensors in {took:.1f} s", flush=True)
     ck = bench.ckptkit
-    bench.measure(layers, "cp -r", ["cp", "-r", str(hf), str(copy)], [hf], copy)
-    shutil.rmtree(copy)
-    bench.measure(layers, "convert hf>meta", [*ck, "convert", str(hf), str(meta), "--to", "meta", "--quiet"], [hf], meta)
-    bench.measure(layers, "convert meta>hf", [*ck, "convert", str(meta), str(back), "--to", "hf", "--quiet"], [meta], back)
-    bench.measure(layers, "inspect hf", [*ck, "inspect", str(hf), "--json"], [hf])
-    bench.measure(layers, "inspect meta", [*ck, "inspect", str(meta), "--json"], [meta])
     imports = [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert, ckptkit.inspect"]
-    bench.measure(layers, "import ckptkit (floor)", imports, [])
+    for _ in range(bench.repeat):  # interleaved, so each convert run has a cp run beside it
+        bench.measure(layers, "cp -r", ["cp", "-r", str(hf), str(copy)], [hf], copy)
+        shutil.rmtree(copy)
+        bench.measure(
+            layers, "convert hf>meta", [*ck, "convert", str(hf), str(meta), "--to", "meta", "--quiet"], [hf], meta
+        )
+        bench.measure(
+            layers, "convert meta>hf", [*ck, "convert", str(meta), str(back), "--to", "hf", "--quiet"], [meta], back
+        )
+        bench.measure(layers, "inspect hf", [*ck, "inspect", str(hf), "--json"], [hf])
+        bench.measure(layers, "inspect meta", [*ck, "inspect", str(meta), "--json"], [meta])
+        bench.measure(layers, "import floor", imports, [])
     verify = subprocess.run([*ck, "verify", str(hf), str(back)], capture_output=True, text=True)
-    print(f"  verify: {verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr.strip()}")
+    said = (verify.stdout.strip() or verify.stderr.strip() or "(no output)").splitlines()[-1]
+    print(f"  verify: {said}", flush=True)
     identical = weights_identical(hf, back)
     return (total, largest), (verify.returncode == 0, identical)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layer counts to build (default: 2 4)")
+    ap = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layer counts (default: 2 4)")
     ap.add_argument("--workdir", type=Path, help="where checkpoints go (default: a new directory in /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per command; median time, max RSS (default 1)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs of every command (default 3)")
     ap.add_argument("--cold", action="store_true", help="evict inputs from the page cache before each run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
@@ -402,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     bench = Bench(workdir.resolve(), args.repeat, args.cold, [sys.executable, "-m", "ckptkit"])
     print(" | ".join(f"{k} {v}" for k, v in machine().items()), flush=True)
+    if not args.cold:
+        why = "possible, but not used" if can_drop_caches() else "not permitted here"
+        print(f"dropping the page cache is {why}: every run sees a warm cache", flush=True)
     sizes: dict[int, tuple[int, int]] = {}
     checks: dict[int, tuple[bool, bool]] = {}
     try:
@@ -421,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1) + "\n")
-    return 0 if all(raw["targets"].values()) else 1
+    # Performance targets are reported, not enforced (timings on a shared machine vary);
+    # a failed round trip is an error.
+    return 0 if all(ok for (verified, identical) in checks.values() for ok in (verified, identical)) else 1
 
 
 if __name__ == "__main__":

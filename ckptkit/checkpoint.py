@@ -17,7 +17,7 @@ from ckptkit.formats import hf, internal, meta
 from ckptkit.formats.base import INTERNAL_FILE, ORIGIN_FILE, RawCheckpoint, read_json
 from ckptkit.models import ModelConfig, canonical_shapes, detect_from_hf, detect_from_meta, get_family
 from ckptkit.models.family import Family
-from ckptkit.models.spec import COPY, FUSED, ROPE_K, ROPE_Q, TIED, Layout
+from ckptkit.models.spec import FUSED, ROPE_K, ROPE_Q, TIED, Layout
 from ckptkit.transforms import rope_meta_to_hf, split_rows
 
 FORMATS = ("meta", "hf", "hf-bin", "internal")
@@ -126,7 +126,9 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
         return meta.open_raw(root)
     if fmt in ("hf", "hf-bin"):
         if not hf.detect(root, fmt):
-            raise CkptkitError(f"{root}: not an {fmt} checkpoint (needs config.json and {hf.single_name(fmt)} or shards)")
+            raise CkptkitError(
+                f"{root}: not an {fmt} checkpoint (needs config.json and {hf.single_name(fmt)} or shards)"
+            )
         return hf.open_raw(root, fmt)
     raise CkptkitError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
@@ -198,7 +200,8 @@ def _canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tup
             continue
         if info is None:
             raise CkptkitError(
-                f"{raw.root}: tensor {rule.native!r} is missing ({cfg.model_type} with {cfg.num_layers} layers needs it)"
+                f"{raw.root}: tensor {rule.native!r} is missing "
+                f"({cfg.model_type} with {cfg.num_layers} layers needs it)"
             )
         used.add(rule.native)
         where = info.file
@@ -213,7 +216,9 @@ def _canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tup
                     f"{' + '.join(map(str, sizes))}: the config contradicts the tensor shapes"
                 )
             for j, c in enumerate(rule.canonical):
-                found[c] = Lazy((sizes[j], *info.shape[1:]), info.dtype, _fused_getter(raw, rule.native, sizes, j, cache), where)
+                found[c] = Lazy(
+                    (sizes[j], *info.shape[1:]), info.dtype, _fused_getter(raw, rule.native, sizes, j, cache), where
+                )
             continue
         heads = {ROPE_Q: cfg.num_heads, ROPE_K: cfg.num_kv_heads}.get(rule.kind)
         found[rule.canonical[0]] = Lazy(info.shape, info.dtype, _getter(raw, rule.native, heads), where)
@@ -251,7 +256,9 @@ def _getter(raw: RawCheckpoint, native: str, heads: int | None) -> Callable[[], 
     return lambda: rope_meta_to_hf(raw.read(native), heads)
 
 
-def _fused_getter(raw: RawCheckpoint, native: str, sizes: list[int], j: int, cache: dict[str, Any]) -> Callable[[], torch.Tensor]:
+def _fused_getter(
+    raw: RawCheckpoint, native: str, sizes: list[int], j: int, cache: dict[str, Any]
+) -> Callable[[], torch.Tensor]:
     def get() -> torch.Tensor:
         if cache.get("name") != native:  # keep the last fused tensor: q, k, v come in a row
             cache.update(name=native, parts=split_rows(raw.read(native), sizes))

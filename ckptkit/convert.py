@@ -103,7 +103,10 @@ def _unused_pool(ckpt: Checkpoint) -> dict[str, Lazy]:
 
 def _layout_for(ckpt: Checkpoint, fmt: str) -> Layout:
     if fmt == "meta":
-        return ckpt.family.meta_layout(ckpt.config)
+        try:
+            return ckpt.family.meta_layout(ckpt.config)
+        except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
+            raise CkptkitError(f"{ckpt.path}: {e}") from None
     return ckpt.family.hf_layout(ckpt.config)
 
 
@@ -130,7 +133,9 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
         dropped = [k for k in pool if not layout.is_unused(k)]
         targets.update({k: v for k, v in pool.items() if layout.is_unused(k)})
         if dropped:
-            notes.append(f"not carried ({fmt} does not hold them, the model does not use them): {', '.join(dropped[:4])}")
+            notes.append(
+                f"not carried ({fmt} does not hold them, the model does not use them): {', '.join(dropped[:4])}"
+            )
     targets = {k: _cast(v, cast) for k, v in targets.items()}
 
     plan = None
@@ -162,7 +167,9 @@ def _restored_plan(ckpt: Checkpoint, fmt: str, targets: dict[str, Lazy], notes: 
     if fmt == "meta" and n > 1:
         for k in keep:
             split.setdefault(k, meta.split_dim(k, len(targets[k].shape), ckpt.family.vocab_parallel))
-    return Plan(fmt, {k: v for k, v in targets.items() if k in keep}, files, split if n > 1 else {}, restored=True, notes=notes)
+    return Plan(
+        fmt, {k: v for k, v in targets.items() if k in keep}, files, split if n > 1 else {}, restored=True, notes=notes
+    )
 
 
 def _required(ckpt: Checkpoint, fmt: str) -> set[str]:
@@ -186,7 +193,9 @@ def _default_plan(ckpt: Checkpoint, fmt: str, targets: dict[str, Lazy], opts: Op
             for k, t in targets.items():
                 d = meta.split_dim(k, len(t.shape), ckpt.family.vocab_parallel)
                 if d is not None and t.shape[d] % n:
-                    raise CkptkitError(f"--shards {n}: {k} has {t.shape[d]} rows/columns on dim {d}, not divisible by {n}")
+                    raise CkptkitError(
+                        f"--shards {n}: {k} has {t.shape[d]} rows/columns on dim {d}, not divisible by {n}"
+                    )
                 split[k] = d
         return Plan(fmt, targets, files, split, notes=notes)
     if opts.shards is not None:
@@ -270,7 +279,9 @@ def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "con
             where.setdefault(k, []).append(f)
         path = out_dir / f.name
         writers[f.name] = (
-            SafetensorsWriter(path, entries, f.metadata) if f.name.endswith(".safetensors") else TorchPickleWriter(path, entries)
+            SafetensorsWriter(path, entries, f.metadata)
+            if f.name.endswith(".safetensors")
+            else TorchPickleWriter(path, entries)
         )
     total = sum(plan.targets[k].nbytes for k in where)
     with byte_progress(label, total, quiet) as bar:
@@ -278,7 +289,7 @@ def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "con
             lazy = plan.targets[key]
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or tensor.dtype != lazy.dtype:
-                raise CkptkitError(f"internal error: {key} came out {tuple(tensor.shape)} {tensor.dtype}, expected {lazy.shape} {lazy.dtype}")
+                raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
             pieces = split_ranks(tensor, files[0].ranks, plan.split_dims.get(key)) if files[0].ranks > 1 else [tensor]
             for f in files:
                 writers[f.name].write(key, pieces[f.rank] if len(pieces) > 1 else pieces[0])

@@ -29,9 +29,7 @@ def save_checkpoint_like(
         missing = [k for k in src.tensors if k not in state_dict]
         extra = [k for k in state_dict if k not in src.tensors]
         if missing or extra:
-            raise CkptkitError(
-                f"state dict does not match {source}: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
+            raise CkptkitError(f"state dict does not match {source}: missing {missing[:3]}, unexpected {extra[:3]}")
         tensors = {}
         for name, lazy in src.tensors.items():
             t = state_dict[name]

@@ -33,7 +33,9 @@ def inspect_path(path: str | Path, model_type: str | None = None) -> dict[str, A
     raise CkptkitError(f"{p}: not a weight file (expected .pth, .pt, .bin, .safetensors or *.index.json)")
 
 
-def _describe(fmt: str, model_type: str | None, files: list[str], per_file: list[TensorInfo], merged: dict[str, TensorInfo]) -> dict[str, Any]:
+def _describe(
+    fmt: str, model_type: str | None, files: list[str], per_file: list[TensorInfo], merged: dict[str, TensorInfo]
+) -> dict[str, Any]:
     return {
         "format": fmt,
         "model_type": model_type,

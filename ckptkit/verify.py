@@ -62,8 +62,14 @@ class Report:
             "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b,
             "differences": [
-                {"name": d.name, "shape_a": list(d.shape_a), "shape_b": list(d.shape_b),
-                 "dtype_a": d.dtype_a, "dtype_b": d.dtype_b, "max_abs_diff": d.max_abs_diff}
+                {
+                    "name": d.name,
+                    "shape_a": list(d.shape_a),
+                    "shape_b": list(d.shape_b),
+                    "dtype_a": d.dtype_a,
+                    "dtype_b": d.dtype_b,
+                    "max_abs_diff": d.max_abs_diff,
+                }
                 for d in self.differences
             ],
             "ignored_unused": self.ignored,

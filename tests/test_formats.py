@@ -19,6 +19,7 @@ from ckptkit.convert import convert
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter, library_order
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
 from ckptkit.inspect import inspect_path
+
 from conftest import FIXTURES
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.float64]
@@ -26,7 +27,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8,
 state_dicts = st.dictionaries(
     st.text("abcxyz._0123456789", min_size=1, max_size=12),
     st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPES)),
-    min_size=1, max_size=6,
+    min_size=1,
+    max_size=6,
 ).map(lambda d: {k: (torch.rand(s) * 100).to(dt) for k, (s, dt) in d.items()})
 
 
@@ -37,8 +39,10 @@ def test_safetensors_writer_is_byte_identical_to_the_library(sd: dict, reverse: 
     save_file(sd, d / "ref.safetensors", metadata={"format": "pt"})
     entries = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()]
     order = library_order(entries)
-    writer = SafetensorsWriter(d / "mine.safetensors", sorted(entries, key=lambda e: order.index(e[0])), {"format": "pt"})
-    for k in (reversed(list(sd)) if reverse else sd):  # any write order
+    writer = SafetensorsWriter(
+        d / "mine.safetensors", sorted(entries, key=lambda e: order.index(e[0])), {"format": "pt"}
+    )
+    for k in reversed(list(sd)) if reverse else sd:  # any write order
         writer.write(k, sd[k])
     writer.close()
     assert (d / "mine.safetensors").read_bytes() == (d / "ref.safetensors").read_bytes()
@@ -69,14 +73,21 @@ def test_inspect_json_describes_hf_fixture() -> None:
 
     out = subprocess.run(
         [sys.executable, "-m", "ckptkit", "inspect", str(FIXTURES / "hf" / "llama3"), "--json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     info = json.loads(out.stdout)
     assert info["format"] == "hf" and info["model_type"] == "llama3"
     assert info["files"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     model = AutoModelForCausalLM.from_pretrained(FIXTURES / "hf" / "llama3")
     assert info["num_params"] == model.num_parameters()
-    assert info["total_bytes"] == json.loads((FIXTURES / "hf" / "llama3" / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert (
+        info["total_bytes"]
+        == json.loads((FIXTURES / "hf" / "llama3" / "model.safetensors.index.json").read_text())["metadata"][
+            "total_size"
+        ]
+    )
     assert {t["dtype"] for t in info["tensors"]} == {"bfloat16"}
     names = {t["name"]: t for t in info["tensors"]}
     assert names["model.layers.0.self_attn.k_proj.weight"]["shape"] == [32, 64]
@@ -108,7 +119,8 @@ def test_dtype_cast_and_verify(tmp_path: Path) -> None:
     assert cfg["dtype"] == "float32"
     res = subprocess.run(
         [sys.executable, "-m", "ckptkit", "verify", str(FIXTURES / "hf" / "qwen2"), str(tmp_path / "f32"), "--json"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     report = json.loads(res.stdout)
     assert res.returncode == 1 and not report["identical"]
@@ -139,5 +151,26 @@ def test_cli_convert_prints_summary_and_quiet_prints_nothing(tmp_path: Path) -> 
     base = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / "meta" / "llama2")]
     loud = subprocess.run([*base, str(tmp_path / "a"), "--to", "hf"], capture_output=True, text=True, check=True)
     assert "wrote" in loud.stderr and "rope.freqs" in loud.stderr  # says what it did not carry
-    quiet = subprocess.run([*base, str(tmp_path / "b"), "--to", "hf", "--quiet"], capture_output=True, text=True, check=True)
+    quiet = subprocess.run(
+        [*base, str(tmp_path / "b"), "--to", "hf", "--quiet"], capture_output=True, text=True, check=True
+    )
     assert quiet.stdout == "" and quiet.stderr == ""
+
+
+def test_reads_the_transformers_4_config_spelling(tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "v4"
+    shutil.copytree(FIXTURES / "hf" / "llama3_1", src)
+    cfg = json.loads((src / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = params
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    with open_checkpoint(src) as v4, open_checkpoint(FIXTURES / "hf" / "llama3_1") as v5:
+        assert v4.family.name == "llama3_1"
+        assert v4.config == v5.config
+    convert(src, tmp_path / "meta", "meta")
+    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    assert (tmp_path / "back" / "config.json").read_text() == (src / "config.json").read_text()

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import FAMILIES, FIXTURES, fixture_config, hf_dir, hf_model, native_model
 from typer.testing import CliRunner
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.generation import generate, generate_text, sample_next
-from ckptkit.train.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+from ckptkit.train.tokenizer import HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
+
+from train_helpers import FAMILIES, FIXTURES, fixture_config, hf_dir, hf_model, native_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,6 +93,23 @@ def test_sentencepiece_tokenizer_from_meta_dir() -> None:
     assert tok.encode(text) == AutoTokenizer.from_pretrained(hf_dir("llama2"))(text)["input_ids"]
     assert tok.decode(tok.encode(text)) == text
     assert tok.eos_ids == [2]
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama3_1"])
+def test_tiktoken_tokenizer_model_matches_tokenizer_json(family: str, tmp_path: Path) -> None:
+    """Meta Llama 3 ships only a tiktoken-format tokenizer.model; it must encode like tokenizer.json."""
+    meta = FIXTURES / "meta" / family
+    if not (meta / "tokenizer.model").is_file():
+        pytest.skip("meta fixture missing")
+    only_model = tmp_path / "original"
+    only_model.mkdir()
+    shutil.copy(meta / "tokenizer.model", only_model / "tokenizer.model")
+    tok, ref = load_tokenizer(only_model), HFTokenizer(meta / "tokenizer.json")
+    assert isinstance(tok, TiktokenTokenizer)
+    text = (FIXTURES / "corpus.txt").read_text()
+    for piece in [*text.splitlines()[:40], text, "  tabs\tand\n\nnewlines 12345 émoji 😀"]:
+        assert tok.encode(piece) == ref.encode(piece)
+    assert tok.decode(tok.encode(text)) == text
 
 
 def _weights_only(family: str, tmp_path: Path) -> Path:

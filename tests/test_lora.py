@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import TOL, hf_dir, native_model, padded_batch
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.export import export_merged, merge_adapter_into_checkpoint
@@ -21,6 +20,8 @@ from ckptkit.train.lora import (
     unmerge_lora,
 )
 from ckptkit.train.peft_io import save_adapter
+
+from train_helpers import TOL, hf_dir, native_model, padded_batch
 
 ALL = list(TARGETS)
 

@@ -10,9 +10,10 @@ import math
 
 import pytest
 import torch
-from train_helpers import FAMILIES, FIXTURES, TOL, fixture_config, hf_dir, hf_model, native_model, padded_batch
 
 from ckptkit.train.model import KVCache, load_model, rope_inv_freq
+
+from train_helpers import FAMILIES, FIXTURES, TOL, fixture_config, hf_dir, hf_model, native_model, padded_batch
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,6 +11,7 @@ import torch
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.convert import convert
+
 from conftest import FIXTURES, assert_same_layout
 
 META_FIXTURES = ["llama2", "llama3", "llama3_1", "llama3_2", "mistral", "llama2-2rank", "llama3-2rank"]
@@ -80,7 +81,8 @@ def test_meta_2rank_to_hf_to_meta_restores_ranks(tmp_path: Path) -> None:
     convert(src, tmp_path / "hf", "hf")
     convert(tmp_path / "hf", tmp_path / "back", "meta")
     assert sorted(p.name for p in (tmp_path / "back").glob("consolidated.*")) == [
-        "consolidated.00.pth", "consolidated.01.pth",
+        "consolidated.00.pth",
+        "consolidated.01.pth",
     ]
     assert_same_layout(src, tmp_path / "back")
     assert (tmp_path / "back" / "params.json").read_bytes() == (src / "params.json").read_bytes()

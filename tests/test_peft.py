@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import TOL, hf_dir, hf_model, native_model, padded_batch
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.generation import generate, generate_text
 from ckptkit.train.lora import apply_lora, lora_modules, merge_lora
 from ckptkit.train.peft_io import load_adapter, save_adapter
+
+from train_helpers import TOL, hf_dir, hf_model, native_model, padded_batch
 
 ALL = ["q", "k", "v", "o", "gate", "up", "down", "output"]
 HF_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ckptkit.convert import convert
+
 from conftest import META_FAMILIES, assert_same_layout, fixture_dirs, fixture_family, tree_hashes
 
 
@@ -20,7 +21,9 @@ def _cases() -> list[tuple[Path, str]]:
     return cases
 
 
-@pytest.mark.parametrize(("src", "to"), _cases(), ids=lambda v: v if isinstance(v, str) else f"{v.parent.name}/{v.name}")
+@pytest.mark.parametrize(
+    ("src", "to"), _cases(), ids=lambda v: v if isinstance(v, str) else f"{v.parent.name}/{v.name}"
+)
 def test_round_trip_is_exact(src: Path, to: str, tmp_path: Path) -> None:
     before = tree_hashes(src)
     mid, back = tmp_path / "mid", tmp_path / "back"

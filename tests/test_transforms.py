@@ -37,7 +37,12 @@ def test_rope_permutation_matches_the_reference_formula() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4), cols=st.integers(1, 7), dtype=DTYPES, seed=st.integers(0, 999))
+@given(
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    cols=st.integers(1, 7),
+    dtype=DTYPES,
+    seed=st.integers(0, 999),
+)
 def test_fused_split_inverts(sizes: list[int], cols: int, dtype: torch.dtype, seed: int) -> None:
     w = _random((sum(sizes), cols), dtype, seed)
     parts = split_rows(w, sizes)
@@ -46,8 +51,14 @@ def test_fused_split_inverts(sizes: list[int], cols: int, dtype: torch.dtype, se
 
 
 @settings(max_examples=60, deadline=None)
-@given(ranks=st.integers(1, 8), rows=st.integers(1, 5), cols=st.integers(1, 5), dim=st.sampled_from([0, 1, None]),
-       dtype=DTYPES, seed=st.integers(0, 999))
+@given(
+    ranks=st.integers(1, 8),
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 5),
+    dim=st.sampled_from([0, 1, None]),
+    dtype=DTYPES,
+    seed=st.integers(0, 999),
+)
 def test_rank_split_inverts(ranks: int, rows: int, cols: int, dim: int | None, dtype: torch.dtype, seed: int) -> None:
     shape = (rows * (ranks if dim == 0 else 1), cols * (ranks if dim == 1 else 1))
     w = _random(shape, dtype, seed)

@@ -40,9 +40,7 @@ def weight_files(root: Path, fmt: str) -> list[Path]:
 
 
 def detect(root: Path, fmt: str) -> bool:
-    return (root / "config.json").is_file() and (
-        bool(weight_files(root, fmt)) or (root / index_name(fmt)).is_file()
-    )
+    return (root / "config.json").is_file() and (bool(weight_files(root, fmt)) or (root / index_name(fmt)).is_file())
 
 
 def open_raw(root: Path, fmt: str) -> RawCheckpoint:
@@ -91,9 +89,16 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
             if key not in infos:
                 raise CkptkitError(f"{index_path}: says {key!r} is in {name}, but {name} does not hold it")
     return RawCheckpoint(
-        format=fmt, root=root, files=files, infos=infos, readers=readers,
-        config_name="config.json", config_text=config_text, config=config,
-        index=index, file_metadata=file_metadata,
+        format=fmt,
+        root=root,
+        files=files,
+        infos=infos,
+        readers=readers,
+        config_name="config.json",
+        config_text=config_text,
+        config=config,
+        index=index,
+        file_metadata=file_metadata,
     )
 
 

@@ -38,7 +38,13 @@ def open_raw(root: Path) -> RawCheckpoint:
         readers[name], files[name] = reader, list(reader.infos)
         infos.update(reader.infos)
     return RawCheckpoint(
-        format="internal", root=root, files=files, infos=infos, readers=readers,
-        config_name=INTERNAL_FILE, config_text=text, config=doc,
+        format="internal",
+        root=root,
+        files=files,
+        infos=infos,
+        readers=readers,
+        config_name=INTERNAL_FILE,
+        config_text=text,
+        config=doc,
         file_metadata={f: r.metadata for f, r in readers.items()},  # type: ignore[attr-defined]
     )

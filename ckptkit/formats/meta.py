@@ -87,8 +87,14 @@ def open_raw(root: Path) -> RawCheckpoint:
         split_dims[key] = d
         infos[key] = TensorInfo(key, shape, shards[0].dtype, first)
     return RawCheckpoint(
-        format="meta", root=root, files=files, infos=infos, readers=readers,
-        config_name="params.json", config_text=config_text, config=params,
+        format="meta",
+        root=root,
+        files=files,
+        infos=infos,
+        readers=readers,
+        config_name="params.json",
+        config_text=config_text,
+        config=params,
         file_metadata={f: getattr(r, "metadata", None) for f, r in readers.items()},
         split_dims=split_dims if n > 1 else {},
     )

@@ -66,18 +66,22 @@ def _load(path: Path) -> tuple[object, bool]:
                 return torch.load(path, map_location="cpu", weights_only=True), False
     except pickle.UnpicklingError as e:
         text = str(e)
-        if "Weights only load failed" not in text and "Unsupported global" not in text:
+        # Garbage bytes fail on an opcode ("Unsupported operand"); a real pickle that wants
+        # code (a GLOBAL import, a reduce call) is refused by the weights-only unpickler.
+        if "Weights only load failed" not in text or "Unsupported operand" in text:
             raise CkptkitError(f"{path}: not a torch checkpoint (corrupt or not a pickle)") from None
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        m = re.search(r"GLOBAL ([\w.]+)", text)
         why = f" (it imports {m.group(1)})" if m else ""
         raise CkptkitError(
             f"{path}: refusing to load: the pickle needs more than weights_only=True allows{why}"
         ) from None
-    except (KeyError, EOFError):
+    except (KeyError, EOFError, IndexError, AssertionError, TypeError, struct.error):
+        # what torch.load raises on truncated or scrambled pickles
         raise CkptkitError(f"{path}: not a torch checkpoint (corrupt or not a pickle)") from None
-    except (RuntimeError, OSError, ValueError, zipfile.BadZipFile) as e:
+    except Exception as e:  # RuntimeError, OSError, ValueError, BadZipFile, ...: damaged archive
         lines = str(e).strip().splitlines()
-        msg = lines[0] if lines else type(e).__name__
+        first = re.split(r"(?<=[.!?])\s", lines[0])[0] if lines else type(e).__name__
+        msg = first if len(first) <= 160 else first[:157] + "..."
         raise CkptkitError(f"{path}: not a readable torch checkpoint ({msg})") from None
 
 
@@ -90,9 +94,7 @@ class TorchPickleReader:
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise CkptkitError(f"{path}: expected a flat dict of tensors (a state dict)")
         self._tensors: dict[str, torch.Tensor] = obj
-        self.infos = {
-            k: TensorInfo(k, tuple(v.shape), v.dtype, path.name) for k, v in obj.items()
-        }
+        self.infos = {k: TensorInfo(k, tuple(v.shape), v.dtype, path.name) for k, v in obj.items()}
 
     def read(self, name: str) -> torch.Tensor:
         src = self._tensors[name]

@@ -9,14 +9,20 @@ from ckptkit.models import gemma, llama, mistral, phi3, qwen2
 from ckptkit.models.config import ModelConfig, canonical_shapes
 from ckptkit.models.family import Family
 
-REGISTRY: dict[str, Family] = {
-    f.name: f for mod in (llama, mistral, qwen2, gemma, phi3) for f in mod.FAMILIES
-}
+REGISTRY: dict[str, Family] = {f.name: f for mod in (llama, mistral, qwen2, gemma, phi3) for f in mod.FAMILIES}
 MODEL_TYPES = tuple(REGISTRY)
 
 __all__ = [
-    "MODEL_TYPES", "REGISTRY", "Family", "ModelConfig", "canonical_shapes",
-    "get_family", "detect_from_hf", "detect_from_meta", "hf_key", "canonical_key",
+    "MODEL_TYPES",
+    "REGISTRY",
+    "Family",
+    "ModelConfig",
+    "canonical_shapes",
+    "get_family",
+    "detect_from_hf",
+    "detect_from_meta",
+    "hf_key",
+    "canonical_key",
 ]
 
 
@@ -24,9 +30,7 @@ def get_family(model_type: str) -> Family:
     try:
         return REGISTRY[model_type]
     except KeyError:
-        raise CkptkitError(
-            f"unknown model type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
-        ) from None
+        raise CkptkitError(f"unknown model type {model_type!r}; supported: {', '.join(MODEL_TYPES)}") from None
 
 
 def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
@@ -56,8 +60,7 @@ def detect_from_meta(params: dict[str, Any], container: str, tied: bool, where: 
     name = llama.detect_meta(params, tied)
     if name is None:
         raise CkptkitError(
-            f"{where}: cannot tell which Llama this is (rope_theta {params.get('rope_theta')}); "
-            "pass --model-type"
+            f"{where}: cannot tell which Llama this is (rope_theta {params.get('rope_theta')}); pass --model-type"
         )
     return REGISTRY[name]
 
@@ -98,4 +101,4 @@ def _generic(name: str) -> tuple[int | None, str]:
     m = re.search(r"layers\.(\d+)\.", name)
     if not m:
         return None, name
-    return int(m.group(1)), name[: m.start()] + "layers.0." + name[m.end():]
+    return int(m.group(1)), name[: m.start()] + "layers.0." + name[m.end() :]

@@ -47,7 +47,9 @@ class Family:
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         raise NotImplementedError
 
-    def config_from_meta(self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    def config_from_meta(
+        self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False
+    ) -> ModelConfig:
         raise CkptkitError(f"{self.name} has no Meta layout")
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:

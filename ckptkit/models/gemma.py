@@ -22,7 +22,11 @@ class Gemma(Family):
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         # Gemma's weights hold no lm_head: the output is always the embeddings.
         return hf_common_config(
-            cfg, self.name, hidden_act=act, norm_plus_one=True, embed_scale=True,
+            cfg,
+            self.name,
+            hidden_act=act,
+            norm_plus_one=True,
+            embed_scale=True,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
 

@@ -124,7 +124,7 @@ class Llama2(Family):
         try:
             dim, n_heads, n_layers = int(params["dim"]), int(params["n_heads"]), int(params["n_layers"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CkptkitError(f"params.json: missing or invalid {e}") from None
+            raise CkptkitError(f"missing or invalid field {e}") from None
         n_kv = int(params.get("n_kv_heads") or n_heads)
         head_dim = int(params.get("head_dim") or dim // n_heads)
         emb = shapes.get("tok_embeddings.weight")
@@ -132,9 +132,7 @@ class Llama2(Family):
             raise CkptkitError("tok_embeddings.weight is missing")
         vocab = int(params.get("vocab_size") or -1)
         if vocab > 0 and vocab != emb[0]:
-            raise CkptkitError(
-                f"params.json says vocab_size {vocab} but tok_embeddings.weight has {emb[0]} rows"
-            )
+            raise CkptkitError(f"vocab_size {vocab} contradicts tok_embeddings.weight, which has {emb[0]} rows")
         w1 = shapes.get("layers.0.feed_forward.w1.weight")
         extra: dict[str, Any] = {}
         if "hidden_dim" in params:
@@ -148,7 +146,7 @@ class Llama2(Family):
             extra = {"multiple_of": multiple_of, "ffn_dim_multiplier": mult}
         if w1 is not None and w1[0] != ffn:
             raise CkptkitError(
-                f"params.json contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows"
+                f"contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows"
             )
         scaled = bool(params.get("use_scaled_rope"))
         return ModelConfig(

@@ -43,7 +43,9 @@ class Mistral(Llama3):
             out["sliding_window"] = cfg.extra["sliding_window"]
         return out
 
-    def config_from_meta(self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False) -> ModelConfig:
+    def config_from_meta(
+        self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False
+    ) -> ModelConfig:
         model = super().config_from_meta(params, shapes, tied)
         model.extra = {"sliding_window": params.get("sliding_window")}
         return model

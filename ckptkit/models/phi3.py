@@ -18,9 +18,11 @@ class Phi3(Family):
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         p = "model.layers.{i}."
         layer = (
-            Rule(p + "self_attn.qkv_proj.weight",
-                 ("layers.{i}.attn.q_proj.weight", "layers.{i}.attn.k_proj.weight", "layers.{i}.attn.v_proj.weight"),
-                 FUSED),
+            Rule(
+                p + "self_attn.qkv_proj.weight",
+                ("layers.{i}.attn.q_proj.weight", "layers.{i}.attn.k_proj.weight", "layers.{i}.attn.v_proj.weight"),
+                FUSED,
+            ),
             Rule(p + "self_attn.o_proj.weight", ("layers.{i}.attn.output_proj.weight",)),
             Rule(p + "mlp.gate_up_proj.weight", ("layers.{i}.mlp.w1.weight", "layers.{i}.mlp.w3.weight"), FUSED),
             Rule(p + "mlp.down_proj.weight", ("layers.{i}.mlp.w2.weight",)),

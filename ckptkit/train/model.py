@@ -320,7 +320,7 @@ def load_model(
 
     cfg, state_dict = load_checkpoint(path, model_type=model_type)
     if dtype is None:
-        dtype = next(iter(state_dict.values())).dtype
+        dtype = state_dict["tok_embeddings.weight"].dtype
     model = build_model(cfg, device="meta", dtype=dtype)
     _check_keys(model, state_dict)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)

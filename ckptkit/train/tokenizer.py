@@ -1,7 +1,8 @@
-"""Tokenizer found next to a checkpoint: HF ``tokenizer.json`` or sentencepiece ``tokenizer.model``."""
+"""Tokenizer found next to a checkpoint: HF ``tokenizer.json``, or a sentencepiece or tiktoken ``tokenizer.model``."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Protocol
@@ -58,10 +59,7 @@ class SentencePieceTokenizer:
         try:
             self._sp.Load(str(path))
         except (OSError, RuntimeError) as exc:
-            raise CkptkitError(
-                f"{path} is not a sentencepiece model (tiktoken-format tokenizers such as Meta Llama 3's "
-                "are not supported; add a tokenizer.json)"
-            ) from exc
+            raise CkptkitError(f"{path} is neither a sentencepiece nor a tiktoken tokenizer model") from exc
         eos = self._sp.eos_id()
         self.eos_ids: list[int] = [eos] if eos >= 0 else []
 
@@ -71,6 +69,93 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.DecodeIds(ids)
+
+
+# Meta Llama 3's pre-tokenizer split (tiktoken ``pat_str``).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class TiktokenTokenizer:
+    """Meta Llama 3's tiktoken-format ``tokenizer.model`` (``base64(bytes) rank`` lines).
+
+    Rebuilt as a byte-level BPE with the ``tokenizers`` library (merges recovered from the
+    ranks, as transformers' converter does). Special tokens follow the base vocabulary:
+    ``<|begin_of_text|>`` = n (prepended), ``<|end_of_text|>`` = n + 1; for the 128k
+    release vocabulary also ``<|eom_id|>`` / ``<|eot_id|>`` = n + 8 / n + 9 end a turn.
+    Special-token text inside a prompt is encoded as plain text.
+    """
+
+    def __init__(self, path: Path, lines: list[str]) -> None:
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Tokenizer
+
+        ranks: dict[bytes, int] = {}
+        try:
+            for line in lines:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        except ValueError as exc:
+            raise CkptkitError(f"{path}: malformed tiktoken line: {exc}") from None
+        to_char = _bytes_to_unicode()
+
+        def text(b: bytes) -> str:
+            return "".join(to_char[x] for x in b)
+
+        merges = []
+        for token, rank in ranks.items():
+            for i in range(1, len(token)):
+                left, right = token[:i], token[i:]
+                if left in ranks and right in ranks:
+                    merges.append((rank, ranks[left], ranks[right], text(left), text(right)))
+        merges.sort()
+        bpe = models.BPE({text(b): r for b, r in ranks.items()}, [(m[3], m[4]) for m in merges], ignore_merges=True)
+        self._tok = _Tokenizer(bpe)
+        self._tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        self._tok.decoder = decoders.ByteLevel()
+        self.n_base = len(ranks)
+        self.eos_ids = [self.n_base + 1] + ([self.n_base + 8, self.n_base + 9] if self.n_base == 128000 else [])
+
+    def encode(self, text: str) -> list[int]:
+        return [self.n_base] + self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([i for i in ids if i < self.n_base])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _read_tokenizer_model(path: Path) -> Tokenizer:
+    """Sentencepiece protobuf, or Meta Llama 3's tiktoken text format."""
+    head = path.read_bytes()[:256]
+    try:
+        first = head.decode("ascii").split("\n", 1)[0].split()
+        if len(first) == 2 and first[1].isdigit():
+            base64.b64decode(first[0], validate=True)
+            return TiktokenTokenizer(path, path.read_text().splitlines())
+    except (UnicodeDecodeError, ValueError):
+        pass
+    return SentencePieceTokenizer(path)
 
 
 def load_tokenizer(checkpoint: str | Path, eos_token_id: int | list[int] | None = None) -> Tokenizer:
@@ -86,9 +171,9 @@ def load_tokenizer(checkpoint: str | Path, eos_token_id: int | list[int] | None 
     if (folder / "tokenizer.json").is_file():
         tok = HFTokenizer(folder / "tokenizer.json")
     elif (folder / "tokenizer.model").is_file():
-        tok = SentencePieceTokenizer(folder / "tokenizer.model")
+        tok = _read_tokenizer_model(folder / "tokenizer.model")
     elif (folder.parent / "tokenizer.model").is_file():
-        tok = SentencePieceTokenizer(folder.parent / "tokenizer.model")
+        tok = _read_tokenizer_model(folder.parent / "tokenizer.model")
     else:
         raise CkptkitError(f"no tokenizer found for {checkpoint} (expected tokenizer.json or tokenizer.model)")
     eos = set(tok.eos_ids) | set(_as_list(eos_token_id))
