@@ -438,7 +438,9 @@ def extrapolation(bench: Bench, sizes: dict[int, tuple[int, int]]) -> list[str]:
 
     A line through two sizes separates the fixed cost of a run (interpreter, imports,
     setup) from the cost per byte; extended to the real model's 13.5 GB it estimates
-    whether the ratio to cp would hold there. An estimate, not a measurement.
+    whether the ratio to cp would hold there. It uses the fastest run of each command:
+    on a shared machine noise only ever adds time, and medians of a few runs gave
+    negative slopes. An estimate, not a measurement.
     """
     if len(sizes) < 2:
         return []
@@ -447,7 +449,7 @@ def extrapolation(bench: Bench, sizes: dict[int, tuple[int, int]]) -> list[str]:
     full = full_model_bytes()
     lines = [
         "",
-        f"Fixed + per-GB cost from the {small}- and {large}-layer runs, extended to the full "
+        f"Fixed + per-GB cost from the fastest {small}- and {large}-layer runs, extended to the full "
         f"32-layer model ({full / 1e9:.1f} GB) -- an estimate, not a measurement:",
         "",
         "| command | fixed s | s per GB | est. 32 layers s | est. / cp |",
@@ -455,7 +457,8 @@ def extrapolation(bench: Bench, sizes: dict[int, tuple[int, int]]) -> list[str]:
     ]
     est: dict[str, float] = {}
     for label in ("cp -r", *CONVERTS):
-        w_s, w_l = bench.results[(small, label)].wall_s, bench.results[(large, label)].wall_s
+        w_s = min(r.wall_s for r in bench.results[(small, label)].runs)
+        w_l = min(r.wall_s for r in bench.results[(large, label)].runs)
         slope = (w_l - w_s) / gb
         fixed = w_s - slope * sizes[small][0] / 1e9
         est[label] = w_l + slope * (full - sizes[large][0]) / 1e9
@@ -527,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(workdir.resolve(), args.repeat, args.cold, [sys.executable, "-m", "ckptkit"])
     print(" | ".join(f"{k} {v}" for k, v in machine().items()), flush=True)
     if not args.cold:
-        why = "possible, but not used" if can_drop_caches() else "not permitted here"
+        # Even where permitted, drop_caches empties the cache of every process on the machine.
+        why = "permitted here but not used" if can_drop_caches() else "not permitted here"
         print(f"dropping the page cache is {why}: every run sees a warm cache", flush=True)
     sizes: dict[int, tuple[int, int]] = {}
     checks: dict[int, tuple[bool, bool]] = {}

@@ -94,17 +94,18 @@ def worker(which: str, weights: Path, dtype: torch.dtype, batch: int, seq: int, 
 
     for _ in range(warmup):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     best, median = min(times), sorted(times)[len(times) // 2]
     return {
         "which": which,
         "tokens_per_s_median": batch * seq / median,
         "tokens_per_s_best": batch * seq / best,
-        "step_s_median": median,
+        "cpu_s_per_step": sorted(cpu)[len(cpu) // 2],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "loss": loss,
     }
@@ -132,8 +133,8 @@ def main() -> None:
         weights = Path(tmp) / "weights.safetensors"
         n_params = make_weights(weights, dtype)
         results: dict[str, list[dict]] = {"ckptkit": [], "transformers": []}
-        for _ in range(args.rounds):
-            for which in results:
+        for round_ in range(args.rounds):  # alternate who goes first: the machine may be shared
+            for which in list(results)[:: 1 if round_ % 2 == 0 else -1]:
                 cmd = [sys.executable, __file__, "--worker", which, "--weights", str(weights)]
                 cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
                 cmd += ["--warmup", str(args.warmup), "--dtype", args.dtype]
@@ -147,13 +148,20 @@ def main() -> None:
         f"forward+backward, {args.steps} timed steps x {args.rounds} rounds, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}"
     )
-    print("| model | tokens/s (median step) | tokens/s (best step) | peak RSS (MiB) | loss |")
-    print("|---|---:|---:|---:|---:|")
+    print("| model | tokens/s (median step) | tokens/s (best step) | CPU s / step | peak RSS (MiB) | loss |")
+    print("|---|---:|---:|---:|---:|---:|")
     for which, runs in results.items():
         med = max(r["tokens_per_s_median"] for r in runs)
         best = max(r["tokens_per_s_best"] for r in runs)
+        cpu = min(r["cpu_s_per_step"] for r in runs)
         rss = max(r["peak_rss_mib"] for r in runs)
-        print(f"| {which} | {med:,.0f} | {best:,.0f} | {rss:,.0f} | {runs[0]['loss']:.4f} |")
+        print(f"| {which} | {med:,.0f} | {best:,.0f} | {cpu:.2f} | {rss:,.0f} | {runs[0]['loss']:.4f} |")
+    print(
+        "per round (tokens/s, median step): "
+        + "; ".join(
+            f"{w} " + ", ".join(f"{r['tokens_per_s_median']:,.0f}" for r in runs) for w, runs in results.items()
+        )
+    )
 
 
 if __name__ == "__main__":

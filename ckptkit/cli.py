@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -31,20 +31,20 @@ err = Console(stderr=True, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Format(str, Enum):
+class Format(StrEnum):
     meta = "meta"
     hf = "hf"
     hf_bin = "hf-bin"
     internal = "internal"
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
 
 
-class ModelType(str, Enum):
+class ModelType(StrEnum):
     llama2 = "llama2"
     llama3 = "llama3"
     llama3_1 = "llama3_1"
@@ -84,7 +84,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
 ) -> None:
     """Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats."""
 
@@ -134,7 +136,9 @@ def convert(
     to: Annotated[Format, typer.Option("--to", help="Target format.")],
     from_: Annotated[Format | None, typer.Option("--from", help="Force the source format.")] = None,
     model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
-    dtype: Annotated[DType | None, typer.Option(help="Cast floating tensors (default: keep every dtype and byte).")] = None,
+    dtype: Annotated[
+        DType | None, typer.Option(help="Cast floating tensors (default: keep every dtype and byte).")
+    ] = None,
     shards: Annotated[int | None, typer.Option(help="Meta model-parallel ranks to write.")] = None,
     max_shard_size: Annotated[str | None, typer.Option(help='HF shard size limit, e.g. "5GB".')] = None,
     force: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
@@ -191,6 +195,63 @@ def verify(
         out.print(f"{verdict}: {report.identical} of {report.compared} common tensors bitwise equal", highlight=False)
     if not report.ok:
         raise typer.Exit(1)
+
+
+# --- recipes: run, ls, cp --------------------------------------------------------------
+
+
+@app.command(context_settings={"allow_extra_args": False})
+@user_errors
+def run(
+    recipe: Annotated[str, typer.Argument(help="Bundled recipe (full_finetune, lora_finetune) or a recipe .py file.")],
+    config: Annotated[str, typer.Option("--config", help="Bundled config name or a YAML path.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE overrides, e.g. optimizer.lr=3e-4")] = None,
+) -> None:
+    """Run a training recipe with a config and KEY=VALUE overrides."""
+    from ckptkit.train.config import load_config
+    from ckptkit.train.recipes import recipe_entry
+
+    entry = recipe_entry(recipe)
+    entry(load_config(config, overrides or []))
+
+
+@app.command(name="ls")
+@user_errors
+def list_recipes() -> None:
+    """List the bundled recipes and their configs."""
+    from ckptkit.train.recipes import RECIPES
+
+    table = Table("recipe", "configs", box=None, header_style="bold")
+    for name, configs in RECIPES.items():
+        table.add_row(name, ", ".join(configs))
+    out.print(table)
+
+
+@app.command()
+@user_errors
+def cp(
+    name: Annotated[str, typer.Argument(help="A bundled recipe or config name (see `ckptkit ls`).")],
+    dest: Annotated[Path, typer.Argument(help="File or directory to copy it to.")],
+    force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
+) -> None:
+    """Copy a bundled recipe (.py) or config (.yaml) out for editing."""
+    import shutil
+
+    from ckptkit.train.config import bundled_configs
+    from ckptkit.train.recipes import RECIPE_DIR, RECIPES
+
+    if name in RECIPES:
+        src = RECIPE_DIR / f"{name}.py"
+    elif name in bundled_configs():
+        src = bundled_configs()[name]
+    else:
+        raise CkptkitError(f"{name}: no bundled recipe or config of that name (see `ckptkit ls`)")
+    target = dest / src.name if dest.is_dir() else dest
+    if target.exists() and not force:
+        raise CkptkitError(f"{target}: already exists (pass --force to overwrite)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, target)
+    err.print(f"copied {name} to {target}", highlight=False)
 
 
 # --- generate (native model; body in ckptkit/train/generation.py) -------------------------------

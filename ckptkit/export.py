@@ -18,6 +18,7 @@ def save_checkpoint_like(
     out_dir: str | Path,
     force: bool = False,
     quiet: bool = True,
+    model_type: str | None = None,
 ) -> Result:
     """Write canonical ``state_dict`` in ``source``'s own format, file names, shards and dtypes.
 
@@ -25,7 +26,7 @@ def save_checkpoint_like(
     over from ``source``. ``out_dir`` is complete or absent afterwards.
     """
     source, out_dir = Path(source), Path(out_dir)
-    with open_checkpoint(source) as src:
+    with open_checkpoint(source, model_type=model_type) as src:
         missing = [k for k in src.tensors if k not in state_dict]
         extra = [k for k in state_dict if k not in src.tensors]
         if missing or extra:

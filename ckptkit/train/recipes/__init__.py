@@ -1,0 +1,34 @@
+"""Bundled recipes and the configs written for each."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+
+RECIPE_DIR = Path(__file__).parent
+RECIPES: dict[str, list[str]] = {
+    "full_finetune": ["tiny_full", "llama2_7B_full", "llama3_1_8B_full"],
+    "lora_finetune": ["tiny_lora", "llama2_7B_lora", "llama3_1_8B_lora", "mistral_7B_lora", "qwen2_1_5B_lora"],
+}
+
+
+def recipe_entry(name_or_path: str) -> Callable[[dict[str, Any]], None]:
+    """``recipe_main`` of a bundled recipe, or of a recipe file (e.g. one copied with ``ckptkit cp``)."""
+    if name_or_path in RECIPES:
+        return importlib.import_module(f"ckptkit.train.recipes.{name_or_path}").recipe_main
+    path = Path(name_or_path)
+    if path.suffix == ".py" and path.is_file():
+        spec = importlib.util.spec_from_file_location(f"ckptkit_user_recipe_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        entry = getattr(module, "recipe_main", None)
+        if entry is None:
+            raise CkptkitError(f"{path}: has no recipe_main(cfg) function")
+        return entry
+    raise CkptkitError(f"{name_or_path}: no such recipe (bundled: {', '.join(RECIPES)}) or recipe file")

@@ -1,0 +1,212 @@
+"""LoRA fine-tuning on one device (CPU or CUDA).
+
+Run it as ``ckptkit run lora_finetune --config CONFIG [key=value ...]`` or as
+``python lora_finetune.py --config CONFIG [key=value ...]`` after ``ckptkit cp``.
+
+Base weights stay frozen; low-rank adapters train on the chosen projections. Each
+checkpoint holds the merged weights in the input's format, file names and shard
+partition, and the adapter in PEFT's format (``adapter_model.safetensors`` +
+``adapter_config.json``). Resuming restores the adapter, optimizer, schedule, RNG and
+data position, so a resumed run ends bitwise where an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.checkpointer import Checkpointer, rng_state, set_rng_state
+from ckptkit.train.config import get, load_config
+from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
+from ckptkit.train.metrics import MetricLogger, Progress
+from ckptkit.train.lora import apply_lora, base_state_dict
+from ckptkit.train.model import build_model
+from ckptkit.train.tokenizer import load_tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class LoRAFinetuneRecipe:
+    """Trains LoRA adapters with AdamW, warmup + cosine schedule; the base stays frozen."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.seed = int(get(cfg, "seed", 0))
+        device = get(cfg, "device", "cpu")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise CkptkitError("device is cuda but no CUDA device is available; set device=cpu")
+        self.device = torch.device(device)
+        dtype = get(cfg, "dtype", "fp32")
+        if dtype not in DTYPES:
+            raise CkptkitError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        self.dtype = DTYPES[dtype]
+        self.epochs = int(get(cfg, "epochs", 1))
+        self.max_steps_per_epoch = get(cfg, "max_steps_per_epoch")
+        self.batch_size = int(get(cfg, "batch_size", 4))
+        self.grad_accum = int(get(cfg, "gradient_accumulation_steps", 1))
+        self.clip = get(cfg, "clip_grad_norm")
+        self.log_every = int(get(cfg, "log_every_n_steps", 1))
+        self.save_every = get(cfg, "save_every_n_steps")
+        self.checkpointer = Checkpointer(cfg)
+        self.output_dir = self.checkpointer.output_dir
+        self.quiet = bool(get(cfg, "quiet", False))
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+
+    def setup(self) -> None:
+        """Load the checkpoint (and recipe state when resuming), build model, data, optimizer."""
+        state = self.checkpointer.load_recipe_state()
+        if state is not None:
+            self.checkpointer.check_state(state, self.seed, self.epochs, self.max_steps_per_epoch)
+        model_cfg, weights = self.checkpointer.load_base()  # the base, also when resuming
+        self.model = build_model(model_cfg, device="meta", dtype=self.dtype)
+        self.model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()}, assign=True)
+        self.model.to(self.device)
+        lora = get(self.cfg, "lora", {})
+        apply_lora(
+            self.model,
+            targets=lora.get("targets", ["q", "v"]),
+            rank=int(lora.get("rank", 8)),
+            alpha=float(lora.get("alpha", 16)),
+            dropout=float(lora.get("dropout", 0.0)),
+        )
+        if state is not None:
+            self.checkpointer.load_adapter_into(self.model)
+        self.model.train()
+        if get(self.cfg, "enable_activation_checkpointing", False):
+            for layer in self.model.layers:
+                layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
+
+        tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
+        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
+        self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
+        self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+        batches = len(self.dataset) // self.batch_size // self.grad_accum
+        if batches == 0:
+            raise CkptkitError(
+                f"dataset has {len(self.dataset)} samples, fewer than batch_size x gradient_accumulation_steps"
+            )
+        self.steps_per_epoch = min(batches, self.max_steps_per_epoch or batches)
+
+        opt = get(self.cfg, "optimizer", {})
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=float(opt.get("lr", 2e-5)),
+            betas=tuple(opt.get("betas", (0.9, 0.999))),
+            weight_decay=float(opt.get("weight_decay", 0.0)),
+        )
+        sched = get(self.cfg, "lr_scheduler", {})
+        warmup, floor = int(sched.get("warmup_steps", 0)), float(sched.get("min_lr_ratio", 0.0))
+        total = self.epochs * self.steps_per_epoch
+
+        def lr_lambda(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = (step - warmup) / max(1, total - warmup)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+
+        self.epochs_run, self.global_step, self.steps_in_epoch = 0, 0, 0
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["lr_scheduler"])
+            self.epochs_run, self.global_step = state["epochs_run"], state["global_step"]
+            self.steps_in_epoch = state["steps_in_epoch"]
+            set_rng_state(state["rng"])
+        self.metrics = MetricLogger(self.output_dir, resume=state is not None)
+
+    def train(self) -> None:
+        """Epochs of optimizer steps; checkpoints at epoch ends and every save_every_n_steps."""
+        total_steps = self.epochs * self.steps_per_epoch
+        with Progress(total_steps, self.global_step, self.quiet) as progress:
+            for epoch in range(self.epochs_run, self.epochs):
+                batches = epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch)
+                while self.steps_in_epoch < self.steps_per_epoch:
+                    start = time.perf_counter()
+                    step_batches = batches[self.steps_in_epoch * self.grad_accum :][: self.grad_accum]
+                    loss, tokens = self._step(step_batches)
+                    self.steps_in_epoch += 1
+                    self.global_step += 1
+                    rate = tokens / (time.perf_counter() - start)
+                    progress.update(self.global_step, loss, rate)
+                    if self.global_step % self.log_every == 0:
+                        self.metrics.log(
+                            step=self.global_step, epoch=epoch, loss=loss,
+                            lr=self.scheduler.get_last_lr()[0], tokens_per_second=rate,
+                        )  # fmt: skip
+                    due = self.save_every and self.global_step % int(self.save_every) == 0
+                    if due and self.global_step < total_steps:
+                        self._save(f"step_{self.global_step}", epoch, final=False)
+                self.epochs_run, self.steps_in_epoch = epoch + 1, 0
+                self._save(f"epoch_{epoch}", epoch + 1, final=self.epochs_run == self.epochs)
+
+    def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
+        """One optimizer step over gradient_accumulation_steps batches; (mean loss, tokens)."""
+        total_loss, tokens = 0.0, 0
+        for indices in step_batches:
+            batch = collate([self.dataset[i] for i in indices], self.pad_id)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+            (loss / len(step_batches)).backward()
+            total_loss += loss.item() / len(step_batches)
+            tokens += int(batch["attention_mask"].sum())
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss, tokens
+
+    def _save(self, name: str, epochs_run: int, final: bool) -> None:
+        weights = base_state_dict(self.model, merged=True)
+        state = None
+        if not final:
+            state = {
+                "seed": self.seed,
+                "epochs_run": epochs_run,
+                "total_epochs": self.epochs,
+                "max_steps_per_epoch": self.max_steps_per_epoch,
+                "global_step": self.global_step,
+                "steps_in_epoch": self.steps_in_epoch,
+                "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(),
+            }
+        path = self.checkpointer.save(name, weights, adapter_model=self.model, recipe_state=state)
+        self.metrics.event(checkpoint=str(path), step=self.global_step)
+
+    def cleanup(self) -> None:
+        self.metrics.close()
+
+
+def recipe_main(cfg: dict[str, Any]) -> None:
+    recipe = LoRAFinetuneRecipe(cfg)
+    recipe.setup()
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    args, overrides = parser.parse_known_args()
+    try:
+        recipe_main(load_config(args.config, overrides))
+    except CkptkitError as e:
+        sys.exit(f"error: {e}")
