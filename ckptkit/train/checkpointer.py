@@ -3,7 +3,8 @@ in the same format, file names and shard partition, atomically, with what resumi
 
 A checkpoint folder (``output_dir/epoch_N`` or ``output_dir/step_N``) holds the model
 (for LoRA: merged) laid out like the input, the input's non-weight files, the LoRA
-adapter in PEFT's format, and ``recipe_state.pt`` (not in the final checkpoint).
+adapter in PEFT's format in ``adapter/`` (a subfolder, so that transformers loads the
+folder itself as the merged model), and ``recipe_state.pt`` (not in the final checkpoint).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ckptkit.train.lora import lora_modules
 from ckptkit.train.peft_io import ADAPTER_WEIGHTS, read_lora_weights, save_adapter
 
 RECIPE_STATE = "recipe_state.pt"
+ADAPTER_DIR = "adapter"
 STATE_KEYS = (
     "seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "global_step", "steps_in_epoch",
     "optimizer", "lr_scheduler", "rng",
@@ -105,6 +107,8 @@ class Checkpointer:
             raise CkptkitError("resuming LoRA needs checkpointer.adapter_checkpoint (the checkpoint folder or its adapter file)")
         path = Path(self.adapter_checkpoint)
         folder = path.parent if path.is_file() else path
+        if not (folder / ADAPTER_WEIGHTS).is_file() and (folder / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file():
+            folder = folder / ADAPTER_DIR  # the checkpoint folder was given
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
         adapter = read_lora_weights(folder, model.config.model_type)
@@ -142,7 +146,7 @@ class Checkpointer:
         try:
             save_checkpoint_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
             if adapter_model is not None:
-                save_adapter(adapter_model, tmp, base_model_name_or_path=str(self.checkpoint_dir))
+                save_adapter(adapter_model, tmp / ADAPTER_DIR, base_model_name_or_path=str(self.checkpoint_dir))
             if recipe_state is not None:
                 torch.save(recipe_state, tmp / RECIPE_STATE)
             old = self.output_dir / f".{name}.old-{os.getpid()}"

@@ -1,0 +1,173 @@
+"""The training recipes: loss goes down, resume is exact, outputs keep the input's format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
+from ckptkit.train.config import load_config
+from ckptkit.train.recipes import recipe_entry
+from conftest import FIXTURES, tree_hashes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def losses(output_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def run(recipe: str, config: str, *overrides: str) -> None:
+    recipe_entry(recipe)(load_config(config, list(overrides)))
+
+
+@pytest.mark.parametrize(("recipe", "config", "bound"), [("full_finetune", "tiny_full", 0.7), ("lora_finetune", "tiny_lora", 0.8)])
+def test_cli_run_lowers_the_loss(recipe: str, config: str, bound: float, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", recipe, "--config", config, f"checkpointer.output_dir={out}"],
+        cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+    curve = losses(out)
+    last_epoch = curve[-6:]  # 48 samples / batch 8 = 6 steps per epoch
+    assert sum(last_epoch) / len(last_epoch) < bound * curve[0], curve
+    final = out / "epoch_3"
+    assert not (final / "recipe_state.pt").exists()  # the final checkpoint needs none
+    assert (out / "epoch_2" / "recipe_state.pt").exists()
+
+
+@pytest.mark.parametrize(("recipe", "config"), [("full_finetune", "tiny_full"), ("lora_finetune", "tiny_lora")])
+def test_resume_is_bitwise_exact(recipe: str, config: str, tmp_path: Path) -> None:
+    common = ["epochs=2", "save_every_n_steps=5", "lora.dropout=0.1"]  # dropout: the RNG must be restored too
+    run(recipe, config, *common, f"checkpointer.output_dir={tmp_path / 'a'}")
+    mid = tmp_path / "a" / "step_5"  # mid-epoch 0
+    resume = ["resume_from_checkpoint=true", f"checkpointer.recipe_checkpoint={mid / 'recipe_state.pt'}"]
+    if recipe == "lora_finetune":
+        resume.append(f"checkpointer.adapter_checkpoint={mid}")
+    run(recipe, config, *common, *resume, f"checkpointer.output_dir={tmp_path / 'b'}")
+    a, b = tree_hashes(tmp_path / "a" / "epoch_1"), tree_hashes(tmp_path / "b" / "epoch_1")
+    assert a == b  # weights, adapter, config: every byte
+    assert losses(tmp_path / "a")[5:] == losses(tmp_path / "b")
+
+
+def test_lora_merged_output_equals_peft_merge(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    convert(FIXTURES / "hf" / "llama3", base, "hf", dtype="float32")  # float32 in, float32 out
+    run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=3", f"checkpointer.checkpoint_dir={base}",
+        f"checkpointer.output_dir={tmp_path / 'out'}")  # fmt: skip
+    ours_dir = tmp_path / "out" / "epoch_0"
+    ours = AutoModelForCausalLM.from_pretrained(ours_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), ours_dir / "adapter")
+    merged = peft.merge_and_unload()
+    theirs = merged.state_dict()
+    worst = max((v - theirs[k]).abs().max().item() for k, v in ours.state_dict().items())
+    assert worst < 1e-6  # float32 rounding of W + s * B @ A
+    base_sd = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    assert not torch.equal(base_sd["model.layers.0.self_attn.q_proj.weight"], theirs["model.layers.0.self_attn.q_proj.weight"])
+    ids = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids).logits - merged(ids).logits).abs().max().item() < 1e-5
+
+
+def test_outputs_keep_the_input_format(tmp_path: Path) -> None:
+    src = FIXTURES / "meta" / "llama2-2rank"
+    before = tree_hashes(src)
+    run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=1", f"checkpointer.checkpoint_dir={src}",
+        f"checkpointer.output_dir={tmp_path / 'meta'}")  # fmt: skip
+    out = tmp_path / "meta" / "epoch_0"
+    assert sorted(p.name for p in out.glob("consolidated.*")) == ["consolidated.00.pth", "consolidated.01.pth"]
+    assert (out / "params.json").read_bytes() == (src / "params.json").read_bytes()
+    assert {"adapter_model.safetensors", "adapter_config.json"} == {p.name for p in (out / "adapter").iterdir()}
+    assert (out / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    assert tree_hashes(src) == before
+
+    src = FIXTURES / "hf-bin" / "llama2"
+    run("full_finetune", "tiny_full", "epochs=1", "max_steps_per_epoch=1", f"checkpointer.checkpoint_dir={src}",
+        f"checkpointer.output_dir={tmp_path / 'bin'}")  # fmt: skip
+    out = tmp_path / "bin" / "epoch_0"
+    assert sorted(p.name for p in out.glob("*.bin")) == sorted(p.name for p in src.glob("*.bin"))
+    index = json.loads((out / "pytorch_model.bin.index.json").read_text())
+    assert index == json.loads((src / "pytorch_model.bin.index.json").read_text())
+    shard = torch.load(out / "pytorch_model-00001-of-00002.bin", weights_only=True)
+    assert shard["model.layers.0.self_attn.rotary_emb.inv_freq"].dtype == torch.float32  # carried over
+
+
+def test_resume_errors_name_the_config_key(tmp_path: Path) -> None:
+    out = f"checkpointer.output_dir={tmp_path / 'x'}"
+    with pytest.raises(CkptkitError, match="checkpointer.recipe_checkpoint is not set"):
+        run("full_finetune", "tiny_full", "resume_from_checkpoint=true", out)
+    with pytest.raises(CkptkitError, match=r"recipe_state.pt: recipe state not found; set checkpointer.recipe_checkpoint"):
+        run("full_finetune", "tiny_full", "resume_from_checkpoint=true",
+            f"checkpointer.recipe_checkpoint={tmp_path / 'nope' / 'recipe_state.pt'}", out)  # fmt: skip
+    run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", f"checkpointer.output_dir={tmp_path / 'a'}")
+    state = tmp_path / "a" / "epoch_0" / "recipe_state.pt"
+    with pytest.raises(CkptkitError, match="epochs=2 but the config says 3"):
+        run("lora_finetune", "tiny_lora", "epochs=3", "max_steps_per_epoch=1", "resume_from_checkpoint=true",
+            f"checkpointer.recipe_checkpoint={state}", out)  # fmt: skip
+    with pytest.raises(CkptkitError, match="checkpointer.adapter_checkpoint"):
+        run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", "resume_from_checkpoint=true",
+            f"checkpointer.recipe_checkpoint={state}", out)  # fmt: skip
+    with pytest.raises(CkptkitError, match="adapts other modules"):
+        run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", "resume_from_checkpoint=true",
+            "lora.targets=[q]", f"checkpointer.recipe_checkpoint={state}",
+            f"checkpointer.adapter_checkpoint={state.parent}", out)  # fmt: skip
+
+
+def test_bad_data_row_names_its_line(tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "c"}\n')
+    with pytest.raises(CkptkitError, match=rf"{data}:3: missing or non-string field\(s\): output"):
+        run("full_finetune", "tiny_full", f"dataset.source={data}", f"checkpointer.output_dir={tmp_path / 'o'}")
+    data.write_text('{"instruction": "a", "output": "b"}\n{oops\n')
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "full_finetune", "--config", "tiny_full",
+         f"dataset.source={data}", f"checkpointer.output_dir={tmp_path / 'o'}"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()] and f"{data}:2: invalid JSON" in res.stderr
+
+
+def test_text_completion_data_trains(tmp_path: Path) -> None:
+    run("full_finetune", "tiny_full", "dataset.type=text", "dataset.source=tiny_corpus", "dataset.max_seq_len=64",
+        "batch_size=2", "epochs=1", f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
+    assert losses(tmp_path / "o")
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptkit.train.checkpointer as ck
+
+    run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=1", f"checkpointer.output_dir={tmp_path}")
+    before = tree_hashes(tmp_path / "epoch_0")
+
+    def crash(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "save_adapter", crash)
+    with pytest.raises(OSError):
+        run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=1", f"checkpointer.output_dir={tmp_path}")
+    assert tree_hashes(tmp_path / "epoch_0") == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_ls_and_cp(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "ckptkit", "ls"], capture_output=True, text=True, check=True)
+    assert "full_finetune" in res.stdout and "tiny_lora" in res.stdout
+    subprocess.run([sys.executable, "-m", "ckptkit", "cp", "lora_finetune", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], check=True, capture_output=True)
+    again = subprocess.run([sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], capture_output=True, text=True)
+    assert again.returncode == 1 and "already exists" in again.stderr
+    # the copied recipe runs as a file
+    run(str(tmp_path / "lora_finetune.py"), str(tmp_path / "my.yaml"), "epochs=1", "max_steps_per_epoch=1",
+        f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
+    assert (tmp_path / "o" / "epoch_0" / "adapter" / "adapter_model.safetensors").exists()
