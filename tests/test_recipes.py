@@ -171,3 +171,16 @@ def test_ls_and_cp(tmp_path: Path) -> None:
     run(str(tmp_path / "lora_finetune.py"), str(tmp_path / "my.yaml"), "epochs=1", "max_steps_per_epoch=1",
         f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
     assert (tmp_path / "o" / "epoch_0" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_activation_checkpointing_bf16_and_accumulation(tmp_path: Path) -> None:
+    one = ["epochs=1", "max_steps_per_epoch=2"]
+    run("full_finetune", "tiny_full", *one, f"checkpointer.output_dir={tmp_path / 'plain'}")
+    run("full_finetune", "tiny_full", *one, "enable_activation_checkpointing=true", f"checkpointer.output_dir={tmp_path / 'ac'}")
+    assert losses(tmp_path / "plain") == losses(tmp_path / "ac")  # recomputation changes memory, not numbers
+    assert tree_hashes(tmp_path / "plain" / "epoch_0") == tree_hashes(tmp_path / "ac" / "epoch_0")
+    run("lora_finetune", "tiny_lora", *one, "dtype=bf16", f"checkpointer.output_dir={tmp_path / 'bf16'}")
+    assert all(loss == loss for loss in losses(tmp_path / "bf16"))  # finite, not NaN
+    run("full_finetune", "tiny_full", *one, "batch_size=4", "gradient_accumulation_steps=2",
+        f"checkpointer.output_dir={tmp_path / 'accum'}")  # fmt: skip
+    assert len(losses(tmp_path / "accum")) == 2  # two optimizer steps, each over two batches

@@ -81,14 +81,20 @@ class Checkpointer:
             )
         path = Path(self.recipe_checkpoint)
         if not path.is_file():
-            raise CkptkitError(f"{path}: recipe state not found; set checkpointer.recipe_checkpoint to an existing {RECIPE_STATE}")
+            raise CkptkitError(
+                f"{path}: recipe state not found; set checkpointer.recipe_checkpoint to an existing {RECIPE_STATE}"
+            )
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # any unreadable file: the message below says which and why
-            raise CkptkitError(f"{path}: not a readable recipe state ({type(e).__name__}); check checkpointer.recipe_checkpoint") from None
+            raise CkptkitError(
+                f"{path}: not a readable recipe state ({type(e).__name__}); check checkpointer.recipe_checkpoint"
+            ) from None
         missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
         if missing:
-            raise CkptkitError(f"{path}: not a ckptkit recipe state (no {', '.join(missing[:3])}); check checkpointer.recipe_checkpoint")
+            raise CkptkitError(
+                f"{path}: not a ckptkit recipe state (no {', '.join(missing[:3])}); check checkpointer.recipe_checkpoint"
+            )
         return state
 
     def check_state(self, state: dict[str, Any], seed: int, epochs: int, max_steps: int | None) -> None:
@@ -104,7 +110,9 @@ class Checkpointer:
     def load_adapter_into(self, model: nn.Module) -> None:
         """Copy the adapter to resume from into the model's (already added) LoRA modules."""
         if not self.adapter_checkpoint:
-            raise CkptkitError("resuming LoRA needs checkpointer.adapter_checkpoint (the checkpoint folder or its adapter file)")
+            raise CkptkitError(
+                "resuming LoRA needs checkpointer.adapter_checkpoint (the checkpoint folder or its adapter file)"
+            )
         path = Path(self.adapter_checkpoint)
         folder = path.parent if path.is_file() else path
         if not (folder / ADAPTER_WEIGHTS).is_file() and (folder / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file():

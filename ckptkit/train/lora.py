@@ -31,7 +31,10 @@ TARGETS: dict[str, str] = {
 
 
 class LoRALinear(nn.Linear):
-    """``nn.Linear`` plus a low-rank update; base weight and bias are frozen."""
+    """``nn.Linear`` plus a low-rank update; base weight and bias are frozen.
+
+    ``scaling`` is ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``).
+    """
 
     def __init__(
         self,
@@ -41,6 +44,7 @@ class LoRALinear(nn.Linear):
         alpha: float,
         dropout: float = 0.0,
         bias: bool = False,
+        use_rslora: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         lora_dtype: torch.dtype | None = None,
@@ -48,33 +52,45 @@ class LoRALinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if rank <= 0:
             raise CkptkitError(f"LoRA rank must be positive, got {rank}")
-        self.rank, self.alpha = rank, alpha
-        self.scaling = alpha / rank
+        self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+        self.scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
         self.merged = False
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=lora_dtype or dtype))
-        self.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=lora_dtype or dtype))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # PEFT's init_lora_weights=True
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
+        self.reset_lora(self.weight.device, lora_dtype or self.weight.dtype)
+
+    def reset_lora(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Fresh adapter tensors with PEFT's default init: A kaiming-uniform, B zeros."""
+        self.lora_a = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, lora_dtype: torch.dtype | None = None
+        cls,
+        linear: nn.Linear,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        lora_dtype: torch.dtype | None = None,
     ) -> LoRALinear:
-        """Wrap an existing linear, sharing its weight and bias tensors."""
+        """Wrap an existing linear, sharing its weight and bias tensors.
+
+        Adapters of half-precision bases are float32 by default (PEFT's ``autocast_adapter_dtype``).
+        """
         w = linear.weight
-        if lora_dtype is None:  # PEFT's autocast_adapter_dtype: half-precision bases get float32 adapters
+        if lora_dtype is None:
             lora_dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
-        with torch.device("meta"):
-            lora = cls(linear.in_features, linear.out_features, rank, alpha, dropout, linear.bias is not None)
+        lora = cls(
+            linear.in_features, linear.out_features, rank, alpha, dropout, linear.bias is not None, use_rslora, "meta"
+        )
         lora.weight = nn.Parameter(w.data, requires_grad=False)
         if linear.bias is not None:
             lora.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-        lora.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=lora_dtype))
-        lora.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=w.device, dtype=lora_dtype))
-        nn.init.kaiming_uniform_(lora.lora_a, a=math.sqrt(5))
+        lora.reset_lora(w.device, lora_dtype)
         return lora
 
     def delta_weight(self) -> torch.Tensor:
@@ -128,6 +144,7 @@ def apply_lora(
     dropout: float = 0.0,
     layers: Iterable[int] | None = None,
     ranks: dict[str, int] | None = None,
+    use_rslora: bool = False,
     lora_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Replace the targeted linears with :class:`LoRALinear` in place and freeze everything else.
@@ -149,7 +166,7 @@ def apply_lora(
         names.append(name)
     if not names:
         raise CkptkitError(f"no module matches LoRA targets {sorted(leaves)}")
-    return add_lora(model, {n: (ranks or {}).get(n, rank) for n in names}, alpha, dropout, lora_dtype)
+    return add_lora(model, {n: (ranks or {}).get(n, rank) for n in names}, alpha, dropout, use_rslora, lora_dtype)
 
 
 def add_lora(
@@ -157,6 +174,7 @@ def add_lora(
     ranks: dict[str, int],
     alpha: float,
     dropout: float = 0.0,
+    use_rslora: bool = False,
     lora_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Wrap exactly the named linears (canonical module name -> rank); freeze all base parameters."""
@@ -173,7 +191,9 @@ def add_lora(
             raise CkptkitError(f"{name} is not a linear layer; LoRA supports linear layers only")
         parent_name, _, leaf = name.rpartition(".")
         setattr(
-            model.get_submodule(parent_name), leaf, LoRALinear.from_linear(module, rank, alpha, dropout, lora_dtype)
+            model.get_submodule(parent_name),
+            leaf,
+            LoRALinear.from_linear(module, rank, alpha, dropout, use_rslora, lora_dtype),
         )
     return model
 

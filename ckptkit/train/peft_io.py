@@ -106,8 +106,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
     model_type = model.config.model_type
     alphas = {m.alpha for m in modules.values()}
     dropouts = {m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0 for m in modules.values()}
-    if len(alphas) > 1 or len(dropouts) > 1:
-        raise CkptkitError("PEFT format needs one lora_alpha and one lora_dropout for all adapters")
+    rslora = {m.use_rslora for m in modules.values()}
+    if len(alphas) > 1 or len(dropouts) > 1 or len(rslora) > 1:
+        raise CkptkitError("PEFT format needs one lora_alpha, lora_dropout and use_rslora for all adapters")
     if any(m.merged for m in modules.values()):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
@@ -138,7 +139,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
         r=rank,
         rank_pattern=rank_pattern,
         target_modules=target_modules,
-        use_rslora=any(not math.isclose(m.scaling, m.alpha / m.rank) for m in modules.values()),
+        use_rslora=rslora.pop(),
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,7 +262,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False)
     check_base_copies(adapter, model.state_dict())
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)
-    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout)
+    rslora = bool(adapter.config.get("use_rslora"))
+    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora)
     modules = lora_modules(model)
     with torch.no_grad():
         for name, w in adapter.lora.items():
@@ -273,7 +275,6 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False)
                 )
             m.lora_a.copy_(w.a)
             m.lora_b.copy_(w.b)
-            m.scaling = w.scaling
     if merge:
         merge_lora(model)
     return model
