@@ -2,10 +2,12 @@
 
 Both models get the same ~100M-parameter Llama weights (same dtype) from one safetensors
 file and run the same training step (cross-entropy over all positions, backward, no
-optimizer). Each runs in its own subprocess so the peak RSS is per model.
+optimizer). Three subprocesses: each model alone (its peak RSS and solo speed), then both
+in one process alternating step by step, so that on a shared machine both see the same
+load and the speed ratio stays meaningful.
 
-    python bench/model.py                       # defaults below, prints a table
-    python bench/model.py --steps 10 --seq 512 --batch 1 --dtype float32
+    python bench/model.py                       # seq 512, batch 1, float32, 8 steps
+    python bench/model.py --steps 12 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -80,9 +82,8 @@ def build(which: str, weights: Path, dtype: torch.dtype) -> torch.nn.Module:
     return model.train()
 
 
-def worker(which: str, weights: Path, dtype: torch.dtype, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    model = build(which, weights, dtype)
-    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+def make_step(model: torch.nn.Module, ids: torch.Tensor):
+    """One training step without optimizer: forward, cross-entropy on all positions, backward."""
 
     def step() -> float:
         out = model(ids)
@@ -92,22 +93,43 @@ def worker(which: str, weights: Path, dtype: torch.dtype, batch: int, seq: int, 
         model.zero_grad(set_to_none=True)
         return loss.item()
 
+    return step
+
+
+def timed(step) -> tuple[float, float, float]:
+    start, start_cpu = time.perf_counter(), time.process_time()
+    loss = step()
+    return time.perf_counter() - start, time.process_time() - start_cpu, loss
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def worker(which: list[str], weights: Path, dtype: torch.dtype, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    """Time ``steps`` steps of each model, alternating step by step when there are two."""
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    step = {w: make_step(build(w, weights, dtype), ids) for w in which}
     for _ in range(warmup):
-        step()
-    times, cpu = [], []
-    for _ in range(steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        loss = step()
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    best, median = min(times), sorted(times)[len(times) // 2]
+        for w in which:
+            step[w]()
+    wall: dict[str, list[float]] = {w: [] for w in which}
+    cpu: dict[str, list[float]] = {w: [] for w in which}
+    loss = {}
+    for i in range(steps):
+        for w in which if i % 2 == 0 else which[::-1]:
+            t, c, loss[w] = timed(step[w])
+            wall[w].append(t)
+            cpu[w].append(c)
     return {
-        "which": which,
-        "tokens_per_s_median": batch * seq / median,
-        "tokens_per_s_best": batch * seq / best,
-        "cpu_s_per_step": sorted(cpu)[len(cpu) // 2],
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "loss": loss,
+        w: {
+            "tokens_per_s": batch * seq / median(wall[w]),
+            "tokens_per_s_best": batch * seq / min(wall[w]),
+            "tokens_per_cpu_s": batch * seq / median(cpu[w]),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "loss": loss[w],
+        }
+        for w in which
     }
 
 
@@ -115,53 +137,59 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per model and run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=2, help="alternate the two models this many times")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
     if args.worker:
-        result = worker(args.worker, Path(args.weights), dtype, args.batch, args.seq, args.steps, args.warmup)
+        result = worker(
+            args.worker.split(","), Path(args.weights), dtype, args.batch, args.seq, args.steps, args.warmup
+        )
         print(json.dumps(result))
         return
+
+    def run(which: str, weights: Path) -> dict:
+        cmd = [sys.executable, __file__, "--worker", which, "--weights", str(weights), "--dtype", args.dtype]
+        cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+        cmd += ["--warmup", str(args.warmup)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
+        return json.loads(out.strip().splitlines()[-1])
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights.safetensors"
         n_params = make_weights(weights, dtype)
-        results: dict[str, list[dict]] = {"ckptkit": [], "transformers": []}
-        for round_ in range(args.rounds):  # alternate who goes first: the machine may be shared
-            for which in list(results)[:: 1 if round_ % 2 == 0 else -1]:
-                cmd = [sys.executable, __file__, "--worker", which, "--weights", str(weights)]
-                cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
-                cmd += ["--warmup", str(args.warmup), "--dtype", args.dtype]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
-                results[which].append(json.loads(out.strip().splitlines()[-1]))
+        # Alone, one process per model: peak RSS is that model's (weights + grads + activations).
+        solo = {w: run(w, weights)[w] for w in ("ckptkit", "transformers")}
+        # Both in one process, alternating steps: same machine load for both, so the
+        # speed ratio holds even on a shared machine.
+        both = run("ckptkit,transformers", weights)
 
     import transformers
 
     print(
-        f"{n_params / 1e6:.1f}M-parameter Llama, {args.dtype}, batch {args.batch} x seq {args.seq}, "
-        f"forward+backward, {args.steps} timed steps x {args.rounds} rounds, torch {torch.__version__} "
+        f"{n_params / 1e6:.1f}M-parameter Llama (GQA), {args.dtype}, batch {args.batch} x seq {args.seq}, "
+        f"forward+backward, median of {args.steps} steps; torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}"
     )
-    print("| model | tokens/s (median step) | tokens/s (best step) | CPU s / step | peak RSS (MiB) | loss |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for which, runs in results.items():
-        med = max(r["tokens_per_s_median"] for r in runs)
-        best = max(r["tokens_per_s_best"] for r in runs)
-        cpu = min(r["cpu_s_per_step"] for r in runs)
-        rss = max(r["peak_rss_mib"] for r in runs)
-        print(f"| {which} | {med:,.0f} | {best:,.0f} | {cpu:.2f} | {rss:,.0f} | {runs[0]['loss']:.4f} |")
+    print()
     print(
-        "per round (tokens/s, median step): "
-        + "; ".join(
-            f"{w} " + ", ".join(f"{r['tokens_per_s_median']:,.0f}" for r in runs) for w, runs in results.items()
-        )
+        "| model | tokens/s alone | tokens/s interleaved (median) | tokens/s interleaved (best step) "
+        "| tokens per CPU-second | peak RSS alone (MiB) | loss |"
     )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for w in ("ckptkit", "transformers"):
+        print(
+            f"| {w} | {solo[w]['tokens_per_s']:,.0f} | {both[w]['tokens_per_s']:,.0f} | "
+            f"{both[w]['tokens_per_s_best']:,.0f} | "
+            f"{both[w]['tokens_per_cpu_s']:,.0f} | {solo[w]['peak_rss_mib']:,.0f} | {solo[w]['loss']:.4f} |"
+        )
+    ratio = both["ckptkit"]["tokens_per_s"] / both["transformers"]["tokens_per_s"]
+    best = both["ckptkit"]["tokens_per_s_best"] / both["transformers"]["tokens_per_s_best"]
+    print(f"\nckptkit / transformers speed, interleaved: {ratio:.2f}x (median step), {best:.2f}x (best step)")
 
 
 if __name__ == "__main__":

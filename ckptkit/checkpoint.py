@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import base64
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ckptkit.dtypes import dtype_from_name, dtype_name
+from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import hf, internal, meta
 from ckptkit.formats.base import INTERNAL_FILE, ORIGIN_FILE, RawCheckpoint, read_json
 from ckptkit.models import ModelConfig, canonical_shapes, detect_from_hf, detect_from_meta, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.spec import FUSED, ROPE_K, ROPE_Q, TIED, Layout
-from ckptkit.transforms import rope_meta_to_hf, split_rows
 
 FORMATS = ("meta", "hf", "hf-bin", "internal")
 TIE_SAMPLE_BYTES = 4096
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,13 +30,13 @@ class Lazy:
     """A tensor known by shape and dtype, materialised by ``get()``."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # a name, e.g. "bfloat16"
     get: Callable[[], torch.Tensor]
     file: str = ""
 
     @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass
@@ -253,7 +254,13 @@ def _canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tup
 def _getter(raw: RawCheckpoint, native: str, heads: int | None) -> Callable[[], torch.Tensor]:
     if heads is None:
         return lambda: raw.read(native)
-    return lambda: rope_meta_to_hf(raw.read(native), heads)
+
+    def get() -> torch.Tensor:
+        from ckptkit.transforms import rope_meta_to_hf
+
+        return rope_meta_to_hf(raw.read(native), heads)
+
+    return get
 
 
 def _fused_getter(
@@ -261,6 +268,8 @@ def _fused_getter(
 ) -> Callable[[], torch.Tensor]:
     def get() -> torch.Tensor:
         if cache.get("name") != native:  # keep the last fused tensor: q, k, v come in a row
+            from ckptkit.transforms import split_rows
+
             cache.update(name=native, parts=split_rows(raw.read(native), sizes))
         return cache["parts"][j]
 
@@ -269,6 +278,8 @@ def _fused_getter(
 
 def _checked_tie(raw: RawCheckpoint, emb: Lazy, tied_native: list[str]) -> Lazy:
     def get() -> torch.Tensor:
+        import torch
+
         t = emb.get()
         for native in tied_native:
             if not torch.equal(raw.read(native), t):
@@ -299,13 +310,17 @@ def own_layout(raw: RawCheckpoint, family: Family, unused: dict[str, Lazy]) -> d
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    import torch
+
     data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": base64.b64encode(data).decode()}
 
 
 def decode_tensor(d: dict[str, Any]) -> torch.Tensor:
+    import torch
+
     buf = bytearray(base64.b64decode(d["data"]))
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype_from_name(d["dtype"])).reshape(d["shape"]).clone()
+    return torch.frombuffer(buf, dtype=torch.uint8).view(to_torch(d["dtype"])).reshape(d["shape"]).clone()
 
 
 def _read_origin(root: Path, raw: RawCheckpoint) -> dict[str, Any] | None:

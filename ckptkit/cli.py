@@ -150,11 +150,17 @@ def convert(
 
     start = time.perf_counter()
     result = run_convert(
-        src, dst, to.value,
+        src,
+        dst,
+        to.value,
         from_format=from_.value if from_ else None,
         model_type=model_type.value if model_type else None,
         dtype=dtype.value if dtype else None,
-        shards=shards, max_shard_size=max_shard_size, force=force, verify=verify, quiet=quiet,
+        shards=shards,
+        max_shard_size=max_shard_size,
+        force=force,
+        verify=verify,
+        quiet=quiet,
     )
     if quiet:
         return

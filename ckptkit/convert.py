@@ -9,6 +9,7 @@ directory beside the destination, renamed into place at the end.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -17,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ckptkit.checkpoint import FORMATS, Checkpoint, Lazy, decode_tensor, open_checkpoint
-from ckptkit.dtypes import CAST_TARGETS, dtype_from_name, dtype_name
+from ckptkit.dtypes import CAST_TARGETS, FLOATING, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import hf, internal, meta
 from ckptkit.formats.base import INTERNAL_FILE, ORIGIN_FILE
@@ -67,10 +67,10 @@ class Options:
 # --- what to write -------------------------------------------------------------------
 
 
-def _cast(lazy: Lazy, dtype: torch.dtype | None) -> Lazy:
-    if dtype is None or not lazy.dtype.is_floating_point or lazy.dtype == dtype:
+def _cast(lazy: Lazy, dtype: str | None) -> Lazy:
+    if dtype is None or lazy.dtype not in FLOATING or lazy.dtype == dtype:
         return lazy
-    return Lazy(lazy.shape, dtype, lambda: lazy.get().to(dtype), lazy.file)
+    return Lazy(lazy.shape, dtype, lambda: lazy.get().to(to_torch(dtype)), lazy.file)
 
 
 def _native_targets(ckpt: Checkpoint, layout: Layout, with_optional: bool) -> dict[str, Lazy]:
@@ -96,7 +96,7 @@ def _unused_pool(ckpt: Checkpoint) -> dict[str, Lazy]:
     """Tensors the model does not use that this conversion could carry, by native name."""
     pool: dict[str, Lazy] = {}
     for name, enc in (ckpt.origin.get("unused") or {}).items():
-        pool[name] = Lazy(tuple(enc["shape"]), dtype_from_name(enc["dtype"]), lambda e=enc: decode_tensor(e))
+        pool[name] = Lazy(tuple(enc["shape"]), enc["dtype"], lambda e=enc: decode_tensor(e))
     pool.update(ckpt.unused)
     return pool
 
@@ -115,7 +115,7 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
     fmt = opts.to
     if fmt not in FORMATS:
         raise CkptkitError(f"unknown target format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    cast = CAST_TARGETS[opts.dtype] if opts.dtype else None
+    cast = opts.dtype
     origin = ckpt.origin
     restore = origin.get("format") == fmt and opts.shards is None and opts.max_shard_size is None
     pool = _unused_pool(ckpt)
@@ -129,7 +129,7 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
         targets = _native_targets(ckpt, layout, with_optional=restore)
         if fmt == "meta":
             for name, t in ckpt.family.meta_extra_tensors(ckpt.config).items():
-                pool.setdefault(name, Lazy(tuple(t.shape), t.dtype, lambda t=t: t))
+                pool.setdefault(name, Lazy(tuple(t.shape), dtype_name(t.dtype), lambda t=t: t))
         dropped = [k for k in pool if not layout.is_unused(k)]
         targets.update({k: v for k, v in pool.items() if layout.is_unused(k)})
         if dropped:
@@ -223,12 +223,12 @@ def _default_plan(ckpt: Checkpoint, fmt: str, targets: dict[str, Lazy], opts: Op
     return Plan(fmt, targets, files, notes=notes)
 
 
-def _metadata_files(ckpt: Checkpoint, plan: Plan, cast: torch.dtype | None) -> dict[str, str]:
+def _metadata_files(ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
     """config.json / params.json / index / ckptkit.json texts for the output."""
     fmt, cfg, origin = plan.format, ckpt.config, ckpt.origin
     out: dict[str, str] = {}
-    weights = [t for t in plan.targets.values()]
-    main_dtype = dtype_name(max(weights, key=lambda t: t.nbytes).dtype) if weights else "float32"
+    weights = list(plan.targets.values())
+    main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
     recorded = (origin.get("config") or {}) if plan.restored else {}
     if fmt == "internal":
         return {}  # written by _write_internal_json, which needs the final file list
@@ -256,7 +256,7 @@ def _metadata_files(ckpt: Checkpoint, plan: Plan, cast: torch.dtype | None) -> d
         else:
             weight_map = {k: f.name for f in plan.files for k in f.keys}
             total = sum(plan.targets[k].nbytes for k in weight_map)
-            params = sum(int(torch.Size(plan.targets[k].shape).numel()) for k in weight_map)
+            params = sum(math.prod(plan.targets[k].shape) for k in weight_map)
             out[hf.index_name(fmt)] = hf.index_text(fmt, dict(sorted(weight_map.items())), total, params)
     return out
 
@@ -288,7 +288,7 @@ def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "con
         for key, files in where.items():
             lazy = plan.targets[key]
             tensor = lazy.get()
-            if tuple(tensor.shape) != tuple(lazy.shape) or tensor.dtype != lazy.dtype:
+            if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
                 raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
             pieces = split_ranks(tensor, files[0].ranks, plan.split_dims.get(key)) if files[0].ranks > 1 else [tensor]
             for f in files:

@@ -1,41 +1,51 @@
-"""Names of dtypes as safetensors and torch spell them."""
+"""Dtype names. Metadata carries names (``"bfloat16"``), so reading headers needs no torch;
+torch dtypes appear only where tensors are materialised."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-# safetensors header name -> torch dtype
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+if TYPE_CHECKING:
+    import torch
+
+# safetensors header code -> dtype name (torch's spelling without the ``torch.`` prefix)
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
-TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}  # fmt: skip
+FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+CAST_TARGETS = ("bfloat16", "float16", "float32")
 
-CAST_TARGETS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` (or ``"bfloat16"``) -> ``"bfloat16"``."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
+def to_torch(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def itemsize(name: str) -> int:
+    return ITEMSIZE[name]

@@ -9,6 +9,7 @@ import torch
 
 from ckptkit.checkpoint import Lazy, open_checkpoint
 from ckptkit.convert import Options, Result, check_destination, write_checkpoint
+from ckptkit.dtypes import to_torch
 from ckptkit.errors import CkptkitError
 
 
@@ -36,7 +37,9 @@ def save_checkpoint_like(
             t = state_dict[name]
             if tuple(t.shape) != lazy.shape:
                 raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {source} has {list(lazy.shape)}")
-            tensors[name] = Lazy(lazy.shape, lazy.dtype, lambda t=t, d=lazy.dtype: t.detach().to("cpu", d).contiguous())
+            tensors[name] = Lazy(
+                lazy.shape, lazy.dtype, lambda t=t, d=to_torch(lazy.dtype): t.detach().to("cpu", d).contiguous()
+            )
         mine = dataclasses.replace(src, tensors=tensors, recorded_origin=src.own_layout)
         check_destination(source, out_dir, force)
         return write_checkpoint(mine, out_dir, Options(src.format), quiet=quiet)

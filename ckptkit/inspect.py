@@ -6,12 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import detect_format, open_checkpoint, open_raw
-from ckptkit.dtypes import dtype_name
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import RawCheckpoint, read_json
+from ckptkit.formats.base import RawCheckpoint, read_json, torch_reader
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.formats.torch_io import TorchPickleReader
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
@@ -42,9 +40,7 @@ def _describe(
         "files": files,
         "num_params": sum(i.numel for i in merged.values()),
         "total_bytes": sum(i.nbytes for i in per_file),
-        "tensors": [
-            {"name": i.name, "shape": list(i.shape), "dtype": dtype_name(i.dtype), "file": i.file} for i in per_file
-        ],
+        "tensors": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype, "file": i.file} for i in per_file],
     }
 
 
@@ -69,7 +65,7 @@ def _inspect_dir(root: Path, model_type: str | None) -> dict[str, Any]:
 
 
 def _open_file(path: Path) -> Any:
-    return SafetensorsReader(path) if path.suffix == ".safetensors" else TorchPickleReader(path)
+    return SafetensorsReader(path) if path.suffix == ".safetensors" else torch_reader(path)
 
 
 def _file_format(path: Path) -> str:

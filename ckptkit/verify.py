@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.dtypes import CAST_TARGETS, dtype_name
+from ckptkit.dtypes import dtype_name, to_torch
 from ckptkit.progress import byte_progress
 
 
@@ -118,4 +118,4 @@ def verify_paths(a: str | Path, b: str | Path, quiet: bool = True) -> Report:
 def verify_against(src: Checkpoint, out_dir: Path, dtype: str | None, quiet: bool = True) -> Report:
     """Check a freshly written output against its (still open) source."""
     with open_checkpoint(out_dir, model_type=src.family.name) as out:
-        return compare(src, out, CAST_TARGETS[dtype] if dtype else None, quiet=quiet)
+        return compare(src, out, to_torch(dtype) if dtype else None, quiet=quiet)

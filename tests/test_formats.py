@@ -112,9 +112,9 @@ def test_inspect_single_files() -> None:
 
 
 def test_dtype_cast_and_verify(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf" / "qwen2", tmp_path / "f32", "meta" if False else "hf", dtype="float32", verify=True)
+    convert(FIXTURES / "hf" / "qwen2", tmp_path / "f32", "hf", dtype="float32", verify=True)
     with open_checkpoint(tmp_path / "f32") as ck:
-        assert {t.dtype for t in ck.tensors.values()} == {torch.float32}
+        assert {t.dtype for t in ck.tensors.values()} == {"float32"}
     cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
     assert cfg["dtype"] == "float32"
     res = subprocess.run(
@@ -174,3 +174,32 @@ def test_reads_the_transformers_4_config_spelling(tmp_path: Path) -> None:
     convert(src, tmp_path / "meta", "meta")
     convert(tmp_path / "meta", tmp_path / "back", "hf")
     assert (tmp_path / "back" / "config.json").read_text() == (src / "config.json").read_text()
+
+
+@settings(max_examples=30, deadline=None)
+@given(sd=state_dicts, as_parameter=st.booleans())
+def test_pickle_index_matches_torch_load(sd: dict, as_parameter: bool, tmp_path_factory) -> None:
+    from ckptkit.formats.pickle_index import read_index
+
+    path = tmp_path_factory.mktemp("pi") / "x.pth"
+    saved = {
+        k: torch.nn.Parameter(v, requires_grad=False) if as_parameter and v.is_floating_point() else v
+        for k, v in sd.items()
+    }
+    saved["view"] = torch.arange(10, dtype=torch.int32)[2:7]  # a view into a larger storage
+    torch.save(saved, path)
+    index = read_index(path)
+    loaded = torch.load(path, weights_only=True)
+    assert list(index) == list(loaded)
+    for k, v in loaded.items():
+        assert index[k].shape == tuple(v.shape) and index[k].dtype == str(v.dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("path", ["hf/llama3", "meta/llama2-2rank", "hf-bin/llama2", "meta/mistral"])
+def test_inspect_never_imports_torch(path: str) -> None:
+    code = (
+        "import sys; from ckptkit.inspect import inspect_path; "
+        f"info = inspect_path({str(FIXTURES / path)!r}); "
+        "assert info['model_type'] and info['tensors']; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from ckptkit.train.model import KVCache, load_model, rope_inv_freq
+from ckptkit.train import load_model
+from ckptkit.train.model import KVCache, rope_inv_freq
 
 from train_helpers import FAMILIES, FIXTURES, TOL, fixture_config, hf_dir, hf_model, native_model, padded_batch
 

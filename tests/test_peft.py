@@ -70,6 +70,21 @@ def test_ckptkit_adapter_loads_in_peft(family: str, tmp_path: Path) -> None:
     assert (_logits(peft_model, family, hf=True) - _logits(model, family)).abs().max().item() <= TOL
 
 
+def test_per_module_ranks_and_rslora_load_in_peft(tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    model = native_model("llama3")
+    ranks = {"layers.1.mlp.w2": 2, "layers.0.attn.v_proj": 6}
+    apply_lora(model, ["v", "down"], rank=4, alpha=8, ranks=ranks, use_rslora=True)
+    _randomize(model, seed=4)
+    save_adapter(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["use_rslora"] and config["r"] == 4
+    assert config["rank_pattern"] == {"model.layers.1.mlp.down_proj": 2, "model.layers.0.self_attn.v_proj": 6}
+    peft_model = PeftModel.from_pretrained(hf_model("llama3"), tmp_path).eval()
+    assert (_logits(peft_model, "llama3", hf=True) - _logits(model, "llama3")).abs().max().item() <= TOL
+
+
 def test_adapter_config_has_the_fields_peft_writes(tmp_path: Path) -> None:
     _peft_saved("llama3", tmp_path / "peft", r=4, lora_alpha=8, target_modules=["q_proj"])
     model = apply_lora(native_model("llama3"), ["q"], rank=4, alpha=8)

@@ -14,6 +14,7 @@ from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
+
 from conftest import FIXTURES, tree_hashes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +29,9 @@ def run(recipe: str, config: str, *overrides: str) -> None:
     recipe_entry(recipe)(load_config(config, list(overrides)))
 
 
-@pytest.mark.parametrize(("recipe", "config", "bound"), [("full_finetune", "tiny_full", 0.7), ("lora_finetune", "tiny_lora", 0.8)])
+@pytest.mark.parametrize(
+    ("recipe", "config", "bound"), [("full_finetune", "tiny_full", 0.7), ("lora_finetune", "tiny_lora", 0.8)]
+)
 def test_cli_run_lowers_the_loss(recipe: str, config: str, bound: float, tmp_path: Path) -> None:
     out = tmp_path / "out"
     subprocess.run(
@@ -67,13 +70,17 @@ def test_lora_merged_output_equals_peft_merge(tmp_path: Path) -> None:
         f"checkpointer.output_dir={tmp_path / 'out'}")  # fmt: skip
     ours_dir = tmp_path / "out" / "epoch_0"
     ours = AutoModelForCausalLM.from_pretrained(ours_dir, dtype=torch.float32)
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), ours_dir / "adapter")
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), ours_dir / "adapter"
+    )
     merged = peft.merge_and_unload()
     theirs = merged.state_dict()
     worst = max((v - theirs[k]).abs().max().item() for k, v in ours.state_dict().items())
     assert worst < 1e-6  # float32 rounding of W + s * B @ A
     base_sd = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
-    assert not torch.equal(base_sd["model.layers.0.self_attn.q_proj.weight"], theirs["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        base_sd["model.layers.0.self_attn.q_proj.weight"], theirs["model.layers.0.self_attn.q_proj.weight"]
+    )
     ids = torch.randint(0, 384, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(ids).logits - merged(ids).logits).abs().max().item() < 1e-5
@@ -106,7 +113,9 @@ def test_resume_errors_name_the_config_key(tmp_path: Path) -> None:
     out = f"checkpointer.output_dir={tmp_path / 'x'}"
     with pytest.raises(CkptkitError, match="checkpointer.recipe_checkpoint is not set"):
         run("full_finetune", "tiny_full", "resume_from_checkpoint=true", out)
-    with pytest.raises(CkptkitError, match=r"recipe_state.pt: recipe state not found; set checkpointer.recipe_checkpoint"):
+    with pytest.raises(
+        CkptkitError, match=r"recipe_state.pt: recipe state not found; set checkpointer.recipe_checkpoint"
+    ):
         run("full_finetune", "tiny_full", "resume_from_checkpoint=true",
             f"checkpointer.recipe_checkpoint={tmp_path / 'nope' / 'recipe_state.pt'}", out)  # fmt: skip
     run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", f"checkpointer.output_dir={tmp_path / 'a'}")
@@ -163,9 +172,15 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path: Path, mon
 def test_ls_and_cp(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "ckptkit", "ls"], capture_output=True, text=True, check=True)
     assert "full_finetune" in res.stdout and "tiny_lora" in res.stdout
-    subprocess.run([sys.executable, "-m", "ckptkit", "cp", "lora_finetune", str(tmp_path)], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], check=True, capture_output=True)
-    again = subprocess.run([sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "ckptkit", "cp", "lora_finetune", str(tmp_path)], check=True, capture_output=True
+    )
+    subprocess.run(
+        [sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], check=True, capture_output=True
+    )
+    again = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], capture_output=True, text=True
+    )
     assert again.returncode == 1 and "already exists" in again.stderr
     # the copied recipe runs as a file
     run(str(tmp_path / "lora_finetune.py"), str(tmp_path / "my.yaml"), "epochs=1", "max_steps_per_epoch=1",
@@ -176,7 +191,13 @@ def test_ls_and_cp(tmp_path: Path) -> None:
 def test_activation_checkpointing_bf16_and_accumulation(tmp_path: Path) -> None:
     one = ["epochs=1", "max_steps_per_epoch=2"]
     run("full_finetune", "tiny_full", *one, f"checkpointer.output_dir={tmp_path / 'plain'}")
-    run("full_finetune", "tiny_full", *one, "enable_activation_checkpointing=true", f"checkpointer.output_dir={tmp_path / 'ac'}")
+    run(
+        "full_finetune",
+        "tiny_full",
+        *one,
+        "enable_activation_checkpointing=true",
+        f"checkpointer.output_dir={tmp_path / 'ac'}",
+    )
     assert losses(tmp_path / "plain") == losses(tmp_path / "ac")  # recomputation changes memory, not numbers
     assert tree_hashes(tmp_path / "plain" / "epoch_0") == tree_hashes(tmp_path / "ac" / "epoch_0")
     run("lora_finetune", "tiny_lora", *one, "dtype=bf16", f"checkpointer.output_dir={tmp_path / 'bf16'}")

@@ -6,12 +6,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
 
 ORIGIN_FILE = "ckptkit-origin.json"  # sidecar beside converted weights: the source's layout
 INTERNAL_FILE = "ckptkit.json"  # the internal format's own description
@@ -60,8 +61,9 @@ class RawCheckpoint:
         parts = [self.readers[f].read(name) for f in files]
         if len(parts) == 1:
             return parts[0]
-        dim = self.split_dims.get(name)
-        return parts[0] if dim is None else torch.cat(parts, dim=dim)
+        from ckptkit.transforms import merge_ranks
+
+        return merge_ranks(parts, self.split_dims.get(name))
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -87,3 +89,10 @@ def read_json(path: Path) -> tuple[str, dict[str, Any]]:
 
 def natural_key(name: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def torch_reader(path: Path) -> TensorReader:
+    """A reader for a torch pickle (imports torch, which safetensors-only work avoids)."""
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    return TorchPickleReader(path)

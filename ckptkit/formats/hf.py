@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import RawCheckpoint, TensorReader, natural_key, read_json
+from ckptkit.formats.base import RawCheckpoint, TensorReader, natural_key, read_json, torch_reader
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.formats.torch_io import TorchPickleReader
 
 STEMS = {"hf": ("model", ".safetensors"), "hf-bin": ("pytorch_model", ".bin")}
 
@@ -70,7 +69,7 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
     infos: dict[str, TensorInfo] = {}
     file_metadata: dict[str, dict[str, str] | None] = {}
     for name in names:
-        reader: Any = SafetensorsReader(root / name) if fmt == "hf" else TorchPickleReader(root / name)
+        reader: Any = SafetensorsReader(root / name) if fmt == "hf" else torch_reader(root / name)
         readers[name] = reader
         files[name] = list(reader.infos)
         file_metadata[name] = reader.metadata if fmt == "hf" else None

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import RawCheckpoint, TensorReader, natural_key, read_json
+from ckptkit.formats.base import RawCheckpoint, TensorReader, natural_key, read_json, torch_reader
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.formats.torch_io import TorchPickleReader
 
 RANK_FILE = re.compile(r"consolidated\.(\d{2})\.pth")
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -62,7 +61,7 @@ def open_raw(root: Path) -> RawCheckpoint:
     readers: dict[str, TensorReader] = {}
     files: dict[str, list[str]] = {}
     for p in paths:
-        reader: Any = SafetensorsReader(p) if p.suffix == ".safetensors" else TorchPickleReader(p)
+        reader: Any = SafetensorsReader(p) if p.suffix == ".safetensors" else torch_reader(p)
         readers[p.name], files[p.name] = reader, list(reader.infos)
     first = paths[0].name
     for name, keys in files.items():

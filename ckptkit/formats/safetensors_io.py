@@ -13,13 +13,15 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ckptkit.dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
+from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -88,6 +90,8 @@ class SafetensorsReader:
         self._file = None
 
     def read(self, name: str) -> torch.Tensor:
+        import torch
+
         info = self.infos[name]
         if self._file is None:
             self._file = self.path.open("rb", buffering=0)
@@ -100,7 +104,7 @@ class SafetensorsReader:
             if not n:
                 raise CkptkitError(f"{self.path}: unexpected end of file reading {name!r}")
             got += n
-        return buf.view(info.dtype).reshape(info.shape)
+        return buf.view(to_torch(info.dtype)).reshape(info.shape)
 
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
@@ -119,10 +123,11 @@ class SafetensorsReader:
 _LIBRARY_RANK = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64"]
 
 
-def library_order(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[str]:
+def library_order(entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]]) -> list[str]:
     """The data order the safetensors library writes: by dtype (its enum order, largest
     first), then by name."""
-    return [e[0] for e in sorted(entries, key=lambda e: (-_LIBRARY_RANK.index(TORCH_TO_SAFETENSORS[e[1]]), e[0]))]
+    rank = {name: -_LIBRARY_RANK.index(SAFETENSORS_CODES[dtype_name(dtype)]) for name, dtype, _ in entries}
+    return sorted(rank, key=lambda name: (rank[name], name))
 
 
 class SafetensorsWriter:
@@ -137,7 +142,7 @@ class SafetensorsWriter:
     def __init__(
         self,
         path: Path,
-        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
         metadata: dict[str, str] | None,
     ):
         header: dict[str, Any] = {}
@@ -146,9 +151,9 @@ class SafetensorsWriter:
         offset = 0
         self._offsets: dict[str, tuple[int, int]] = {}
         for name, dtype, shape in entries:
-            nbytes = TensorInfo(name, tuple(shape), dtype).nbytes
+            nbytes = TensorInfo(name, tuple(shape), dtype_name(dtype)).nbytes
             header[name] = {
-                "dtype": TORCH_TO_SAFETENSORS[dtype],
+                "dtype": SAFETENSORS_CODES[dtype_name(dtype)],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + nbytes],
             }
@@ -164,6 +169,8 @@ class SafetensorsWriter:
         self._file.truncate(self._data_start + offset)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        import torch
+
         offset, nbytes = self._offsets[name]
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         assert data.nbytes == nbytes, (name, data.nbytes, nbytes)

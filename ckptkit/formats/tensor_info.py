@@ -5,18 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from ckptkit.dtypes import itemsize
+from ckptkit.dtypes import ITEMSIZE
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Name, shape and dtype of a tensor, and the file that holds it."""
+    """Name, shape and dtype name (``"bfloat16"``) of a tensor, and the file that holds it."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
     file: str = ""
 
     @property
@@ -25,4 +23,4 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        return self.numel * ITEMSIZE[self.dtype]

@@ -1,11 +1,13 @@
 """Streaming access to torch pickles (Meta's ``consolidated.NN.pth``, HF's ``.bin``).
 
-Reading uses ``torch.load(weights_only=True, mmap=True)``: the pickle is parsed, tensor
-data stays on disk until a tensor is read, and the pages of a tensor that has been read
-are handed back to the kernel so resident memory does not grow with the file.
+Names, shapes and dtypes come from :mod:`ckptkit.formats.pickle_index` (no torch needed,
+nothing in the file runs). Tensors are read with ``torch.load(weights_only=True,
+mmap=True)`` on first use: data stays on disk until a tensor is read, and the pages of a
+tensor that has been read are handed back to the kernel, so resident memory does not grow
+with the file.
 
-Writing lays the zip archive out first (``torch.save`` of fake tensors under
-``torch.serialization.skip_data``), then fills each tensor's bytes in place and patches
+Writing lays the zip archive out first (``torch.save`` of untouched placeholder tensors
+under ``torch.serialization.skip_data``), then fills each tensor's bytes in place and patches
 the archive's CRC-32 fields, so no step holds more than one tensor.
 """
 
@@ -21,12 +23,15 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
+from ckptkit.dtypes import dtype_name, to_torch
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.pickle_index import ForbiddenGlobal, UnsupportedPickle, read_index
 from ckptkit.formats.tensor_info import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
 
 _PAGE = mmap.PAGESIZE
 try:
@@ -36,6 +41,7 @@ try:
 except (OSError, AttributeError):  # not a POSIX libc: release is skipped
     _madvise = None
 _MADV_DONTNEED = 4
+COPY_CHUNK = 16 << 20
 
 
 def release_pages(tensor: torch.Tensor) -> None:
@@ -54,6 +60,8 @@ def _load(path: Path) -> tuple[object, bool]:
 
     Returns the loaded object and whether its tensors are backed by the mapped file.
     """
+    import torch
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -90,26 +98,59 @@ class TorchPickleReader:
 
     def __init__(self, path: Path):
         self.path = path
-        obj, self._mapped = _load(path)
-        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-            raise CkptkitError(f"{path}: expected a flat dict of tensors (a state dict)")
-        self._tensors: dict[str, torch.Tensor] = obj
-        self.infos = {k: TensorInfo(k, tuple(v.shape), v.dtype, path.name) for k, v in obj.items()}
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._mapped = False
+        try:
+            index = read_index(path)
+        except ForbiddenGlobal as e:
+            raise CkptkitError(
+                f"{path}: refusing to load: the pickle needs more than weights_only=True allows (it imports {e})"
+            ) from None
+        except UnsupportedPickle:  # an older or unusual pickle: let torch.load (weights_only) read it
+            self._load_tensors()
+            return
+        self.infos = {k: TensorInfo(k, m.shape, m.dtype, path.name) for k, m in index.items()}
+
+    def _load_tensors(self) -> dict[str, torch.Tensor]:
+        import torch
+
+        if self._tensors is None:
+            obj, self._mapped = _load(self.path)
+            if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+                raise CkptkitError(f"{self.path}: expected a flat dict of tensors (a state dict)")
+            infos = {k: TensorInfo(k, tuple(v.shape), dtype_name(v.dtype), self.path.name) for k, v in obj.items()}
+            if hasattr(self, "infos") and infos != self.infos:
+                raise CkptkitError(f"{self.path}: the pickle's tensors differ from its index (corrupt file)")
+            self.infos, self._tensors = infos, obj
+        return self._tensors
 
     def read(self, name: str) -> torch.Tensor:
-        src = self._tensors[name]
-        out = src.clone(memory_format=torch.contiguous_format)
-        if self._mapped:
-            release_pages(src)
+        import torch
+
+        src = self._load_tensors()[name]
+        if not self._mapped or not src.is_contiguous():
+            out = src.clone(memory_format=torch.contiguous_format)
+            if self._mapped:
+                release_pages(src)
+            return out
+        # Copy in chunks, handing each chunk's pages back at once: one copy stays resident.
+        out = torch.empty(src.shape, dtype=src.dtype)
+        src_bytes, out_bytes = src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+        for start in range(0, src_bytes.numel(), COPY_CHUNK):
+            chunk = src_bytes[start : start + COPY_CHUNK]
+            out_bytes[start : start + COPY_CHUNK].copy_(chunk)
+            release_pages(chunk)
         return out
 
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
-        flat = self._tensors[name].reshape(-1).view(torch.uint8)
+        import torch
+
+        flat = self._load_tensors()[name].reshape(-1).view(torch.uint8)
         return flat[:nbytes].numpy().tobytes()
 
     def close(self) -> None:
-        self._tensors = {}
+        self._tensors = None
 
 
 class TorchPickleWriter:
@@ -120,14 +161,18 @@ class TorchPickleWriter:
         entries: (name, dtype, shape) for every tensor, in dict order.
     """
 
-    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]]):
+        import torch
+
         self.path = path
-        with FakeTensorMode():
-            fake = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in entries}
+        # Plain uninitialised tensors: skip_data writes no bytes, so their pages are never
+        # touched (address space only), and no FakeTensorMode (it imports torch._dynamo).
+        placeholders = {name: torch.empty(shape, dtype=to_torch(dtype_name(dt))) for name, dt, shape in entries}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with torch.serialization.skip_data(materialize_fake_tensors=True):
-                torch.save(fake, path)
+            with torch.serialization.skip_data():
+                torch.save(placeholders, path)
+        del placeholders
         # Storage records are numbered in the order the pickler meets them: dict order.
         with zipfile.ZipFile(path) as z:
             infos = {zi.filename.split("/", 1)[1]: zi for zi in z.infolist()}
@@ -137,7 +182,7 @@ class TorchPickleWriter:
         self._records: dict[str, tuple[int, int, str]] = {}
         for i, (name, dtype, shape) in enumerate(entries):
             record = f"data/{i}"
-            nbytes = TensorInfo(name, tuple(shape), dtype).nbytes
+            nbytes = TensorInfo(name, tuple(shape), dtype_name(dtype)).nbytes
             assert infos[record].file_size == nbytes, (name, record)
             self._records[name] = (reader.get_record_offset(record), nbytes, record)
         self._zipinfos = infos
@@ -150,6 +195,8 @@ class TorchPickleWriter:
         self._fd = os.open(path, os.O_RDWR)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        import torch
+
         offset, nbytes, record = self._records[name]
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         assert data.nbytes == nbytes, (name, data.nbytes, nbytes)

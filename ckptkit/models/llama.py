@@ -7,9 +7,7 @@ the FFN size from ``dim``, ``multiple_of`` and ``ffn_dim_multiplier``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
@@ -25,6 +23,9 @@ from ckptkit.models.spec import (
     hf_common_fields,
     hf_llama_layout,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -101,6 +102,8 @@ class Llama2(Family):
         )
 
     def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        import torch
+
         hd = cfg.head_dim
         freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
         return {"rope.freqs": freqs.to(torch.bfloat16)}
@@ -145,9 +148,7 @@ class Llama2(Family):
             what = f"dim {dim}, multiple_of {multiple_of}, ffn_dim_multiplier {mult} give FFN size {ffn}"
             extra = {"multiple_of": multiple_of, "ffn_dim_multiplier": mult}
         if w1 is not None and w1[0] != ffn:
-            raise CkptkitError(
-                f"contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows"
-            )
+            raise CkptkitError(f"contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows")
         scaled = bool(params.get("use_scaled_rope"))
         return ModelConfig(
             model_type=self.name,

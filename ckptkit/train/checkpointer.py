@@ -46,7 +46,7 @@ class Checkpointer:
         self.adapter_checkpoint = get(cfg, "checkpointer.adapter_checkpoint")
         self.recipe_checkpoint = get(cfg, "checkpointer.recipe_checkpoint")
         self.resume = bool(get(cfg, "resume_from_checkpoint", False))
-        self.dtypes: dict[str, torch.dtype] = {}
+        self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
 
     # --- reading -------------------------------------------------------------------
     def load_base(self) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -93,7 +93,8 @@ class Checkpointer:
         missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
         if missing:
             raise CkptkitError(
-                f"{path}: not a ckptkit recipe state (no {', '.join(missing[:3])}); check checkpointer.recipe_checkpoint"
+                f"{path}: not a ckptkit recipe state (no {', '.join(missing[:3])}); "
+                "check checkpointer.recipe_checkpoint"
             )
         return state
 
@@ -124,7 +125,8 @@ class Checkpointer:
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))
             raise CkptkitError(
-                f"{folder / ADAPTER_WEIGHTS}: adapts other modules than the config's lora section ({', '.join(odd[:3])}); "
+                f"{folder / ADAPTER_WEIGHTS}: adapts other modules than the config's lora section "
+                f"({', '.join(odd[:3])}); "
                 "check checkpointer.adapter_checkpoint"
             )
         with torch.no_grad():

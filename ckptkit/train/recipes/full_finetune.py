@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ckptkit.dtypes import dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.train.checkpointer import Checkpointer, rng_state, set_rng_state
 from ckptkit.train.config import get, load_config
@@ -172,7 +173,7 @@ class FullFinetuneRecipe:
                 "lr_scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
             }
-            if any(self.checkpointer.dtypes[k] != v.dtype for k, v in weights.items()):
+            if any(self.checkpointer.dtypes[k] != dtype_name(v.dtype) for k, v in weights.items()):
                 state["model"] = {k: v.cpu() for k, v in weights.items()}  # the checkpoint's dtype rounds them
         path = self.checkpointer.save(name, weights, recipe_state=state)
         self.metrics.event(checkpoint=str(path), step=self.global_step)

@@ -1,0 +1,161 @@
+"""Tensor names, shapes and dtypes of a ``torch.save`` zip archive, without torch.
+
+``data.pkl`` is scanned opcode by opcode (``pickletools.genops``) with a small stack that
+holds only plain values: strings, numbers, tuples, dicts, and markers for the few globals
+a state dict needs (the allowlist ``torch.load(weights_only=True)`` also applies). No
+global is ever resolved or called, so nothing in the file can run. Anything outside that
+subset raises :class:`UnsupportedPickle` and the caller falls back to ``torch.load``
+(weights_only). Tensor data is read only through ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+STORAGES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool",
+}  # fmt: skip
+REBUILD = {"torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_parameter"}
+
+
+class UnsupportedPickle(Exception):
+    """The pickle uses something this scanner does not model (torch.load may still read it)."""
+
+
+class ForbiddenGlobal(Exception):
+    """The pickle imports a global that weights_only loading refuses."""
+
+
+@dataclass(frozen=True)
+class Global:
+    name: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+_MARK = object()
+_PUSH_ARG = {"BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8", "BININT", "BININT1", "BININT2", "LONG1",
+             "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT", "SHORT_BINSTRING", "BINSTRING", "STRING"}  # fmt: skip
+_PUSH_CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
+
+
+def scan(data: bytes) -> dict[str, TensorMeta]:
+    """The tensors of a state-dict pickle, in dict order."""
+    stack: list[object] = []
+    memo: dict[int, object] = {}
+
+    def pop_mark() -> list[object]:
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is _MARK:
+                items = stack[i + 1 :]
+                del stack[i:]
+                return items
+        raise UnsupportedPickle("MARK missing")
+
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in ("PROTO", "FRAME", "STOP"):
+            continue
+        if name in _PUSH_ARG:
+            stack.append(arg)
+        elif name in _PUSH_CONST:
+            stack.append(_PUSH_CONST[name])
+        elif name == "MARK":
+            stack.append(_MARK)
+        elif name == "EMPTY_DICT":
+            stack.append({})
+        elif name == "EMPTY_LIST":
+            stack.append([])
+        elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
+            n = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}.get(name)
+            items = pop_mark() if n is None else [stack.pop() for _ in range(n)][::-1]
+            stack.append(tuple(items))
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(arg)] = stack[-1]
+        elif name == "MEMOIZE":
+            memo[len(memo)] = stack[-1]
+        elif name in ("BINGET", "LONG_BINGET", "GET"):
+            stack.append(memo[int(arg)])
+        elif name == "GLOBAL":
+            stack.append(_global(str(arg).replace("\n", " ")))
+        elif name == "STACK_GLOBAL":
+            attr, module = stack.pop(), stack.pop()
+            stack.append(_global(f"{module} {attr}"))
+        elif name == "BINPERSID":
+            pid = stack.pop()
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
+                raise UnsupportedPickle("unexpected persistent id")
+            stack.append(("storage", STORAGES[pid[1].name.split(" ")[1]]))
+        elif name == "REDUCE":
+            args, fn = stack.pop(), stack.pop()
+            stack.append(_reduce(fn, args))
+        elif name in ("SETITEM", "SETITEMS"):
+            items = [stack.pop(), stack.pop()][::-1] if name == "SETITEM" else pop_mark()
+            target = stack[-1]
+            if not isinstance(target, dict):
+                raise UnsupportedPickle("SETITEMS on a non-dict")
+            for k, v in zip(items[::2], items[1::2], strict=True):
+                target[k] = v
+        elif name in ("APPEND", "APPENDS"):
+            items = [stack.pop()] if name == "APPEND" else pop_mark()
+            if not isinstance(stack[-1], list):
+                raise UnsupportedPickle("APPENDS on a non-list")
+            stack[-1].extend(items)
+        elif name == "BUILD":
+            stack.pop()  # state of an OrderedDict/tensor: nothing we list
+        else:
+            raise UnsupportedPickle(f"opcode {name}")
+    if len(stack) != 1 or not isinstance(stack[0], dict):
+        raise UnsupportedPickle("not a dict")
+    out = {}
+    for key, value in stack[0].items():
+        if not isinstance(key, str) or not isinstance(value, TensorMeta):
+            raise UnsupportedPickle("not a flat dict of tensors")
+        out[key] = value
+    return out
+
+
+def _global(name: str) -> Global:
+    module, _, attr = name.partition(" ")
+    allowed = name in REBUILD or name == "collections OrderedDict" or (module == "torch" and attr in STORAGES)
+    if not allowed:
+        raise ForbiddenGlobal(f"{module}.{attr}")
+    return Global(name)
+
+
+def _reduce(fn: object, args: object) -> object:
+    if not isinstance(fn, Global) or not isinstance(args, tuple):
+        raise UnsupportedPickle("REDUCE on a non-global")
+    if fn.name == "collections OrderedDict":
+        return {}
+    if fn.name == "torch._utils _rebuild_parameter":
+        return args[0]
+    storage, _offset, size = args[0], args[1], args[2]
+    if not (isinstance(storage, tuple) and storage[0] == "storage" and isinstance(size, tuple)):
+        raise UnsupportedPickle("unexpected tensor arguments")
+    return TensorMeta(tuple(int(s) for s in size), storage[1])
+
+
+def read_index(path: Path) -> dict[str, TensorMeta]:
+    """The tensors of a zip-format ``torch.save`` file; UnsupportedPickle for anything else."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(pkl) != 1:
+                raise UnsupportedPickle("no data.pkl")
+            data = z.read(pkl[0])
+    except (zipfile.BadZipFile, OSError, KeyError, EOFError) as e:
+        raise UnsupportedPickle(str(e)) from None
+    try:
+        return scan(data)
+    except (ValueError, IndexError, KeyError, TypeError) as e:  # malformed opcode stream
+        raise UnsupportedPickle(str(e)) from None

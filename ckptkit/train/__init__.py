@@ -1,0 +1,18 @@
+"""ckptkit's native-PyTorch trainer: one decoder for every model type, LoRA, PEFT adapters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckptkit.train.model import Transformer, build_model, load_model
+
+__all__ = ["Transformer", "build_model", "load_model"]
+
+
+def __getattr__(name: str) -> Any:  # import torch only when the model is used
+    if name in __all__:
+        from ckptkit.train import model
+
+        return getattr(model, name)
+    raise AttributeError(name)
