@@ -105,18 +105,21 @@ def measure(kind: str, model: Path, work: Path, args: argparse.Namespace) -> dic
     out = work / f"out-{kind}"
     cmd = [sys.executable, __file__, "--worker", kind, "--model", str(model), "--out", str(out),
            "--steps", str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    stdout = proc.stdout.read() if proc.stdout else ""
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{kind} failed with status {status}")
+    # Peak RSS from /usr/bin/time: a child started from this (torch-importing) process
+    # would otherwise report this process's high-water mark as its own (vfork + exec).
+    rss_file = work / f"{kind}.rss"
+    proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd], stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} failed with status {proc.returncode}")
+    stdout = proc.stdout
+    peak_kb = int(rss_file.read_text().split()[-1])
     rates = json.loads(stdout.strip().splitlines()[-1])[2:]  # drop two warm-up steps
-    return {"kind": kind, "tokens_per_s": statistics.median(rates), "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {"kind": kind, "tokens_per_s": statistics.median(rates), "peak_rss_mb": peak_kb / 1024}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--worker")
