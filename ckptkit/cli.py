@@ -122,7 +122,12 @@ def inspect(
     out.print(f"parameters  {info['num_params']:,}")
     out.print(f"bytes       {info['total_bytes']:,} ({_human(info['total_bytes'])})")
     out.print(f"files       {', '.join(info['files'])}")
-    table = Table("name", "shape", "dtype", "file", box=None, header_style="bold")
+    table = Table(box=None, header_style="bold")
+    table.add_column("name", overflow="fold")
+    for column in ("shape", "dtype", "file"):
+        table.add_column(column, no_wrap=True)
+    if not out.is_terminal:  # piped: full names on one line each, for grep and friends
+        out.width = 1000
     for t in info["tensors"]:
         table.add_row(t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"])
     out.print(table)
