@@ -45,7 +45,3 @@ def to_torch(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
-
-
-def itemsize(name: str) -> int:
-    return ITEMSIZE[name]

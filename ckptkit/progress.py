@@ -27,10 +27,6 @@ class Bar:
         if self._progress is not None and self._task is not None:
             self._progress.advance(self._task, nbytes)
 
-    def describe(self, text: str) -> None:
-        if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, description=text)
-
 
 @contextmanager
 def byte_progress(description: str, total: int, quiet: bool = False) -> Iterator[Bar]:
