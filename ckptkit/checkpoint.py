@@ -277,16 +277,20 @@ def _fused_getter(
 
 
 def _checked_tie(raw: RawCheckpoint, emb: Lazy, tied_native: list[str]) -> Lazy:
+    pending = list(tied_native)  # each stored copy is compared once, on the first read
+
     def get() -> torch.Tensor:
         import torch
 
         t = emb.get()
-        for native in tied_native:
+        while pending:
+            native = pending[0]
             if not torch.equal(raw.read(native), t):
                 raise CkptkitError(
                     f"{raw.root}: {native} differs from the embeddings although this model type ties them; "
                     "pass --model-type for an untied variant (e.g. llama3_1)"
                 )
+            pending.pop(0)
         return t
 
     return Lazy(emb.shape, emb.dtype, get, emb.file)

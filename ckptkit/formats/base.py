@@ -57,7 +57,8 @@ class RawCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """One native tensor, materialised (Meta ranks concatenated)."""
-        files = [f for f, keys in self.files.items() if name in keys] if self.split_dims else [self.infos[name].file]
+        # Meta ranks each hold every tensor (checked when opened); other formats one file per tensor.
+        files = list(self.files) if self.split_dims else [self.infos[name].file]
         parts = [self.readers[f].read(name) for f in files]
         if len(parts) == 1:
             return parts[0]

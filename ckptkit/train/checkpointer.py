@@ -24,7 +24,7 @@ from ckptkit.export import save_checkpoint_like
 from ckptkit.models import ModelConfig
 from ckptkit.train.config import get
 from ckptkit.train.lora import lora_modules
-from ckptkit.train.peft_io import ADAPTER_WEIGHTS, read_lora_weights, save_adapter
+from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
 
 RECIPE_STATE = "recipe_state.pt"
 ADAPTER_DIR = "adapter"
@@ -129,16 +129,10 @@ class Checkpointer:
                 f"({', '.join(odd[:3])}); "
                 "check checkpointer.adapter_checkpoint"
             )
-        with torch.no_grad():
-            for name, w in adapter.lora.items():
-                m = modules[name]
-                if w.a.shape != m.lora_a.shape or w.b.shape != m.lora_b.shape:
-                    raise CkptkitError(
-                        f"{folder / ADAPTER_WEIGHTS}: {name} has rank {w.a.shape[0]}, the config {m.lora_a.shape[0]}; "
-                        "check checkpointer.adapter_checkpoint"
-                    )
-                m.lora_a.copy_(w.a)
-                m.lora_b.copy_(w.b)
+        try:
+            copy_lora_weights(model, adapter)
+        except CkptkitError as e:
+            raise CkptkitError(f"{folder / ADAPTER_WEIGHTS}: {e}; check checkpointer.adapter_checkpoint") from None
 
     # --- writing -------------------------------------------------------------------
     def save(

@@ -256,14 +256,8 @@ def check_base_copies(adapter: Adapter, base: dict[str, torch.Tensor]) -> None:
             raise CkptkitError(f"adapter stores a modified copy of {name} (e.g. resized embeddings); not supported")
 
 
-def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
-    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
-    adapter = read_lora_weights(adapter_dir, model.config.model_type)
-    check_base_copies(adapter, model.state_dict())
-    alpha = float(adapter.config.get("lora_alpha", 8))
-    dropout = float(adapter.config.get("lora_dropout") or 0.0)
-    rslora = bool(adapter.config.get("use_rslora"))
-    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora)
+def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
+    """Copy an adapter's A/B matrices into the model's existing LoRA modules of the same shapes."""
     modules = lora_modules(model)
     with torch.no_grad():
         for name, w in adapter.lora.items():
@@ -275,6 +269,17 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False)
                 )
             m.lora_a.copy_(w.a)
             m.lora_b.copy_(w.b)
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
+    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
+    adapter = read_lora_weights(adapter_dir, model.config.model_type)
+    check_base_copies(adapter, model.state_dict())
+    alpha = float(adapter.config.get("lora_alpha", 8))
+    dropout = float(adapter.config.get("lora_dropout") or 0.0)
+    rslora = bool(adapter.config.get("use_rslora"))
+    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora)
+    copy_lora_weights(model, adapter)
     if merge:
         merge_lora(model)
     return model
