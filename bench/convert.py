@@ -19,7 +19,7 @@ For each requested layer count (default 2 and 4) the script
    * ``ckptkit convert --to meta`` (HF -> Meta; this run also makes the Meta copy),
    * ``ckptkit convert --to hf`` of that Meta copy (Meta -> HF),
    * ``ckptkit inspect --json`` of the HF and of the Meta directory,
-   * ``python -c "import ckptkit.cli, ckptkit.convert, ckptkit.inspect"``: the floor of every
+   * ``python -c "import ckptkit.cli, ckptkit.convert, ckptkit.inspection"``: the floor of every
      ckptkit process (no target; it explains the inspect and RSS numbers);
 
 3. checks the targets: convert wall time <= 2x ``cp -r`` of the same checkpoint; convert
@@ -455,7 +455,7 @@ def bench_size(bench: Bench, layers: int, seed: int) -> tuple[tuple[int, int], t
     took = time.perf_counter() - t
     print(f"{layers} layers: built {total / MB:,.0f} MB of HF safetensors in {took:.1f} s", flush=True)
     ck = bench.ckptkit
-    imports = [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert, ckptkit.inspect"]
+    imports = [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert, ckptkit.inspection"]
     for _ in range(bench.repeat):  # interleaved, so each convert run has a cp run beside it
         bench.measure(layers, "cp -r", ["cp", "-r", str(hf), str(copy)], [hf], copy)
         shutil.rmtree(copy)

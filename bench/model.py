@@ -51,7 +51,7 @@ def make_weights(path: Path, dtype: torch.dtype) -> int:
     """Random canonical weights for both models, saved once."""
     from safetensors.torch import save_file
 
-    from ckptkit.train.model import build_model
+    from ckptkit.train.transformer import build_model
 
     torch.manual_seed(0)
     model = build_model(canonical_config(), dtype=dtype)
@@ -67,7 +67,7 @@ def build(which: str, weights: Path, dtype: torch.dtype) -> torch.nn.Module:
 
     state = load_file(str(weights))
     if which == "ckptkit":
-        from ckptkit.train.model import build_model
+        from ckptkit.train.transformer import build_model
 
         model = build_model(canonical_config(), device="meta", dtype=dtype)
     else:

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ckptkit.checkpoint import load_checkpoint, open_checkpoint
-    from ckptkit.export import save_checkpoint_like
+    from ckptkit.save_like import save_checkpoint_like
 
 __all__ = ["__version__", "load_checkpoint", "open_checkpoint", "save_checkpoint_like"]
 
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:  # import torch only when the library is used
 
         return getattr(checkpoint, name)
     if name == "save_checkpoint_like":
-        from ckptkit.export import save_checkpoint_like
+        from ckptkit.save_like import save_checkpoint_like
 
         return save_checkpoint_like
     raise AttributeError(name)

@@ -18,6 +18,8 @@ from rich.table import Table
 
 from ckptkit import __version__
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import FORMATS
+from ckptkit.models import MODEL_TYPES
 
 app = typer.Typer(
     name="ckptkit",
@@ -25,34 +27,22 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Format(StrEnum):
-    meta = "meta"
-    hf = "hf"
-    hf_bin = "hf-bin"
-    internal = "internal"
+# Choices come from the registries: a new format or family appears here by itself.
+Format = StrEnum("Format", {name.replace("-", "_"): name for name in FORMATS})  # type: ignore[misc]
+ModelType = StrEnum("ModelType", {name: name for name in MODEL_TYPES})  # type: ignore[misc]
 
 
 class DType(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
-
-
-class ModelType(StrEnum):
-    llama2 = "llama2"
-    llama3 = "llama3"
-    llama3_1 = "llama3_1"
-    llama3_2 = "llama3_2"
-    mistral = "mistral"
-    qwen2 = "qwen2"
-    gemma = "gemma"
-    phi3 = "phi3"
 
 
 def user_errors(fn: F) -> F:
@@ -107,7 +97,7 @@ def inspect(
     model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
 ) -> None:
     """List format, model type, dtypes and tensors; reads metadata only."""
-    from ckptkit.inspect import inspect_path
+    from ckptkit.inspection import inspect_path
 
     info = inspect_path(path, model_type.value if model_type else None)
     if json_out:

@@ -1,7 +1,7 @@
 """Bad inputs through the CLI: exit 1 (2 for bad usage), one clear line, nothing touched.
 
 Every case builds a broken copy of a fixture in a temporary directory and runs the ``ckptkit``
-command line on it. For each it checks the contract of ``shared/CLI.md``: the return code;
+command line on it. For each it checks the contract of ``docs/cli.md``: the return code;
 stderr is exactly one non-empty line naming the offending file and the problem; no
 traceback anywhere; the source is byte-identical afterwards; the destination is absent and
 no ``.<dst>.*.ckptkit-tmp`` directory is left beside it.
@@ -848,7 +848,7 @@ def _(tmp: Path) -> Case:
 # would (same entry point, stdout/stderr on files, tracebacks printed, exit code kept).
 DRIVER = r"""
 import json, os, sys, traceback
-import ckptkit.cli, ckptkit.convert, ckptkit.inspect, ckptkit.verify
+import ckptkit.cli, ckptkit.convert, ckptkit.inspection, ckptkit.verify
 
 def child(job):
     for fd, name in ((1, job["stdout"]), (2, job["stderr"])):

@@ -18,7 +18,7 @@ from ckptkit.checkpoint import open_checkpoint
 from ckptkit.convert import convert
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter, library_order
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
-from ckptkit.inspect import inspect_path
+from ckptkit.inspection import inspect_path
 
 from conftest import FIXTURES
 
@@ -198,7 +198,7 @@ def test_pickle_index_matches_torch_load(sd: dict, as_parameter: bool, tmp_path_
 @pytest.mark.parametrize("path", ["hf/llama3", "meta/llama2-2rank", "hf-bin/llama2", "meta/mistral"])
 def test_inspect_never_imports_torch(path: str) -> None:
     code = (
-        "import sys; from ckptkit.inspect import inspect_path; "
+        "import sys; from ckptkit.inspection import inspect_path; "
         f"info = inspect_path({str(FIXTURES / path)!r}); "
         "assert info['model_type'] and info['tensors']; assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptkit.train import load_model
-from ckptkit.train.model import KVCache, rope_inv_freq
+from ckptkit.train.transformer import KVCache, rope_inv_freq
 
 from train_helpers import FAMILIES, FIXTURES, TOL, fixture_config, hf_dir, hf_model, native_model, padded_batch
 
@@ -91,7 +91,7 @@ def test_bfloat16_matches_transformers(family: str) -> None:
 )
 def test_sliding_window_matches_transformers(family: str, ours: dict, theirs: dict) -> None:
     cfg = fixture_config(family)
-    model = native_model(family, extra={**cfg.extra, **ours})
+    model = native_model(family, **ours)
     ref_model = hf_model(family, **theirs)
     ids, mask = padded_batch(cfg.vocab_size, seed=5)
     ids, mask = torch.cat([ids, ids], dim=1), torch.cat([mask, mask], dim=1)  # 24 tokens > window

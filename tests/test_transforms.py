@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.transforms import join_rows, merge_ranks, rope_hf_to_meta, rope_meta_to_hf, split_ranks, split_rows
+from ckptkit.transforms import FUSED, RANKS, ROPE_K, ROPE_Q
+
+
+def rope_meta_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return ROPE_Q.forward(w, SimpleNamespace(num_heads=heads), [tuple(w.shape)])[0]
+
+
+def rope_hf_to_meta(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return ROPE_Q.inverse([w], SimpleNamespace(num_heads=heads))
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
@@ -45,9 +55,11 @@ def test_rope_permutation_matches_the_reference_formula() -> None:
 )
 def test_fused_split_inverts(sizes: list[int], cols: int, dtype: torch.dtype, seed: int) -> None:
     w = _random((sum(sizes), cols), dtype, seed)
-    parts = split_rows(w, sizes)
+    shapes = FUSED.part_shapes(tuple(w.shape), [(n, cols) for n in sizes])
+    parts = FUSED.forward(w, None, shapes)
     assert [p.shape[0] for p in parts] == sizes
-    assert _bitwise(join_rows(parts), w)
+    assert _bitwise(FUSED.inverse(parts, None), w)
+    assert FUSED.native_shape(shapes) == tuple(w.shape)
 
 
 @settings(max_examples=60, deadline=None)
@@ -62,6 +74,16 @@ def test_fused_split_inverts(sizes: list[int], cols: int, dtype: torch.dtype, se
 def test_rank_split_inverts(ranks: int, rows: int, cols: int, dim: int | None, dtype: torch.dtype, seed: int) -> None:
     shape = (rows * (ranks if dim == 0 else 1), cols * (ranks if dim == 1 else 1))
     w = _random(shape, dtype, seed)
-    parts = split_ranks(w, ranks, dim)
+    parts = RANKS.inverse(w, ranks, dim)
     assert len(parts) == ranks
-    assert _bitwise(merge_ranks(parts, dim), w)
+    assert all(tuple(p.shape) == RANKS.shard_shape(tuple(w.shape), ranks, dim) for p in parts)
+    assert _bitwise(RANKS.forward(parts, dim), w)
+
+
+def test_rope_k_uses_the_kv_head_count() -> None:
+    # GQA: k has num_kv_heads heads; permuting by num_heads would scramble it.
+    cfg = SimpleNamespace(num_heads=4, num_kv_heads=2)
+    w = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(16, 3)
+    reference = w.view(2, 4, 2, 3).transpose(1, 2).reshape(16, 3)
+    assert torch.equal(ROPE_K.forward(w, cfg, [(16, 3)])[0], reference)
+    assert torch.equal(ROPE_K.inverse([reference], cfg), w)

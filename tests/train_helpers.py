@@ -36,7 +36,7 @@ def fixture_config(family: str) -> Any:
 
 def native_model(family: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
     """The fixture's weights in ckptkit's model, config fields overridden as given."""
-    from ckptkit.train.model import build_model
+    from ckptkit.train.transformer import build_model
 
     cfg, sd = _load(family)
     cfg = dataclasses.replace(cfg, **overrides)

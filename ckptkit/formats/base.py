@@ -1,4 +1,4 @@
-"""What every format adapter hands out: a read-only view of one checkpoint's raw layout."""
+"""The vocabulary formats share: a checkpoint's raw layout on read, a plan of files on write."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.transforms import RANKS
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptkit.lazy import Lazy
 
 ORIGIN_FILE = "ckptkit-origin.json"  # sidecar beside converted weights: the source's layout
 INTERNAL_FILE = "ckptkit.json"  # the internal format's own description
@@ -26,6 +29,40 @@ class TensorReader(Protocol):
     def sample(self, name: str, nbytes: int) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class Options:
+    """What the user asked of a conversion."""
+
+    to: str
+    dtype: str | None = None
+    shards: int | None = None
+    max_shard_size: str | None = None
+
+
+@dataclass
+class FilePlan:
+    """One output weight file: its tensors in stored order and, for Meta ranks, the split."""
+
+    name: str
+    keys: list[str]
+    metadata: dict[str, str] | None = None
+    rank: int = 0
+    ranks: int = 1
+
+
+@dataclass
+class Plan:
+    """Everything a conversion will write, decided before any tensor is read."""
+
+    format: str
+    targets: dict[str, Lazy]  # native name -> full tensor to write
+    files: list[FilePlan]
+    split_dims: dict[str, int | None] = field(default_factory=dict)
+    metadata_files: dict[str, str] = field(default_factory=dict)  # name -> text
+    restored: bool = False
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,9 +99,7 @@ class RawCheckpoint:
         parts = [self.readers[f].read(name) for f in files]
         if len(parts) == 1:
             return parts[0]
-        from ckptkit.transforms import merge_ranks
-
-        return merge_ranks(parts, self.split_dims.get(name))
+        return RANKS.forward(parts, self.split_dims.get(name))
 
     def close(self) -> None:
         for r in self.readers.values():

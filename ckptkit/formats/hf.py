@@ -4,14 +4,31 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import RawCheckpoint, TensorReader, natural_key, read_json, torch_reader
+from ckptkit.formats.base import (
+    FilePlan,
+    Options,
+    Plan,
+    RawCheckpoint,
+    TensorReader,
+    natural_key,
+    read_json,
+    torch_reader,
+)
+from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
+
+if TYPE_CHECKING:
+    from ckptkit.checkpoint import Checkpoint
+    from ckptkit.lazy import Lazy
+    from ckptkit.models import Family, ModelConfig
+    from ckptkit.models.spec import Layout
 
 STEMS = {"hf": ("model", ".safetensors"), "hf-bin": ("pytorch_model", ".bin")}
 
@@ -69,10 +86,11 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
     infos: dict[str, TensorInfo] = {}
     file_metadata: dict[str, dict[str, str] | None] = {}
     for name in names:
-        reader: Any = SafetensorsReader(root / name) if fmt == "hf" else torch_reader(root / name)
+        safetensors = name.endswith(".safetensors")
+        reader: Any = SafetensorsReader(root / name) if safetensors else torch_reader(root / name)
         readers[name] = reader
         files[name] = list(reader.infos)
-        file_metadata[name] = reader.metadata if fmt == "hf" else None
+        file_metadata[name] = reader.metadata if safetensors else None
         for key, info in reader.infos.items():
             if key in infos:
                 raise CkptkitError(f"{root / name}: tensor {key!r} is also in {infos[key].file}")
@@ -101,9 +119,82 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
     )
 
 
-def index_text(fmt: str, weight_map: dict[str, str], total_size: int, total_parameters: int) -> str:
+def index_text(weight_map: dict[str, str], total_size: int, total_parameters: int | None) -> str:
     """An index file as transformers writes it (sorted keys, two-space indent)."""
     metadata: dict[str, int] = {"total_size": total_size}
-    if fmt == "hf":
+    if total_parameters is not None:
         metadata["total_parameters"] = total_parameters
     return json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
+
+
+class HFFormat(CheckpointFormat):
+    """``config.json`` + ``{stem}{ext}`` or its shards with an index, as transformers saves them."""
+
+    expects = "config.json + model*.safetensors or pytorch_model*.bin"
+    detect_order = 30
+
+    def __init__(self, name: str, safetensors: bool) -> None:
+        self.name = name  # type: ignore[misc]
+        self.safetensors = safetensors
+        self.stem, self.ext = STEMS[name]
+
+    def detect(self, root: Path) -> bool:
+        return detect(root, self.name)
+
+    def open(self, root: Path) -> RawCheckpoint:
+        if not detect(root, self.name):
+            raise CkptkitError(
+                f"{root}: not an {self.name} checkpoint (needs config.json and {single_name(self.name)} or shards)"
+            )
+        return open_raw(root, self.name)
+
+    def owns_file(self, name: str) -> bool:
+        return name.startswith(self.stem) and (name.endswith(self.ext) or name.endswith(self.ext + ".index.json"))
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        from ckptkit.models import detect_from_hf
+
+        return detect_from_hf(raw.config, str(raw.root / raw.config_name))
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        try:
+            return family.config_from_hf(raw.config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CkptkitError(f"{raw.root / raw.config_name}: missing or invalid field {e}") from None
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return family.hf_layout(cfg)
+
+    def default_files(
+        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        files = size_sharded_files(targets, opts, shard_pattern(self.name), single_name(self.name), self.safetensors)
+        return files, {}
+
+    def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        out: dict[str, str] = {}
+        weights = list(plan.targets.values())
+        main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
+        recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
+        if recorded.get("name") == "config.json":
+            text = recorded["text"]
+            if cast is not None:
+                doc = json.loads(text)
+                for key in ("dtype", "torch_dtype"):
+                    if key in doc:
+                        doc[key] = main_dtype
+                text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+            out["config.json"] = text
+        else:
+            config = ckpt.family.config_to_hf(ckpt.config, main_dtype)
+            out["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        if len(plan.files) > 1:
+            index = ckpt.origin.get("index") if plan.restored else None
+            if index and cast is None:
+                out[index["name"]] = index["text"]
+            else:
+                weight_map = {k: f.name for f in plan.files for k in f.keys}
+                total = sum(plan.targets[k].nbytes for k in weight_map)
+                params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.safetensors else None
+                out[index_name(self.name)] = index_text(dict(sorted(weight_map.items())), total, params)
+        return out

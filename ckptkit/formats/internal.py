@@ -3,13 +3,20 @@ which holds the model config and the origin layout so converting back is exact."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import INTERNAL_FILE, RawCheckpoint, TensorReader, read_json
+from ckptkit.formats.base import INTERNAL_FILE, FilePlan, Options, Plan, RawCheckpoint, TensorReader, read_json
+from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
+
+if TYPE_CHECKING:
+    from ckptkit.checkpoint import Checkpoint
+    from ckptkit.lazy import Lazy
+    from ckptkit.models import Family, ModelConfig
 
 UNUSED_PREFIX = "_unused."  # tensors the model does not use, under their origin names
 SINGLE = "weights.safetensors"
@@ -48,3 +55,91 @@ def open_raw(root: Path) -> RawCheckpoint:
         config=doc,
         file_metadata={f: r.metadata for f, r in readers.items()},  # type: ignore[attr-defined]
     )
+
+
+class InternalFormat(CheckpointFormat):
+    """Canonical names in safetensors + ``ckptkit.json`` (config and the origin layout)."""
+
+    name = "internal"
+    expects = "ckptkit.json"
+    detect_order = 10
+
+    def detect(self, root: Path) -> bool:
+        return detect(root)
+
+    def open(self, root: Path) -> RawCheckpoint:
+        return open_raw(root)
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        from ckptkit.models import get_family
+
+        try:
+            return get_family(raw.config["config"]["model_type"])
+        except (KeyError, TypeError) as e:
+            raise CkptkitError(f"{raw.root / INTERNAL_FILE}: invalid config ({e})") from None
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        from ckptkit.models import ModelConfig
+
+        try:
+            return ModelConfig.from_dict(raw.config["config"])
+        except (KeyError, TypeError) as e:
+            raise CkptkitError(f"{raw.root / INTERNAL_FILE}: invalid config ({e})") from None
+
+    def canonical_view(
+        self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
+    ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
+        from ckptkit.lazy import Lazy
+        from ckptkit.models import canonical_shapes
+
+        root = raw.root
+        tensors: dict[str, Lazy] = {}
+        unused: dict[str, Lazy] = {}
+        for key, info in raw.infos.items():
+            lazy = Lazy(info.shape, info.dtype, lambda key=key: raw.read(key), info.file)
+            if key.startswith(UNUSED_PREFIX):
+                unused[key.removeprefix(UNUSED_PREFIX)] = lazy
+            else:
+                tensors[key] = lazy
+        expected = canonical_shapes(cfg)
+        odd = [k for k in tensors if k not in expected]
+        if odd:
+            raise CkptkitError(f"{root / tensors[odd[0]].file}: unknown tensor name(s): {', '.join(odd[:3])}")
+        for name, shape in expected.items():
+            if name not in tensors:
+                raise CkptkitError(f"{root}: tensor {name!r} is missing")
+            if tensors[name].shape != shape:
+                raise CkptkitError(f"{root / tensors[name].file}: the config contradicts the tensor shapes: {name}")
+        return {k: tensors[k] for k in expected}, unused
+
+    def recorded_origin(self, raw: RawCheckpoint) -> dict[str, Any] | None:
+        return raw.config.get("origin") or {}
+
+    def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
+        return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps
+
+    def targets(
+        self, ckpt: Checkpoint, pool: dict[str, Lazy], with_optional: bool
+    ) -> tuple[dict[str, Lazy], list[str]]:
+        targets = dict(ckpt.tensors)
+        targets.update({UNUSED_PREFIX + k: v for k, v in ckpt.unused.items()})
+        return targets, []
+
+    def required(self, ckpt: Checkpoint) -> set[str]:
+        return set(ckpt.tensors)
+
+    def default_files(
+        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        return size_sharded_files(targets, opts, PATTERN, SINGLE, safetensors=True), {}
+
+    def finish(self, ckpt: Checkpoint, plan: Plan, out_dir: Path) -> None:
+        doc = {
+            "format": self.name,
+            "version": VERSION,
+            "model_type": ckpt.family.name,
+            "config": ckpt.config.to_dict(),
+            "files": {f.name: f.keys for f in plan.files},
+            "origin": ckpt.origin,
+        }
+        (out_dir / INTERNAL_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

@@ -7,17 +7,37 @@ Ranks are merged on read: column-parallel tensors on dim 0, row-parallel on dim 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import RawCheckpoint, TensorReader, natural_key, read_json, torch_reader
+from ckptkit.formats.base import (
+    FilePlan,
+    Options,
+    Plan,
+    RawCheckpoint,
+    TensorReader,
+    natural_key,
+    read_json,
+    torch_reader,
+)
+from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.checkpoint import Checkpoint
+    from ckptkit.lazy import Lazy
+    from ckptkit.models import Family, ModelConfig
+    from ckptkit.models.spec import Layout
+
 RANK_FILE = re.compile(r"consolidated\.(\d{2})\.pth")
 SAFETENSORS_FILE = "consolidated.safetensors"
+TIE_SAMPLE_BYTES = 4096
 COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3", "output")
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
 
@@ -97,3 +117,88 @@ def open_raw(root: Path) -> RawCheckpoint:
         file_metadata={f: getattr(r, "metadata", None) for f, r in readers.items()},
         split_dims=split_dims if n > 1 else {},
     )
+
+
+class MetaFormat(CheckpointFormat):
+    """Meta's ``consolidated.NN.pth`` ranks (or Mistral's ``consolidated.safetensors``) + ``params.json``."""
+
+    name = "meta"
+    expects = "params.json + consolidated.*.pth"
+    detect_order = 20
+
+    def detect(self, root: Path) -> bool:
+        return detect(root)
+
+    def open(self, root: Path) -> RawCheckpoint:
+        if not detect(root):
+            raise CkptkitError(f"{root}: not a Meta checkpoint (needs params.json and consolidated.*.pth)")
+        return open_raw(root)
+
+    def owns_file(self, name: str) -> bool:
+        return name.startswith("consolidated.")
+
+    def _source(self, raw: RawCheckpoint) -> Any:
+        from ckptkit.models import MetaSource
+
+        return MetaSource(
+            raw.config,
+            {k: i.shape for k, i in raw.infos.items()},
+            "safetensors" if SAFETENSORS_FILE in raw.files else "pth",
+            lambda: _output_repeats_embeddings(raw),
+        )
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        from ckptkit.models import detect_from_meta
+
+        return detect_from_meta(self._source(raw), str(raw.root / raw.config_name))
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        try:
+            return family.config_from_meta(self._source(raw))
+        except CkptkitError as e:
+            raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return family.meta_layout(cfg)
+
+    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        return family.meta_extra_tensors(cfg)
+
+    def split_dim(self, name: str, ndim: int, family: Family) -> int | None:
+        return split_dim(name, ndim, family.vocab_parallel)
+
+    def default_files(
+        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        from ckptkit.formats.safetensors_io import library_order
+
+        n = opts.shards or 1
+        if n == 1 and ckpt.family.meta_container == "safetensors":
+            order = library_order([(k, t.dtype, t.shape) for k, t in targets.items()])
+            return [FilePlan(SAFETENSORS_FILE, order, None)], {}
+        files = [FilePlan(rank_file(r), list(targets), rank=r, ranks=n) for r in range(n)]
+        split: dict[str, int | None] = {}
+        if n > 1:
+            for k, t in targets.items():
+                d = split_dim(k, len(t.shape), ckpt.family.vocab_parallel)
+                if d is not None and t.shape[d] % n:
+                    raise CkptkitError(
+                        f"--shards {n}: {k} has {t.shape[d]} rows/columns on dim {d}, not divisible by {n}"
+                    )
+                split[k] = d
+        return files, split
+
+    def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
+        if recorded.get("name") == "params.json":
+            return {"params.json": recorded["text"]}
+        return {"params.json": json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+
+
+def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:
+    """Whether output.weight has the embeddings' shape and dtype and starts with the same bytes."""
+    emb, out = raw.infos.get("tok_embeddings.weight"), raw.infos.get("output.weight")
+    if emb is None or out is None or emb.shape != out.shape or emb.dtype != out.dtype:
+        return False
+    reader = raw.readers[next(iter(raw.files))]
+    return reader.sample("tok_embeddings.weight", TIE_SAMPLE_BYTES) == reader.sample("output.weight", TIE_SAMPLE_BYTES)

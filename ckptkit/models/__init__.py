@@ -7,15 +7,18 @@ from typing import Any
 from ckptkit.errors import CkptkitError
 from ckptkit.models import gemma, llama, mistral, phi3, qwen2
 from ckptkit.models.config import ModelConfig, canonical_shapes
-from ckptkit.models.family import Family
+from ckptkit.models.family import Family, MetaSource
 
-REGISTRY: dict[str, Family] = {f.name: f for mod in (llama, mistral, qwen2, gemma, phi3) for f in mod.FAMILIES}
+FAMILY_MODULES = (llama, mistral, qwen2, gemma, phi3)
+META_DETECTION = (mistral, llama)
+REGISTRY: dict[str, Family] = {f.name: f for mod in FAMILY_MODULES for f in mod.FAMILIES}
 MODEL_TYPES = tuple(REGISTRY)
 
 __all__ = [
     "MODEL_TYPES",
     "REGISTRY",
     "Family",
+    "MetaSource",
     "ModelConfig",
     "canonical_shapes",
     "get_family",
@@ -34,16 +37,17 @@ def get_family(model_type: str) -> Family:
 
 
 def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
-    """The family of an HF ``config.json``; an error that asks for --model-type when unsure."""
+    """The family of an HF ``config.json``; an error that asks for --model-type when unsure.
+
+    A family module's own ``detect_hf`` (Llama's tells its versions apart) goes first;
+    otherwise ``model_type`` names the family.
+    """
+    for module in FAMILY_MODULES:
+        detect = getattr(module, "detect_hf", None)
+        name = detect(cfg, where) if detect else None
+        if name:
+            return REGISTRY[name]
     hf_type = cfg.get("model_type")
-    if hf_type == "llama":
-        name = llama.detect_hf(cfg)
-        if name is None:
-            raise CkptkitError(
-                f"{where}: cannot tell which Llama this is from its rope settings; pass --model-type "
-                "(llama2, llama3, llama3_1 or llama3_2)"
-            )
-        return REGISTRY[name]
     for family in REGISTRY.values():
         if hf_type in family.hf_model_types:
             return family
@@ -53,16 +57,17 @@ def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
     )
 
 
-def detect_from_meta(params: dict[str, Any], container: str, tied: bool, where: str) -> Family:
-    """The family of a Meta ``params.json``; an error that asks for --model-type when unsure."""
-    if container == "safetensors" or "hidden_dim" in params or "head_dim" in params:
-        return REGISTRY["mistral"]
-    name = llama.detect_meta(params, tied)
-    if name is None:
-        raise CkptkitError(
-            f"{where}: cannot tell which Llama this is (rope_theta {params.get('rope_theta')}); pass --model-type"
-        )
-    return REGISTRY[name]
+def detect_from_meta(src: MetaSource, where: str) -> Family:
+    """The family of a Meta-style checkpoint; an error that asks for --model-type when unsure.
+
+    Each family module with a ``detect_meta`` is asked in :data:`META_DETECTION` order
+    (specific families first, Llama, the catch-all, last).
+    """
+    for module in META_DETECTION:
+        name = module.detect_meta(src, where)
+        if name:
+            return REGISTRY[name]
+    raise CkptkitError(f"{where}: no model family recognises this params.json; pass --model-type")
 
 
 def _one_to_one(model_type: str) -> dict[str, str]:

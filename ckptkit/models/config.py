@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -46,15 +46,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Attention window: Mistral and Phi-3 slide in every layer when ``sliding_window`` is
+    # set; Qwen2 only with ``use_sliding_window``, from layer ``max_window_layers`` on
+    # (the family decides: :meth:`~ckptkit.models.family.Family.sliding_windows`).
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    max_window_layers: int | None = None
+    partial_rotary_factor: float = 1.0  # Phi-3: rope on this fraction of head_dim
+    # Carried for exact config round trips; None when the source config lacks them.
+    original_max_position_embeddings: int | None = None  # Phi-3 config.json
+    resid_pdrop: float | None = None  # Phi-3 config.json
+    embd_pdrop: float | None = None  # Phi-3 config.json
+    multiple_of: int | None = None  # Meta params.json FFN spelling (Llama)
+    ffn_dim_multiplier: float | None = None  # Meta params.json FFN spelling (Llama)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """The inverse of :meth:`to_dict`; also reads the ``extra`` dict of older ckptkit.json files."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        merged = {**(data.get("extra") or {}), **data}
+        return cls(**{k: v for k, v in merged.items() if k in names})
 
 
 def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

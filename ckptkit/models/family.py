@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
@@ -10,6 +12,24 @@ from ckptkit.models.spec import Layout
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass
+class MetaSource:
+    """What a Meta-style checkpoint says about its model before any tensor is read.
+
+    Attributes:
+        params: ``params.json``.
+        shapes: native tensor name -> shape (ranks merged).
+        container: ``"pth"`` or ``"safetensors"``.
+        output_repeats_embeddings: whether ``output.weight`` has the embeddings' dtype and
+            shape and starts with the same bytes (a fixed-size sample; called only if needed).
+    """
+
+    params: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    container: str
+    output_repeats_embeddings: Callable[[], bool]
 
 
 class Family:
@@ -48,10 +68,14 @@ class Family:
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         raise NotImplementedError
 
-    def config_from_meta(
-        self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False
-    ) -> ModelConfig:
+    def config_from_meta(self, src: MetaSource) -> ModelConfig:
         raise CkptkitError(f"{self.name} has no Meta layout")
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
         raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
+
+    # --- the native model ------------------------------------------------------
+    def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
+        """Per-layer attention window (None: full causal attention); the same in every
+        layer unless the family says otherwise."""
+        return [cfg.sliding_window] * cfg.num_layers

@@ -11,18 +11,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
-from ckptkit.models.family import Family
-from ckptkit.models.spec import (
-    COPY,
-    ROPE_K,
-    ROPE_Q,
-    TIED,
-    Layout,
-    Rule,
-    hf_common_config,
-    hf_common_fields,
-    hf_llama_layout,
-)
+from ckptkit.models.family import Family, MetaSource
+from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout, rope_parameters
+from ckptkit.transforms import COPY, ROPE_K, ROPE_Q, TIED
 
 if TYPE_CHECKING:
     import torch
@@ -121,9 +112,8 @@ class Llama2(Family):
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1, initializer_range=0.02)
         return out
 
-    def config_from_meta(
-        self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False
-    ) -> ModelConfig:
+    def config_from_meta(self, src: MetaSource) -> ModelConfig:
+        params, shapes, tied = src.params, src.shapes, meta_tied(src)
         try:
             dim, n_heads, n_layers = int(params["dim"]), int(params["n_heads"]), int(params["n_layers"])
         except (KeyError, TypeError, ValueError) as e:
@@ -137,7 +127,7 @@ class Llama2(Family):
         if vocab > 0 and vocab != emb[0]:
             raise CkptkitError(f"vocab_size {vocab} contradicts tok_embeddings.weight, which has {emb[0]} rows")
         w1 = shapes.get("layers.0.feed_forward.w1.weight")
-        extra: dict[str, Any] = {}
+        multiple_of, mult = None, None
         if "hidden_dim" in params:
             ffn = int(params["hidden_dim"])
             what = f"hidden_dim {ffn}"
@@ -146,7 +136,6 @@ class Llama2(Family):
             multiple_of = int(params.get("multiple_of", 256))
             ffn = meta_ffn_size(dim, multiple_of, mult)
             what = f"dim {dim}, multiple_of {multiple_of}, ffn_dim_multiplier {mult} give FFN size {ffn}"
-            extra = {"multiple_of": multiple_of, "ffn_dim_multiplier": mult}
         if w1 is not None and w1[0] != ffn:
             raise CkptkitError(f"contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows")
         scaled = bool(params.get("use_scaled_rope"))
@@ -164,11 +153,12 @@ class Llama2(Family):
             rope_scaling=self.rope_scaling() if scaled else None,
             max_position_embeddings=self.max_positions,
             tie_word_embeddings=tied,
-            extra=extra,
+            multiple_of=multiple_of,
+            ffn_dim_multiplier=mult,
         )
 
     def _meta_ffn(self, cfg: ModelConfig) -> tuple[int, float | None]:
-        mo, mult = cfg.extra.get("multiple_of"), cfg.extra.get("ffn_dim_multiplier")
+        mo, mult = cfg.multiple_of, cfg.ffn_dim_multiplier
         if mo is not None and meta_ffn_size(cfg.hidden_size, mo, mult) == cfg.intermediate_size:
             return mo, mult
         return meta_ffn_params(cfg.hidden_size, cfg.intermediate_size)
@@ -237,22 +227,53 @@ class Llama3_2(Llama3_1):
 FAMILIES = (Llama2(), Llama3(), Llama3_1(), Llama3_2())
 
 
-def detect_hf(cfg: dict[str, Any]) -> str | None:
-    """Which Llama the HF config describes; None when unsure."""
-    from ckptkit.models.spec import rope_parameters
+def meta_tied(src: MetaSource) -> bool:
+    """Whether Meta's output.weight repeats tok_embeddings (Llama 3.2 vs 3.1).
 
-    theta, scaling = rope_parameters(cfg)
-    if scaling:
-        if scaling.get("rope_type") != "llama3":
-            return None
-        if scaling.get("factor") == 32.0 or cfg.get("tie_word_embeddings"):
-            return "llama3_2"
-        return "llama3_1"
+    Judged from a fixed-size sample, so opening stays independent of the weights' size;
+    a conversion still checks the whole tensors before it drops the copy.
+    """
+    emb, out = src.shapes.get("tok_embeddings.weight"), src.shapes.get("output.weight")
+    if emb is None:
+        return False
+    if out is None:
+        return True
+    if not src.params.get("use_scaled_rope") or emb != out:
+        return False
+    return src.output_repeats_embeddings()
+
+
+def _which_llama(theta: float) -> str | None:
     return {10000.0: "llama2", 500000.0: "llama3"}.get(theta)
 
 
-def detect_meta(params: dict[str, Any], tied: bool) -> str | None:
-    """Which Llama Meta's params.json describes; None when unsure."""
+def detect_hf(cfg: dict[str, Any], where: str) -> str | None:
+    """Which Llama an HF config.json describes (None: not a Llama); an error when unsure."""
+    if cfg.get("model_type") != "llama":
+        return None
+    theta, scaling = rope_parameters(cfg)
+    name = _which_llama(theta)
+    if scaling:
+        name = None
+        if scaling.get("rope_type") == "llama3":
+            tied = scaling.get("factor") == 32.0 or cfg.get("tie_word_embeddings")
+            name = "llama3_2" if tied else "llama3_1"
+    if name is None:
+        raise CkptkitError(
+            f"{where}: cannot tell which Llama this is from its rope settings; pass --model-type "
+            "(llama2, llama3, llama3_1 or llama3_2)"
+        )
+    return name
+
+
+def detect_meta(src: MetaSource, where: str) -> str:
+    """Which Llama Meta's params.json describes (the catch-all Meta family); an error when unsure."""
+    params = src.params
     if params.get("use_scaled_rope"):
-        return "llama3_2" if tied else "llama3_1"
-    return {10000.0: "llama2", 500000.0: "llama3"}.get(float(params.get("rope_theta", 10000.0)))
+        return "llama3_2" if meta_tied(src) else "llama3_1"
+    name = _which_llama(float(params.get("rope_theta", 10000.0)))
+    if name is None:
+        raise CkptkitError(
+            f"{where}: cannot tell which Llama this is (rope_theta {params.get('rope_theta')}); pass --model-type"
+        )
+    return name

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ckptkit.models.config import ModelConfig
+from ckptkit.models.family import MetaSource
 from ckptkit.models.llama import Llama3
 from ckptkit.models.spec import hf_common_fields
 
@@ -19,13 +21,8 @@ class Mistral(Llama3):
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = hf_common_fields(cfg, self.hf_architecture, "mistral", dtype)
-        out.update(sliding_window=cfg.extra.get("sliding_window"), initializer_range=0.02)
+        out.update(sliding_window=cfg.sliding_window, initializer_range=0.02)
         return out
-
-    def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
-        model = super().config_from_hf(cfg)
-        model.extra["sliding_window"] = cfg.get("sliding_window")
-        return model
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -39,16 +36,20 @@ class Mistral(Llama3):
             "vocab_size": cfg.vocab_size,
             "rope_theta": cfg.rope_theta,
         }
-        if cfg.extra.get("sliding_window"):
-            out["sliding_window"] = cfg.extra["sliding_window"]
+        if cfg.sliding_window:
+            out["sliding_window"] = cfg.sliding_window
         return out
 
-    def config_from_meta(
-        self, params: dict[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool = False
-    ) -> ModelConfig:
-        model = super().config_from_meta(params, shapes, tied)
-        model.extra = {"sliding_window": params.get("sliding_window")}
-        return model
+    def config_from_meta(self, src: MetaSource) -> ModelConfig:
+        model = super().config_from_meta(src)
+        return dataclasses.replace(model, sliding_window=src.params.get("sliding_window"))
+
+
+def detect_meta(src: MetaSource, where: str) -> str | None:
+    """Mistral's Meta-style releases: ``consolidated.safetensors``, or params with hidden_dim / head_dim."""
+    if src.container == "safetensors" or "hidden_dim" in src.params or "head_dim" in src.params:
+        return "mistral"
+    return None
 
 
 FAMILIES = (Mistral(),)

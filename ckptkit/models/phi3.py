@@ -7,7 +7,8 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
-from ckptkit.models.spec import FUSED, Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
+from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
+from ckptkit.transforms import FUSED
 
 
 class Phi3(Family):
@@ -36,20 +37,22 @@ class Phi3(Family):
         )
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
-        model = hf_common_config(cfg, self.name)
-        for key in ("original_max_position_embeddings", "sliding_window", "resid_pdrop", "embd_pdrop"):
-            if key in cfg:
-                model.extra[key] = cfg[key]
         partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        model.extra["partial_rotary_factor"] = partial
-        return model
+        return hf_common_config(
+            cfg,
+            self.name,
+            partial_rotary_factor=partial,
+            original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
+            resid_pdrop=cfg.get("resid_pdrop"),
+            embd_pdrop=cfg.get("embd_pdrop"),
+        )
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = hf_common_fields(cfg, self.hf_architecture, "phi3", dtype)
-        out["rope_parameters"]["partial_rotary_factor"] = cfg.extra.get("partial_rotary_factor", 1.0)
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
         for key in ("original_max_position_embeddings", "sliding_window", "resid_pdrop", "embd_pdrop"):
-            if key in cfg.extra:
-                out[key] = cfg.extra[key]
+            if getattr(cfg, key) is not None:
+                out[key] = getattr(cfg, key)
         out.update(initializer_range=0.02)
         return out
 

@@ -18,21 +18,30 @@ class Qwen2(Family):
         return hf_llama_layout(cfg, biases=True)
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
-        model = hf_common_config(cfg, self.name, attention_bias=True)
-        for key in ("use_sliding_window", "sliding_window", "max_window_layers"):
-            if key in cfg:
-                model.extra[key] = cfg[key]
-        return model
+        return hf_common_config(
+            cfg,
+            self.name,
+            attention_bias=True,
+            use_sliding_window=bool(cfg.get("use_sliding_window", False)),
+            max_window_layers=cfg.get("max_window_layers"),
+        )
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = hf_common_fields(cfg, self.hf_architecture, "qwen2", dtype)
         out.update(
-            use_sliding_window=cfg.extra.get("use_sliding_window", False),
-            sliding_window=cfg.extra.get("sliding_window"),
-            max_window_layers=cfg.extra.get("max_window_layers", cfg.num_layers),
+            use_sliding_window=cfg.use_sliding_window,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=cfg.num_layers if cfg.max_window_layers is None else cfg.max_window_layers,
             initializer_range=0.02,
         )
         return out
+
+    def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
+        """Qwen2 slides only with ``use_sliding_window``, and then from ``max_window_layers`` on."""
+        if not cfg.use_sliding_window:
+            return [None] * cfg.num_layers
+        first = 28 if cfg.max_window_layers is None else cfg.max_window_layers  # transformers' default
+        return [cfg.sliding_window if i >= first else None for i in range(cfg.num_layers)]
 
 
 FAMILIES = (Qwen2(),)

@@ -1,6 +1,6 @@
 """How a model family names and lays out its tensors in each format.
 
-A family is data: for each native format an ordered list of :class:`Rule` (head, per
+A family is data: for each native naming scheme (Meta's, HF's) an ordered list of :class:`Rule` (head, per
 layer, tail). Each rule ties one native tensor to one or more canonical tensors through
 a reversible transform. Config translation lives beside the rules in the family module.
 """
@@ -12,22 +12,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptkit.models.config import ModelConfig
-
-COPY, ROPE_Q, ROPE_K, FUSED, TIED = "copy", "rope_q", "rope_k", "fused", "tied"
+from ckptkit.transforms import COPY, TIED, Transform
 
 
 @dataclass(frozen=True)
 class Rule:
     """One native tensor and the canonical tensor(s) it holds.
 
-    kind: ``copy`` (same bytes), ``rope_q``/``rope_k`` (Meta's interleaved rope rows, by
-    head / kv head), ``fused`` (canonical parts stacked on dim 0), ``tied`` (a native copy
-    of a canonical tensor that the canonical model stores once).
+    kind: the :class:`~ckptkit.transforms.Transform` relating them (``COPY``, ``ROPE_Q``,
+    ``ROPE_K``, ``FUSED``, ``TIED``); reading calls its ``forward``, writing its ``inverse``.
     """
 
     native: str
     canonical: tuple[str, ...]
-    kind: str = COPY
+    kind: Transform = COPY
     optional: bool = False  # may be absent on read; written only when restoring a layout that has it
 
     def at(self, layer: int) -> Rule:
@@ -135,6 +133,7 @@ def hf_common_config(cfg: dict[str, Any], model_type: str, **overrides: Any) -> 
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
+        sliding_window=cfg.get("sliding_window"),
     )
     values.update(overrides)
     return ModelConfig(**values)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ckptkit.train.model import Transformer, build_model, load_model
+    from ckptkit.train.transformer import Transformer, build_model, load_model
 
 __all__ = ["Transformer", "build_model", "load_model"]
 
 
 def __getattr__(name: str) -> Any:  # import torch only when the model is used
     if name in __all__:
-        from ckptkit.train import model
+        from ckptkit.train import transformer
 
-        return getattr(model, name)
+        return getattr(transformer, name)
     raise AttributeError(name)

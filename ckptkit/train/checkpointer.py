@@ -20,8 +20,8 @@ from torch import nn
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.errors import CkptkitError
-from ckptkit.export import save_checkpoint_like
 from ckptkit.models import ModelConfig
+from ckptkit.save_like import save_checkpoint_like
 from ckptkit.train.config import get
 from ckptkit.train.lora import lora_modules
 from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
@@ -35,7 +35,7 @@ STATE_KEYS = (
 
 
 class Checkpointer:
-    """Configured by the ``checkpointer:`` section (see ../shared/CLI.md) plus
+    """Configured by the ``checkpointer:`` section (see docs/training.md) plus
     ``resume_from_checkpoint``."""
 
     def __init__(self, cfg: dict[str, Any]):

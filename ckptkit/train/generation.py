@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ckptkit.errors import CkptkitError
-from ckptkit.train.model import KVCache, Transformer
+from ckptkit.train.transformer import KVCache, Transformer
 
 
 def sample_next(
@@ -78,9 +78,9 @@ def generate_text(
     seed: int = 0,
 ) -> str:
     """Body of ``ckptkit generate``: load checkpoint (+ adapter) and tokenizer, return prompt + completion."""
-    from ckptkit.train.model import load_model
     from ckptkit.train.peft_io import load_adapter
     from ckptkit.train.tokenizer import load_tokenizer
+    from ckptkit.train.transformer import load_model
 
     tokenizer = load_tokenizer(checkpoint)  # first: fail before reading any weights
     device = "cuda" if torch.cuda.is_available() else "cpu"

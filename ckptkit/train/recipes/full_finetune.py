@@ -26,8 +26,8 @@ from ckptkit.train.checkpointer import Checkpointer, rng_state, set_rng_state
 from ckptkit.train.config import get, load_config
 from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
-from ckptkit.train.model import build_model
 from ckptkit.train.tokenizer import load_tokenizer
+from ckptkit.train.transformer import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

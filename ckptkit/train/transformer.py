@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptkit.errors import CkptkitError
+from ckptkit.models import get_family
 from ckptkit.models.config import ModelConfig
 
 _ACTIVATIONS = {
@@ -50,7 +51,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse rotary frequencies (float32), with Llama 3 scaling if configured."""
-    dim = int(cfg.head_dim * cfg.extra.get("partial_rotary_factor", 1.0))
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     scaling = cfg.rope_scaling
@@ -201,7 +202,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
-        self.windows = sliding_windows(cfg)
+        self.windows = get_family(cfg.model_type).sliding_windows(cfg)
 
     def forward(
         self,
@@ -277,21 +278,6 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def sliding_windows(cfg: ModelConfig) -> list[int | None]:
-    """Per-layer sliding attention window (None: full causal attention).
-
-    Mistral and Phi-3 slide in every layer when ``sliding_window`` is set; Qwen2 only
-    with ``use_sliding_window``, and then in layers from ``max_window_layers`` on.
-    """
-    window = cfg.extra.get("sliding_window")
-    if cfg.model_type == "qwen2":
-        if not cfg.extra.get("use_sliding_window"):
-            return [None] * cfg.num_layers
-        first = cfg.extra.get("max_window_layers", 28)
-        return [window if i >= first else None for i in range(cfg.num_layers)]
-    return [window] * cfg.num_layers
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckptkit.checkpoint import detect_format, open_checkpoint, open_raw
+from ckptkit.checkpoint import open_checkpoint
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import REGISTRY, detect_format
 from ckptkit.formats.base import RawCheckpoint, read_json, torch_reader
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 
-WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+READABLE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 
 def inspect_path(path: str | Path, model_type: str | None = None) -> dict[str, Any]:
@@ -26,7 +27,7 @@ def inspect_path(path: str | Path, model_type: str | None = None) -> dict[str, A
         return _inspect_dir(p, model_type)
     if p.name.endswith(".index.json"):
         return _inspect_index(p)
-    if p.suffix in WEIGHT_SUFFIXES:
+    if p.suffix in READABLE_SUFFIXES:
         return _inspect_file(p)
     raise CkptkitError(f"{p}: not a weight file (expected .pth, .pt, .bin, .safetensors or *.index.json)")
 
@@ -49,7 +50,7 @@ def _per_file(raw: RawCheckpoint) -> list[TensorInfo]:
 
 
 def _inspect_dir(root: Path, model_type: str | None) -> dict[str, Any]:
-    fmt = detect_format(root)
+    fmt = detect_format(root).name
     try:
         with open_checkpoint(root, fmt, model_type) as ckpt:
             raw = ckpt.raw
@@ -57,7 +58,7 @@ def _inspect_dir(root: Path, model_type: str | None) -> dict[str, Any]:
     except CkptkitError as e:
         if "model type" not in str(e) and "model_type" not in str(e) and "which Llama" not in str(e):
             raise
-    raw = open_raw(root, fmt)  # an unknown model: still list what is there
+    raw = REGISTRY[fmt].open(root)  # an unknown model: still list what is there
     try:
         return _describe(fmt, None, list(raw.files), _per_file(raw), raw.infos)
     finally:
@@ -69,11 +70,11 @@ def _open_file(path: Path) -> Any:
 
 
 def _file_format(path: Path) -> str:
-    if path.name.startswith("consolidated."):
-        return "meta"
-    if path.suffix == ".safetensors":
-        return "hf" if path.name.startswith("model") else "safetensors"
-    return "hf-bin" if path.name.startswith("pytorch_model") else "torch"
+    """The format a lone weight or index file belongs to, else its container."""
+    for fmt in REGISTRY.values():
+        if fmt.owns_file(path.name):
+            return fmt.name
+    return "safetensors" if path.suffix == ".safetensors" else "torch"
 
 
 def _inspect_file(path: Path) -> dict[str, Any]:
@@ -99,5 +100,4 @@ def _inspect_index(path: Path) -> dict[str, Any]:
         reader = _open_file(shard)
         infos += list(reader.infos.values())
         reader.close()
-    fmt = "hf" if path.name.startswith("model") else "hf-bin"
-    return _describe(fmt, None, names, infos, {i.name: i for i in infos})
+    return _describe(_file_format(path), None, names, infos, {i.name: i for i in infos})

@@ -1,0 +1,202 @@
+"""The protocol every checkpoint format implements, with the behaviour most formats share.
+
+A format is one object (a :class:`CheckpointFormat` subclass instance) registered by name
+in :mod:`ckptkit.formats`. The reader asks it to detect and open a directory and to say
+which family and config the metadata describes and which native layout the tensors use;
+the converter asks it how to lay out files and which metadata files to write. Nothing
+outside ``ckptkit/formats/`` branches on a format's name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import ORIGIN_FILE, FilePlan, Options, Plan, RawCheckpoint, read_json
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.checkpoint import Checkpoint
+    from ckptkit.lazy import Lazy
+    from ckptkit.models import Family, ModelConfig
+    from ckptkit.models.spec import Layout
+
+
+class CheckpointFormat:
+    """One on-disk format.
+
+    Attributes:
+        name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
+        expects: the files that identify it, for error messages.
+        detect_order: lower is tried first when several formats could claim a directory.
+    """
+
+    name: ClassVar[str]
+    expects: ClassVar[str]
+    detect_order: ClassVar[int] = 50
+
+    # --- reading --------------------------------------------------------------------
+    def detect(self, root: Path) -> bool:
+        """Whether directory ``root`` holds this format (file names only, nothing read)."""
+        raise NotImplementedError
+
+    def open(self, root: Path) -> RawCheckpoint:
+        """The raw view: config text, files and tensor metadata; tensors stay unread."""
+        raise NotImplementedError
+
+    def owns_file(self, name: str) -> bool:
+        """Whether a single weight or index file of this name belongs to this format."""
+        return False
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        """The model family the metadata describes; an error asking for --model-type when unsure."""
+        raise NotImplementedError
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        raise NotImplementedError
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        """The family's native tensor names and transforms in this format."""
+        raise NotImplementedError
+
+    def canonical_view(
+        self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
+    ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
+        """(canonical tensors, native tensors the model does not use), lazily."""
+        from ckptkit.mapping import canonical_view
+
+        return canonical_view(raw, self.layout(family, cfg), cfg)
+
+    def recorded_origin(self, raw: RawCheckpoint) -> dict[str, Any] | None:
+        """The layout recorded when these files were converted, if it still matches them."""
+        path = raw.root / ORIGIN_FILE
+        if not path.is_file():
+            return None
+        try:
+            _, doc = read_json(path)
+            written = doc["written"]
+            sizes = {name: (raw.root / name).stat().st_size for name in raw.files}
+            if written["format"] != raw.format or written["files"] != sizes:
+                return None
+            return doc["origin"]
+        except (CkptkitError, KeyError, TypeError, OSError):
+            return None
+
+    def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
+        """This checkpoint's layout, as recorded for converting back to it later."""
+        from ckptkit.dtypes import dtype_name
+        from ckptkit.lazy import encode_tensor
+
+        raw = ckpt.raw
+        small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}
+        return {
+            "format": raw.format,
+            "model_type": ckpt.family.name,
+            "files": [
+                {"name": name, "keys": keys, "metadata": raw.file_metadata.get(name)}
+                for name, keys in raw.files.items()
+            ],
+            "dtypes": {k: dtype_name(i.dtype) for k, i in raw.infos.items()},
+            "split_dims": raw.split_dims,
+            "config": {"name": raw.config_name, "text": raw.config_text},
+            "index": raw.index,
+            "unused": {k: encode_tensor(v.get()) for k, v in small.items()},
+        }
+
+    # --- writing --------------------------------------------------------------------
+    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Tensors this format's own checkpoints carry that the model does not use."""
+        return {}
+
+    def targets(
+        self, ckpt: Checkpoint, pool: dict[str, Lazy], with_optional: bool
+    ) -> tuple[dict[str, Lazy], list[str]]:
+        """(native name -> tensor to write, notes) from the canonical tensors and ``pool``,
+        the unused tensors this conversion could carry."""
+        from ckptkit.dtypes import dtype_name
+        from ckptkit.lazy import Lazy
+        from ckptkit.mapping import native_targets
+
+        layout = self.write_layout(ckpt)
+        targets = native_targets(ckpt.tensors, layout, ckpt.config, with_optional)
+        for name, t in self.extra_tensors(ckpt.family, ckpt.config).items():
+            pool.setdefault(name, Lazy(tuple(t.shape), dtype_name(t.dtype), lambda t=t: t))
+        targets.update({k: v for k, v in pool.items() if layout.is_unused(k)})
+        dropped = [k for k in pool if not layout.is_unused(k)]
+        notes = []
+        if dropped:
+            notes.append(
+                f"not carried ({self.name} does not hold them, the model does not use them): {', '.join(dropped[:4])}"
+            )
+        return targets, notes
+
+    def write_layout(self, ckpt: Checkpoint) -> Layout:
+        try:
+            return self.layout(ckpt.family, ckpt.config)
+        except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
+            raise CkptkitError(f"{ckpt.path}: {e}") from None
+
+    def required(self, ckpt: Checkpoint) -> set[str]:
+        """Native names a restored layout must place."""
+        layout = self.write_layout(ckpt)
+        return {r.native for r in layout.expand(ckpt.config.num_layers) if not r.optional}
+
+    def split_dim(self, name: str, ndim: int, family: Family) -> int | None:
+        """The dim model-parallel ranks split tensor ``name`` on (None: replicated)."""
+        return None
+
+    def default_files(
+        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        """File names and partition for a fresh layout: (files, rank split dims)."""
+        raise NotImplementedError
+
+    def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        """Non-weight files to write (config, index): name -> text."""
+        return {}
+
+    def finish(self, ckpt: Checkpoint, plan: Plan, out_dir: Path) -> None:
+        """Write what depends on the written weights: by default the source's layout,
+        recorded beside them so that converting back restores it exactly."""
+        origin = ckpt.origin
+        if plan.restored or origin.get("format") in (None, plan.format):
+            return
+        sizes = {f.name: (out_dir / f.name).stat().st_size for f in plan.files}
+        doc = {"written": {"format": plan.format, "files": sizes}, "origin": origin}
+        (out_dir / ORIGIN_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
+def size_sharded_files(
+    targets: dict[str, Lazy], opts: Options, pattern: str, single: str, safetensors: bool
+) -> list[FilePlan]:
+    """Shards of at most ``--max-shard-size`` named as huggingface_hub names them, each in
+    the data order the writing library uses."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    from ckptkit.formats.safetensors_io import library_order
+
+    if opts.shards is not None:
+        raise CkptkitError("--shards applies to --to meta (model-parallel ranks); use --max-shard-size for HF formats")
+    try:
+        split = split_state_dict_into_shards_factory(
+            targets,
+            get_storage_size=lambda t: t.nbytes,
+            filename_pattern=pattern,
+            max_shard_size=opts.max_shard_size or DEFAULT_MAX_SHARD,
+            get_storage_id=lambda t: None,
+        )
+    except ValueError as e:
+        raise CkptkitError(f"--max-shard-size: {e}") from None
+    metadata = {"format": "pt"} if safetensors else None
+    files = []
+    for name, keys in split.filename_to_tensors.items():
+        if safetensors:
+            keys = library_order([(k, targets[k].dtype, targets[k].shape) for k in keys])
+        files.append(FilePlan(single if not split.is_sharded else name, keys, metadata))
+    return files
+
+
+DEFAULT_MAX_SHARD = "5GB"

@@ -1,0 +1,131 @@
+"""Native <-> canonical tensors through a family's :class:`~ckptkit.models.spec.Layout`.
+
+Reading (:func:`canonical_view`) calls each rule's transform ``forward``; writing
+(:func:`native_targets`) calls its ``inverse``. Both stay lazy: nothing is read until a
+tensor's ``get()`` is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import RawCheckpoint
+from ckptkit.lazy import Lazy
+from ckptkit.models import ModelConfig, canonical_shapes
+from ckptkit.models.spec import Layout, Rule
+
+if TYPE_CHECKING:
+    import torch
+
+
+def canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
+    """(canonical name -> tensor, native name -> tensor the model does not use), checked
+    against the config: every tensor present, none unknown, every shape as implied."""
+    expected = canonical_shapes(cfg)
+    found: dict[str, Lazy] = {}
+    duplicates: list[str] = []
+    used: set[str] = set()
+    cache: dict[str, Any] = {}
+    for rule in layout.expand(cfg.num_layers):
+        info = raw.infos.get(rule.native)
+        if info is None and rule.optional:
+            continue
+        if info is None:
+            raise CkptkitError(
+                f"{raw.root}: tensor {rule.native!r} is missing "
+                f"({cfg.model_type} with {cfg.num_layers} layers needs it)"
+            )
+        used.add(rule.native)
+        if rule.kind.duplicate:
+            duplicates.append(rule.native)
+            continue
+        try:
+            shapes = rule.kind.part_shapes(info.shape, [expected.get(c) for c in rule.canonical])
+        except ValueError as e:
+            raise CkptkitError(
+                f"{raw.root / info.file}: {rule.native} has {e}: the config contradicts the tensor shapes"
+            ) from None
+        for j, (name, shape) in enumerate(zip(rule.canonical, shapes, strict=True)):
+            found[name] = Lazy(shape, info.dtype, _forward_getter(raw, rule, cfg, shapes, j, cache), info.file)
+    unused: dict[str, Lazy] = {}
+    unknown = []
+    for key, info in raw.infos.items():
+        if key in used:
+            continue
+        if layout.is_unused(key):
+            unused[key] = Lazy(info.shape, info.dtype, _reader(raw, key), info.file)
+        else:
+            unknown.append(key)
+    if unknown:
+        where = raw.infos[unknown[0]].file
+        raise CkptkitError(
+            f"{raw.root / where}: unknown tensor name(s) for {cfg.model_type}: {', '.join(unknown[:3])}"
+            + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        )
+    for name, shape in expected.items():
+        lazy = found[name]
+        if lazy.shape != shape:
+            raise CkptkitError(
+                f"{raw.root / lazy.file}: the config contradicts the tensor shapes: {name} is "
+                f"{list(lazy.shape)} but {raw.config_name} implies {list(shape)}"
+            )
+    tensors = {name: found[name] for name in expected}
+    if duplicates:
+        tensors["tok_embeddings.weight"] = _checked_duplicate(raw, tensors["tok_embeddings.weight"], duplicates)
+    return tensors, unused
+
+
+def _reader(raw: RawCheckpoint, native: str) -> Callable[[], torch.Tensor]:
+    return lambda: raw.read(native)
+
+
+def _forward_getter(
+    raw: RawCheckpoint, rule: Rule, cfg: ModelConfig, shapes: list[tuple[int, ...]], j: int, cache: dict[str, Any]
+) -> Callable[[], torch.Tensor]:
+    if len(rule.canonical) == 1:
+        return lambda: rule.kind.forward(raw.read(rule.native), cfg, shapes)[0]
+
+    def get() -> torch.Tensor:
+        if cache.get("name") != rule.native:  # keep the last split tensor: q, k, v come in a row
+            cache.update(name=rule.native, parts=rule.kind.forward(raw.read(rule.native), cfg, shapes))
+        return cache["parts"][j]
+
+    return get
+
+
+def _checked_duplicate(raw: RawCheckpoint, emb: Lazy, copies: list[str]) -> Lazy:
+    pending = list(copies)  # each stored copy is compared once, on the first read
+
+    def get() -> torch.Tensor:
+        import torch
+
+        t = emb.get()
+        while pending:
+            native = pending[0]
+            if not torch.equal(raw.read(native), t):
+                raise CkptkitError(
+                    f"{raw.root}: {native} differs from the embeddings although this model type ties them; "
+                    "pass --model-type for an untied variant (e.g. llama3_1)"
+                )
+            pending.pop(0)
+        return t
+
+    return Lazy(emb.shape, emb.dtype, get, emb.file)
+
+
+def native_targets(tensors: dict[str, Lazy], layout: Layout, cfg: ModelConfig, with_optional: bool) -> dict[str, Lazy]:
+    """Native name -> tensor to write, in the layout's order (optional rules only when asked)."""
+    out: dict[str, Lazy] = {}
+    for rule in layout.expand(cfg.num_layers):
+        if rule.optional and not with_optional:
+            continue
+        parts = [tensors[c] for c in rule.canonical]
+        shape = rule.kind.native_shape([p.shape for p in parts])
+        out[rule.native] = Lazy(shape, parts[0].dtype, _inverse_getter(rule, parts, cfg))
+    return out
+
+
+def _inverse_getter(rule: Rule, parts: list[Lazy], cfg: ModelConfig) -> Callable[[], torch.Tensor]:
+    return lambda: rule.kind.inverse([p.get() for p in parts], cfg)

@@ -1,0 +1,84 @@
+"""Deciding what a conversion writes: tensors, file names, partition, order and metadata.
+
+The target format (a registry object) supplies everything format-specific; this module
+only decides between restoring a recorded layout and laying out afresh, and casts.
+"""
+
+from __future__ import annotations
+
+from ckptkit.checkpoint import Checkpoint
+from ckptkit.dtypes import FLOATING, to_torch
+from ckptkit.errors import CkptkitError
+from ckptkit.formats import FORMATS, CheckpointFormat, get_format
+from ckptkit.formats.base import FilePlan, Options, Plan
+from ckptkit.lazy import Lazy, decode_tensor
+
+__all__ = ["FilePlan", "Options", "Plan", "plan_conversion", "target_format"]
+
+
+def target_format(name: str) -> CheckpointFormat:
+    if name not in FORMATS:
+        raise CkptkitError(f"unknown target format {name!r}; choose one of {', '.join(FORMATS)}")
+    return get_format(name)
+
+
+def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
+    """Decide file names, partition, order and metadata of the output."""
+    fmt = target_format(opts.to)
+    origin = ckpt.origin
+    restore = origin.get("format") == fmt.name and opts.shards is None and opts.max_shard_size is None
+    targets, notes = fmt.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
+    targets = {k: _cast(v, opts.dtype) for k, v in targets.items()}
+    plan = _restored_plan(ckpt, fmt, targets, notes) if restore else None
+    if plan is None:
+        files, split = fmt.default_files(ckpt, targets, opts)
+        plan = Plan(fmt.name, targets, files, split, notes=notes)
+    plan.metadata_files.update(fmt.metadata_files(ckpt, plan, opts.dtype))
+    return plan
+
+
+def _cast(lazy: Lazy, dtype: str | None) -> Lazy:
+    if dtype is None or lazy.dtype not in FLOATING or lazy.dtype == dtype:
+        return lazy
+    return Lazy(lazy.shape, dtype, lambda: lazy.get().to(to_torch(dtype)), lazy.file)
+
+
+def _unused_pool(ckpt: Checkpoint) -> dict[str, Lazy]:
+    """Tensors the model does not use that this conversion could carry, by native name."""
+    pool: dict[str, Lazy] = {}
+    for name, enc in (ckpt.origin.get("unused") or {}).items():
+        pool[name] = Lazy(tuple(enc["shape"]), enc["dtype"], lambda e=enc: decode_tensor(e))
+    pool.update(ckpt.unused)
+    return pool
+
+
+def _restored_plan(ckpt: Checkpoint, fmt: CheckpointFormat, targets: dict[str, Lazy], notes: list[str]) -> Plan | None:
+    """The recorded layout of ``fmt`` (file names, order, ranks), if it still fits."""
+    origin = ckpt.origin
+    placed = [k for f in origin["files"] for k in f["keys"]]
+    required = fmt.required(ckpt)
+    missing = [k for k in targets if k not in placed and k in required]
+    if missing:
+        notes.append(f"the recorded {fmt.name} layout does not fit this model ({missing[0]}); using the default layout")
+        return None
+    absent = sorted({k for k in placed if k not in targets})
+    if absent:
+        notes.append(f"not restored (no longer available): {', '.join(absent[:4])}")
+    n = len(origin["files"])
+    files = [
+        FilePlan(f["name"], [k for k in f["keys"] if k in targets], f.get("metadata"), rank=i, ranks=n)
+        for i, f in enumerate(origin["files"])
+    ]
+    keep = {k for f in files for k in f.keys}
+    split = dict(origin.get("split_dims") or {})
+    if n > 1:
+        for k in keep:
+            split.setdefault(k, fmt.split_dim(k, len(targets[k].shape), ckpt.family))
+    return Plan(
+        fmt.name,
+        {k: v for k, v in targets.items() if k in keep},
+        files,
+        split if n > 1 else {},
+        restored=True,
+        notes=notes,
+    )
