@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.rawcopy import Span
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.transforms import RANKS
 
@@ -27,6 +28,8 @@ class TensorReader(Protocol):
     def read(self, name: str) -> torch.Tensor: ...
 
     def sample(self, name: str, nbytes: int) -> bytes: ...
+
+    def span(self, name: str) -> Span | None: ...
 
     def close(self) -> None: ...
 
@@ -100,6 +103,14 @@ class RawCheckpoint:
         if len(parts) == 1:
             return parts[0]
         return RANKS.forward(parts, self.split_dims.get(name))
+
+    def span(self, name: str) -> Span | None:
+        """Where one native tensor's bytes lie as stored, or None when reading must assemble
+        them (Meta ranks split on a dim) or they are not one stored range."""
+        if self.split_dims.get(name) is not None:
+            return None
+        file = next(iter(self.files)) if self.split_dims else self.infos[name].file
+        return self.readers[file].span(name)
 
     def close(self) -> None:
         for r in self.readers.values():

@@ -38,8 +38,14 @@ class Global:
 
 @dataclass(frozen=True)
 class TensorMeta:
+    """A tensor as the pickle describes it: shape, dtype, and where its data lies in its storage
+    (the zip record ``data/<storage>``, from element ``offset``, with ``stride``)."""
+
     shape: tuple[int, ...]
     dtype: str
+    storage: str = ""
+    offset: int = 0
+    stride: tuple[int, ...] | None = None
 
 
 _MARK = object()
@@ -94,7 +100,7 @@ def scan(data: bytes) -> dict[str, TensorMeta]:
             pid = stack.pop()
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
                 raise UnsupportedPickle("unexpected persistent id")
-            stack.append(("storage", STORAGES[pid[1].name.split(" ")[1]]))
+            stack.append(("storage", STORAGES[pid[1].name.split(" ")[1]], str(pid[2])))
         elif name == "REDUCE":
             args, fn = stack.pop(), stack.pop()
             stack.append(_reduce(fn, args))
@@ -139,10 +145,14 @@ def _reduce(fn: object, args: object) -> object:
         return {}
     if fn.name == "torch._utils _rebuild_parameter":
         return args[0]
-    storage, _offset, size = args[0], args[1], args[2]
+    storage, offset, size = args[0], args[1], args[2]
+    stride = args[3] if len(args) > 3 else None
     if not (isinstance(storage, tuple) and storage[0] == "storage" and isinstance(size, tuple)):
         raise UnsupportedPickle("unexpected tensor arguments")
-    return TensorMeta(tuple(int(s) for s in size), storage[1])
+    if not isinstance(offset, int) or not (stride is None or isinstance(stride, tuple)):
+        raise UnsupportedPickle("unexpected tensor arguments")
+    shape = tuple(int(s) for s in size)
+    return TensorMeta(shape, storage[1], storage[2], offset, None if stride is None else tuple(int(s) for s in stride))
 
 
 def read_index(path: Path) -> dict[str, TensorMeta]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.rawcopy import AUTO, Span, copy_span
 from ckptkit.formats.tensor_info import TensorInfo
 
 if TYPE_CHECKING:
@@ -106,6 +107,10 @@ class SafetensorsReader:
             got += n
         return buf.view(to_torch(info.dtype)).reshape(info.shape)
 
+    def span(self, name: str) -> Span:
+        """Where a tensor's bytes lie in this file."""
+        return Span(self.path, self._data_start + self._offsets[name], self.infos[name].nbytes)
+
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
         info = self.infos[name]
@@ -176,6 +181,20 @@ class SafetensorsWriter:
         assert data.nbytes == nbytes, (name, data.nbytes, nbytes)
         os.pwrite(self._file.fileno(), memoryview(data), self._data_start + offset)
         self._pending.discard(name)
+
+    def write_span(self, name: str, span: Span, method: str = AUTO) -> str:
+        """Copy a tensor's bytes file to file from ``span``; returns the copy method used.
+        Thread-safe for distinct names."""
+        offset, nbytes = self._offsets[name]
+        if span.nbytes != nbytes:
+            raise ValueError(f"{name}: span of {span.nbytes} bytes for a {nbytes}-byte tensor")
+        fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
+        try:
+            used = copy_span(span, fd, self._data_start + offset, method)
+        finally:
+            os.close(fd)
+        self._pending.discard(name)
+        return used
 
     def close(self) -> None:
         if self._pending:

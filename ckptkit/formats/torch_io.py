@@ -25,9 +25,10 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptkit.dtypes import dtype_name, to_torch
+from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.pickle_index import ForbiddenGlobal, UnsupportedPickle, read_index
+from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, read_index
+from ckptkit.formats.rawcopy import AUTO, Span, copy_span, span_crc32
 from ckptkit.formats.tensor_info import TensorInfo
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class TorchPickleReader:
         self.path = path
         self._tensors: dict[str, torch.Tensor] | None = None
         self._mapped = False
+        self._index: dict[str, TensorMeta] = {}
+        self._stored: dict[str, tuple[int, int, int]] | None = None
         try:
             index = read_index(path)
         except ForbiddenGlobal as e:
@@ -110,6 +113,7 @@ class TorchPickleReader:
             self._load_tensors()
             return
         self.infos = {k: TensorInfo(k, m.shape, m.dtype, path.name) for k, m in index.items()}
+        self._index = index
 
     def _load_tensors(self) -> dict[str, torch.Tensor]:
         import torch
@@ -149,8 +153,52 @@ class TorchPickleReader:
         flat = self._load_tensors()[name].reshape(-1).view(torch.uint8)
         return flat[:nbytes].numpy().tobytes()
 
+    def span(self, name: str) -> Span | None:
+        """Where a tensor's bytes lie in the archive, or None when they are not one stored range."""
+        meta = self._index.get(name)
+        if meta is None or not meta.storage or not _dense(meta.shape, meta.stride):
+            return None
+        if self._stored is None:
+            self._stored = stored_records(self.path)
+        record = self._stored.get(meta.storage)
+        nbytes = self.infos[name].nbytes
+        start = meta.offset * ITEMSIZE[meta.dtype]
+        if record is None or meta.offset < 0 or start + nbytes > record[1]:
+            return None
+        data_offset, size, crc = record
+        return Span(self.path, data_offset + start, nbytes, crc if start == 0 and nbytes == size else None)
+
     def close(self) -> None:
         self._tensors = None
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> bool:
+    """Whether a tensor with this shape and stride is row-major contiguous."""
+    if stride is None or len(stride) != len(shape):
+        return False
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def stored_records(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Storage key -> (data offset, size, CRC-32) of each uncompressed ``data/<key>`` record."""
+    out: dict[str, tuple[int, int, int]] = {}
+    with zipfile.ZipFile(path) as z, path.open("rb") as f:
+        for zi in z.infolist():
+            head, sep, key = zi.filename.partition("/data/")
+            if not sep or "/" in head or "/" in key or zi.compress_type != zipfile.ZIP_STORED:
+                continue
+            f.seek(zi.header_offset)
+            local = f.read(30)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                continue
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            out[key] = (zi.header_offset + 30 + name_len + extra_len, zi.file_size, zi.CRC)
+    return out
 
 
 class TorchPickleWriter:
@@ -202,6 +250,21 @@ class TorchPickleWriter:
         assert data.nbytes == nbytes, (name, data.nbytes, nbytes)
         os.pwrite(self._fd, memoryview(data), offset)
         self._crcs[record] = zlib.crc32(memoryview(data))
+
+    def write_span(self, name: str, span: Span, method: str = AUTO) -> str:
+        """Copy a tensor's bytes file to file from ``span``; the CRC-32 comes from the source
+        record or from an mmap of the source. Returns the copy method used. Thread-safe for
+        distinct names."""
+        offset, nbytes, record = self._records[name]
+        if span.nbytes != nbytes:
+            raise ValueError(f"{name}: span of {span.nbytes} bytes for a {nbytes}-byte record")
+        fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
+        try:
+            used = copy_span(span, fd, offset, method)
+        finally:
+            os.close(fd)
+        self._crcs[record] = span_crc32(span)
+        return used
 
     def close(self) -> None:
         missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]

@@ -1,0 +1,180 @@
+"""File-to-file copies (each method forced, and the automatic fallback), CRC-32 over mmap,
+and the readers' spans: where a tensor's bytes lie, checked against files torch and the
+safetensors library wrote."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckptkit.formats import rawcopy
+from ckptkit.formats.rawcopy import METHODS, Span, copy_range, crc32_range, span_crc32
+from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
+from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
+
+
+@pytest.fixture(scope="module")
+def payload(tmp_path_factory) -> tuple[Path, bytes]:
+    data = os.urandom(3 * rawcopy.BUFFER // 2 + 12345)  # the read/write path needs two buffers
+    path = tmp_path_factory.mktemp("rawcopy") / "src.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_copies_exactly_the_range_at_the_offset(method: str, payload, tmp_path: Path) -> None:
+    src, data = payload
+    dst = tmp_path / "dst.bin"
+    before = b"\xaa" * (len(data) + 1000)
+    dst.write_bytes(before)
+    start, count, at = 777, len(data) - 1777, 501
+    s, d = os.open(src, os.O_RDONLY), os.open(dst, os.O_RDWR)
+    try:
+        assert copy_range(s, start, d, at, count, method) == method
+    finally:
+        os.close(s)
+        os.close(d)
+    assert dst.read_bytes() == before[:at] + data[start : start + count] + before[at + count :]
+
+
+def test_a_source_that_ends_early_is_an_error(payload, tmp_path: Path) -> None:
+    src, data = payload
+    s, d = os.open(src, os.O_RDONLY), os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    try:
+        for method in METHODS:
+            with pytest.raises(EOFError):
+                copy_range(s, len(data) - 10, d, 0, 20, method)
+    finally:
+        os.close(s)
+        os.close(d)
+
+
+def test_auto_falls_back_when_the_kernel_refuses_a_cross_filesystem_copy(payload, tmp_path: Path) -> None:
+    """copy_file_range refuses EXDEV between different filesystems (tmpfs -> disk): sendfile takes over."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a different filesystem than the temporary directory")
+    _, data = payload
+    src = shm / f"ckptkit-test-{os.getpid()}.bin"
+    src.write_bytes(data[:100_000])
+    dst = tmp_path / "dst.bin"
+    try:
+        s, d = os.open(src, os.O_RDONLY), os.open(dst, os.O_RDWR | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):
+                os.copy_file_range(s, d, 10, 0, 0)
+            assert copy_range(s, 0, d, 0, 100_000) == "sendfile"
+        finally:
+            os.close(s)
+            os.close(d)
+    finally:
+        src.unlink()
+    assert dst.read_bytes() == data[:100_000]
+
+
+def test_crc32_over_mmap_windows_matches_zlib(payload) -> None:
+    src, data = payload
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        for offset, n, window in [(0, len(data), 1 << 20), (4097, 3 * 65536 + 5, 65536), (10, 0, 65536)]:
+            assert crc32_range(fd, offset, n, window) == zlib.crc32(data[offset : offset + n])
+    finally:
+        os.close(fd)
+    assert span_crc32(Span(src, 3, 100, crc=12345)) == 12345  # a recorded CRC is used as is
+
+
+@pytest.fixture(scope="module")
+def sd() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "b": torch.randn(7, generator=g),
+        "c": torch.randint(0, 100, (5, 3), generator=g, dtype=torch.int64),
+        "d": torch.randn(16, 8, generator=g).to(torch.float16),
+    }
+
+
+def _span_bytes(span: Span) -> bytes:
+    with span.path.open("rb") as f:
+        f.seek(span.offset)
+        return f.read(span.nbytes)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_spans_of_library_and_torch_files_hold_the_tensor_bytes(sd, tmp_path: Path) -> None:
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    torch.save(sd, tmp_path / "m.pth")
+    st, pt = SafetensorsReader(tmp_path / "m.safetensors"), TorchPickleReader(tmp_path / "m.pth")
+    with zipfile.ZipFile(tmp_path / "m.pth") as z:
+        crcs = {zi.filename.rsplit("/", 1)[1]: zi.CRC for zi in z.infolist() if "/data/" in zi.filename}
+    for k, t in sd.items():
+        assert _span_bytes(st.span(k)) == _raw(t)
+        span = pt.span(k)
+        assert _span_bytes(span) == _raw(t)
+        assert span.crc == zlib.crc32(_raw(t)) and span.crc in crcs.values()
+
+
+def test_views_into_shared_or_strided_storage(tmp_path: Path) -> None:
+    """A view at an offset in a bigger storage has a span (without the record's CRC); a
+    transposed one has none."""
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    torch.save({"rows": base[2:4], "t": base.t(), "whole": base}, tmp_path / "v.pth")
+    r = TorchPickleReader(tmp_path / "v.pth")
+    rows = r.span("rows")
+    assert _span_bytes(rows) == _raw(base[2:4]) and rows.crc is None
+    assert r.span("t") is None
+    assert r.span("whole").crc == zlib.crc32(_raw(base))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("container", ["safetensors", "pth"])
+def test_writing_spans_gives_the_same_file_as_writing_tensors(sd, container: str, method: str, tmp_path) -> None:
+    src = tmp_path / f"src.{container}"
+    save_file(sd, str(src)) if container == "safetensors" else torch.save(sd, src)
+    reader = SafetensorsReader(src) if container == "safetensors" else TorchPickleReader(src)
+    entries = [(k, t.dtype, tuple(t.shape)) for k, t in reversed(sd.items())]
+    outputs = []
+    for fast in (False, True):
+        out = tmp_path / str(fast) / f"out.{container}"  # torch names the archive after the file
+        out.parent.mkdir()
+        st = container == "safetensors"
+        w = SafetensorsWriter(out, entries, {"format": "pt"}) if st else TorchPickleWriter(out, entries)
+        for k in sd:
+            if fast:
+                assert w.write_span(k, reader.span(k), method) == method
+            else:
+                w.write(k, sd[k])
+        w.close()
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    if container == "pth":
+        with zipfile.ZipFile(tmp_path / "True/out.pth") as z:
+            assert z.testzip() is None  # every CRC-32 matches the bytes
+        loaded = torch.load(tmp_path / "True/out.pth", weights_only=True)
+        assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+
+
+def test_a_pth_writer_computes_the_crc_of_a_safetensors_span(sd, tmp_path: Path) -> None:
+    """No CRC recorded in the source: it is computed over the source mapping."""
+    save_file(sd, str(tmp_path / "s.safetensors"))
+    reader = SafetensorsReader(tmp_path / "s.safetensors")
+    entries = [(k, t.dtype, tuple(t.shape)) for k, t in sd.items()]
+    (tmp_path / "ref").mkdir()
+    w = TorchPickleWriter(tmp_path / "o.pth", entries)
+    for k in sd:
+        w.write_span(k, reader.span(k))
+    w.close()
+    torch.save(sd, tmp_path / "ref" / "o.pth")
+    with zipfile.ZipFile(tmp_path / "o.pth") as a, zipfile.ZipFile(tmp_path / "ref" / "o.pth") as b:
+        assert a.testzip() is None
+        data = [n for n in a.namelist() if "/data/" in n]
+        assert len(data) == len(sd) and [a.getinfo(n).CRC for n in data] == [b.getinfo(n).CRC for n in data]
