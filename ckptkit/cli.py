@@ -20,6 +20,7 @@ from ckptkit import __version__
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import FORMATS
 from ckptkit.models import MODEL_TYPES
+from ckptkit.rawcopy import AUTO, METHODS
 
 app = typer.Typer(
     name="ckptkit",
@@ -37,6 +38,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Choices come from the registries: a new format or family appears here by itself.
 Format = StrEnum("Format", {name.replace("-", "_"): name for name in FORMATS})  # type: ignore[misc]
 ModelType = StrEnum("ModelType", {name: name for name in MODEL_TYPES})  # type: ignore[misc]
+
+
+NO_COPY = "off"
+CopyMethod = StrEnum("CopyMethod", {m: m for m in (AUTO, *METHODS, NO_COPY)})  # type: ignore[misc]
 
 
 class DType(StrEnum):
@@ -139,8 +144,13 @@ def convert(
     force: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
     verify: Annotated[bool, typer.Option(help="Re-read the output and compare it with SRC, tensor by tensor.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
+    copy_method: Annotated[
+        CopyMethod,
+        typer.Option(help="How tensors go file to file (auto: the fastest that works; off: through memory)."),
+    ] = CopyMethod(AUTO),
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time."""
+    from ckptkit.convert import COMPUTED
     from ckptkit.convert import convert as run_convert
 
     start = time.perf_counter()
@@ -156,6 +166,7 @@ def convert(
         force=force,
         verify=verify,
         quiet=quiet,
+        copy_method=None if copy_method == NO_COPY else copy_method.value,
     )
     if quiet:
         return
@@ -163,9 +174,12 @@ def convert(
         err.print(f"note: {note}", highlight=False)
     files = len(result.plan.files)
     layout = "restored the source layout" if result.plan.restored else f"{files} weight file{'s' * (files != 1)}"
+    tensor_bytes = sum(result.bytes_by_method.values())
+    copied = tensor_bytes - result.bytes_by_method.get(COMPUTED, 0)
+    share = f", {copied / tensor_bytes:.0%} of tensor bytes copied file to file" if tensor_bytes else ""
     err.print(
-        f"wrote {dst} ({to.value}, {layout}, {_human(result.bytes_written)}) in {time.perf_counter() - start:.1f}s"
-        + ("; verified bitwise against the source" if verify else ""),
+        f"wrote {dst} ({to.value}, {layout}, {_human(result.bytes_written)}{share}) "
+        f"in {time.perf_counter() - start:.1f}s" + ("; verified bitwise against the source" if verify else ""),
         highlight=False,
     )
 

@@ -8,11 +8,12 @@ directory beside the destination, renamed into place at the end.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,31 @@ from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.safetensors_io import SafetensorsWriter
 from ckptkit.formats.torch_io import TorchPickleWriter
+from ckptkit.overlap import Overlap
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
 from ckptkit.progress import byte_progress
+from ckptkit.rawcopy import AUTO, total_bytes
 from ckptkit.transforms import RANKS
 
-__all__ = ["Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_plan"]
+__all__ = ["COMPUTED", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_plan"]
+
+COMPUTED = "computed"  # bytes_by_method label of tensors materialised and written from memory
 
 
 # --- writing -------------------------------------------------------------------------
 
 
-def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "converting") -> None:
-    """Stream every target tensor into the output files."""
+def write_plan(
+    plan: Plan, out_dir: Path, quiet: bool = False, label: str = "converting", copy_method: str | None = AUTO
+) -> dict[str, int]:
+    """Stream every target tensor into the output files.
+
+    A tensor whose bytes the source holds as they are to be written (its lazy has spans:
+    unchanged, or rows moved by a transform) is copied file to file on worker threads with
+    ``copy_method`` (``auto``, or one of :data:`~ckptkit.rawcopy.METHODS` forced; None:
+    never), while this thread computes the others (casts, generated tensors). Returns the
+    bytes written by each method (:data:`COMPUTED` for those computed in memory).
+    """
     writers: dict[str, Any] = {}
     where: dict[str, list[FilePlan]] = {}
     for f in plan.files:
@@ -48,9 +62,20 @@ def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "con
             else TorchPickleWriter(path, entries)
         )
     total = sum(plan.targets[k].nbytes for k in where)
-    with byte_progress(label, total, quiet) as bar:
+    computed = 0
+    with byte_progress(label, total, quiet) as bar, Overlap(on_done=bar.advance) as copies:
         for key, files in where.items():
             lazy = plan.targets[key]
+            spans = lazy.spans() if copy_method is not None else None
+            if spans is not None:
+                if total_bytes(spans) != lazy.nbytes:
+                    raise RuntimeError(f"{key}: {total_bytes(spans)} stored bytes, planned {lazy.nbytes}")
+                ranks, dim = files[0].ranks, plan.split_dims.get(key)
+                pieces = RANKS.inverse_spans(spans, lazy.shape, ranks, dim) if ranks > 1 else [spans]
+                for f in files:
+                    job = functools.partial(writers[f.name].write_spans, key, pieces[f.rank], copy_method)
+                    copies.submit(job, total_bytes(pieces[f.rank]) if dim is not None or f is files[0] else 0)
+                continue
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
                 raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
@@ -58,11 +83,16 @@ def write_plan(plan: Plan, out_dir: Path, quiet: bool = False, label: str = "con
             for f in files:
                 writers[f.name].write(key, pieces[f.rank] if len(pieces) > 1 else pieces[0])
             del tensor, pieces
+            computed += lazy.nbytes
             bar.advance(lazy.nbytes)
     for w in writers.values():
         w.close()
     for name, text in plan.metadata_files.items():
         (out_dir / name).write_text(text, encoding="utf-8")
+    by_method = dict(copies.bytes_by_label)
+    if computed:
+        by_method[COMPUTED] = computed
+    return by_method
 
 
 def replace_directory(tmp: Path, dst: Path) -> None:
@@ -94,6 +124,7 @@ class Result:
     plan: Plan
     notes: list[str]
     bytes_written: int
+    bytes_by_method: dict[str, int] = field(default_factory=dict)  # copy method (or COMPUTED) -> bytes
 
 
 def convert(
@@ -109,8 +140,12 @@ def convert(
     verify: bool = False,
     quiet: bool = True,
     on_verify: Callable[[Any], None] | None = None,
+    copy_method: str | None = AUTO,
 ) -> Result:
-    """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards."""
+    """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
+
+    ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`).
+    """
     src, dst = Path(src), Path(dst)
     if dtype is not None and dtype not in CAST_TARGETS:
         raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {dtype!r}")
@@ -119,7 +154,8 @@ def convert(
     target_format(to)
     with open_checkpoint(src, from_format, model_type) as ckpt:
         check_destination(src, dst, force)
-        return write_checkpoint(ckpt, dst, Options(to, dtype, shards, max_shard_size), verify, quiet, on_verify)
+        opts = Options(to, dtype, shards, max_shard_size)
+        return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method)
 
 
 def write_checkpoint(
@@ -129,13 +165,14 @@ def write_checkpoint(
     verify: bool = False,
     quiet: bool = True,
     on_verify: Callable[[Any], None] | None = None,
+    copy_method: str | None = AUTO,
 ) -> Result:
     """Write ``ckpt`` to ``dst`` through a temporary directory renamed at the end."""
     plan = plan_conversion(ckpt, opts)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".ckptkit-tmp", dir=dst.parent))
     try:
-        write_plan(plan, tmp, quiet)
+        by_method = write_plan(plan, tmp, quiet, copy_method=copy_method)
         target_format(plan.format).finish(ckpt, plan, tmp)
         for extra in ckpt.extra_files():
             shutil.copy2(extra, tmp / extra.name)
@@ -152,4 +189,4 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     written = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
-    return Result(plan, ckpt.notes + plan.notes, written)
+    return Result(plan, ckpt.notes + plan.notes, written, by_method)

@@ -10,23 +10,43 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
+from ckptkit.rawcopy import Span, read_spans
 
 if TYPE_CHECKING:
     import torch
 
 
+def no_spans() -> list[Span] | None:
+    return None
+
+
 @dataclass
 class Lazy:
-    """A tensor known by shape and dtype, materialised by ``get()``."""
+    """A tensor known by shape and dtype, materialised by ``get()``.
+
+    ``spans()`` says where the bytes ``get()`` would return lie in the source files (byte
+    ranges, concatenated in order) when they can be copied file to file, else None.
+    """
 
     shape: tuple[int, ...]
     dtype: str  # a name, e.g. "bfloat16"
     get: Callable[[], torch.Tensor]
     file: str = ""
+    spans: Callable[[], list[Span] | None] = no_spans
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def encode_lazy(lazy: Lazy) -> dict[str, Any]:
+    """:func:`encode_tensor` of ``lazy.get()``, from its stored bytes where it has them
+    (no torch needed)."""
+    spans = lazy.spans()
+    if spans is None:
+        return encode_tensor(lazy.get())
+    data = read_spans(spans)
+    return {"dtype": lazy.dtype, "shape": list(lazy.shape), "data": base64.b64encode(data).decode()}
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:

@@ -7,6 +7,7 @@ tensor's ``get()`` is called.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from ckptkit.formats.base import RawCheckpoint
 from ckptkit.lazy import Lazy
 from ckptkit.models import ModelConfig, canonical_shapes
 from ckptkit.models.spec import Layout, Rule
+from ckptkit.rawcopy import Span
 
 if TYPE_CHECKING:
     import torch
@@ -48,14 +50,15 @@ def canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tupl
                 f"{raw.root / info.file}: {rule.native} has {e}: the config contradicts the tensor shapes"
             ) from None
         for j, (name, shape) in enumerate(zip(rule.canonical, shapes, strict=True)):
-            found[name] = Lazy(shape, info.dtype, _forward_getter(raw, rule, cfg, shapes, j, cache), info.file)
+            getter = _forward_getter(raw, rule, cfg, shapes, j, cache)
+            found[name] = Lazy(shape, info.dtype, getter, info.file, _forward_spans(raw, rule, cfg, shapes, j))
     unused: dict[str, Lazy] = {}
     unknown = []
     for key, info in raw.infos.items():
         if key in used:
             continue
         if layout.is_unused(key):
-            unused[key] = Lazy(info.shape, info.dtype, _reader(raw, key), info.file)
+            unused[key] = Lazy(info.shape, info.dtype, _reader(raw, key), info.file, functools.partial(raw.spans, key))
         else:
             unknown.append(key)
     if unknown:
@@ -95,6 +98,18 @@ def _forward_getter(
     return get
 
 
+def _forward_spans(
+    raw: RawCheckpoint, rule: Rule, cfg: ModelConfig, shapes: list[tuple[int, ...]], j: int
+) -> Callable[[], list[Span] | None]:
+    def spans() -> list[Span] | None:
+        native = raw.spans(rule.native)
+        if native is None:
+            return None
+        return rule.kind.forward_spans(native, raw.infos[rule.native].shape, cfg, shapes)[j]
+
+    return spans
+
+
 def _checked_duplicate(raw: RawCheckpoint, emb: Lazy, copies: list[str]) -> Lazy:
     pending = list(copies)  # each stored copy is compared once, on the first read
 
@@ -123,9 +138,20 @@ def native_targets(tensors: dict[str, Lazy], layout: Layout, cfg: ModelConfig, w
             continue
         parts = [tensors[c] for c in rule.canonical]
         shape = rule.kind.native_shape([p.shape for p in parts])
-        out[rule.native] = Lazy(shape, parts[0].dtype, _inverse_getter(rule, parts, cfg))
+        getter, spans = _inverse_getter(rule, parts, cfg), _inverse_spans(rule, parts, cfg)
+        out[rule.native] = Lazy(shape, parts[0].dtype, getter, spans=spans)
     return out
 
 
 def _inverse_getter(rule: Rule, parts: list[Lazy], cfg: ModelConfig) -> Callable[[], torch.Tensor]:
     return lambda: rule.kind.inverse([p.get() for p in parts], cfg)
+
+
+def _inverse_spans(rule: Rule, parts: list[Lazy], cfg: ModelConfig) -> Callable[[], list[Span] | None]:
+    def spans() -> list[Span] | None:
+        found = [p.spans() for p in parts]
+        if any(f is None for f in found) or any(p.dtype != parts[0].dtype for p in parts):
+            return None
+        return rule.kind.inverse_spans([f for f in found if f is not None], [p.shape for p in parts], cfg)
+
+    return spans

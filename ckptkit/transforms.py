@@ -6,18 +6,26 @@ native (writing); both directions live in the same class and tests check each pa
 bitwise. Adding a kind (a transpose, say) is one subclass used in a family's layout rules.
 
 :class:`RankShards` is the file-level counterpart: Meta's model-parallel ranks.
+Every transform here only moves bytes, so each also maps byte ranges: ``forward_spans`` and
+``inverse_spans`` say where the result's bytes lie in the input's (lists of
+:class:`~ckptkit.rawcopy.Span`, concatenated in order), and a conversion copies
+them file to file without reading them into memory (:mod:`ckptkit.rawcopy`).
 torch is imported inside the methods so that metadata-only work stays torch-free.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from ckptkit.rawcopy import Span, coalesce, take, take_ranges, take_rows, total_bytes
 
 if TYPE_CHECKING:
     import torch
 
 Shape = tuple[int, ...]
+Spans = list[Span]
 
 
 class Transform:
@@ -41,6 +49,14 @@ class Transform:
 
     def inverse(self, parts: Sequence[torch.Tensor], cfg: Any) -> torch.Tensor:
         """Canonical tensor(s) -> native tensor."""
+        return parts[0]
+
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans]:
+        """Where each canonical tensor's bytes lie within the native tensor's ``native``."""
+        return [native]
+
+    def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans:
+        """Where the native tensor's bytes lie within the canonical tensors' ``parts``."""
         return parts[0]
 
     def __repr__(self) -> str:
@@ -75,6 +91,24 @@ class RopePermute(Transform):
         hd = w.shape[0] // n
         return w.reshape(n, 2, hd // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans]:
+        return [self._rows(native, shape, getattr(cfg, self.heads), to_meta=False)]
+
+    def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans:
+        return self._rows(parts[0], shapes[0], getattr(cfg, self.heads), to_meta=True)
+
+    @staticmethod
+    def _rows(spans: Spans, shape: Shape, n: int, to_meta: bool) -> Spans:
+        """The row permutation of forward (Meta -> HF) or inverse (HF -> Meta) as row ranges:
+        per head, HF's row ``j * hd/2 + i`` is Meta's row ``2 * i + j``."""
+        hd = shape[0] // n
+        half = hd // 2
+        if to_meta:  # output row h*hd + 2i + j comes from HF row h*hd + j*half + i
+            order = [h * hd + j * half + i for h in range(n) for i in range(half) for j in (0, 1)]
+        else:  # output row h*hd + j*half + i comes from Meta row h*hd + 2i + j
+            order = [h * hd + 2 * i + j for h in range(n) for j in (0, 1) for i in range(half)]
+        return take_rows(spans, total_bytes(spans) // shape[0], order)
+
 
 class Fused(Transform):
     """Canonical parts stacked on dim 0 (Phi-3 ``qkv_proj``, ``gate_up_proj``)."""
@@ -101,6 +135,17 @@ class Fused(Transform):
 
         return torch.cat(list(parts), dim=0)
 
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans]:
+        row_bytes = total_bytes(native) // max(shape[0], 1)
+        out, start = [], 0
+        for part in shapes:
+            out.append(take(native, start, part[0] * row_bytes))
+            start += part[0] * row_bytes
+        return out
+
+    def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans:
+        return [span for part in parts for span in part]
+
 
 class RankShards:
     """Model-parallel ranks: ``forward`` merges rank shards, ``inverse`` splits a tensor
@@ -119,6 +164,28 @@ class RankShards:
         if w.shape[dim] % n:
             raise ValueError(f"dim {dim} of size {w.shape[dim]} does not split into {n} ranks")
         return [p.contiguous() for p in w.chunk(n, dim=dim)]
+
+    def forward_spans(self, parts: Sequence[Spans], shard: Shape, dim: int | None) -> Spans:
+        """Where the merged tensor's bytes lie in the ranks' shards (``shard``: one shard's shape)."""
+        if dim is None:
+            return parts[0]
+        outer = math.prod(shard[:dim])
+        piece = total_bytes(parts[0]) // max(outer, 1)  # one rank's contiguous run per outer index
+        runs = [take_ranges(p, [(o * piece, piece) for o in range(outer)]) for p in parts]
+        if all(len(r) == outer for r in runs):  # each run one span: interleave them
+            return coalesce([runs[r][o] for o in range(outer) for r in range(len(parts))])
+        return coalesce([s for o in range(outer) for p in parts for s in take(p, o * piece, piece)])
+
+    def inverse_spans(self, spans: Spans, shape: Shape, n: int, dim: int | None) -> list[Spans]:
+        """Where each rank's shard lies in the whole tensor's bytes ``spans``."""
+        if dim is None:
+            return [spans] * n
+        if shape[dim] % n:
+            raise ValueError(f"dim {dim} of size {shape[dim]} does not split into {n} ranks")
+        outer = math.prod(shape[:dim])
+        run = total_bytes(spans) // max(outer, 1)  # the whole tensor's bytes per outer index
+        piece = run // n
+        return [coalesce(take_ranges(spans, [(o * run + r * piece, piece) for o in range(outer)])) for r in range(n)]
 
     @staticmethod
     def shard_shape(shape: Shape, n: int, dim: int | None) -> Shape:

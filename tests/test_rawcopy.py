@@ -1,6 +1,6 @@
 """File-to-file copies (each method forced, and the automatic fallback), CRC-32 over mmap,
-and the readers' spans: where a tensor's bytes lie, checked against files torch and the
-safetensors library wrote."""
+the readers' spans (where a tensor's bytes lie, checked against files torch and the
+safetensors library wrote), and the transforms' span maps checked against the transforms."""
 
 from __future__ import annotations
 
@@ -13,10 +13,22 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptkit.formats import rawcopy
-from ckptkit.formats.rawcopy import METHODS, Span, copy_range, crc32_range, span_crc32
+from ckptkit import rawcopy
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
+from ckptkit.rawcopy import (
+    METHODS,
+    RANGE_METHODS,
+    Span,
+    coalesce,
+    copy_range,
+    copy_spans,
+    crc32_range,
+    spans_crc32,
+    take,
+    take_rows,
+)
+from ckptkit.transforms import FUSED, RANKS, ROPE_K, ROPE_Q
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +39,7 @@ def payload(tmp_path_factory) -> tuple[Path, bytes]:
     return path, data
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", RANGE_METHODS)
 def test_each_method_copies_exactly_the_range_at_the_offset(method: str, payload, tmp_path: Path) -> None:
     src, data = payload
     dst = tmp_path / "dst.bin"
@@ -47,7 +59,7 @@ def test_a_source_that_ends_early_is_an_error(payload, tmp_path: Path) -> None:
     src, data = payload
     s, d = os.open(src, os.O_RDONLY), os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
     try:
-        for method in METHODS:
+        for method in RANGE_METHODS:
             with pytest.raises(EOFError):
                 copy_range(s, len(data) - 10, d, 0, 20, method)
     finally:
@@ -86,7 +98,7 @@ def test_crc32_over_mmap_windows_matches_zlib(payload) -> None:
             assert crc32_range(fd, offset, n, window) == zlib.crc32(data[offset : offset + n])
     finally:
         os.close(fd)
-    assert span_crc32(Span(src, 3, 100, crc=12345)) == 12345  # a recorded CRC is used as is
+    assert spans_crc32([Span(src, 3, 100, crc=12345)]) == 12345  # a recorded CRC is used as is
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +162,7 @@ def test_writing_spans_gives_the_same_file_as_writing_tensors(sd, container: str
         w = SafetensorsWriter(out, entries, {"format": "pt"}) if st else TorchPickleWriter(out, entries)
         for k in sd:
             if fast:
-                assert w.write_span(k, reader.span(k), method) == method
+                assert w.write_spans(k, [reader.span(k)], method) == method
             else:
                 w.write(k, sd[k])
         w.close()
@@ -171,10 +183,69 @@ def test_a_pth_writer_computes_the_crc_of_a_safetensors_span(sd, tmp_path: Path)
     (tmp_path / "ref").mkdir()
     w = TorchPickleWriter(tmp_path / "o.pth", entries)
     for k in sd:
-        w.write_span(k, reader.span(k))
+        w.write_spans(k, [reader.span(k)])
     w.close()
     torch.save(sd, tmp_path / "ref" / "o.pth")
     with zipfile.ZipFile(tmp_path / "o.pth") as a, zipfile.ZipFile(tmp_path / "ref" / "o.pth") as b:
         assert a.testzip() is None
         data = [n for n in a.namelist() if "/data/" in n]
         assert len(data) == len(sd) and [a.getinfo(n).CRC for n in data] == [b.getinfo(n).CRC for n in data]
+
+
+def _read(spans: list[Span]) -> bytes:
+    return b"".join(_span_bytes(s) for s in spans)
+
+
+def test_span_lists_slice_permute_and_copy(payload, tmp_path: Path) -> None:
+    src, data = payload
+    spans = [Span(src, 100, 5000), Span(src, 5100, 3000), Span(src, 20000, 4096)]  # the first two touch
+    joined = data[100:8100] + data[20000:24096]
+    assert coalesce(spans) == [Span(src, 100, 8000), Span(src, 20000, 4096)]
+    assert _read(take(spans, 4000, 6000)) == joined[4000:10000]
+    rows = [5, 0, 10, 3, 3]
+    assert _read(take_rows(spans, 1024, rows)) == b"".join(joined[r * 1024 : (r + 1) * 1024] for r in rows)
+    many = take_rows([Span(src, 0, 64 * 512)], 512, list(range(63, -1, -1)))  # 64 spans: gathered
+    expected = b"".join(data[r * 512 : (r + 1) * 512] for r in range(63, -1, -1))
+    assert spans_crc32(many) == zlib.crc32(expected) and spans_crc32(spans) == zlib.crc32(joined)
+    for method in METHODS:
+        out = tmp_path / f"{method}.bin"
+        out.write_bytes(bytes(40000))
+        fd = os.open(out, os.O_RDWR)
+        try:
+            used = copy_spans(many, fd, 7)
+            copy_spans(spans, fd, 7 + len(expected), method)
+        finally:
+            os.close(fd)
+        assert used == "gather"
+        assert out.read_bytes()[7 : 7 + len(expected) + len(joined)] == expected + joined
+
+
+def _stored(t: torch.Tensor, path: Path) -> list[Span]:
+    path.write_bytes(_raw(t))
+    return [Span(path, 0, t.nbytes)]
+
+
+@pytest.mark.parametrize("kind", [ROPE_Q, ROPE_K])
+def test_rope_span_maps_match_the_permutation(kind, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_heads=4, num_kv_heads=2)
+    w = torch.arange(16 * 3, dtype=torch.int16).reshape(16, 3)
+    spans = _stored(w, tmp_path / "w.bin")
+    assert _read(kind.forward_spans(spans, w.shape, cfg, [w.shape])[0]) == _raw(kind.forward(w, cfg, [w.shape])[0])
+    assert _read(kind.inverse_spans([spans], [w.shape], cfg)) == _raw(kind.inverse([w], cfg))
+
+
+def test_fused_and_rank_span_maps_match_the_transforms(tmp_path: Path) -> None:
+    w = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+    spans = _stored(w, tmp_path / "w.bin")
+    shapes = [(3, 6), (7, 6)]
+    parts = FUSED.forward_spans(spans, w.shape, None, shapes)
+    assert [_read(p) for p in parts] == [_raw(p) for p in FUSED.forward(w, None, shapes)]
+    assert _read(FUSED.inverse_spans(parts, shapes, None)) == _raw(w)
+    for dim in (None, 0, 1):
+        shards = RANKS.inverse(w, 2, dim)
+        pieces = RANKS.inverse_spans(spans, w.shape, 2, dim)
+        assert [_read(p) for p in pieces] == [_raw(s) for s in shards]
+        stored = [_stored(s, tmp_path / f"rank{i}-{dim}.bin") for i, s in enumerate(shards)]
+        assert _read(RANKS.forward_spans(stored, tuple(shards[0].shape), dim)) == _raw(RANKS.forward(shards, dim))

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.rawcopy import Span
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.rawcopy import Span
 from ckptkit.transforms import RANKS
 
 if TYPE_CHECKING:
@@ -104,13 +104,17 @@ class RawCheckpoint:
             return parts[0]
         return RANKS.forward(parts, self.split_dims.get(name))
 
-    def span(self, name: str) -> Span | None:
-        """Where one native tensor's bytes lie as stored, or None when reading must assemble
-        them (Meta ranks split on a dim) or they are not one stored range."""
-        if self.split_dims.get(name) is not None:
+    def spans(self, name: str) -> list[Span] | None:
+        """Where one native tensor's bytes lie as stored (Meta ranks: the merge's byte
+        ranges), or None when some part is not one stored range."""
+        if not self.split_dims:
+            span = self.readers[self.infos[name].file].span(name)
+            return None if span is None else [span]
+        parts = [self.readers[f].span(name) for f in self.files]
+        if any(p is None for p in parts):
             return None
-        file = next(iter(self.files)) if self.split_dims else self.infos[name].file
-        return self.readers[file].span(name)
+        shard = self.readers[next(iter(self.files))].infos[name].shape
+        return RANKS.forward_spans([[p] for p in parts if p is not None], shard, self.split_dims.get(name))
 
     def close(self) -> None:
         for r in self.readers.values():

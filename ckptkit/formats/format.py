@@ -88,7 +88,7 @@ class CheckpointFormat:
     def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
         """This checkpoint's layout, as recorded for converting back to it later."""
         from ckptkit.dtypes import dtype_name
-        from ckptkit.lazy import encode_tensor
+        from ckptkit.lazy import encode_lazy
 
         raw = ckpt.raw
         small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}
@@ -103,7 +103,7 @@ class CheckpointFormat:
             "split_dims": raw.split_dims,
             "config": {"name": raw.config_name, "text": raw.config_text},
             "index": raw.index,
-            "unused": {k: encode_tensor(v.get()) for k, v in small.items()},
+            "unused": {k: encode_lazy(v) for k, v in small.items()},
         }
 
     # --- writing --------------------------------------------------------------------

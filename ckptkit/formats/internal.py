@@ -96,7 +96,9 @@ class InternalFormat(CheckpointFormat):
         tensors: dict[str, Lazy] = {}
         unused: dict[str, Lazy] = {}
         for key, info in raw.infos.items():
-            lazy = Lazy(info.shape, info.dtype, lambda key=key: raw.read(key), info.file)
+            lazy = Lazy(
+                info.shape, info.dtype, lambda key=key: raw.read(key), info.file, lambda key=key: raw.spans(key)
+            )
             if key.startswith(UNUSED_PREFIX):
                 unused[key.removeprefix(UNUSED_PREFIX)] = lazy
             else:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.rawcopy import AUTO, Span, copy_span
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.rawcopy import AUTO, Span, copy_spans, total_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -182,15 +182,15 @@ class SafetensorsWriter:
         os.pwrite(self._file.fileno(), memoryview(data), self._data_start + offset)
         self._pending.discard(name)
 
-    def write_span(self, name: str, span: Span, method: str = AUTO) -> str:
-        """Copy a tensor's bytes file to file from ``span``; returns the copy method used.
-        Thread-safe for distinct names."""
+    def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
+        """Copy a tensor's bytes file to file from ``spans`` (concatenated); returns the copy
+        method used. Thread-safe for distinct names."""
         offset, nbytes = self._offsets[name]
-        if span.nbytes != nbytes:
-            raise ValueError(f"{name}: span of {span.nbytes} bytes for a {nbytes}-byte tensor")
+        if total_bytes(spans) != nbytes:
+            raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            used = copy_span(span, fd, self._data_start + offset, method)
+            used = copy_spans(spans, fd, self._data_start + offset, method)
         finally:
             os.close(fd)
         self._pending.discard(name)

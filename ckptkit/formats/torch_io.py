@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, read_index
-from ckptkit.formats.rawcopy import AUTO, Span, copy_span, span_crc32
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.rawcopy import AUTO, Span, copy_spans, spans_crc32, total_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -251,19 +251,19 @@ class TorchPickleWriter:
         os.pwrite(self._fd, memoryview(data), offset)
         self._crcs[record] = zlib.crc32(memoryview(data))
 
-    def write_span(self, name: str, span: Span, method: str = AUTO) -> str:
-        """Copy a tensor's bytes file to file from ``span``; the CRC-32 comes from the source
-        record or from an mmap of the source. Returns the copy method used. Thread-safe for
-        distinct names."""
+    def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
+        """Copy a tensor's bytes file to file from ``spans`` (concatenated); the CRC-32 comes
+        from the source record or from mappings of the source. Returns the copy method used.
+        Thread-safe for distinct names."""
         offset, nbytes, record = self._records[name]
-        if span.nbytes != nbytes:
-            raise ValueError(f"{name}: span of {span.nbytes} bytes for a {nbytes}-byte record")
+        if total_bytes(spans) != nbytes:
+            raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            used = copy_span(span, fd, offset, method)
+            used = copy_spans(spans, fd, offset, method)
         finally:
             os.close(fd)
-        self._crcs[record] = span_crc32(span)
+        self._crcs[record] = spans_crc32(spans)
         return used
 
     def close(self) -> None:

@@ -1,0 +1,139 @@
+"""Conversions that copy tensors file to file write the same bytes as conversions that read
+every tensor into memory; row moves (rope permutation, fused split/join, rank merge/split)
+are copied too, only casts and generated tensors are computed; and a conversion that needs
+no tensor operation does not import torch."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.convert import COMPUTED, convert
+from ckptkit.rawcopy import METHODS
+
+from conftest import FIXTURES
+
+SERIALIZATION_ID = ".data/serialization_id"  # torch.save writes a random one into every archive
+
+
+def _masked(path: Path) -> bytes:
+    """A .pth file's bytes with its random serialization id and that record's CRC zeroed."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        start_dir = z.start_dir
+        for zi in z.infolist():
+            if zi.filename.endswith(SERIALIZATION_ID):
+                name_len, extra_len = struct.unpack_from("<HH", data, zi.header_offset + 26)
+                at = zi.header_offset + 30 + name_len + extra_len
+                data[at : at + zi.file_size] = bytes(zi.file_size)
+                data[zi.header_offset + 14 : zi.header_offset + 18] = bytes(4)
+                central = data.index(zi.filename.encode(), start_dir) - 46
+                data[central + 16 : central + 20] = bytes(4)
+    return bytes(data)
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name.endswith((".pth", ".bin")):
+            assert _masked(a / name) == _masked(b / name), name
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+CASES = [
+    ("hf/llama2", "meta", {}),  # safetensors -> .pth, CRC over the source mapping; q/k rows permuted
+    ("meta/llama2", "hf", {}),  # .pth -> safetensors
+    ("hf-bin/llama2", "meta", {}),  # .bin -> .pth, the source records' CRCs carried
+    ("meta/llama3-2rank", "hf-bin", {}),  # rank merges on dim 0 and 1
+    ("hf/llama3", "meta", {"shards": 2}),  # rank splits
+    ("meta/llama2-2rank", "meta", {"shards": 4}),  # merged and split again
+    ("hf/phi3", "internal", {}),  # fused qkv/gate_up split into row ranges
+    ("hf/qwen2", "hf-bin", {"max_shard_size": "40KB"}),
+    ("hf/llama3_2", "hf", {"dtype": "float32"}),  # cast: computed
+]
+
+
+@pytest.mark.parametrize(("src", "to", "kw"), CASES, ids=[f"{s}>{t}{'+' if k else ''}" for s, t, k in CASES])
+def test_fast_path_writes_the_same_bytes_as_the_slow_path(src: str, to: str, kw: dict, tmp_path: Path) -> None:
+    slow = convert(FIXTURES / src, tmp_path / "slow", to, copy_method=None, **kw)
+    fast = convert(FIXTURES / src, tmp_path / "fast", to, **kw)
+    assert_same_files(tmp_path / "slow", tmp_path / "fast")
+    assert set(slow.bytes_by_method) == {COMPUTED}
+    total = sum(slow.bytes_by_method.values())
+    assert sum(fast.bytes_by_method.values()) == total
+    computed = fast.bytes_by_method.get(COMPUTED, 0)
+    if "dtype" in kw:
+        assert computed == total
+    else:  # at most Meta's generated rope.freqs
+        assert computed <= 64, fast.bytes_by_method
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("src", "to"), [("hf/llama2", "meta"), ("meta/llama2", "hf-bin")])
+def test_each_forced_copy_method_gives_the_same_output(src: str, to: str, method: str, tmp_path: Path) -> None:
+    convert(FIXTURES / src, tmp_path / "slow", to, copy_method=None)
+    result = convert(FIXTURES / src, tmp_path / "fast", to, copy_method=method)
+    assert set(result.bytes_by_method) <= {method, COMPUTED} and result.bytes_by_method[method] > 0
+    assert_same_files(tmp_path / "slow", tmp_path / "fast")
+
+
+def _safetensors_header(path: Path) -> dict:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def test_permuted_rows_are_gathered_and_the_rest_copied_whole(tmp_path: Path) -> None:
+    """hf -> meta of Llama 2: q_proj and k_proj rows are permuted (gathered row by row from
+    the source), every other tensor is copied as one range, Meta's rope.freqs is computed."""
+    src = FIXTURES / "hf" / "llama2"
+    permuted = total = 0
+    for shard in src.glob("*.safetensors"):
+        for name, entry in _safetensors_header(shard).items():
+            if name == "__metadata__":
+                continue
+            nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
+            total += nbytes
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                permuted += nbytes
+    result = convert(src, tmp_path / "meta", "meta")
+    generated = torch.load(tmp_path / "meta" / "consolidated.00.pth", weights_only=True)["rope.freqs"].nbytes
+    expected = {"gather": permuted, "copy_file_range": total - permuted, COMPUTED: generated}
+    assert result.bytes_by_method == expected
+    back = convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    assert back.bytes_by_method == {"gather": permuted, "copy_file_range": total - permuted}
+
+
+TORCH_FREE = [
+    ("hf/llama2", "internal"),
+    ("hf/llama3", "hf"),
+    ("internal", "hf"),
+    ("meta/llama2", "hf"),
+    ("meta/llama3-2rank", "hf"),
+]
+
+
+@pytest.mark.parametrize(("src", "to"), TORCH_FREE)
+def test_a_conversion_without_tensor_operations_never_imports_torch(src: str, to: str, tmp_path: Path) -> None:
+    if src == "internal":
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "internal", "internal")
+        source = tmp_path / "internal"
+    else:
+        source = FIXTURES / src
+    code = (
+        "import sys; from ckptkit.cli import app; "
+        f"sys.argv = ['ckptkit', 'convert', {str(source)!r}, {str(tmp_path / 'out')!r}, '--to', {to!r}, '--quiet']\n"
+        "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert any((tmp_path / "out").glob("*.safetensors"))
