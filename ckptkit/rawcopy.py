@@ -18,6 +18,7 @@ import errno
 import itertools
 import mmap
 import os
+import sys
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -86,17 +87,26 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
 
 
 def _copy_file_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
+    if not hasattr(os, "copy_file_range"):  # not Linux
+        raise OSError(errno.ENOSYS, "copy_file_range is not available")
     return os.copy_file_range(src_fd, dst_fd, min(count, CHUNK), src_offset, dst_offset)
 
 
 def _sendfile(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
+    if not sys.platform.startswith("linux"):  # elsewhere sendfile writes to sockets only
+        raise OSError(errno.ENOSYS, "sendfile to a file needs Linux")
     os.lseek(dst_fd, dst_offset, os.SEEK_SET)
     return os.sendfile(dst_fd, src_fd, src_offset, min(count, CHUNK))
 
 
 def _read_write(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
     buf = bytearray(min(count, BUFFER))
-    got = os.preadv(src_fd, [buf], src_offset)
+    if hasattr(os, "preadv"):
+        got = os.preadv(src_fd, [buf], src_offset)
+    else:
+        data = os.pread(src_fd, len(buf), src_offset)
+        got = len(data)
+        buf[:got] = data
     view = memoryview(buf)[:got]
     written = 0
     while written < got:
@@ -173,7 +183,7 @@ def copy_spans(spans: list[Span], dst_fd: int, dst_offset: int, method: str = AU
     Returns the method used ("auto" never).
     """
     spans = coalesce(spans)
-    if method == GATHER or (method == AUTO and len(spans) >= GATHER_FROM):
+    if method == GATHER or (method == AUTO and len(spans) >= GATHER_FROM and hasattr(os, "pwritev")):
         _gather(spans, dst_fd, dst_offset)
         return GATHER
     used = method if method != AUTO else RANGE_METHODS[0]
@@ -225,8 +235,9 @@ class _Mapped:
             raise
 
     def release(self) -> None:
-        for mapped, _, _ in self._maps.values():
-            mapped.madvise(mmap.MADV_DONTNEED)
+        if hasattr(mmap, "MADV_DONTNEED"):
+            for mapped, _, _ in self._maps.values():
+                mapped.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         for v in self.views:
