@@ -137,3 +137,19 @@ def test_a_conversion_without_tensor_operations_never_imports_torch(src: str, to
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert any((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_cli_copy_method_is_reported_and_off_goes_through_memory(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    runner = CliRunner()
+    src = str(FIXTURES / "hf" / "llama3")
+    fast = runner.invoke(app, ["convert", src, str(tmp_path / "a"), "--to", "hf", "--copy-method", "sendfile"])
+    slow = runner.invoke(app, ["convert", src, str(tmp_path / "b"), "--to", "hf", "--copy-method", "off"])
+    assert fast.exit_code == 0 and "100% of tensor bytes copied file to file" in fast.output
+    assert slow.exit_code == 0 and "0% of tensor bytes copied file to file" in slow.output
+    assert_same_files(tmp_path / "a", tmp_path / "b")
+    bad = runner.invoke(app, ["convert", src, str(tmp_path / "c"), "--to", "hf", "--copy-method", "splice"])
+    assert bad.exit_code != 0
