@@ -214,6 +214,10 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: bool) -> dict:
     hf, meta, out, copy = base / "hf", base / "meta", base / "out", base / "copy"
     if base.exists():
         shutil.rmtree(base)
+    need = 3 * (layers * 405_000_000 + 525_000_000)  # three copies: 0.4 GB per layer + embeddings, lm_head
+    free = shutil.disk_usage(bench.workdir).free
+    if free < need + GB:
+        raise SystemExit(f"{layers} layers need about {need / GB:.0f} GiB of disk, {free / GB:.0f} GiB free")
     t = time.perf_counter()
     total, largest = build_hf(hf, layers, seed)
     print(
@@ -247,7 +251,7 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: bool) -> dict:
         bench.measure(layers, "convert hf>internal", argv, [hf], out)
         shutil.rmtree(out)
         if torchtune:
-            bench.measure(layers, "torchtune hf load+save", [*tt, "hf", str(hf), str(out)], [hf], out, total * 13 // 10)
+            bench.measure(layers, "torchtune hf load+save", [*tt, "hf", str(hf), str(out)], [hf], out, total * 11 // 10)
             shutil.rmtree(out, ignore_errors=True)
         bench.measure(layers, FLOOR_FREE, [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert"], [])
         bench.measure(layers, FLOOR_TORCH, [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert, torch"], [])
