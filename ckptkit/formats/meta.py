@@ -1,5 +1,6 @@
 """Meta's layout: ``consolidated.00.pth`` ... ``consolidated.NN.pth`` (one per
-model-parallel rank) + ``params.json``; Mistral's ``consolidated.safetensors`` reads the same.
+model-parallel rank) + ``params.json``; Mistral's ``consolidated.safetensors`` and
+torchtune's single-file output (:mod:`ckptkit.formats.torchtune`) read the same.
 
 Ranks are merged on read: column-parallel tensors on dim 0, row-parallel on dim 1,
 ``tok_embeddings`` on whichever dim its shard shape shows, the rest replicated.
@@ -26,6 +27,8 @@ from ckptkit.formats.base import (
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
+from ckptkit.formats.torchtune import torchtune_files
 
 if TYPE_CHECKING:
     import torch
@@ -60,12 +63,27 @@ def split_dim(name: str, ndim: int, vocab_parallel: bool) -> int | None:
     return None
 
 
-def weight_files(root: Path) -> list[Path]:
-    ranks = sorted((p for p in root.iterdir() if RANK_FILE.fullmatch(p.name)), key=lambda p: natural_key(p.name))
-    if ranks:
-        return ranks
+def rank_files(root: Path) -> list[Path]:
+    """Meta's own naming: ``consolidated.NN.pth``, one per model-parallel rank."""
+    return sorted((p for p in root.iterdir() if RANK_FILE.fullmatch(p.name)), key=lambda p: natural_key(p.name))
+
+
+def mistral_file(root: Path) -> list[Path]:
+    """Mistral's releases: one ``consolidated.safetensors``."""
     single = root / SAFETENSORS_FILE
     return [single] if single.is_file() else []
+
+
+# The file namings Meta-layout weights come in, tried in order; the first that finds files wins.
+NAMINGS = (rank_files, mistral_file, torchtune_files)
+
+
+def weight_files(root: Path) -> list[Path]:
+    for naming in NAMINGS:
+        found = naming(root)
+        if found:
+            return found
+    return []
 
 
 def detect(root: Path) -> bool:
@@ -76,7 +94,7 @@ def open_raw(root: Path) -> RawCheckpoint:
     config_text, params = read_json(root / "params.json")
     paths = weight_files(root)
     for i, p in enumerate(paths):
-        if p.name not in (rank_file(i), SAFETENSORS_FILE):
+        if RANK_FILE.fullmatch(p.name) and p.name != rank_file(i):
             raise CkptkitError(f"{root}: model-parallel ranks are not numbered 00..{len(paths) - 1:02d} ({p.name})")
     readers: dict[str, TensorReader] = {}
     files: dict[str, list[str]] = {}
@@ -135,7 +153,7 @@ class MetaFormat(CheckpointFormat):
         return open_raw(root)
 
     def owns_file(self, name: str) -> bool:
-        return name.startswith("consolidated.")
+        return name.startswith("consolidated.") or bool(TORCHTUNE_FILE.fullmatch(name))
 
     def _source(self, raw: RawCheckpoint) -> Any:
         from ckptkit.models import MetaSource
