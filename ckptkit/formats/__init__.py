@@ -16,7 +16,12 @@ from ckptkit.formats.meta import MetaFormat
 
 REGISTRY: dict[str, CheckpointFormat] = {
     f.name: f
-    for f in (MetaFormat(), HFFormat("hf", safetensors=True), HFFormat("hf-bin", safetensors=False), InternalFormat())
+    for f in (
+        MetaFormat(),
+        HFFormat("hf", "model", ".safetensors"),
+        HFFormat("hf-bin", "pytorch_model", ".bin"),
+        InternalFormat(),
+    )
 }
 FORMATS = tuple(REGISTRY)
 

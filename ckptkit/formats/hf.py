@@ -30,38 +30,10 @@ if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
 
-STEMS = {"hf": ("model", ".safetensors"), "hf-bin": ("pytorch_model", ".bin")}
 
-
-def index_name(fmt: str) -> str:
-    stem, ext = STEMS[fmt]
-    return f"{stem}{ext}.index.json"
-
-
-def single_name(fmt: str) -> str:
-    stem, ext = STEMS[fmt]
-    return stem + ext
-
-
-def shard_pattern(fmt: str) -> str:
-    """The huggingface_hub filename pattern for shards of ``fmt``."""
-    stem, ext = STEMS[fmt]
-    return stem + "{suffix}" + ext
-
-
-def weight_files(root: Path, fmt: str) -> list[Path]:
-    stem, ext = STEMS[fmt]
-    pattern = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
-    return sorted((p for p in root.iterdir() if pattern.fullmatch(p.name)), key=lambda p: natural_key(p.name))
-
-
-def detect(root: Path, fmt: str) -> bool:
-    return (root / "config.json").is_file() and (bool(weight_files(root, fmt)) or (root / index_name(fmt)).is_file())
-
-
-def open_raw(root: Path, fmt: str) -> RawCheckpoint:
+def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
     config_text, config = read_json(root / "config.json")
-    index_path = root / index_name(fmt)
+    index_path = root / fmt.index_name
     index = None
     if index_path.is_file():
         text, data = read_json(index_path)
@@ -74,8 +46,8 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
                 raise CkptkitError(f"{index_path}: names shard {name}, which does not exist")
         index = {"name": index_path.name, "text": text}
     else:
-        found = weight_files(root, fmt)
-        if len(found) != 1 or found[0].name != single_name(fmt):
+        found = fmt.weight_files(root)
+        if len(found) != 1 or found[0].name != fmt.single_name:
             raise CkptkitError(
                 f"{root}: found {len(found)} weight files ({', '.join(p.name for p in found[:3])}) "
                 f"but no {index_path.name} saying which tensor is where"
@@ -106,7 +78,7 @@ def open_raw(root: Path, fmt: str) -> RawCheckpoint:
             if key not in infos:
                 raise CkptkitError(f"{index_path}: says {key!r} is in {name}, but {name} does not hold it")
     return RawCheckpoint(
-        format=fmt,
+        format=fmt.name,
         root=root,
         files=files,
         infos=infos,
@@ -133,20 +105,29 @@ class HFFormat(CheckpointFormat):
     expects = "config.json + model*.safetensors or pytorch_model*.bin"
     detect_order = 30
 
-    def __init__(self, name: str, safetensors: bool) -> None:
+    def __init__(self, name: str, stem: str, ext: str) -> None:
         self.name = name  # type: ignore[misc]
-        self.safetensors = safetensors
-        self.stem, self.ext = STEMS[name]
+        self.stem, self.ext = stem, ext
+        self.safetensors = ext == ".safetensors"
+        self.single_name = stem + ext
+        self.index_name = f"{stem}{ext}.index.json"
+        self.shard_pattern = stem + "{suffix}" + ext  # huggingface_hub's filename pattern
+        self._weight_file = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
+
+    def weight_files(self, root: Path) -> list[Path]:
+        found = (p for p in root.iterdir() if self._weight_file.fullmatch(p.name))
+        return sorted(found, key=lambda p: natural_key(p.name))
 
     def detect(self, root: Path) -> bool:
-        return detect(root, self.name)
+        has_weights = bool(self.weight_files(root)) or (root / self.index_name).is_file()
+        return (root / "config.json").is_file() and has_weights
 
     def open(self, root: Path) -> RawCheckpoint:
-        if not detect(root, self.name):
+        if not self.detect(root):
             raise CkptkitError(
-                f"{root}: not an {self.name} checkpoint (needs config.json and {single_name(self.name)} or shards)"
+                f"{root}: not an {self.name} checkpoint (needs config.json and {self.single_name} or shards)"
             )
-        return open_raw(root, self.name)
+        return open_raw(root, self)
 
     def owns_file(self, name: str) -> bool:
         return name.startswith(self.stem) and (name.endswith(self.ext) or name.endswith(self.ext + ".index.json"))
@@ -168,7 +149,7 @@ class HFFormat(CheckpointFormat):
     def default_files(
         self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        files = size_sharded_files(targets, opts, shard_pattern(self.name), single_name(self.name), self.safetensors)
+        files = size_sharded_files(targets, opts, self.shard_pattern, self.single_name, self.safetensors)
         return files, {}
 
     def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
@@ -196,5 +177,5 @@ class HFFormat(CheckpointFormat):
                 weight_map = {k: f.name for f in plan.files for k in f.keys}
                 total = sum(plan.targets[k].nbytes for k in weight_map)
                 params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.safetensors else None
-                out[index_name(self.name)] = index_text(dict(sorted(weight_map.items())), total, params)
+                out[self.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
         return out
