@@ -29,7 +29,12 @@ Spans = list[Span]
 
 
 class Transform:
-    """Identity: the native tensor is the canonical one (same bytes)."""
+    """One kind of relation between a native tensor and its canonical tensor(s).
+
+    The base class is the identity (the native tensor is the canonical one, same bytes).
+    A subclass that overrides ``forward``/``inverse`` but not the span maps gets no span
+    map at all (None: its tensors go through memory), never the identity's by mistake.
+    """
 
     name = "copy"
     #: True when the native tensor only repeats a canonical tensor stored elsewhere
@@ -51,13 +56,21 @@ class Transform:
         """Canonical tensor(s) -> native tensor."""
         return parts[0]
 
-    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans]:
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans | None]:
         """Where each canonical tensor's bytes lie within the native tensor's ``native``."""
+        if not self._identity():
+            return [None] * len(shapes)
         return [native]
 
-    def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans:
+    def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans | None:
         """Where the native tensor's bytes lie within the canonical tensors' ``parts``."""
+        if not self._identity():
+            return None
         return parts[0]
+
+    def _identity(self) -> bool:
+        cls = type(self)
+        return cls.forward is Transform.forward and cls.inverse is Transform.inverse
 
     def __repr__(self) -> str:
         return self.name

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.transforms import FUSED, RANKS, ROPE_K, ROPE_Q
+from ckptkit.transforms import COPY, FUSED, RANKS, ROPE_K, ROPE_Q, Transform
 
 
 def rope_meta_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -87,3 +87,24 @@ def test_rope_k_uses_the_kv_head_count() -> None:
     reference = w.view(2, 4, 2, 3).transpose(1, 2).reshape(16, 3)
     assert torch.equal(ROPE_K.forward(w, cfg, [(16, 3)])[0], reference)
     assert torch.equal(ROPE_K.inverse([reference], cfg), w)
+
+
+class _Transpose(Transform):
+    """A kind added the documented way: forward and inverse only."""
+
+    def forward(self, native, cfg, shapes):
+        return [native.t().contiguous()]
+
+    def inverse(self, parts, cfg):
+        return parts[0].t().contiguous()
+
+
+def test_new_kind_without_span_maps_goes_through_memory() -> None:
+    # Inheriting the identity's span maps would copy untransposed bytes; it must get none.
+    spans = [("f", 0, 24)]
+    assert _Transpose().forward_spans(spans, (2, 3), None, [(3, 2)]) == [None]
+    assert _Transpose().inverse_spans([spans], [(3, 2)], None) is None
+    assert COPY.forward_spans(spans, (2, 3), None, [(2, 3)]) == [spans]
+    assert COPY.inverse_spans([spans], [(2, 3)], None) == spans
+    w = torch.arange(6.0).reshape(2, 3)
+    assert _bitwise(_Transpose().inverse(_Transpose().forward(w, None, [(3, 2)]), None), w)
