@@ -961,6 +961,7 @@ def test_bad_input(name: str, outcomes: dict[str, Outcome]) -> None:
     check(outcomes[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["truncated-shard", "pth-malicious", "pth-garbage-empty-pickle", "dst-not-empty"])
 def test_bad_input_real_process(name: str, tmp_path: Path) -> None:
     """The same checks on a genuine ``python -m ckptkit`` (imports included)."""

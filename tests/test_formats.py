@@ -147,6 +147,7 @@ def test_max_shard_size_reshards_hf(tmp_path: Path) -> None:
     assert set(index["weight_map"].values()) == set(shards)
 
 
+@pytest.mark.slow
 def test_cli_convert_prints_summary_and_quiet_prints_nothing(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / "meta" / "llama2")]
     loud = subprocess.run([*base, str(tmp_path / "a"), "--to", "hf"], capture_output=True, text=True, check=True)

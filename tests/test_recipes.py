@@ -29,6 +29,7 @@ def run(recipe: str, config: str, *overrides: str) -> None:
     recipe_entry(recipe)(load_config(config, list(overrides)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("recipe", "config", "bound"), [("full_finetune", "tiny_full", 0.7), ("lora_finetune", "tiny_lora", 0.8)]
 )
