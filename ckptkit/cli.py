@@ -283,13 +283,21 @@ def generate(
     adapter: Annotated[Path | None, typer.Option(help="PEFT LoRA adapter directory to apply.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
 ) -> None:
-    """Continue PROMPT with the native model (KV-cached greedy or sampled decoding)."""
+    """Continue PROMPT with the native model (KV-cached greedy or sampled decoding), streamed as it comes.
+
+    Prompt plus completion are capped at the model's context length.
+    """
     from ckptkit.train.generation import generate_text
 
-    text = generate_text(
-        str(checkpoint), prompt, max_new_tokens, temperature, top_k, str(adapter) if adapter else None, seed
-    )
-    sys.stdout.write(text + "\n")
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    generate_text(
+        str(checkpoint), prompt, max_new_tokens, temperature, top_k, str(adapter) if adapter else None, seed,
+        on_text=write, on_note=lambda note: err.print(f"note: {note}", highlight=False),
+    )  # fmt: skip
+    sys.stdout.write("\n")
 
 
 # --- end generate --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from ckptkit.errors import CkptkitError
 from ckptkit.train.generation import generate, generate_text
 from ckptkit.train.lora import apply_lora, lora_modules, merge_lora
-from ckptkit.train.peft_io import load_adapter, save_adapter
+from ckptkit.train.peft_io import check_targets, load_adapter, prepare_for_peft, save_adapter
 
 from train_helpers import TOL, hf_dir, hf_model, native_model, padded_batch
 
@@ -112,6 +112,7 @@ def test_adapter_config_has_the_fields_peft_writes(tmp_path: Path) -> None:
         ("llama3", {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
         ("qwen2", {"r": 4, "lora_alpha": 8, "target_modules": HF_ALL}),
         ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["o_proj", "down_proj"]}),
+        ("phi3", {"r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj", "gate_up_proj"]}),  # fused, whole
         ("llama3", {"r": 4, "lora_alpha": 8, "target_modules": ["v_proj"], "use_rslora": True}),
         ("gemma", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "up_proj"], "rank_pattern": {"up_proj": 2}}),
         ("llama2", {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "layers_to_transform": [1]}),
@@ -169,9 +170,6 @@ def test_unsupported_adapters_are_one_line_errors(tmp_path: Path) -> None:
     _peft_saved("llama3", tmp_path / "dora", r=4, target_modules=["q_proj"], use_dora=True)
     assert "DoRA" in error("llama3", tmp_path / "dora")
 
-    _peft_saved("phi3", tmp_path / "fused", r=4, target_modules=["qkv_proj"])
-    assert "fused" in error("phi3", tmp_path / "fused")
-
     _peft_saved("llama3", tmp_path / "bias", r=4, target_modules=["q_proj"])
     _edit_config(tmp_path / "bias", bias="all")
     assert "bias" in error("llama3", tmp_path / "bias")
@@ -182,5 +180,35 @@ def test_unsupported_adapters_are_one_line_errors(tmp_path: Path) -> None:
     assert "not a PEFT adapter" in error("llama3", tmp_path / "nowhere")
 
     model = apply_lora(native_model("phi3"), ["q"], rank=2)
-    with pytest.raises(CkptkitError, match="PEFT format"):
+    with pytest.raises(CkptkitError, match="only some parts of the fused"):
         save_adapter(model, tmp_path / "phi3-q")
+
+
+def test_phi3_fused_modules_adapted_whole_round_trip_with_peft(tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    model = apply_lora(native_model("phi3"), ["q", "k", "v", "o", "gate", "up", "down"], rank=4, alpha=8)
+    prepare_for_peft(model)
+    _randomize(model, seed=5)
+    modules = lora_modules(model)
+    assert modules["layers.0.attn.q_proj"].lora_a is modules["layers.0.attn.v_proj"].lora_a  # PEFT's one A
+    save_adapter(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    peft_model = PeftModel.from_pretrained(hf_model("phi3"), tmp_path).eval()
+    assert (_logits(peft_model, "phi3", hf=True) - _logits(model, "phi3")).abs().max().item() <= TOL
+    again = load_adapter(native_model("phi3"), tmp_path)
+    assert torch.equal(_logits(again, "phi3"), _logits(model, "phi3"))
+
+
+def test_lora_targets_checked_against_the_model() -> None:
+    from train_helpers import fixture_config
+
+    with pytest.raises(CkptkitError, match=r"lora.targets: phi3 stores q k v as one module \(qkv_proj\)"):
+        check_targets(["q", "v"], fixture_config("phi3"))
+    with pytest.raises(CkptkitError, match=r"lora.targets: phi3 stores gate up as one module \(gate_up_proj\)"):
+        check_targets(["up"], fixture_config("phi3"))
+    with pytest.raises(CkptkitError, match="lora.targets: qwen2 ties the output projection"):
+        check_targets(["q", "output"], fixture_config("qwen2"))
+    check_targets(["q", "k", "v", "gate", "up"], fixture_config("phi3"))
+    check_targets(["q", "output"], fixture_config("llama3"))

@@ -43,18 +43,18 @@ def test_cli_run_lowers_the_loss(recipe: str, config: str, bound: float, tmp_pat
     last_epoch = curve[-6:]  # 48 samples / batch 8 = 6 steps per epoch
     assert sum(last_epoch) / len(last_epoch) < bound * curve[0], curve
     final = out / "epoch_3"
-    assert not (final / "recipe_state.pt").exists()  # the final checkpoint needs none
-    assert (out / "epoch_2" / "recipe_state.pt").exists()
+    assert not (final / "recipe_state").exists()  # the final checkpoint needs none
+    assert (out / "epoch_2" / "recipe_state" / "recipe_state.pt").exists()
 
 
 @pytest.mark.parametrize(("recipe", "config"), [("full_finetune", "tiny_full"), ("lora_finetune", "tiny_lora")])
 def test_resume_is_bitwise_exact(recipe: str, config: str, tmp_path: Path) -> None:
-    common = ["epochs=2", "save_every_n_steps=5", "lora.dropout=0.1"]  # dropout: the RNG must be restored too
-    run(recipe, config, *common, f"checkpointer.output_dir={tmp_path / 'a'}")
-    mid = tmp_path / "a" / "step_5"  # mid-epoch 0
-    resume = ["resume_from_checkpoint=true", f"checkpointer.recipe_checkpoint={mid / 'recipe_state.pt'}"]
+    common = ["epochs=2", "save_every_n_steps=5"]
     if recipe == "lora_finetune":
-        resume.append(f"checkpointer.adapter_checkpoint={mid}")
+        common.append("lora.dropout=0.1")  # dropout: the RNG must be restored too
+    run(recipe, config, *common, f"checkpointer.output_dir={tmp_path / 'a'}")
+    mid = tmp_path / "a" / "step_05"  # mid-epoch 0; 12 steps in all, so two digits
+    resume = ["resume_from_checkpoint=true", f"checkpointer.recipe_checkpoint={mid}"]  # the folder is enough
     run(recipe, config, *common, *resume, f"checkpointer.output_dir={tmp_path / 'b'}")
     a, b = tree_hashes(tmp_path / "a" / "epoch_1"), tree_hashes(tmp_path / "b" / "epoch_1")
     assert a == b  # weights, adapter, config: every byte
@@ -120,17 +120,17 @@ def test_resume_errors_name_the_config_key(tmp_path: Path) -> None:
         run("full_finetune", "tiny_full", "resume_from_checkpoint=true",
             f"checkpointer.recipe_checkpoint={tmp_path / 'nope' / 'recipe_state.pt'}", out)  # fmt: skip
     run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", f"checkpointer.output_dir={tmp_path / 'a'}")
-    state = tmp_path / "a" / "epoch_0" / "recipe_state.pt"
+    state = tmp_path / "a" / "epoch_0" / "recipe_state" / "recipe_state.pt"
     with pytest.raises(CkptkitError, match="epochs=2 but the config says 3"):
         run("lora_finetune", "tiny_lora", "epochs=3", "max_steps_per_epoch=1", "resume_from_checkpoint=true",
             f"checkpointer.recipe_checkpoint={state}", out)  # fmt: skip
     with pytest.raises(CkptkitError, match="checkpointer.adapter_checkpoint"):
         run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", "resume_from_checkpoint=true",
-            f"checkpointer.recipe_checkpoint={state}", out)  # fmt: skip
+            f"checkpointer.recipe_checkpoint={state}", f"checkpointer.adapter_checkpoint={tmp_path}", out)  # fmt: skip
     with pytest.raises(CkptkitError, match="adapts other modules"):
         run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", "resume_from_checkpoint=true",
             "lora.targets=[q]", f"checkpointer.recipe_checkpoint={state}",
-            f"checkpointer.adapter_checkpoint={state.parent}", out)  # fmt: skip
+            f"checkpointer.adapter_checkpoint={state.parent.parent}", out)  # fmt: skip
 
 
 def test_bad_data_row_names_its_line(tmp_path: Path) -> None:

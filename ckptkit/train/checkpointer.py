@@ -1,16 +1,20 @@
 """The recipes' checkpointer: reads the base model in any format and writes checkpoints
 in the same format, file names and shard partition, atomically, with what resuming needs.
 
-A checkpoint folder (``output_dir/epoch_N`` or ``output_dir/step_N``) holds the model
-(for LoRA: merged) laid out like the input, the input's non-weight files, the LoRA
-adapter in PEFT's format in ``adapter/`` (a subfolder, so that transformers loads the
-folder itself as the merged model), and ``recipe_state.pt`` (not in the final checkpoint).
+A checkpoint folder (``output_dir/epoch_N`` or ``output_dir/step_N``, numbers zero-padded
+to the run's largest so that folders sort in training order) holds the model (for LoRA:
+merged, by default only in the final checkpoint) laid out like the input with the input's
+non-weight files, the LoRA adapter in PEFT's format in ``adapter/`` (a subfolder, so that
+transformers loads the folder itself as the merged model), and, except in the final
+checkpoint, ``recipe_state/recipe_state.pt`` (a subfolder, so that tools which take every
+``.pth`` of a folder for the model, such as llama.cpp's converters, do not see it).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,10 @@ from ckptkit.train.lora import lora_modules
 from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
 
 RECIPE_STATE = "recipe_state.pt"
+RECIPE_STATE_DIR = "recipe_state"
 ADAPTER_DIR = "adapter"
+HF_BASE_DIR = "base_hf"
+CHECKPOINT_NAME = re.compile(r"(epoch|step)_(\d+)")
 STATE_KEYS = (
     "seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "global_step", "steps_in_epoch",
     "optimizer", "lr_scheduler", "rng",
@@ -46,7 +53,28 @@ class Checkpointer:
         self.adapter_checkpoint = get(cfg, "checkpointer.adapter_checkpoint")
         self.recipe_checkpoint = get(cfg, "checkpointer.recipe_checkpoint")
         self.resume = bool(get(cfg, "resume_from_checkpoint", False))
+        self.keep_last = get(cfg, "checkpointer.keep_last_n_checkpoints")
+        self.hf_base_dir = get(cfg, "checkpointer.hf_base_dir")
+        self.expect_format = get(cfg, "checkpointer.expect_format")
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
+        self.format = ""
+        self.peft_base = ""  # base_model_name_or_path of the adapters written
+        self.saved: list[Path] = []
+
+    # --- checks before any weight is read --------------------------------------------
+    def model_config(self) -> ModelConfig:
+        """The base's config (metadata only), after checking its format and that it can be written back."""
+        from ckptkit.convert import Options, plan_conversion
+
+        with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
+            self.format = ckpt.format
+            if self.expect_format and not ckpt.format.startswith(self.expect_format):
+                raise CkptkitError(
+                    f"{self.checkpoint_dir}: is a {ckpt.format} checkpoint but checkpointer._component_ names "
+                    f"torchtune's {self.expect_format} checkpointer; ckptkit's reads any format: drop _component_"
+                )
+            plan_conversion(ckpt, Options(ckpt.format))  # the checkpoints' own layout: fails now, not at save
+            return ckpt.config
 
     # --- reading -------------------------------------------------------------------
     def load_base(self) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -64,9 +92,23 @@ class Checkpointer:
             self.dtypes = {k: v.dtype for k, v in ckpt.tensors.items()}
             return ckpt.config, {k: v.get() for k, v in ckpt.tensors.items()}
 
+    def resume_folder(self) -> Path:
+        """The checkpoint folder that holds the recipe state being resumed."""
+        parent = self.recipe_state_path().parent
+        return parent.parent if parent.name == RECIPE_STATE_DIR else parent
+
+    def recipe_state_path(self) -> Path:
+        """``checkpointer.recipe_checkpoint``: the state file, or a checkpoint folder holding one."""
+        path = Path(self.recipe_checkpoint)
+        if path.is_dir():
+            for candidate in (path / RECIPE_STATE_DIR / RECIPE_STATE, path / RECIPE_STATE):
+                if candidate.is_file():
+                    return candidate
+        return path
+
     def load_resume_weights(self) -> dict[str, torch.Tensor]:
         """The model weights saved beside the recipe state being resumed."""
-        folder = Path(self.recipe_checkpoint).parent
+        folder = self.resume_folder()
         with open_checkpoint(folder, model_type=self.model_type) as ckpt:
             return {k: v.get() for k, v in ckpt.tensors.items()}
 
@@ -79,7 +121,7 @@ class Checkpointer:
                 "resume_from_checkpoint is true but checkpointer.recipe_checkpoint is not set "
                 f"(point it at the {RECIPE_STATE} of the checkpoint to resume)"
             )
-        path = Path(self.recipe_checkpoint)
+        path = self.recipe_state_path()
         if not path.is_file():
             raise CkptkitError(
                 f"{path}: recipe state not found; set checkpointer.recipe_checkpoint to an existing {RECIPE_STATE}"
@@ -110,17 +152,13 @@ class Checkpointer:
 
     def load_adapter_into(self, model: nn.Module) -> None:
         """Copy the adapter to resume from into the model's (already added) LoRA modules."""
-        if not self.adapter_checkpoint:
-            raise CkptkitError(
-                "resuming LoRA needs checkpointer.adapter_checkpoint (the checkpoint folder or its adapter file)"
-            )
-        path = Path(self.adapter_checkpoint)
+        path = Path(self.adapter_checkpoint) if self.adapter_checkpoint else self.resume_folder()
         folder = path.parent if path.is_file() else path
         if not (folder / ADAPTER_WEIGHTS).is_file() and (folder / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file():
             folder = folder / ADAPTER_DIR  # the checkpoint folder was given
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
-        adapter = read_lora_weights(folder, model.config.model_type)
+        adapter = read_lora_weights(folder, model.config)
         modules = lora_modules(model)
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))
@@ -134,25 +172,58 @@ class Checkpointer:
         except CkptkitError as e:
             raise CkptkitError(f"{folder / ADAPTER_WEIGHTS}: {e}; check checkpointer.adapter_checkpoint") from None
 
+    def prepare_peft_base(self) -> str:
+        """A base PEFT and llama.cpp can load, for ``base_model_name_or_path`` of the adapters.
+
+        An HF base is named as it is; any other (Meta, internal) needs an HF copy:
+        ``checkpointer.hf_base_dir`` when given (checked to be HF), else one converted once
+        into ``output_dir/base_hf`` (reused while it was made from this same base).
+        """
+        if self.format in ("hf", "hf-bin"):
+            self.peft_base = str(self.checkpoint_dir.resolve())
+            return self.peft_base
+        if self.hf_base_dir:
+            folder = Path(self.hf_base_dir)
+            with open_checkpoint(folder) as ckpt:
+                if ckpt.format not in ("hf", "hf-bin"):
+                    raise CkptkitError(f"{folder}: is {ckpt.format}, not HF; check checkpointer.hf_base_dir")
+            self.peft_base = str(folder.resolve())
+            return self.peft_base
+        from ckptkit.convert import convert
+
+        folder = self.output_dir / HF_BASE_DIR
+        stamp = folder / ".ckptkit-source"
+        source = str(self.checkpoint_dir.resolve())
+        if not (stamp.is_file() and stamp.read_text() == source):
+            convert(self.checkpoint_dir, folder, "hf", model_type=self.model_type, force=True)
+            stamp.write_text(source)
+        self.peft_base = str(folder.resolve())
+        return self.peft_base
+
     # --- writing -------------------------------------------------------------------
     def save(
         self,
         name: str,
-        model_state: dict[str, torch.Tensor],
+        model_state: dict[str, torch.Tensor] | None,
         adapter_model: nn.Module | None = None,
         recipe_state: dict[str, Any] | None = None,
     ) -> Path:
-        """Write ``output_dir/name`` completely, or leave what was there before."""
+        """Write ``output_dir/name`` completely, or leave what was there before.
+
+        ``model_state`` None writes no model (an adapter-only LoRA checkpoint).
+        """
         self.output_dir.mkdir(parents=True, exist_ok=True)
         final = self.output_dir / name
         tmp = self.output_dir / f".{name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            save_checkpoint_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
+            if model_state is not None:
+                save_checkpoint_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
             if adapter_model is not None:
-                save_adapter(adapter_model, tmp / ADAPTER_DIR, base_model_name_or_path=str(self.checkpoint_dir))
+                save_adapter(adapter_model, tmp / ADAPTER_DIR, base_model_name_or_path=self.peft_base or None)
             if recipe_state is not None:
-                torch.save(recipe_state, tmp / RECIPE_STATE)
+                (tmp / RECIPE_STATE_DIR).mkdir(parents=True)
+                torch.save(recipe_state, tmp / RECIPE_STATE_DIR / RECIPE_STATE)
             old = self.output_dir / f".{name}.old-{os.getpid()}"
             if final.exists():
                 os.replace(final, old)
@@ -161,7 +232,41 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self.saved.append(final)
         return final
+
+    def latest_resumable(self) -> Path | None:
+        """The newest checkpoint written by this run that holds a recipe state."""
+        for path in reversed(self.saved):
+            if (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file():
+                return path
+        return None
+
+    def prune(self, steps_per_epoch: int) -> list[Path]:
+        """Delete all but the newest ``keep_last_n_checkpoints`` checkpoint folders of ``output_dir``.
+
+        Folders are ordered by the global step they were written at (``epoch_N``: the end of
+        epoch N); returns those deleted.
+        """
+        if not self.keep_last:
+            return []
+
+        def step(path: Path) -> int:
+            kind, number = CHECKPOINT_NAME.fullmatch(path.name).groups()  # type: ignore[union-attr]
+            return (int(number) + 1) * steps_per_epoch if kind == "epoch" else int(number)
+
+        found = [p for p in self.output_dir.iterdir() if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name)]
+        found.sort(key=lambda p: (step(p), p.name.startswith("epoch")))
+        doomed = found[: max(0, len(found) - self.keep_last)]
+        for path in doomed:
+            shutil.rmtree(path)
+        self.saved = [p for p in self.saved if p not in doomed]
+        return doomed
+
+
+def checkpoint_name(kind: str, number: int, largest: int) -> str:
+    """``epoch_N`` / ``step_N`` zero-padded to ``largest``'s digits, so names sort in training order."""
+    return f"{kind}_{number:0{len(str(largest))}d}"
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,16 +1,29 @@
-"""Recipe configs: YAML files with ``key.sub=value`` command-line overrides."""
+"""Recipe configs: YAML files with ``key.sub=value`` overrides, validated by a pydantic schema.
+
+Every recipe declares a schema (:mod:`ckptkit.train.schema`); :func:`validate_config`
+checks the whole config against it before any work: unknown keys (with the nearest
+valid key suggested), types and ranges, each reported as one line naming the key.
+torchtune spellings that mean the same thing are accepted: ``${key}`` interpolation,
+a top-level ``output_dir`` and ``_component_`` where it names one of ckptkit's parts.
+"""
 
 from __future__ import annotations
 
 import copy
+import difflib
+import re
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Union
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from ckptkit.errors import CkptkitError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
 
 def bundled_configs() -> dict[str, Path]:
@@ -32,7 +45,7 @@ def resolve_config(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Read a YAML config and apply ``a.b.c=value`` overrides (values parsed as YAML)."""
+    """Read a YAML config, apply ``a.b.c=value`` overrides (values parsed as YAML), resolve ``${key}``."""
     path = resolve_config(name_or_path)
     try:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -44,7 +57,7 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         raise CkptkitError(f"{path}: a config must be a YAML mapping")
     for item in overrides:
         apply_override(cfg, item)
-    return cfg
+    return resolve_interpolations(cfg)
 
 
 def parse_value(text: str) -> Any:
@@ -62,6 +75,10 @@ def apply_override(cfg: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise CkptkitError(f"override {item!r} is not KEY=VALUE (e.g. optimizer.lr=3e-4)")
+    try:
+        value = parse_value(raw)
+    except yaml.YAMLError as e:
+        raise CkptkitError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
     node = cfg
     parts = key.split(".")
     for part in parts[:-1]:
@@ -71,7 +88,35 @@ def apply_override(cfg: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise CkptkitError(f"override {item!r}: {part} is not a section")
         node = child
-    node[parts[-1]] = parse_value(raw)
+    node[parts[-1]] = value
+
+
+def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Replace OmegaConf-style ``${a.b}`` references (as torchtune configs use) with their values."""
+
+    def lookup(key: str, seen: tuple[str, ...]) -> Any:
+        if key in seen:
+            raise CkptkitError(f"config: ${{{key}}} refers to itself ({' -> '.join((*seen, key))})")
+        node: Any = cfg
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise CkptkitError(f"config: ${{{key}}} refers to a key the config does not have")
+            node = node[part]
+        return resolve(node, (*seen, key))
+
+    def resolve(value: Any, seen: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            return {k: resolve(v, seen) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v, seen) for v in value]
+        if isinstance(value, str) and "${" in value:
+            whole = _INTERPOLATION.fullmatch(value)
+            if whole:
+                return lookup(whole.group(1), seen)
+            return _INTERPOLATION.sub(lambda m: str(lookup(m.group(1), seen)), value)
+        return value
+
+    return resolve(cfg, ())
 
 
 def get(cfg: dict[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
@@ -84,3 +129,118 @@ def get(cfg: dict[str, Any], key: str, default: Any = None, required: bool = Fal
             return default
         node = node[part]
     return copy.deepcopy(node)
+
+
+# --- schema ----------------------------------------------------------------------------------
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+# Value types of config keys: integers must be integers (1.5, "2" and true are refused); floats
+# also come as strings (YAML 1.1 reads 3e-4 as one) but never as true/false, inf or nan.
+Int = Annotated[int, Strict()]
+PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
+Float = Annotated[float, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[float, BeforeValidator(_not_bool), Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, BeforeValidator(_not_bool), Field(ge=0, allow_inf_nan=False)]
+Bool = Annotated[bool, Strict()]
+Text = Annotated[str, Strict(), Field(min_length=1)]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors; ``_component_`` may name one of ``components``.
+
+    ``components`` maps the torchtune (or ckptkit) component names that mean this section's
+    behaviour to the key values they imply (e.g. a dataset builder implying ``type``).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+    components: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _component(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "_component_" not in data:
+            return data
+        data = dict(data)
+        name = data.pop("_component_")
+        if name not in cls.components:
+            accepted = ", ".join(cls.components) or "none: leave _component_ out"
+            raise ValueError(f"_component_ {name!r} is not a ckptkit component for this section (accepted: {accepted})")
+        for key, value in cls.components[name].items():
+            data.setdefault(key, value)
+        return data
+
+
+def validate_config(raw: dict[str, Any], schema: type[BaseModel]) -> dict[str, Any]:
+    """The config checked against ``schema``, defaults filled in, as a plain dict; one-line errors."""
+    try:
+        return schema.model_validate(raw).model_dump()
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
+        raise CkptkitError(describe_error(errors[0], schema) + more) from None
+
+
+def describe_error(error: Any, schema: type[BaseModel]) -> str:
+    """One line for one pydantic error: the dotted key, what is wrong, the value given."""
+    loc = [p for p in error["loc"] if not str(p).startswith("function-")]
+    index = None
+    if loc and isinstance(loc[-1], int):
+        index, loc = loc[-1], loc[:-1]
+    loc = [str(p) for p in loc]
+    key = ".".join(loc)
+    kind = error["type"]
+    if kind == "missing" and index is not None:
+        return f"config key {key}: too few values"
+    if index is not None:
+        key += f"[{index}]"
+    if kind == "extra_forbidden":
+        parent, leaf = loc[:-1], loc[-1]
+        valid = _keys_at(schema, parent)
+        near = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
+        hint = f"; did you mean {'.'.join([*parent, near[0]])}?" if near else f"; valid keys: {', '.join(valid)}"
+        return f"config: unknown key {key}{hint}"
+    if kind == "missing":
+        return f"config: missing required key {key}"
+    message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = "must be a section of keys (a YAML mapping)"
+    message = message[:1].lower() + message[1:]
+    where = f"config key {key}" if key else "config"
+    return (
+        f"{where}: {message} (got {error['input']!r})"
+        if "input" in error and kind != "value_error"
+        else (f"{where}: {message}")
+    )
+
+
+def _keys_at(schema: type[BaseModel], path: list[str]) -> list[str]:
+    """The keys a (nested) section of ``schema`` accepts, aliases included."""
+    model: Any = schema
+    for part in path:
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}
+        field = fields.get(part)
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    names = []
+    for name, field in model.model_fields.items():
+        names.append(field.alias or name)
+    return names + (["_component_"] if issubclass(model, Section) and model.components else [])
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, Strict
 
 from ckptkit.errors import CkptkitError
+from ckptkit.train.config import Bool, Section, Text
 from ckptkit.train.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -17,11 +19,27 @@ INPUT_BLOCK = "### Input:\n{input}\n\n"
 DATASET_DIR = Path(__file__).parent / "datasets"
 
 
+class DatasetConfig(Section):
+    """The ``dataset:`` section of every recipe config."""
+
+    components: ClassVar[dict[str, dict[str, Any]]] = {
+        "torchtune.datasets.instruct_dataset": {"type": "instruct"},
+        "torchtune.datasets.alpaca_dataset": {"type": "instruct"},
+        "torchtune.datasets.text_completion_dataset": {"type": "text"},
+    }
+    type: Literal["instruct", "text"] = "instruct"
+    source: Text = "tiny_alpaca"
+    max_seq_len: Annotated[int, Strict(), Field(ge=2)] = 512
+    train_on_input: Bool = False
+
+
 def resolve_data_path(source: str) -> Path:
     """A data file path, or the name of a bundled dataset (``tiny_alpaca``)."""
     path = Path(source)
     if path.is_file():
         return path
+    if path.is_absolute() or len(path.parts) != 1:
+        raise CkptkitError(f"dataset.source: {source}: no such file")
     for candidate in DATASET_DIR.glob(f"{source}.*"):
         return candidate
     raise CkptkitError(f"dataset.source: {source}: no such file or bundled dataset")
@@ -117,6 +135,15 @@ def build_dataset(cfg: dict[str, Any], tokenizer: Tokenizer) -> InstructDataset 
     if kind == "text":
         return TextCompletionDataset(path, tokenizer, max_len)
     raise CkptkitError(f"dataset.type must be instruct or text, not {kind!r}")
+
+
+def check_trainable(dataset: InstructDataset | TextCompletionDataset, max_seq_len: int) -> None:
+    """Refuse a dataset where no sample keeps a token to train on (all cut off by ``max_seq_len``)."""
+    if not any(label != IGNORE_INDEX for _, labels in dataset.samples for label in labels[1:]):
+        raise CkptkitError(
+            f"dataset.max_seq_len={max_seq_len} leaves no sample a token to train on "
+            "(prompts fill it, responses are cut off); raise dataset.max_seq_len"
+        )
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:

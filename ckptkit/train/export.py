@@ -33,7 +33,7 @@ def merge_adapter_into_checkpoint(
     from ckptkit import load_checkpoint, save_checkpoint_like
 
     cfg, state_dict = load_checkpoint(str(base_checkpoint), model_type=model_type)
-    adapter = read_lora_weights(adapter_dir, cfg.model_type)
+    adapter = read_lora_weights(adapter_dir, cfg)
     check_base_copies(adapter, state_dict)
     for module, w in adapter.lora.items():
         key = f"{module}.weight"

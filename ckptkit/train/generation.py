@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ckptkit.errors import CkptkitError
@@ -34,13 +36,14 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Prompt plus up to ``max_new_tokens`` new tokens, (B, T + n).
 
     Batched prompts are left-padded with ``attention_mask`` marking real tokens. A
     sequence that emits an EOS id is padded afterwards with ``pad_token_id`` (default:
     the first EOS id), and decoding stops once every sequence has finished, as in
-    ``transformers`` ``generate``.
+    ``transformers`` ``generate``. ``on_token`` gets each step's new ids (B,) as they come.
     """
     if input_ids.ndim != 2:
         raise CkptkitError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -58,6 +61,8 @@ def generate(
         next_ids = sample_next(logits, temperature, top_k, generator)
         next_ids = torch.where(finished, torch.full_like(next_ids, pad), next_ids)
         tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+        if on_token is not None:
+            on_token(next_ids)
         if len(eos):
             finished |= torch.isin(next_ids, eos)
             if bool(finished.all()):
@@ -76,8 +81,14 @@ def generate_text(
     top_k: int | None = None,
     adapter: str | None = None,
     seed: int = 0,
+    on_text: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> str:
-    """Body of ``ckptkit generate``: load checkpoint (+ adapter) and tokenizer, return prompt + completion."""
+    """Body of ``ckptkit generate``: load checkpoint (+ adapter) and tokenizer, return prompt + completion.
+
+    ``max_new_tokens`` is capped so that prompt plus completion fit the model's context
+    (``on_note`` says so); ``on_text`` receives the text piece by piece as tokens come.
+    """
     from ckptkit.train.peft_io import load_adapter
     from ckptkit.train.tokenizer import load_tokenizer
     from ckptkit.train.transformer import load_model
@@ -92,6 +103,15 @@ def generate_text(
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise CkptkitError("the prompt encodes to no tokens")
+    max_new_tokens = fit_context(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings, on_note)
+    ids = list(prompt_ids)
+    stream = TextStream(tokenizer.decode, ids, on_text)
+
+    def on_token(next_ids: torch.Tensor) -> None:
+        ids.append(int(next_ids[0]))
+        if int(next_ids[0]) not in eos_ids:
+            stream.push(ids)
+
     generator = torch.Generator(device=device).manual_seed(seed)
     out = generate(
         model,
@@ -101,5 +121,50 @@ def generate_text(
         top_k=top_k,
         eos_token_id=eos_ids,
         generator=generator,
+        on_token=on_token,
     )
-    return tokenizer.decode(out[0].tolist())
+    text = tokenizer.decode(out[0].tolist())
+    stream.finish(text)
+    return text
+
+
+def fit_context(prompt_len: int, max_new_tokens: int, context: int, on_note: Callable[[str], None] | None) -> int:
+    """``max_new_tokens`` capped so that the prompt plus the completion fit ``context`` tokens."""
+    if prompt_len >= context:
+        raise CkptkitError(f"the prompt is {prompt_len} tokens, the model's context is {context}; shorten it")
+    room = context - prompt_len
+    if max_new_tokens > room:
+        if on_note is not None:
+            on_note(
+                f"--max-new-tokens {max_new_tokens} capped at {room}: the prompt ({prompt_len} tokens) "
+                f"plus the completion fill the model's context of {context} tokens"
+            )
+        return room
+    return max_new_tokens
+
+
+class TextStream:
+    """Decoded text handed out as it grows. The whole sequence is decoded again after each
+    token and only text up to its last whitespace is passed on (byte-fallback pieces and
+    half characters can still change until a word ends); the rest comes with ``finish``."""
+
+    def __init__(self, decode: Callable[[list[int]], str], ids: list[int], on_text: Callable[[str], None] | None):
+        self.decode, self.on_text = decode, on_text
+        self.sent = ""
+        if on_text is not None:
+            self._send(decode(ids))
+
+    def push(self, ids: list[int]) -> None:
+        if self.on_text is not None:
+            self._send(self.decode(ids))
+
+    def finish(self, text: str) -> None:
+        if self.on_text is not None:
+            self._send(text, final=True)
+
+    def _send(self, text: str, final: bool = False) -> None:
+        if not final:
+            text = text[: max(text.rfind(" "), text.rfind("\n")) + 1]
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.on_text(text[len(self.sent) :])  # type: ignore[misc]
+            self.sent = text

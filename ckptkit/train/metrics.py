@@ -1,17 +1,35 @@
-"""What the recipes report: metrics as JSON lines (and TensorBoard), and a progress bar."""
+"""What the recipes report: metrics as JSON lines (and TensorBoard, W&B), progress on stderr
+(a bar on a terminal, timestamped lines otherwise) and an end summary."""
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ckptkit.errors import CkptkitError
+
 
 class MetricLogger:
-    """Metrics as JSON lines in ``output_dir/metrics.jsonl``, and TensorBoard when installed."""
+    """Metrics as JSON lines in ``output_dir/metrics.jsonl``; TensorBoard when installed; W&B
+    when ``wandb.project`` is set (``wandb`` must then be installed: checked here, in setup)."""
 
-    def __init__(self, output_dir: Path, resume: bool) -> None:
+    def __init__(
+        self, output_dir: Path, resume: bool, wandb: dict[str, Any] | None = None, run_config: dict | None = None
+    ) -> None:
+        self.wandb = None
+        if wandb and wandb.get("project"):
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                raise CkptkitError("wandb.project is set but wandb is not installed (pip install wandb)") from None
+            settings = {k: v for k, v in wandb.items() if v is not None}
+            self.wandb = wandb_lib.init(dir=str(output_dir), config=run_config, resume="allow", **settings)
         output_dir.mkdir(parents=True, exist_ok=True)
         self.file = (output_dir / "metrics.jsonl").open("a" if resume else "w", encoding="utf-8")
         try:
@@ -27,6 +45,8 @@ class MetricLogger:
         if self.tb is not None:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def event(self, **values: Any) -> None:
         self.file.write(json.dumps(values) + "\n")
@@ -36,31 +56,83 @@ class MetricLogger:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes: CUDA memory allocated on a GPU, the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 class Progress:
-    """A rich bar with loss, tokens/s and ETA on stderr; silent when not a terminal."""
+    """Progress on stderr: a rich bar on a terminal; timestamped plain lines otherwise (a log
+    file, nohup, a scheduler), one every ``log_every`` steps. ``quiet`` silences both."""
 
-    def __init__(self, total: int, done: int, quiet: bool) -> None:
+    def __init__(self, total: int, done: int, quiet: bool, log_every: int = 1, device: str = "cpu") -> None:
+        self.total, self.log_every, self.quiet = total, log_every, quiet
+        self.device = torch.device(device)
         self.bar = None
+        self.started = time.perf_counter()
+        self.tokens = 0
         if not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(
                 TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:.0f} tok/s"), TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
             )  # fmt: skip
-            self.task = self.bar.add_task("train", total=total, completed=done, loss=float("nan"), rate=0.0)
+            self.task = self.bar.add_task("train", total=total, completed=done, stats="")
 
     def __enter__(self) -> Progress:
         if self.bar is not None:
             self.bar.start()
         return self
 
-    def update(self, step: int, loss: float, rate: float) -> None:
+    def update(self, step: int, epoch: int, loss: float, lr: float, rate: float, tokens: int) -> None:
+        """After optimizer step ``step`` (1-based) of epoch ``epoch`` (0-based)."""
+        self.tokens += tokens
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=loss, rate=rate)
+            self.bar.update(self.task, completed=step, stats=f"loss {loss:.4f}  {rate:.0f} tok/s")
+        elif not self.quiet and (step % self.log_every == 0 or step == self.total):
+            memory = human_bytes(peak_memory(self.device))
+            self.note(
+                f"step {step}/{self.total} epoch {epoch + 1} loss {loss:.4f} lr {lr:.3e} "
+                f"tokens/s {rate:.0f} peak_mem {memory}"
+            )
+
+    def note(self, text: str) -> None:
+        """One line: above the bar on a terminal, timestamped otherwise."""
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.console.print(text, highlight=False, markup=False)
+        else:
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+    def summary(self, finished: bool, step: int, kept: list[Path], resume_from: Path | None) -> None:
+        """The end-of-run report: how far it got, the checkpoints written, how to resume."""
+        seconds = time.perf_counter() - self.started
+        rate = f", {self.tokens / seconds:.0f} tokens/s" if seconds > 0 and self.tokens else ""
+        self.note(f"{'finished' if finished else 'stopped'} at step {step}/{self.total} after {seconds:.1f}s{rate}")
+        if kept:
+            self.note("checkpoints: " + ", ".join(str(p) for p in kept))
+        if resume_from is not None:
+            self.note(
+                "resume with the same command plus: resume_from_checkpoint=true "
+                f"checkpointer.recipe_checkpoint={resume_from}"
+            )

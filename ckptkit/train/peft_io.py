@@ -3,13 +3,17 @@
 Keys are ``base_model.model.<HF module>.lora_{A,B}.weight`` with HF module names from
 :func:`ckptkit.models.hf_key`, so adapters round-trip with ``peft.PeftModel`` on the
 matching ``transformers`` model. Supported: plain LoRA (optionally rsLoRA, per-module
-ranks) on 1:1-mapped linear layers; anything else fails with one ``CkptkitError`` line.
+ranks) on linear layers. Where a family fuses projections into one HF module (Phi-3's
+``qkv_proj``, ``gate_up_proj``), PEFT adapts the fused module whole: one A, and a B whose
+rows stack the parts; ckptkit's separate q/k/v (w1/w3) adapters then share one ``lora_a``
+and their ``lora_b`` are that B's row blocks. Anything else fails with one line.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ckptkit.errors import CkptkitError
-from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora
+from ckptkit.models import ModelConfig, canonical_shapes
+from ckptkit.train.lora import TARGETS, LoRALinear, add_lora, lora_modules, merge_lora, resolve_targets
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -70,9 +75,90 @@ _PEFT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
+    """HF module -> the canonical modules it stacks on dim 0, for layer 0 (``{i}`` unset)."""
+    from ckptkit.models import get_family
+    from ckptkit.models.spec import FUSED
+
+    cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True)
+    rules = get_family(model_type).hf_layout(cfg).expand(1)
+    return {
+        r.native.removesuffix(".weight"): tuple(c.removesuffix(".weight") for c in r.canonical)
+        for r in rules
+        if r.kind == FUSED
+    }
+
+
+def _fused_part(model_type: str, canonical_module: str) -> tuple[str, int, int] | None:
+    """(HF fused module, index of the part, number of parts) for a canonical module that is a part."""
+    match = re.match(r"layers\.(\d+)\.", canonical_module)
+    if match is None:
+        return None
+    generic = "layers.0." + canonical_module[match.end() :]
+    for fused, members in fused_modules(model_type).items():
+        if generic in members:
+            return fused.replace("layers.0.", match.group(0), 1), members.index(generic), len(members)
+    return None
+
+
+def check_targets(targets: list[str], cfg: ModelConfig) -> None:
+    """``lora.targets`` checked against the model before any weight is read: tied output,
+    and fused modules (targeted whole or not at all, as PEFT adapts them)."""
+    leaves = resolve_targets(targets)
+    short = {leaf: name for name, leaf in TARGETS.items()}
+    if "output" in leaves and cfg.tie_word_embeddings:
+        raise CkptkitError(
+            f"lora.targets: {cfg.model_type} ties the output projection to the embeddings, so it has no weight "
+            "of its own to adapt; remove output from lora.targets"
+        )
+    for fused, members in fused_modules(cfg.model_type).items():
+        wanted = {m.rsplit(".", 1)[-1] for m in members}
+        chosen = leaves & wanted
+        if chosen and chosen != wanted:
+            names = " ".join(short.get(m.rsplit(".", 1)[-1], m) for m in members)
+            raise CkptkitError(
+                f"lora.targets: {cfg.model_type} stores {names} as one module ({fused.rsplit('.', 1)[-1]}) and PEFT "
+                f"adapts it whole: list all of {names} or none of them"
+            )
+
+
+def share_fused_lora(model: nn.Module) -> None:
+    """Give the adapted parts of each fused module one shared ``lora_a`` (PEFT's single A)."""
+    groups: dict[str, list[LoRALinear]] = {}
+    for name, m in lora_modules(model).items():
+        where = _fused_part(model.config.model_type, name)
+        if where is not None:
+            groups.setdefault(where[0], []).append(m)
+    for fused, members in groups.items():
+        if len({(m.rank, m.in_features) for m in members}) != 1:
+            raise CkptkitError(f"the parts of fused {fused} need one LoRA rank")
+        for m in members[1:]:
+            m.lora_a = members[0].lora_a
+
+
+def _fused_parts(model_type: str, hf_module: str) -> tuple[str, ...] | None:
+    """The canonical modules an HF fused module stacks, or None when it is not fused."""
+    match = re.search(r"layers\.(\d+)\.", hf_module)
+    if match is None:
+        return None
+    generic = hf_module[: match.start()] + "layers.0." + hf_module[match.end() :]
+    members = fused_modules(model_type).get(generic)
+    return None if members is None else tuple(m.replace("layers.0.", match.group(0), 1) for m in members)
+
+
+def prepare_for_peft(model: nn.Module) -> None:
+    """Share one A across each fused module's parts and check that every adapter has a PEFT
+    name: after :func:`apply_lora`, so that a save can only fail for disk reasons."""
+    share_fused_lora(model)
+    _peft_tensors(model)
+
+
 def _hf_module(model_type: str, canonical_module: str) -> str:
     from ckptkit.models import hf_key
 
+    fused = _fused_part(model_type, canonical_module)
+    if fused is not None:
+        return fused[0]
     try:
         name = hf_key(model_type, f"{canonical_module}.weight")
     except (CkptkitError, KeyError, ValueError) as exc:
@@ -103,7 +189,6 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
     modules = lora_modules(model)
     if not modules:
         raise CkptkitError("model has no LoRA adapters to save")
-    model_type = model.config.model_type
     alphas = {m.alpha for m in modules.values()}
     dropouts = {m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0 for m in modules.values()}
     rslora = {m.use_rslora for m in modules.values()}
@@ -112,12 +197,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
     if any(m.merged for m in modules.values()):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
-    tensors: dict[str, torch.Tensor] = {}
-    hf_names: dict[str, str] = {}
-    for name, m in modules.items():
-        hf = hf_names[name] = _hf_module(model_type, name)
-        tensors[f"{_PREFIX}{hf}.lora_A.weight"] = m.lora_a.detach().contiguous().cpu()
-        tensors[f"{_PREFIX}{hf}.lora_B.weight"] = m.lora_b.detach().contiguous().cpu()
+    tensors, hf_names = _peft_tensors(model)
 
     # Leaf names when every linear with that leaf is adapted, full module names otherwise.
     canonical_leaves = {n.rsplit(".", 1)[-1] for n in modules}
@@ -147,6 +227,32 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """PEFT's tensors for the model's adapters, and each canonical module's HF module name."""
+    model_type = model.config.model_type
+    tensors: dict[str, torch.Tensor] = {}
+    hf_names: dict[str, str] = {}
+    fused_b: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    counts: dict[str, int] = {}
+    for name, m in lora_modules(model).items():
+        hf = hf_names[name] = _hf_module(model_type, name)
+        a_key = f"{_PREFIX}{hf}.lora_A.weight"
+        part = _fused_part(model_type, name)
+        if part is not None:
+            if a_key in tensors and tensors[a_key].data_ptr() != m.lora_a.data_ptr():
+                raise CkptkitError(f"the parts of fused {hf} have separate LoRA A matrices; PEFT has one")
+            fused_b.setdefault(hf, []).append((part[1], m.lora_b.detach()))
+            counts[hf] = part[2]
+        tensors[a_key] = m.lora_a.detach()
+        if part is None:
+            tensors[f"{_PREFIX}{hf}.lora_B.weight"] = m.lora_b.detach()
+    for hf, parts in fused_b.items():
+        if len(parts) != counts[hf]:
+            raise CkptkitError(f"LoRA adapts only some parts of the fused {hf}; PEFT adapts it whole")
+        tensors[f"{_PREFIX}{hf}.lora_B.weight"] = torch.cat([b for _, b in sorted(parts, key=lambda p: p[0])])
+    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names
+
+
 def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Validated PEFT adapter config and its tensors (keys as stored)."""
     folder = Path(adapter_dir)
@@ -161,10 +267,24 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, tor
     if (folder / ADAPTER_WEIGHTS).is_file():
         tensors = load_file(str(folder / ADAPTER_WEIGHTS))
     elif (folder / "adapter_model.bin").is_file():
-        tensors = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
+        tensors = _load_bin(folder / "adapter_model.bin")
     else:
         raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
     return config, tensors
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A ``.bin`` adapter: a plain dict of tensors, read without running pickled code."""
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickled objects, truncated zips...: the message says which file
+        raise CkptkitError(
+            f"{path}: not a plain file of tensors ({type(exc).__name__}); ckptkit runs no pickled code: "
+            "save the adapter as adapter_model.safetensors"
+        ) from None
+    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+        raise CkptkitError(f"{path}: not a dict of tensors")
+    return tensors
 
 
 def _check_supported(config: dict[str, Any]) -> None:
@@ -210,8 +330,9 @@ class Adapter(NamedTuple):
     base_copies: dict[str, torch.Tensor]
 
 
-def read_lora_weights(adapter_dir: str | Path, model_type: str) -> Adapter:
-    """Parse a PEFT LoRA adapter into canonical module names."""
+def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
+    """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts)."""
+    model_type = model.model_type
     config, tensors = read_adapter(adapter_dir)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     base_copies: dict[str, torch.Tensor] = {}
@@ -220,7 +341,8 @@ def read_lora_weights(adapter_dir: str | Path, model_type: str) -> Adapter:
         for part in ("lora_A", "lora_B"):
             suffix = f".{part}.weight"
             if body.endswith(suffix):
-                module = _canonical_module(model_type, body.removesuffix(suffix))
+                hf_module = body.removesuffix(suffix)
+                module = hf_module if _fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
                 pairs.setdefault(module, {})[part] = tensor
                 break
         else:
@@ -242,7 +364,17 @@ def read_lora_weights(adapter_dir: str | Path, model_type: str) -> Adapter:
                 f"adapter LoRA A/B shapes {tuple(a.shape)}, {tuple(b.shape)} do not pair up for {module}"
             )
         rank = a.shape[0]
-        lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        parts = _fused_parts(model_type, module)
+        if parts is None:
+            lora[module] = AdapterWeights(a, b, scaling)
+            continue
+        shapes = canonical_shapes(model)
+        rows = [shapes[f"{p}.weight"][0] if f"{p}.weight" in shapes else -1 for p in parts]
+        if min(rows) < 0 or sum(rows) != b.shape[0]:
+            raise CkptkitError(f"adapter LoRA B for the fused {module} has {b.shape[0]} rows, the model {sum(rows)}")
+        for part, b_part in zip(parts, torch.split(b, rows), strict=True):
+            lora[part] = AdapterWeights(a, b_part, scaling)
     return Adapter(config, lora, base_copies)
 
 
@@ -273,12 +405,13 @@ def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
     """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
-    adapter = read_lora_weights(adapter_dir, model.config.model_type)
+    adapter = read_lora_weights(adapter_dir, model.config)
     check_base_copies(adapter, model.state_dict())
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)
     rslora = bool(adapter.config.get("use_rslora"))
     add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora)
+    share_fused_lora(model)
     copy_lora_weights(model, adapter)
     if merge:
         merge_lora(model)

@@ -22,10 +22,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ckptkit.dtypes import dtype_name
 from ckptkit.errors import CkptkitError
-from ckptkit.train.checkpointer import Checkpointer, rng_state, set_rng_state
-from ckptkit.train.config import get, load_config
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
+from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
+from ckptkit.train.config import get, load_config, validate_config
+from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
+from ckptkit.train.schema import FullFinetuneConfig
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
 
@@ -66,6 +67,7 @@ class FullFinetuneRecipe:
         state = self.checkpointer.load_recipe_state()
         if state is not None:
             self.checkpointer.check_state(state, self.seed, self.epochs, self.max_steps_per_epoch)
+        model_cfg = self.checkpointer.model_config()  # format, layout and config checks: no weights read yet
         model_cfg, weights = self.checkpointer.load_base()
         if state is not None:  # the weights saved with that state, at full precision if the format rounds them
             weights = state["model"] if "model" in state else self.checkpointer.load_resume_weights()
@@ -79,6 +81,7 @@ class FullFinetuneRecipe:
         tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
         self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
+        check_trainable(self.dataset, get(self.cfg, "dataset.max_seq_len"))
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.batch_size // self.grad_accum
         if batches == 0:
@@ -113,12 +116,22 @@ class FullFinetuneRecipe:
             self.epochs_run, self.global_step = state["epochs_run"], state["global_step"]
             self.steps_in_epoch = state["steps_in_epoch"]
             set_rng_state(state["rng"])
-        self.metrics = MetricLogger(self.output_dir, resume=state is not None)
+        self.metrics = MetricLogger(self.output_dir, state is not None, get(self.cfg, "wandb"), self.cfg)
 
     def train(self) -> None:
         """Epochs of optimizer steps; checkpoints at epoch ends and every save_every_n_steps."""
         total_steps = self.epochs * self.steps_per_epoch
-        with Progress(total_steps, self.global_step, self.quiet) as progress:
+        self.progress = Progress(total_steps, self.global_step, self.quiet, self.log_every, str(self.device))
+        finished = False
+        try:
+            self._train_epochs(total_steps)
+            finished = True
+        finally:
+            resume = None if finished else self.checkpointer.latest_resumable()
+            self.progress.summary(finished, self.global_step, self.checkpointer.saved, resume)
+
+    def _train_epochs(self, total_steps: int) -> None:
+        with self.progress as progress:
             for epoch in range(self.epochs_run, self.epochs):
                 batches = epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch)
                 while self.steps_in_epoch < self.steps_per_epoch:
@@ -128,7 +141,7 @@ class FullFinetuneRecipe:
                     self.steps_in_epoch += 1
                     self.global_step += 1
                     rate = tokens / (time.perf_counter() - start)
-                    progress.update(self.global_step, loss, rate)
+                    progress.update(self.global_step, epoch, loss, self.scheduler.get_last_lr()[0], rate, tokens)
                     if self.global_step % self.log_every == 0:
                         self.metrics.log(
                             step=self.global_step, epoch=epoch, loss=loss,
@@ -136,9 +149,10 @@ class FullFinetuneRecipe:
                         )  # fmt: skip
                     due = self.save_every and self.global_step % int(self.save_every) == 0
                     if due and self.global_step < total_steps:
-                        self._save(f"step_{self.global_step}", epoch, final=False)
+                        self._save(checkpoint_name("step", self.global_step, total_steps), epoch, final=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
-                self._save(f"epoch_{epoch}", epoch + 1, final=self.epochs_run == self.epochs)
+                name = checkpoint_name("epoch", epoch, self.epochs - 1)
+                self._save(name, epoch + 1, final=self.epochs_run == self.epochs)
 
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
         """One optimizer step over gradient_accumulation_steps batches; (mean loss, tokens)."""
@@ -177,12 +191,16 @@ class FullFinetuneRecipe:
                 state["model"] = {k: v.cpu() for k, v in weights.items()}  # the checkpoint's dtype rounds them
         path = self.checkpointer.save(name, weights, recipe_state=state)
         self.metrics.event(checkpoint=str(path), step=self.global_step)
+        self.progress.note(f"saved {path}")
+        for gone in self.checkpointer.prune(self.steps_per_epoch):
+            self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
 
     def cleanup(self) -> None:
         self.metrics.close()
 
 
 def recipe_main(cfg: dict[str, Any]) -> None:
+    cfg = validate_config(cfg, FullFinetuneConfig)  # before any work: one line per bad key, nothing written
     recipe = FullFinetuneRecipe(cfg)
     recipe.setup()
     try:

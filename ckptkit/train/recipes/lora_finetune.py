@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
-from ckptkit.train.checkpointer import Checkpointer, rng_state, set_rng_state
-from ckptkit.train.config import get, load_config
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
+from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
+from ckptkit.train.config import get, load_config, validate_config
+from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
 from ckptkit.train.lora import apply_lora, base_state_dict
 from ckptkit.train.metrics import MetricLogger, Progress
+from ckptkit.train.peft_io import check_targets, prepare_for_peft
+from ckptkit.train.schema import LoRAFinetuneConfig
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
 
@@ -68,11 +70,13 @@ class LoRAFinetuneRecipe:
         state = self.checkpointer.load_recipe_state()
         if state is not None:
             self.checkpointer.check_state(state, self.seed, self.epochs, self.max_steps_per_epoch)
+        model_cfg = self.checkpointer.model_config()  # format, layout and config checks: no weights read yet
+        lora = get(self.cfg, "lora", {})
+        check_targets(lora["targets"], model_cfg)
         model_cfg, weights = self.checkpointer.load_base()  # the base, also when resuming
         self.model = build_model(model_cfg, device="meta", dtype=self.dtype)
         self.model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()}, assign=True)
         self.model.to(self.device)
-        lora = get(self.cfg, "lora", {})
         apply_lora(
             self.model,
             targets=lora.get("targets", ["q", "v"]),
@@ -80,6 +84,7 @@ class LoRAFinetuneRecipe:
             alpha=float(lora.get("alpha", 16)),
             dropout=float(lora.get("dropout", 0.0)),
         )
+        prepare_for_peft(self.model)  # fused modules share one A; PEFT names checked now, not at save
         if state is not None:
             self.checkpointer.load_adapter_into(self.model)
         self.model.train()
@@ -90,6 +95,7 @@ class LoRAFinetuneRecipe:
         tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
         self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
+        check_trainable(self.dataset, get(self.cfg, "dataset.max_seq_len"))
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.batch_size // self.grad_accum
         if batches == 0:
@@ -124,12 +130,23 @@ class LoRAFinetuneRecipe:
             self.epochs_run, self.global_step = state["epochs_run"], state["global_step"]
             self.steps_in_epoch = state["steps_in_epoch"]
             set_rng_state(state["rng"])
-        self.metrics = MetricLogger(self.output_dir, resume=state is not None)
+        self.checkpointer.prepare_peft_base()  # an HF base for the adapters' base_model_name_or_path
+        self.metrics = MetricLogger(self.output_dir, state is not None, get(self.cfg, "wandb"), self.cfg)
 
     def train(self) -> None:
         """Epochs of optimizer steps; checkpoints at epoch ends and every save_every_n_steps."""
         total_steps = self.epochs * self.steps_per_epoch
-        with Progress(total_steps, self.global_step, self.quiet) as progress:
+        self.progress = Progress(total_steps, self.global_step, self.quiet, self.log_every, str(self.device))
+        finished = False
+        try:
+            self._train_epochs(total_steps)
+            finished = True
+        finally:
+            resume = None if finished else self.checkpointer.latest_resumable()
+            self.progress.summary(finished, self.global_step, self.checkpointer.saved, resume)
+
+    def _train_epochs(self, total_steps: int) -> None:
+        with self.progress as progress:
             for epoch in range(self.epochs_run, self.epochs):
                 batches = epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch)
                 while self.steps_in_epoch < self.steps_per_epoch:
@@ -139,7 +156,7 @@ class LoRAFinetuneRecipe:
                     self.steps_in_epoch += 1
                     self.global_step += 1
                     rate = tokens / (time.perf_counter() - start)
-                    progress.update(self.global_step, loss, rate)
+                    progress.update(self.global_step, epoch, loss, self.scheduler.get_last_lr()[0], rate, tokens)
                     if self.global_step % self.log_every == 0:
                         self.metrics.log(
                             step=self.global_step, epoch=epoch, loss=loss,
@@ -147,9 +164,10 @@ class LoRAFinetuneRecipe:
                         )  # fmt: skip
                     due = self.save_every and self.global_step % int(self.save_every) == 0
                     if due and self.global_step < total_steps:
-                        self._save(f"step_{self.global_step}", epoch, final=False)
+                        self._save(checkpoint_name("step", self.global_step, total_steps), epoch, final=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
-                self._save(f"epoch_{epoch}", epoch + 1, final=self.epochs_run == self.epochs)
+                name = checkpoint_name("epoch", epoch, self.epochs - 1)
+                self._save(name, epoch + 1, final=self.epochs_run == self.epochs)
 
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
         """One optimizer step over gradient_accumulation_steps batches; (mean loss, tokens)."""
@@ -170,7 +188,9 @@ class LoRAFinetuneRecipe:
         return total_loss, tokens
 
     def _save(self, name: str, epochs_run: int, final: bool) -> None:
-        weights = base_state_dict(self.model, merged=True)
+        when = get(self.cfg, "lora.save_merged")
+        merged = when == "every" or (final and when == "final")
+        weights = base_state_dict(self.model, merged=True) if merged else None  # else adapter-only
         state = None
         if not final:
             state = {
@@ -186,12 +206,16 @@ class LoRAFinetuneRecipe:
             }
         path = self.checkpointer.save(name, weights, adapter_model=self.model, recipe_state=state)
         self.metrics.event(checkpoint=str(path), step=self.global_step)
+        self.progress.note(f"saved {path}")
+        for gone in self.checkpointer.prune(self.steps_per_epoch):
+            self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
 
     def cleanup(self) -> None:
         self.metrics.close()
 
 
 def recipe_main(cfg: dict[str, Any]) -> None:
+    cfg = validate_config(cfg, LoRAFinetuneConfig)  # before any work: one line per bad key, nothing written
     recipe = LoRAFinetuneRecipe(cfg)
     recipe.setup()
     try:

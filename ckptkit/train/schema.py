@@ -1,0 +1,194 @@
+"""The config schema of each recipe: every key, its type, range and default.
+
+``validate_config(raw, FullFinetuneConfig)`` (or ``LoRAFinetuneConfig``) runs before any
+work; see :mod:`ckptkit.train.config` for the error format and torchtune spellings.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
+
+from ckptkit.models import MODEL_TYPES
+from ckptkit.train.config import (
+    Bool,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    Text,
+)
+from ckptkit.train.data import DatasetConfig
+from ckptkit.train.lora import TARGETS
+
+# torchtune's ModelType names for the families ckptkit knows.
+_TORCHTUNE_MODEL_TYPES = {"phi3_mini": "phi3"}
+
+
+def _model_type(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    name = _TORCHTUNE_MODEL_TYPES.get(value.lower(), value.lower())
+    if name not in MODEL_TYPES:
+        raise ValueError(f"unknown model type {value!r}; supported: {', '.join(MODEL_TYPES)}")
+    return name
+
+
+def _tokenizer(value: Any) -> Any:
+    """torchtune's ``tokenizer: {_component_: ..., path: FILE}`` means the tokenizer at FILE."""
+    if isinstance(value, dict):
+        extra = sorted(set(value) - {"_component_", "path", "max_seq_len"})
+        if extra or "path" not in value or value.get("max_seq_len") is not None:
+            raise ValueError(
+                "a tokenizer section takes only _component_ and path (truncation is dataset.max_seq_len); "
+                "or give the tokenizer directory as a string"
+            )
+        return value["path"]
+    return value
+
+
+Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+LoRATarget = Literal[tuple([*TARGETS, *TARGETS.values()])]  # type: ignore[valid-type]
+
+
+class CheckpointerConfig(Section):
+    """Where the base model is read and checkpoints are written (see docs/training.md)."""
+
+    components: ClassVar[dict[str, dict[str, Any]]] = {
+        "torchtune.training.FullModelHFCheckpointer": {"expect_format": "hf"},
+        "torchtune.training.FullModelMetaCheckpointer": {"expect_format": "meta"},
+        "ckptkit.train.checkpointer.Checkpointer": {},
+    }
+    checkpoint_dir: Text
+    checkpoint_files: list[Text] | None = None
+    model_type: Annotated[str | None, BeforeValidator(_model_type)] = None
+    output_dir: Text | None = None
+    adapter_checkpoint: Text | None = None
+    recipe_checkpoint: Text | None = None
+    keep_last_n_checkpoints: PositiveInt | None = None
+    hf_base_dir: Text | None = None
+    expect_format: Literal["hf", "meta"] | None = None
+
+
+class OptimizerConfig(Section):
+    """AdamW."""
+
+    components: ClassVar[dict[str, dict[str, Any]]] = {"torch.optim.AdamW": {}}
+    lr: PositiveFloat = 2e-5
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+
+
+class SchedulerConfig(Section):
+    """Linear warmup, then cosine decay to ``lr * min_lr_ratio``."""
+
+    components: ClassVar[dict[str, dict[str, Any]]] = {
+        "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup": {},
+    }
+    warmup_steps: NonNegativeInt = 0
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _torchtune_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "num_warmup_steps" in data and "warmup_steps" not in data:
+            data = {("warmup_steps" if k == "num_warmup_steps" else k): v for k, v in data.items()}
+        return data
+
+
+class WandbConfig(Section):
+    """Weights & Biases logging: on when ``project`` is set (needs ``pip install wandb``)."""
+
+    project: Text | None = None
+    entity: Text | None = None
+    name: Text | None = None
+    group: Text | None = None
+    mode: Literal["online", "offline"] | None = None
+
+
+class RecipeConfig(Section):
+    """Keys every recipe takes."""
+
+    seed: NonNegativeInt = 0
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    output_dir: Text | None = None  # torchtune's spelling of checkpointer.output_dir
+    checkpointer: CheckpointerConfig
+    resume_from_checkpoint: Bool = False
+    tokenizer: Annotated[Text | None, BeforeValidator(_tokenizer)] = None
+    dataset: DatasetConfig = DatasetConfig()
+    epochs: PositiveInt = 1
+    batch_size: PositiveInt = 4
+    gradient_accumulation_steps: PositiveInt = 1
+    max_steps_per_epoch: PositiveInt | None = None
+    optimizer: OptimizerConfig = OptimizerConfig()
+    lr_scheduler: SchedulerConfig = SchedulerConfig()
+    clip_grad_norm: PositiveFloat | None = None
+    enable_activation_checkpointing: Bool = False
+    log_every_n_steps: PositiveInt = 1
+    save_every_n_steps: PositiveInt | None = None
+    quiet: Bool = False
+    wandb: WandbConfig = WandbConfig()
+
+    @model_validator(mode="after")
+    def _output_dir(self) -> RecipeConfig:
+        ours, theirs = self.checkpointer.output_dir, self.output_dir
+        if ours is None and theirs is None:
+            raise ValueError("missing required key checkpointer.output_dir (or torchtune's top-level output_dir)")
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError(f"output_dir ({theirs}) and checkpointer.output_dir ({ours}) differ; set one of them")
+        self.checkpointer.output_dir = self.output_dir = ours or theirs
+        return self
+
+
+class FullFinetuneConfig(RecipeConfig):
+    """``full_finetune``: every weight trains."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lora(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "lora" in data:
+            raise ValueError(
+                "this config has a lora section: it is a lora_finetune config "
+                "(run it with `ckptkit run lora_finetune`, or delete the lora section)"
+            )
+        return data
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters: where, how large, and what the checkpoints hold."""
+
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: Fraction = 0.0
+    targets: Annotated[list[LoRATarget], Field(min_length=1)] = ["q", "v"]
+    # final: intermediate checkpoints adapter-only, the last one merged too; every: all merged; never: none
+    save_merged: Literal["final", "every", "never"] = "final"
+
+
+class LoRAFinetuneConfig(RecipeConfig):
+    """``lora_finetune``: adapters train, the base stays frozen."""
+
+    lora: LoRAConfig
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_section(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "lora" not in data:
+            raise ValueError(
+                "this config has no lora section: it is a full_finetune config "
+                "(run it with `ckptkit run full_finetune`, or add a lora section)"
+            )
+        if "save_adapter_weights_only" in data:  # torchtune's spelling of lora.save_merged=never
+            data = dict(data)
+            only = data.pop("save_adapter_weights_only")
+            if not isinstance(only, bool):
+                raise ValueError(f"save_adapter_weights_only must be true or false, not {only!r}")
+            if only and isinstance(data["lora"], dict):
+                data["lora"] = {**data["lora"], "save_merged": "never"}
+        return data
