@@ -129,6 +129,6 @@ def test_torchtune_spellings_mean_the_same(tmp_path: Path) -> None:
 
 
 def test_torchtune_checkpointer_must_match_the_format(tmp_path: Path) -> None:
-    message = _fails("full_finetune", "tiny_full", "checkpointer._component_=torchtune.training.FullModelMetaCheckpointer",
-                     tmp_path=tmp_path)  # fmt: skip
+    meta = "checkpointer._component_=torchtune.training.FullModelMetaCheckpointer"
+    message = _fails("full_finetune", "tiny_full", meta, tmp_path=tmp_path)
     assert "is a hf checkpoint but checkpointer._component_ names torchtune's meta checkpointer" in message
