@@ -1,0 +1,166 @@
+"""What training leaves behind and says: checkpoint folders, adapters PEFT loads from a Meta
+base, log lines when not on a terminal, the end summary, W&B."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.train.checkpointer import checkpoint_name
+from ckptkit.train.config import load_config
+from ckptkit.train.recipes import recipe_entry
+
+from conftest import FIXTURES, tree_hashes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(recipe: str, config: str, *overrides: str) -> None:
+    recipe_entry(recipe)(load_config(config, list(overrides)))
+
+
+def files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_checkpoint_names_sort_in_training_order() -> None:
+    names = [checkpoint_name("epoch", n, 10) for n in range(11)]
+    assert names[:3] == ["epoch_00", "epoch_01", "epoch_02"] and sorted(names) == names
+    assert checkpoint_name("step", 5, 12) == "step_05" and checkpoint_name("epoch", 3, 3) == "epoch_3"
+
+
+def test_lora_checkpoints_adapter_only_until_the_end_keep_last_n(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=1",
+        "checkpointer.keep_last_n_checkpoints=2", f"checkpointer.output_dir={out}")  # fmt: skip
+    kept = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert kept == ["epoch_0", "step_3"]  # the newest two by step, of step_1, step_2, step_3, epoch_0
+    intermediate = files(out / "step_3")
+    assert intermediate == {
+        "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "recipe_state/recipe_state.pt"
+    }  # fmt: skip
+    final = files(out / "epoch_0")
+    assert "model.safetensors.index.json" in final and "adapter/adapter_model.safetensors" in final
+    assert not any(name.startswith("recipe_state") for name in final)
+
+    # the final checkpoint can be adapter-only too, and intermediate ones merged
+    run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=1", "lora.save_merged=never",
+        f"checkpointer.output_dir={tmp_path / 'never'}")  # fmt: skip
+    assert files(tmp_path / "never" / "epoch_0") == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
+    run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", "lora.save_merged=every",
+        f"checkpointer.output_dir={tmp_path / 'every'}")  # fmt: skip
+    assert "model.safetensors.index.json" in files(tmp_path / "every" / "epoch_0")
+
+
+def test_meta_base_adapter_names_an_hf_base_peft_loads(tmp_path: Path) -> None:
+    from peft import AutoPeftModelForCausalLM
+
+    from ckptkit.train.model import load_model
+    from ckptkit.train.peft_io import load_adapter
+
+    out = tmp_path / "out"
+    src = FIXTURES / "meta" / "llama2"
+    before = tree_hashes(src)
+    run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=2", "lora.targets=[q,v,down]",
+        f"checkpointer.checkpoint_dir={src}", f"checkpointer.output_dir={out}")  # fmt: skip
+    config = json.loads((out / "epoch_0" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((out / "base_hf").resolve())
+    peft = AutoPeftModelForCausalLM.from_pretrained(out / "epoch_0" / "adapter", dtype=torch.float32).eval()
+    ours = load_adapter(load_model(src, dtype=torch.float32), out / "epoch_0" / "adapter").eval()
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (peft(ids).logits - ours(ids)).abs().max().item() < 1e-5
+    assert tree_hashes(src) == before
+
+
+def test_meta_intermediate_checkpoint_holds_one_model(tmp_path: Path) -> None:
+    """llama.cpp's convert_legacy_llama.py takes every .pth of a folder: the recipe state is in a subfolder."""
+    src = FIXTURES / "meta" / "llama2"
+    run("full_finetune", "tiny_full", "epochs=2", "max_steps_per_epoch=1", f"checkpointer.checkpoint_dir={src}",
+        f"checkpointer.output_dir={tmp_path / 'a'}")  # fmt: skip
+    top = {p.name for p in (tmp_path / "a" / "epoch_0").iterdir()}
+    assert [n for n in top if n.endswith((".pth", ".pt"))] == ["consolidated.00.pth"] and "recipe_state" in top
+    run("full_finetune", "tiny_full", "epochs=2", "max_steps_per_epoch=1", f"checkpointer.checkpoint_dir={src}",
+        "resume_from_checkpoint=true", f"checkpointer.recipe_checkpoint={tmp_path / 'a' / 'epoch_0'}",
+        f"checkpointer.output_dir={tmp_path / 'b'}")  # fmt: skip
+    assert tree_hashes(tmp_path / "a" / "epoch_1") == tree_hashes(tmp_path / "b" / "epoch_1")
+
+
+LOG_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step (\d+)/3 epoch 1 loss \d+\.\d{4} lr \d\.\d{3}e-\d\d tokens/s \d+ "
+    r"peak_mem \d+\.\d (MiB|GiB)"
+)
+
+
+def test_plain_log_lines_and_summary_when_not_a_terminal(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
+         "max_steps_per_epoch=3", f"checkpointer.output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    steps = [m.group(1) for m in map(LOG_LINE.fullmatch, lines) if m]
+    assert steps == ["1", "2", "3"], lines
+    assert "nan" not in res.stderr and " 0 tok/s" not in res.stderr
+    assert lines[-2].endswith("finished at step 3/3 after " + lines[-2].split(" after ")[1])
+    assert lines[-1].endswith(f"checkpoints: {out / 'epoch_0'}")
+
+
+def test_interrupted_run_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from ckptkit.train.recipes import lora_finetune
+
+    real_step = lora_finetune.LoRAFinetuneRecipe._step
+    calls = []
+
+    def step_then_stop(self, batches):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(self, batches)
+
+    monkeypatch.setattr(lora_finetune.LoRAFinetuneRecipe, "_step", step_then_stop)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=1", "quiet=false",
+            f"checkpointer.output_dir={out}")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-3].endswith("stopped at step 2/4 after " + err[-3].split(" after ")[1])
+    resume = f"resume_from_checkpoint=true checkpointer.recipe_checkpoint={out / 'step_2'}"
+    assert err[-1].endswith(f"resume with the same command plus: {resume}")
+
+
+def test_wandb_project_without_wandb_is_one_line(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['wandb'] = None\n"  # Python's way of making an import fail
+        "from ckptkit.cli import app\n"
+        "app(['run', 'lora_finetune', '--config', 'tiny_lora', 'wandb.project=x', 'epochs=1', "
+        f"'max_steps_per_epoch=1', 'checkpointer.output_dir={tmp_path / 'o'}'])"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip() == "error: wandb.project is set but wandb is not installed (pip install wandb)"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed (optional)")
+def test_wandb_offline_run_records_the_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
+         "max_steps_per_epoch=2", "wandb.project=ckptkit-test", "wandb.mode=offline", f"checkpointer.output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    (record,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        if "loss" in row:
+            assert json.dumps(row["loss"]).encode() in data  # the value W&B will sync
