@@ -148,3 +148,49 @@ def test_generate_command_greedy_matches_library(capsys: pytest.CaptureFixture[s
         ["generate", str(ckpt), "--prompt", "The", "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "20"],
     )
     assert sampled.exit_code == 0, sampled.output
+
+
+def _short_context(tmp_path: Path, context: int) -> Path:
+    """The llama2 fixture with ``max_position_embeddings`` lowered (the weights do not depend on it)."""
+    import json
+
+    dst = tmp_path / "short"
+    shutil.copytree(hf_dir("llama2"), dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_generate_is_capped_at_the_context_and_streams(tmp_path: Path) -> None:
+    from ckptkit.cli import app
+
+    ckpt = _short_context(tmp_path, 12)
+    prompt_len = len(load_tokenizer(ckpt).encode("The quick brown"))
+    args = ["generate", str(ckpt), "--prompt", "The quick brown", "--max-new-tokens", "100000"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    room = 12 - prompt_len
+    assert result.stderr.strip() == (
+        f"note: --max-new-tokens 100000 capped at {room}: the prompt ({prompt_len} tokens) "
+        "plus the completion fill the model's context of 12 tokens"
+    )
+    pieces: list[str] = []
+    text = generate_text(str(ckpt), "The quick brown", max_new_tokens=room, on_text=pieces.append)
+    assert result.stdout == text + "\n"  # nothing more than the context holds
+    assert "".join(pieces) == text and pieces[0] == "The quick " and len(pieces) > 1  # the prompt comes first
+    too_long = CliRunner().invoke(app, ["generate", str(ckpt), "--prompt", "a b c d e f g h i j k l m n"])
+    assert too_long.exit_code == 1
+    assert "the model's context is 12; shorten it" in too_long.stderr and len(too_long.stderr.splitlines()) == 1
+
+
+def test_pickled_adapter_is_one_line(tmp_path: Path) -> None:
+    import json
+
+    from ckptkit.cli import app
+
+    torch.save({"lora": torch.nn.Linear(2, 2)}, tmp_path / "adapter_model.bin")  # a pickled module, not tensors
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "target_modules": ["q"]}))
+    result = CliRunner().invoke(app, ["generate", str(hf_dir("llama2")), "--prompt", "hi", "--adapter", str(tmp_path)])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'adapter_model.bin'}: not a plain file of tensors (UnpicklingError)" in result.stderr

@@ -132,3 +132,12 @@ def test_torchtune_checkpointer_must_match_the_format(tmp_path: Path) -> None:
     meta = "checkpointer._component_=torchtune.training.FullModelMetaCheckpointer"
     message = _fails("full_finetune", "tiny_full", meta, tmp_path=tmp_path)
     assert "is a hf checkpoint but checkpointer._component_ names torchtune's meta checkpointer" in message
+
+
+def test_lora_targets_the_model_cannot_take_fail_in_setup(tmp_path: Path) -> None:
+    fused = _fails("lora_finetune", "tiny_lora", "checkpointer.checkpoint_dir=fixtures/hf/phi3", "lora.targets=[q,v]",
+                   tmp_path=tmp_path)  # fmt: skip
+    assert fused.endswith("lora.targets: phi3 stores q k v as one module (qkv_proj) and PEFT adapts it whole: "
+                          "list all of q k v or none of them")  # fmt: skip
+    tied = _fails("lora_finetune", "tiny_lora", "checkpointer.checkpoint_dir=fixtures/hf/qwen2", tmp_path=tmp_path)
+    assert "lora.targets: qwen2 ties the output projection to the embeddings" in tied

@@ -148,7 +148,7 @@ class FullFinetuneRecipe:
                             lr=self.scheduler.get_last_lr()[0], tokens_per_second=rate,
                         )  # fmt: skip
                     due = self.save_every and self.global_step % int(self.save_every) == 0
-                    if due and self.global_step < total_steps:
+                    if due and self.steps_in_epoch < self.steps_per_epoch:  # an epoch's end saves epoch_N
                         self._save(checkpoint_name("step", self.global_step, total_steps), epoch, final=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
                 name = checkpoint_name("epoch", epoch, self.epochs - 1)
