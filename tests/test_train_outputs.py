@@ -164,3 +164,27 @@ def test_wandb_offline_run_records_the_metrics(tmp_path: Path) -> None:
     for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
         if "loss" in row:
             assert json.dumps(row["loss"]).encode() in data  # the value W&B will sync
+
+
+def test_terminal_bar_shows_no_numbers_before_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckptkit.train.metrics import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    progress = Progress(total=4, done=0, quiet=False)
+
+    def shown() -> str:
+        console = Console(file=io.StringIO(), width=120, force_terminal=False)
+        console.print(progress.bar.get_renderable())
+        return console.file.getvalue()
+
+    assert "0/4" in shown() and "nan" not in shown() and "tok/s" not in shown()  # was: loss nan 0 tok/s
+    progress.update(1, 0, 2.5, 1e-3, 1234.0, 100)
+    assert "loss 2.5000  1234 tok/s" in shown()
