@@ -131,7 +131,7 @@ def test_torchtune_spellings_mean_the_same(tmp_path: Path) -> None:
 def test_torchtune_checkpointer_must_match_the_format(tmp_path: Path) -> None:
     meta = "checkpointer._component_=torchtune.training.FullModelMetaCheckpointer"
     message = _fails("full_finetune", "tiny_full", meta, tmp_path=tmp_path)
-    assert "is a hf checkpoint but checkpointer._component_ names torchtune's meta checkpointer" in message
+    assert "is a hf checkpoint but checkpointer._component_ names torchtune's checkpointer for meta" in message
 
 
 def test_lora_targets_the_model_cannot_take_fail_in_setup(tmp_path: Path) -> None:

@@ -62,8 +62,8 @@ def test_lora_checkpoints_adapter_only_until_the_end_keep_last_n(tmp_path: Path)
 def test_meta_base_adapter_names_an_hf_base_peft_loads(tmp_path: Path) -> None:
     from peft import AutoPeftModelForCausalLM
 
-    from ckptkit.train.model import load_model
     from ckptkit.train.peft_io import load_adapter
+    from ckptkit.train.transformer import load_model
 
     out = tmp_path / "out"
     src = FIXTURES / "meta" / "llama2"

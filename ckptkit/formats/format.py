@@ -37,6 +37,7 @@ class CheckpointFormat:
     name: ClassVar[str]
     expects: ClassVar[str]
     detect_order: ClassVar[int] = 50
+    loads_in_transformers: ClassVar[bool] = False  # ``from_pretrained`` (and PEFT) read the folder as it is
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:

@@ -104,6 +104,7 @@ class HFFormat(CheckpointFormat):
 
     expects = "config.json + model*.safetensors or pytorch_model*.bin"
     detect_order = 30
+    loads_in_transformers = True
 
     def __init__(self, name: str, stem: str, ext: str) -> None:
         self.name = name  # type: ignore[misc]

@@ -55,23 +55,25 @@ class Checkpointer:
         self.resume = bool(get(cfg, "resume_from_checkpoint", False))
         self.keep_last = get(cfg, "checkpointer.keep_last_n_checkpoints")
         self.hf_base_dir = get(cfg, "checkpointer.hf_base_dir")
-        self.expect_format = get(cfg, "checkpointer.expect_format")
+        self.expect_formats = get(cfg, "checkpointer.expect_formats")
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
-        self.format = ""
+        self.loads_in_transformers = False
         self.peft_base = ""  # base_model_name_or_path of the adapters written
         self.saved: list[Path] = []
 
     # --- checks before any weight is read --------------------------------------------
     def model_config(self) -> ModelConfig:
         """The base's config (metadata only), after checking its format and that it can be written back."""
-        from ckptkit.convert import Options, plan_conversion
+        from ckptkit.formats.base import Options
+        from ckptkit.plan import plan_conversion
 
         with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
-            self.format = ckpt.format
-            if self.expect_format and not ckpt.format.startswith(self.expect_format):
+            self.loads_in_transformers = ckpt.fmt.loads_in_transformers
+            if self.expect_formats and ckpt.format not in self.expect_formats:
                 raise CkptkitError(
                     f"{self.checkpoint_dir}: is a {ckpt.format} checkpoint but checkpointer._component_ names "
-                    f"torchtune's {self.expect_format} checkpointer; ckptkit's reads any format: drop _component_"
+                    f"torchtune's checkpointer for {' or '.join(self.expect_formats)}; ckptkit's reads any format: "
+                    "drop _component_"
                 )
             plan_conversion(ckpt, Options(ckpt.format))  # the checkpoints' own layout: fails now, not at save
             return ckpt.config
@@ -179,13 +181,13 @@ class Checkpointer:
         ``checkpointer.hf_base_dir`` when given (checked to be HF), else one converted once
         into ``output_dir/base_hf`` (reused while it was made from this same base).
         """
-        if self.format in ("hf", "hf-bin"):
+        if self.loads_in_transformers:
             self.peft_base = str(self.checkpoint_dir.resolve())
             return self.peft_base
         if self.hf_base_dir:
             folder = Path(self.hf_base_dir)
             with open_checkpoint(folder) as ckpt:
-                if ckpt.format not in ("hf", "hf-bin"):
+                if not ckpt.fmt.loads_in_transformers:
                     raise CkptkitError(f"{folder}: is {ckpt.format}, not HF; check checkpointer.hf_base_dir")
             self.peft_base = str(folder.resolve())
             return self.peft_base

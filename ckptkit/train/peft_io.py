@@ -78,14 +78,14 @@ _PEFT_DEFAULTS: dict[str, Any] = {
 def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
     """HF module -> the canonical modules it stacks on dim 0, for layer 0 (``{i}`` unset)."""
     from ckptkit.models import get_family
-    from ckptkit.models.spec import FUSED
+    from ckptkit.transforms import FUSED
 
     cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True)
     rules = get_family(model_type).hf_layout(cfg).expand(1)
     return {
         r.native.removesuffix(".weight"): tuple(c.removesuffix(".weight") for c in r.canonical)
         for r in rules
-        if r.kind == FUSED
+        if r.kind is FUSED
     }
 
 

@@ -58,8 +58,8 @@ class CheckpointerConfig(Section):
     """Where the base model is read and checkpoints are written (see docs/training.md)."""
 
     components: ClassVar[dict[str, dict[str, Any]]] = {
-        "torchtune.training.FullModelHFCheckpointer": {"expect_format": "hf"},
-        "torchtune.training.FullModelMetaCheckpointer": {"expect_format": "meta"},
+        "torchtune.training.FullModelHFCheckpointer": {"expect_formats": ["hf", "hf-bin"]},
+        "torchtune.training.FullModelMetaCheckpointer": {"expect_formats": ["meta"]},
         "ckptkit.train.checkpointer.Checkpointer": {},
     }
     checkpoint_dir: Text
@@ -70,7 +70,7 @@ class CheckpointerConfig(Section):
     recipe_checkpoint: Text | None = None
     keep_last_n_checkpoints: PositiveInt | None = None
     hf_base_dir: Text | None = None
-    expect_format: Literal["hf", "meta"] | None = None
+    expect_formats: list[Text] | None = None  # set by _component_: the formats that checkpointer reads
 
 
 class OptimizerConfig(Section):
