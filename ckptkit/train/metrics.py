@@ -124,13 +124,14 @@ class Progress:
         if self.bar is not None:
             self.bar.stop()
 
-    def summary(self, finished: bool, step: int, kept: list[Path], resume_from: Path | None) -> None:
+    def summary(self, step: int, checkpointer: Any, finished: bool) -> None:
         """The end-of-run report: how far it got, the checkpoints written, how to resume."""
         seconds = time.perf_counter() - self.started
         rate = f", {self.tokens / seconds:.0f} tokens/s" if seconds > 0 and self.tokens else ""
         self.note(f"{'finished' if finished else 'stopped'} at step {step}/{self.total} after {seconds:.1f}s{rate}")
-        if kept:
-            self.note("checkpoints: " + ", ".join(str(p) for p in kept))
+        if checkpointer.saved:
+            self.note("checkpoints: " + ", ".join(str(p) for p in checkpointer.saved))
+        resume_from = None if finished else checkpointer.latest_resumable()
         if resume_from is not None:
             self.note(
                 "resume with the same command plus: resume_from_checkpoint=true "

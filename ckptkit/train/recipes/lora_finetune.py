@@ -137,15 +137,6 @@ class LoRAFinetuneRecipe:
         """Epochs of optimizer steps; checkpoints at epoch ends and every save_every_n_steps."""
         total_steps = self.epochs * self.steps_per_epoch
         self.progress = Progress(total_steps, self.global_step, self.quiet, self.log_every, str(self.device))
-        finished = False
-        try:
-            self._train_epochs(total_steps)
-            finished = True
-        finally:
-            resume = None if finished else self.checkpointer.latest_resumable()
-            self.progress.summary(finished, self.global_step, self.checkpointer.saved, resume)
-
-    def _train_epochs(self, total_steps: int) -> None:
         with self.progress as progress:
             for epoch in range(self.epochs_run, self.epochs):
                 batches = epoch_batches(len(self.dataset), self.batch_size, self.seed, epoch)
@@ -168,6 +159,7 @@ class LoRAFinetuneRecipe:
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
                 name = checkpoint_name("epoch", epoch, self.epochs - 1)
                 self._save(name, epoch + 1, final=self.epochs_run == self.epochs)
+        self.finished = True
 
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
         """One optimizer step over gradient_accumulation_steps batches; (mean loss, tokens)."""
@@ -212,6 +204,8 @@ class LoRAFinetuneRecipe:
 
     def cleanup(self) -> None:
         self.metrics.close()
+        if hasattr(self, "progress"):  # what was reached, the checkpoints, how to resume a stopped run
+            self.progress.summary(self.global_step, self.checkpointer, getattr(self, "finished", False))
 
 
 def recipe_main(cfg: dict[str, Any]) -> None:
