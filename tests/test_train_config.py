@@ -82,6 +82,7 @@ def test_too_short_max_seq_len_is_refused_before_training(tmp_path: Path) -> Non
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_process_error_has_no_traceback(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "ckptkit", "run", "full_finetune", "--config", "tiny_full", "optimizer.lrr=1e-3",

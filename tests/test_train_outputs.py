@@ -99,6 +99,7 @@ LOG_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 def test_plain_log_lines_and_summary_when_not_a_terminal(tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = subprocess.run(
@@ -137,6 +138,7 @@ def test_interrupted_run_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.
     assert err[-1].endswith(f"resume with the same command plus: {resume}")
 
 
+@pytest.mark.slow
 def test_wandb_project_without_wandb_is_one_line(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['wandb'] = None\n"  # Python's way of making an import fail
