@@ -301,3 +301,18 @@ def generate(
 
 
 # --- end generate --------------------------------------------------------------------------------
+
+
+@app.command()
+@user_errors
+def merge(
+    base: Annotated[Path, typer.Argument(help="The base checkpoint the adapter was trained on (any format).")],
+    adapter: Annotated[Path, typer.Argument(help="PEFT LoRA adapter directory, e.g. out/step_500/adapter.")],
+    dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist or be empty).")],
+    model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
+) -> None:
+    """Fold a LoRA adapter into its base: DST has the base's format, files and shards, merged weights."""
+    from ckptkit.train.export import merge_adapter_into_checkpoint
+
+    merge_adapter_into_checkpoint(base, adapter, dst, model_type.value if model_type else None)
+    err.print(f"wrote {dst} (the merged model)", highlight=False)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckptkit.cli import app
 from ckptkit.train.checkpointer import checkpoint_name
 from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
@@ -54,6 +56,15 @@ def test_lora_checkpoints_adapter_only_until_the_end_keep_last_n(tmp_path: Path)
     run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=1", "lora.save_merged=never",
         f"checkpointer.output_dir={tmp_path / 'never'}")  # fmt: skip
     assert files(tmp_path / "never" / "epoch_0") == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
+    # ... and `ckptkit merge` makes the merged model of any adapter checkpoint later, byte for byte the recipe's
+    one = ["epochs=1", "max_steps_per_epoch=1"]
+    run("lora_finetune", "tiny_lora", *one, f"checkpointer.output_dir={tmp_path / 'final'}")
+    result = CliRunner().invoke(
+        app, ["merge", "fixtures/hf/llama2", str(tmp_path / "never" / "epoch_0" / "adapter"), str(tmp_path / "merged")]
+    )
+    assert result.exit_code == 0, result.output
+    recipe_merged = {k: v for k, v in tree_hashes(tmp_path / "final" / "epoch_0").items() if "adapter" not in k}
+    assert tree_hashes(tmp_path / "merged") == recipe_merged
     run("lora_finetune", "tiny_lora", "epochs=2", "max_steps_per_epoch=1", "lora.save_merged=every",
         f"checkpointer.output_dir={tmp_path / 'every'}")  # fmt: skip
     assert "model.safetensors.index.json" in files(tmp_path / "every" / "epoch_0")
