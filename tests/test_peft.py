@@ -11,7 +11,8 @@ import torch
 from ckptkit.errors import CkptkitError
 from ckptkit.train.generation import generate, generate_text
 from ckptkit.train.lora import apply_lora, lora_modules, merge_lora
-from ckptkit.train.peft_io import check_targets, load_adapter, prepare_for_peft, save_adapter
+from ckptkit.train.lora_targets import check_targets
+from ckptkit.train.peft_io import load_adapter, prepare_for_peft, save_adapter
 
 from train_helpers import TOL, hf_dir, hf_model, native_model, padded_batch
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,7 +23,8 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, canonical_shapes
-from ckptkit.train.lora import TARGETS, LoRALinear, add_lora, lora_modules, merge_lora, resolve_targets
+from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora
+from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -75,77 +75,6 @@ _PEFT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
-    """HF module -> the canonical modules it stacks on dim 0, for layer 0 (``{i}`` unset)."""
-    from ckptkit.models import get_family
-    from ckptkit.transforms import FUSED
-
-    cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True)
-    rules = get_family(model_type).hf_layout(cfg).expand(1)
-    return {
-        r.native.removesuffix(".weight"): tuple(c.removesuffix(".weight") for c in r.canonical)
-        for r in rules
-        if r.kind is FUSED
-    }
-
-
-def _fused_part(model_type: str, canonical_module: str) -> tuple[str, int, int] | None:
-    """(HF fused module, index of the part, number of parts) for a canonical module that is a part."""
-    match = re.match(r"layers\.(\d+)\.", canonical_module)
-    if match is None:
-        return None
-    generic = "layers.0." + canonical_module[match.end() :]
-    for fused, members in fused_modules(model_type).items():
-        if generic in members:
-            return fused.replace("layers.0.", match.group(0), 1), members.index(generic), len(members)
-    return None
-
-
-def check_targets(targets: list[str], cfg: ModelConfig) -> None:
-    """``lora.targets`` checked against the model before any weight is read: tied output,
-    and fused modules (targeted whole or not at all, as PEFT adapts them)."""
-    leaves = resolve_targets(targets)
-    short = {leaf: name for name, leaf in TARGETS.items()}
-    if "output" in leaves and cfg.tie_word_embeddings:
-        raise CkptkitError(
-            f"lora.targets: {cfg.model_type} ties the output projection to the embeddings, so it has no weight "
-            "of its own to adapt; remove output from lora.targets"
-        )
-    for fused, members in fused_modules(cfg.model_type).items():
-        wanted = {m.rsplit(".", 1)[-1] for m in members}
-        chosen = leaves & wanted
-        if chosen and chosen != wanted:
-            names = " ".join(short.get(m.rsplit(".", 1)[-1], m) for m in members)
-            raise CkptkitError(
-                f"lora.targets: {cfg.model_type} stores {names} as one module ({fused.rsplit('.', 1)[-1]}) and PEFT "
-                f"adapts it whole: list all of {names} or none of them"
-            )
-
-
-def share_fused_lora(model: nn.Module) -> None:
-    """Give the adapted parts of each fused module one shared ``lora_a`` (PEFT's single A)."""
-    groups: dict[str, list[LoRALinear]] = {}
-    for name, m in lora_modules(model).items():
-        where = _fused_part(model.config.model_type, name)
-        if where is not None:
-            groups.setdefault(where[0], []).append(m)
-    for fused, members in groups.items():
-        if len({(m.rank, m.in_features) for m in members}) != 1:
-            raise CkptkitError(f"the parts of fused {fused} need one LoRA rank")
-        for m in members[1:]:
-            m.lora_a = members[0].lora_a
-
-
-def _fused_parts(model_type: str, hf_module: str) -> tuple[str, ...] | None:
-    """The canonical modules an HF fused module stacks, or None when it is not fused."""
-    match = re.search(r"layers\.(\d+)\.", hf_module)
-    if match is None:
-        return None
-    generic = hf_module[: match.start()] + "layers.0." + hf_module[match.end() :]
-    members = fused_modules(model_type).get(generic)
-    return None if members is None else tuple(m.replace("layers.0.", match.group(0), 1) for m in members)
-
-
 def prepare_for_peft(model: nn.Module) -> None:
     """Share one A across each fused module's parts and check that every adapter has a PEFT
     name: after :func:`apply_lora`, so that a save can only fail for disk reasons."""
@@ -156,7 +85,7 @@ def prepare_for_peft(model: nn.Module) -> None:
 def _hf_module(model_type: str, canonical_module: str) -> str:
     from ckptkit.models import hf_key
 
-    fused = _fused_part(model_type, canonical_module)
+    fused = fused_part(model_type, canonical_module)
     if fused is not None:
         return fused[0]
     try:
@@ -237,7 +166,7 @@ def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
     for name, m in lora_modules(model).items():
         hf = hf_names[name] = _hf_module(model_type, name)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
-        part = _fused_part(model_type, name)
+        part = fused_part(model_type, name)
         if part is not None:
             if a_key in tensors and tensors[a_key].data_ptr() != m.lora_a.data_ptr():
                 raise CkptkitError(f"the parts of fused {hf} have separate LoRA A matrices; PEFT has one")
@@ -342,7 +271,7 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
             suffix = f".{part}.weight"
             if body.endswith(suffix):
                 hf_module = body.removesuffix(suffix)
-                module = hf_module if _fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
+                module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
                 pairs.setdefault(module, {})[part] = tensor
                 break
         else:
@@ -365,7 +294,7 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
             )
         rank = a.shape[0]
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        parts = _fused_parts(model_type, module)
+        parts = fused_parts(model_type, module)
         if parts is None:
             lora[module] = AdapterWeights(a, b, scaling)
             continue

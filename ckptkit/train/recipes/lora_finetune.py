@@ -27,8 +27,9 @@ from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state,
 from ckptkit.train.config import get, load_config, validate_config
 from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
 from ckptkit.train.lora import apply_lora, base_state_dict
+from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.metrics import MetricLogger, Progress
-from ckptkit.train.peft_io import check_targets, prepare_for_peft
+from ckptkit.train.peft_io import prepare_for_peft
 from ckptkit.train.schema import LoRAFinetuneConfig
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
