@@ -209,7 +209,7 @@ def weights_identical(a: Path, b: Path) -> bool:
     return names == other and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names)
 
 
-def bench_size(bench: Bench, layers: int, seed: int, torchtune: bool) -> dict:
+def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dict:
     base = bench.workdir / f"{layers}L"
     hf, meta, out, copy = base / "hf", base / "meta", base / "out", base / "copy"
     if base.exists():
@@ -250,7 +250,7 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: bool) -> dict:
         argv = [*ck, "convert", str(hf), str(out), "--to", "internal", "--quiet"]
         bench.measure(layers, "convert hf>internal", argv, [hf], out)
         shutil.rmtree(out)
-        if torchtune:
+        if "hf" in torchtune:
             bench.measure(layers, "torchtune hf load+save", [*tt, "hf", str(hf), str(out)], [hf], out, total * 11 // 10)
             shutil.rmtree(out, ignore_errors=True)
         bench.measure(layers, FLOOR_FREE, [sys.executable, "-c", "import ckptkit.cli, ckptkit.convert"], [])
@@ -381,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold", action="store_true", help="evict inputs from the page cache before each run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--no-torchtune", action="store_true", help="skip the torchtune runs")
+    ap.add_argument(
+        "--torchtune-meta-max-layers",
+        type=int,
+        default=8,
+        help="run torchtune's Meta load+save only up to this many layers (default 8; HF always)",
+    )
     ap.add_argument("--mem-limit-gb", type=float, default=20, help="memory in use a command may take the machine to")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
     args = ap.parse_args(argv)
@@ -396,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes: dict[int, dict] = {}
     try:
         for layers in args.layers:
-            sizes[layers] = bench_size(bench, layers, args.seed, torchtune)
+            runs = {"hf", "meta"} if layers <= args.torchtune_meta_max_layers else {"hf"}
+            sizes[layers] = bench_size(bench, layers, args.seed, runs if torchtune else set())
             shutil.rmtree(bench.workdir / f"{layers}L")
     finally:
         for layers in args.layers:
