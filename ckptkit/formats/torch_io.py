@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import torch_zip
 from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, read_index
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.rawcopy import AUTO, Span, copy_spans, spans_crc32, total_bytes
@@ -210,35 +211,21 @@ class TorchPickleWriter:
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]]):
-        import torch
-
         self.path = path
-        # Plain uninitialised tensors: skip_data writes no bytes, so their pages are never
-        # touched (address space only), and no FakeTensorMode (it imports torch._dynamo).
-        placeholders = {name: torch.empty(shape, dtype=to_torch(dtype_name(dt))) for name, dt, shape in entries}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.serialization.skip_data():
-                torch.save(placeholders, path)
-        del placeholders
+        named = [(name, dtype_name(dt), tuple(shape)) for name, dt, shape in entries]
+        if torch_zip.supported([dtype for _, dtype, _ in named]):
+            records = torch_zip.write_skeleton(path, named)  # what torch.save writes, without torch
+        else:
+            records = _torch_skeleton(path, named)
+        by_name = {r.name: r for r in records}
         # Storage records are numbered in the order the pickler meets them: dict order.
-        with zipfile.ZipFile(path) as z:
-            infos = {zi.filename.split("/", 1)[1]: zi for zi in z.infolist()}
-            central_start = z.start_dir
-            order = z.infolist()
-        reader = torch._C.PyTorchFileReader(str(path))
         self._records: dict[str, tuple[int, int, str]] = {}
-        for i, (name, dtype, shape) in enumerate(entries):
-            record = f"data/{i}"
-            nbytes = TensorInfo(name, tuple(shape), dtype_name(dtype)).nbytes
-            assert infos[record].file_size == nbytes, (name, record)
-            self._records[name] = (reader.get_record_offset(record), nbytes, record)
-        self._zipinfos = infos
-        self._central: dict[str, int] = {}
-        pos = central_start
-        for zi in order:  # central directory entries, in archive order
-            self._central[zi.filename.split("/", 1)[1]] = pos
-            pos += 46 + len(zi.filename.encode()) + len(zi.extra) + len(zi.comment)
+        for i, info in enumerate(TensorInfo(n, s, d) for n, d, s in named):
+            record = by_name[f"data/{i}"]
+            assert record.size == info.nbytes, (info.name, record.name)
+            self._records[info.name] = (record.data_offset, info.nbytes, record.name)
+        self._header = {r.name: r.header_offset for r in records}
+        self._central = {r.name: r.central_offset for r in records}
         self._crcs: dict[str, int] = {}
         self._fd = os.open(path, os.O_RDWR)
 
@@ -272,6 +259,31 @@ class TorchPickleWriter:
             raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
         for record, crc in self._crcs.items():
             packed = struct.pack("<I", crc)
-            os.pwrite(self._fd, packed, self._zipinfos[record].header_offset + 14)
+            os.pwrite(self._fd, packed, self._header[record] + 14)
             os.pwrite(self._fd, packed, self._central[record] + 16)
         os.close(self._fd)
+
+
+def _torch_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[torch_zip.Record]:
+    """The archive laid out by ``torch.save`` of untouched placeholders (for dtypes
+    :mod:`torch_zip` cannot name); every record with its offsets."""
+    import torch
+
+    # Plain uninitialised tensors: skip_data writes no bytes, so their pages are never
+    # touched (address space only), and no FakeTensorMode (it imports torch._dynamo).
+    placeholders = {name: torch.empty(shape, dtype=to_torch(dtype)) for name, dtype, shape in entries}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.serialization.skip_data():
+            torch.save(placeholders, path)
+    del placeholders
+    reader = torch._C.PyTorchFileReader(str(path))
+    records = []
+    with zipfile.ZipFile(path) as z:
+        pos = z.start_dir
+        for zi in z.infolist():  # central directory entries, in archive order
+            name = zi.filename.split("/", 1)[1]
+            data_offset = reader.get_record_offset(name)
+            records.append(torch_zip.Record(name, zi.header_offset, data_offset, zi.file_size, zi.CRC, pos))
+            pos += 46 + len(zi.filename.encode()) + len(zi.extra) + len(zi.comment)
+    return records

@@ -1,0 +1,96 @@
+"""The torch-free .pth skeleton is what torch.save writes, byte for byte (but for the random
+serialization id), and the writer built on it loads in torch."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.formats.torch_io import TorchPickleWriter
+from ckptkit.formats.torch_zip import write_skeleton
+
+SERIALIZATION_ID = ".data/serialization_id"  # random in every torch.save archive
+
+
+def _torch_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    placeholders = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in entries}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.serialization.skip_data():
+            torch.save(placeholders, path)
+
+
+def _regions(path: Path) -> list[bytes]:
+    """The file's bytes outside tensor data and the serialization id, with that id's two
+    CRC-32 copies (data descriptor, central directory) zeroed."""
+    holes = []
+    with zipfile.ZipFile(path) as z, path.open("rb") as f:
+        for zi in z.infolist():
+            if "/data/" in zi.filename or zi.filename.endswith(SERIALIZATION_ID):
+                f.seek(zi.header_offset + 26)
+                name_len, extra_len = struct.unpack("<HH", f.read(4))
+                start = zi.header_offset + 30 + name_len + extra_len
+                holes.append((start, start + zi.file_size))
+        size = f.seek(0, 2)
+        out, pos = [], 0
+        for lo, hi in sorted(holes) + [(size, size)]:
+            f.seek(pos)
+            out.append(bytearray(f.read(lo - pos)))
+            pos = hi
+    last = out[-1]  # starts right after the serialization id: its data descriptor, then the directory
+    last[4:8] = bytes(4)
+    name = f"{path.stem}/{SERIALIZATION_ID}".encode()
+    central = last.index(name) - 46
+    last[central + 16 : central + 20] = bytes(4)
+    return [bytes(r) for r in out]
+
+
+CASES = {
+    "small": [("a", "bfloat16", (3, 2)), ("b", "float32", (5,))],
+    "odd shapes": [("s", "int64", ()), ("z", "float32", (0,)), ("q", "bfloat16", (2, 3, 4, 5)), ("b", "bool", (3,))],
+    "memo past 255": [(f"layers.{i}.w", "float16", (4, 4)) for i in range(300)],
+    "a full SETITEMS batch": [(f"t{i}", "float32", (1,)) for i in range(1000)],
+    "one tensor": [("only", "int8", (7, 3))],
+    "empty": [],
+}
+
+
+@pytest.mark.parametrize("entries", CASES.values(), ids=CASES.keys())
+def test_skeleton_is_what_torch_save_writes(entries, tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    ours, theirs = tmp_path / "a" / "consolidated.00.pth", tmp_path / "b" / "consolidated.00.pth"
+    write_skeleton(ours, entries)
+    _torch_skeleton(theirs, entries)
+    assert ours.stat().st_size == theirs.stat().st_size
+    assert _regions(ours) == _regions(theirs)
+
+
+@pytest.mark.slow
+def test_skeleton_past_4_gib_is_what_torch_save_writes(tmp_path: Path) -> None:
+    """zip64 fields for a record over 4 GiB and for headers beyond 4 GiB (sparse files)."""
+    entries = [("a", "float32", (70000, 3)), ("big", "bfloat16", (2**31 + 5,)), ("after", "float32", (7,))]
+    entries.append(("huge", "int32", (2**20, 1100)))
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    ours, theirs = tmp_path / "a" / "m.bin", tmp_path / "b" / "m.bin"
+    write_skeleton(ours, entries)
+    _torch_skeleton(theirs, entries)
+    assert _regions(ours) == _regions(theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # the second: via torch.save
+def test_writer_output_loads_in_torch(dtype: torch.dtype, tmp_path: Path) -> None:
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype), "n": torch.ones(4)}
+    w = TorchPickleWriter(tmp_path / "m.pth", [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()])
+    for k, v in sd.items():
+        w.write(k, v)
+    w.close()
+    loaded = torch.load(tmp_path / "m.pth", weights_only=True, mmap=True)
+    assert list(loaded) == list(sd)
+    assert all(torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8)) for k, v in sd.items())
+    with zipfile.ZipFile(tmp_path / "m.pth") as z:
+        assert z.testzip() is None
