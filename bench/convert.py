@@ -241,7 +241,7 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dic
             check = {"verify": verify.returncode == 0, "identical": weights_identical(hf, out)}
             print(f"  verify hf vs meta>hf: {(verify.stdout or verify.stderr).strip().splitlines()[-1]}", flush=True)
         shutil.rmtree(out)
-        if torchtune:
+        if "meta" in torchtune:
             bench.measure(
                 layers, "torchtune meta load+save", [*tt, "meta", str(meta), str(out)], [meta], out, total // 5
             )
@@ -384,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--torchtune-meta-max-layers",
         type=int,
-        default=8,
-        help="run torchtune's Meta load+save only up to this many layers (default 8; HF always)",
+        default=64,
+        help="run torchtune's Meta load+save only up to this many layers (default 64; HF always)",
     )
     ap.add_argument("--mem-limit-gb", type=float, default=20, help="memory in use a command may take the machine to")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
