@@ -218,16 +218,24 @@ def verify(
 @app.command(context_settings={"allow_extra_args": False})
 @user_errors
 def run(
-    recipe: Annotated[str, typer.Argument(help="Bundled recipe (full_finetune, lora_finetune) or a recipe .py file.")],
+    recipe: Annotated[str, typer.Argument(help="Bundled recipe (see `ckptkit ls`) or a recipe .py file.")],
     config: Annotated[str, typer.Option("--config", help="Bundled config name or a YAML path.")],
     overrides: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE overrides, e.g. optimizer.lr=3e-4")] = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option("--nproc-per-node", min=1, help="Start this many processes with torchrun (distributed recipes)."),
+    ] = None,
 ) -> None:
     """Run a training recipe with a config and KEY=VALUE overrides."""
     from ckptkit.train.config import load_config
-    from ckptkit.train.recipes import recipe_entry
+    from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
     entry = recipe_entry(recipe)
-    entry(load_config(config, overrides or []))
+    cfg = load_config(config, overrides or [])
+    if nproc_per_node is None:
+        entry(cfg)
+    else:
+        launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
 
 
 @app.command(name="ls")

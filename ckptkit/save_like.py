@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from ckptkit.errors import CkptkitError
 
 def save_checkpoint_like(
     source: str | Path,
-    state_dict: dict[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor | Lazy],
     out_dir: str | Path,
     force: bool = False,
     quiet: bool = True,
@@ -24,7 +25,9 @@ def save_checkpoint_like(
     """Write canonical ``state_dict`` in ``source``'s own format, file names, shards and dtypes.
 
     Tensors the model does not use (``rope.freqs``...) and non-weight files are carried
-    over from ``source``. ``out_dir`` is complete or absent afterwards.
+    over from ``source``. ``out_dir`` is complete or absent afterwards. A :class:`Lazy`
+    value is fetched only when the writer reaches it (the distributed recipes gather
+    each sharded tensor then).
     """
     source, out_dir = Path(source), Path(out_dir)
     with open_checkpoint(source, model_type=model_type) as src:
@@ -37,8 +40,9 @@ def save_checkpoint_like(
             t = state_dict[name]
             if tuple(t.shape) != lazy.shape:
                 raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {source} has {list(lazy.shape)}")
+            fetch = t.get if isinstance(t, Lazy) else (lambda t=t: t)
             tensors[name] = Lazy(
-                lazy.shape, lazy.dtype, lambda t=t, d=to_torch(lazy.dtype): t.detach().to("cpu", d).contiguous()
+                lazy.shape, lazy.dtype, lambda f=fetch, d=to_torch(lazy.dtype): f().detach().to("cpu", d).contiguous()
             )
         mine = dataclasses.replace(src, tensors=tensors, recorded_origin=src.own_layout)
         check_destination(source, out_dir, force)

@@ -16,13 +16,14 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckptkit.checkpoint import open_checkpoint
+from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import save_checkpoint_like
@@ -81,17 +82,7 @@ class Checkpointer:
     # --- reading -------------------------------------------------------------------
     def load_base(self) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         """The base model as (canonical config, canonical state dict), stored dtypes."""
-        with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
-            if self.checkpoint_files:
-                found = set(ckpt.raw.files)
-                listed = {Path(f).name for f in self.checkpoint_files}
-                if listed != found:
-                    odd = sorted(listed ^ found)
-                    raise CkptkitError(
-                        f"checkpointer.checkpoint_files does not match the weight files in {self.checkpoint_dir} "
-                        f"({', '.join(odd[:3])}); leave it unset to use every weight file"
-                    )
-            self.dtypes = {k: v.dtype for k, v in ckpt.tensors.items()}
+        with self.open_base() as ckpt:
             return ckpt.config, {k: v.get() for k, v in ckpt.tensors.items()}
 
     def resume_folder(self) -> Path:
@@ -107,6 +98,22 @@ class Checkpointer:
                 if candidate.is_file():
                     return candidate
         return path
+
+    def open_base(self) -> Checkpoint:
+        """The base checkpoint opened lazily (tensors read by ``get()``), its files checked."""
+        ckpt = open_checkpoint(self.checkpoint_dir, model_type=self.model_type)
+        if self.checkpoint_files:
+            found = set(ckpt.raw.files)
+            listed = {Path(f).name for f in self.checkpoint_files}
+            if listed != found:
+                ckpt.close()
+                odd = sorted(listed ^ found)
+                raise CkptkitError(
+                    f"checkpointer.checkpoint_files does not match the weight files in {self.checkpoint_dir} "
+                    f"({', '.join(odd[:3])}); leave it unset to use every weight file"
+                )
+        self.dtypes = {k: v.dtype for k, v in ckpt.tensors.items()}
+        return ckpt
 
     def load_resume_weights(self) -> dict[str, torch.Tensor]:
         """The model weights saved beside the recipe state being resumed."""
@@ -209,10 +216,13 @@ class Checkpointer:
         model_state: dict[str, torch.Tensor] | None,
         adapter_model: nn.Module | None = None,
         recipe_state: dict[str, Any] | None = None,
+        extra: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write ``output_dir/name`` completely, or leave what was there before.
 
         ``model_state`` None writes no model (an adapter-only LoRA checkpoint).
+        ``extra(folder)`` adds more to the folder before it is published (the distributed
+        recipes write their sharded recipe state there).
         """
         self.output_dir.mkdir(parents=True, exist_ok=True)
         final = self.output_dir / name
@@ -226,6 +236,8 @@ class Checkpointer:
             if recipe_state is not None:
                 (tmp / RECIPE_STATE_DIR).mkdir(parents=True)
                 torch.save(recipe_state, tmp / RECIPE_STATE_DIR / RECIPE_STATE)
+            if extra is not None:
+                extra(tmp)
             old = self.output_dir / f".{name}.old-{os.getpid()}"
             if final.exists():
                 os.replace(final, old)

@@ -230,6 +230,12 @@ def base_state_dict(model: nn.Module, merged: bool = True) -> dict[str, torch.Te
     if merged:
         for name, m in lora_modules(model).items():
             if not m.merged:
-                w = m.weight.detach()
-                out[f"{name}.weight"] = (w.float() + m.delta_weight().detach()).to(w.dtype)
+                out[f"{name}.weight"] = merged_weight(
+                    m.weight.detach(), m.lora_a.detach(), m.lora_b.detach(), m.scaling
+                )
     return out
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling * B @ A`` computed in float32 and rounded once to ``W``'s dtype."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)

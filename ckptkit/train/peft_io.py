@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -113,8 +114,17 @@ def _canonical_module(model_type: str, hf_module: str) -> str:
     return name.removesuffix(".weight")
 
 
-def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str | None = None) -> None:
-    """Write the model's LoRA adapters as a PEFT adapter directory."""
+def save_adapter(
+    model: nn.Module,
+    out_dir: str | Path,
+    base_model_name_or_path: str | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write the model's LoRA adapters as a PEFT adapter directory.
+
+    ``weights`` (``<module>.lora_a``/``.lora_b`` -> full tensor) replaces the modules' own
+    tensors, e.g. when those are shards of a distributed model.
+    """
     modules = lora_modules(model)
     if not modules:
         raise CkptkitError("model has no LoRA adapters to save")
@@ -126,7 +136,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
     if any(m.merged for m in modules.values()):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
-    tensors, hf_names = _peft_tensors(model)
+    tensors, hf_names = _peft_tensors(model, weights)
 
     # Leaf names when every linear with that leaf is adapted, full module names otherwise.
     canonical_leaves = {n.rsplit(".", 1)[-1] for n in modules}
@@ -156,25 +166,30 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_name_or_path:
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _peft_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """PEFT's tensors for the model's adapters, and each canonical module's HF module name."""
+def _peft_tensors(
+    model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """PEFT's tensors for the model's adapters (or for ``weights``, full tensors by parameter
+    name), and each canonical module's HF module name."""
     model_type = model.config.model_type
     tensors: dict[str, torch.Tensor] = {}
     hf_names: dict[str, str] = {}
     fused_b: dict[str, list[tuple[int, torch.Tensor]]] = {}
     counts: dict[str, int] = {}
     for name, m in lora_modules(model).items():
+        a, b = (m.lora_a, m.lora_b) if weights is None else (weights[f"{name}.lora_a"], weights[f"{name}.lora_b"])
         hf = hf_names[name] = _hf_module(model_type, name)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
         part = fused_part(model_type, name)
         if part is not None:
-            if a_key in tensors and tensors[a_key].data_ptr() != m.lora_a.data_ptr():
+            shared = a_key not in tensors or tensors[a_key].data_ptr() == a.data_ptr()
+            if not shared and not (weights is not None and torch.equal(tensors[a_key], a)):  # gathered copies
                 raise CkptkitError(f"the parts of fused {hf} have separate LoRA A matrices; PEFT has one")
-            fused_b.setdefault(hf, []).append((part[1], m.lora_b.detach()))
+            fused_b.setdefault(hf, []).append((part[1], b.detach()))
             counts[hf] = part[2]
-        tensors[a_key] = m.lora_a.detach()
+        tensors[a_key] = a.detach()
         if part is None:
-            tensors[f"{_PREFIX}{hf}.lora_B.weight"] = m.lora_b.detach()
+            tensors[f"{_PREFIX}{hf}.lora_B.weight"] = b.detach()
     for hf, parts in fused_b.items():
         if len(parts) != counts[hf]:
             raise CkptkitError(f"LoRA adapts only some parts of the fused {hf}; PEFT adapts it whole")

@@ -14,6 +14,16 @@ RECIPE_DIR = Path(__file__).parent
 RECIPES: dict[str, list[str]] = {
     "full_finetune": ["tiny_full", "llama2_7B_full", "llama3_1_8B_full"],
     "lora_finetune": ["tiny_lora", "llama2_7B_lora", "llama3_1_8B_lora", "mistral_7B_lora", "qwen2_1_5B_lora"],
+    "full_finetune_distributed": [
+        "tiny_full_distributed",
+        "llama2_7B_full_distributed",
+        "llama3_1_8B_full_distributed",
+    ],
+    "lora_finetune_distributed": [
+        "tiny_lora_distributed",
+        "llama2_7B_lora_distributed",
+        "llama3_1_8B_lora_distributed",
+    ],
 }
 
 
@@ -32,3 +42,31 @@ def recipe_entry(name_or_path: str) -> Callable[[dict[str, Any]], None]:
             raise CkptkitError(f"{path}: has no recipe_main(cfg) function")
         return entry
     raise CkptkitError(f"{name_or_path}: no such recipe (bundled: {', '.join(RECIPES)}) or recipe file")
+
+
+def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: list[str], cfg: dict[str, Any]) -> None:
+    """Start ``nproc_per_node`` processes of a distributed recipe on this node, as
+    ``torchrun --standalone --nproc-per-node N -m ckptkit.train.recipes.RECIPE`` does.
+
+    The config (``cfg``, already parsed) and its base checkpoint are checked first, so the
+    usual mistakes are one line here rather than one per process."""
+    from ckptkit.train.checkpointer import Checkpointer
+
+    if recipe in RECIPES and not recipe.endswith("_distributed"):
+        raise CkptkitError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
+    Checkpointer(cfg).open_base().close()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    target = ["-m", f"ckptkit.train.recipes.{recipe}"] if recipe in RECIPES else [recipe]
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc_per_node}", *target, "--config", config, *overrides]
+    )
+    try:
+        torchrun(args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        raise CkptkitError(
+            f"{recipe}: {len(e.failures)} of {nproc_per_node} processes failed (exit code {', '.join(map(str, codes))})"
+        ) from None
