@@ -20,7 +20,7 @@ import torch
 
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
-from ckptkit.train.config import load_config
+from ckptkit.train.config import load_config, validate_config
 from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
@@ -149,14 +149,11 @@ def test_lora_meta_two_rank_in_and_out(tmp_path: Path) -> None:
     assert [p.name for p in sorted(dist.glob("consolidated.*.pth"))] == ["consolidated.00.pth", "consolidated.01.pth"]
     worst = assert_same_names_partition_dtypes(single, dist)  # bf16 merged weights
     assert max(worst.values()) < 2**-6, worst  # one bf16 rounding step of weights below 2
-    a, b = (
-        load_file(single / "adapter" / "adapter_model.safetensors"),
-        load_file(dist / "adapter" / "adapter_model.safetensors"),
-    )
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (single, dist))
     assert list(a) == list(b) and max((a[k] - b[k]).abs().max().item() for k in a) < ADAPTER_ATOL
-    assert (single / "adapter" / "adapter_config.json").read_text() == (
-        dist / "adapter" / "adapter_config.json"
-    ).read_text()
+    configs = [json.loads((d / "adapter" / "adapter_config.json").read_text()) for d in (single, dist)]
+    bases = [c.pop("base_model_name_or_path") for c in configs]  # each run's HF copy of the Meta base
+    assert configs[0] == configs[1] and bases[1] == str((tmp_path / "dist" / "base_hf").resolve())
 
 
 @pytest.mark.slow
@@ -200,3 +197,15 @@ def test_launch_and_resume_mistakes_are_one_line(tmp_path: Path) -> None:
         run_single("lora_finetune_distributed", "tiny_lora_distributed", "resume_from_checkpoint=true",
                    f"checkpointer.recipe_checkpoint={tmp_path / 'state'}", f"checkpointer.output_dir={tmp_path / 'o'}",
                    f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / 'llama2'}")  # fmt: skip
+
+
+def test_bundled_distributed_configs_validate() -> None:
+    from ckptkit.train.recipes import RECIPES
+    from ckptkit.train.schema import FullFinetuneDistributedConfig, LoRAFinetuneDistributedConfig
+
+    schemas = {"full_finetune_distributed": FullFinetuneDistributedConfig,
+               "lora_finetune_distributed": LoRAFinetuneDistributedConfig}  # fmt: skip
+    for recipe, schema in schemas.items():
+        for name in RECIPES[recipe]:
+            cfg = validate_config(load_config(name), schema)
+            assert cfg["batch_size"] >= 1 and "mixed_precision" in cfg

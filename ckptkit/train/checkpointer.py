@@ -252,7 +252,7 @@ class Checkpointer:
     def latest_resumable(self) -> Path | None:
         """The newest checkpoint written by this run that holds a recipe state."""
         for path in reversed(self.saved):
-            if (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file():
+            if (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file() or (path / RECIPE_STATE_DIR / ".metadata").is_file():
                 return path
         return None
 

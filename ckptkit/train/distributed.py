@@ -31,10 +31,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
 from ckptkit.lazy import Lazy
-from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.config import get
 
-RECIPE_STATE_DIR = "recipe_state"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 T = TypeVar("T")
 
@@ -176,14 +175,15 @@ def led_by_rank_zero(ops: dict[str, Callable[[Any], Any]], work: Callable[[Calla
 def save_sharded(
     checkpointer: Checkpointer,
     name: str,
-    shapes: dict[str, tuple[int, ...]],
+    shapes: dict[str, tuple[int, ...]] | None,
     gather: Callable[[str], torch.Tensor],
     recipe_state: dict[str, Any] | None,
     adapter: Callable[[Path], None] | None = None,
 ) -> Path | None:
     """Write checkpoint ``name`` like the single-device checkpointer; every rank calls it.
 
-    ``gather(key)`` (a collective) gives the full tensor the writer needs next; ``recipe_state``
+    ``gather(key)`` (a collective) gives the full tensor the writer needs next (``shapes`` None:
+    no model files, e.g. an adapter-only LoRA checkpoint); ``recipe_state``
     (sharded tensors and plain values) becomes ``recipe_state/`` (DCP); ``adapter(folder)``
     runs on rank 0. Returns the folder on rank 0.
     """
@@ -192,7 +192,7 @@ def save_sharded(
         dcp.save(recipe_state, checkpoint_id=folder)
 
     def work(lead: Callable[[str, Any], Any]) -> Path:
-        model = {k: Lazy(shape, "", lambda k=k: lead("gather", k)) for k, shape in shapes.items()}
+        model = None if shapes is None else {k: Lazy(s, "", lambda k=k: lead("gather", k)) for k, s in shapes.items()}
 
         def extra(folder: Path) -> None:
             if adapter is not None:
@@ -217,6 +217,11 @@ class _PlainValuesPlanner(DefaultLoadPlanner):
         torch.save(obj, safe)
         safe.seek(0)
         super().load_bytes(read_item, safe)
+
+
+def recipe_state_dir(path: Path) -> Path:
+    """``checkpointer.recipe_checkpoint``: a DCP recipe state folder, or a checkpoint folder holding one."""
+    return path / RECIPE_STATE_DIR if (path / RECIPE_STATE_DIR / ".metadata").is_file() else path
 
 
 def recipe_state_keys(path: Path) -> set[str]:

@@ -192,3 +192,22 @@ class LoRAFinetuneConfig(RecipeConfig):
             if only and isinstance(data["lora"], dict):
                 data["lora"] = {**data["lora"], "save_merged": "never"}
         return data
+
+
+class MixedPrecisionConfig(Section):
+    """FSDP2 ``MixedPrecisionPolicy`` of the distributed recipes (None: ``dtype``)."""
+
+    param_dtype: Literal["fp32", "bf16"] | None = None
+    reduce_dtype: Literal["fp32", "bf16"] | None = None
+
+
+class FullFinetuneDistributedConfig(FullFinetuneConfig):
+    """``full_finetune_distributed``: ``full_finetune``'s keys (``batch_size`` per rank) plus FSDP2's."""
+
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+
+
+class LoRAFinetuneDistributedConfig(LoRAFinetuneConfig):
+    """``lora_finetune_distributed``: ``lora_finetune``'s keys (``batch_size`` per rank) plus FSDP2's."""
+
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()

@@ -30,10 +30,11 @@ from ckptkit.checkpoint import open_checkpoint
 from ckptkit.dtypes import dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.train import distributed as D
-from ckptkit.train.checkpointer import Checkpointer, rng_state, set_rng_state
-from ckptkit.train.config import get, load_config
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
+from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
+from ckptkit.train.config import get, load_config, validate_config
+from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
+from ckptkit.train.schema import FullFinetuneDistributedConfig
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
 
@@ -65,8 +66,11 @@ class FullFinetuneDistributedRecipe:
 
     def setup(self) -> None:
         """Shard the model and load it a tensor at a time; data, optimizer; the recipe state when resuming."""
-        resume_from = Path(self.checkpointer.recipe_checkpoint or "") if self.checkpointer.resume else None
+        resume_from = None  # the DCP recipe state folder
+        if self.checkpointer.resume:
+            resume_from = D.recipe_state_dir(Path(self.checkpointer.recipe_checkpoint or ""))
         progress = self._load_progress(resume_from) if resume_from is not None else None
+        self.checkpointer.model_config()  # format, layout and config checks: no weights read yet
         with self.checkpointer.open_base() as base:
             model_cfg = base.config
             self.model = build_model(model_cfg, device="meta", dtype=self.dtype)
@@ -83,6 +87,7 @@ class FullFinetuneDistributedRecipe:
         tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
         self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
+        check_trainable(self.dataset, get(self.cfg, "dataset.max_seq_len"))
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.global_batch // self.grad_accum
         if batches == 0:
@@ -113,7 +118,10 @@ class FullFinetuneDistributedRecipe:
         self.epochs_run, self.global_step, self.steps_in_epoch = 0, 0, 0
         if resume_from is not None and progress is not None:
             self._load_state(resume_from, progress)
-        self.metrics = MetricLogger(self.output_dir, resume=resume_from is not None) if self.rank == 0 else None
+        resumed = resume_from is not None
+        self.metrics = None  # rank 0 logs
+        if self.rank == 0:
+            self.metrics = MetricLogger(self.output_dir, resumed, get(self.cfg, "wandb"), self.cfg)
 
     def _load_progress(self, path: Path) -> dict[str, Any]:
         """The saved position, checked against this run's schedule and global batch."""
@@ -154,7 +162,8 @@ class FullFinetuneDistributedRecipe:
     def train(self) -> None:
         """Epochs of optimizer steps; checkpoints at epoch ends and every save_every_n_steps."""
         total_steps = self.epochs * self.steps_per_epoch
-        with Progress(total_steps, self.global_step, self.quiet) as progress:
+        self.progress = Progress(total_steps, self.global_step, self.quiet, self.log_every, str(self.device))
+        with self.progress as progress:
             for epoch in range(self.epochs_run, self.epochs):
                 batches = epoch_batches(len(self.dataset), self.global_batch, self.seed, epoch)
                 while self.steps_in_epoch < self.steps_per_epoch:
@@ -164,17 +173,19 @@ class FullFinetuneDistributedRecipe:
                     self.steps_in_epoch += 1
                     self.global_step += 1
                     rate = tokens / (time.perf_counter() - start)
-                    progress.update(self.global_step, loss, rate)
+                    progress.update(self.global_step, epoch, loss, self.scheduler.get_last_lr()[0], rate, tokens)
                     if self.metrics is not None and self.global_step % self.log_every == 0:
                         self.metrics.log(
                             step=self.global_step, epoch=epoch, loss=loss,
                             lr=self.scheduler.get_last_lr()[0], tokens_per_second=rate,
                         )  # fmt: skip
                     due = self.save_every and self.global_step % int(self.save_every) == 0
-                    if due and self.global_step < total_steps:
-                        self._save(f"step_{self.global_step}", epoch, final=False)
+                    if due and self.steps_in_epoch < self.steps_per_epoch:  # an epoch's end saves epoch_N
+                        self._save(checkpoint_name("step", self.global_step, total_steps), epoch, final=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
-                self._save(f"epoch_{epoch}", epoch + 1, final=self.epochs_run == self.epochs)
+                name = checkpoint_name("epoch", epoch, self.epochs - 1)
+                self._save(name, epoch + 1, final=self.epochs_run == self.epochs)
+        self.finished = True
 
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
         """One optimizer step over gradient_accumulation_steps global batches; (mean loss, tokens).
@@ -236,15 +247,22 @@ class FullFinetuneDistributedRecipe:
             self.metrics.event(
                 checkpoint=str(path), step=self.global_step, rss_mib_before_save=before_save, peak_rss_mib_save=peak
             )
+            self.progress.note(f"saved {path}")
+            for gone in self.checkpointer.prune(self.steps_per_epoch):
+                self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
+        dist.barrier()  # pruned before any rank goes on
 
     def cleanup(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+            if hasattr(self, "progress"):  # what was reached, the checkpoints, how to resume a stopped run
+                self.progress.summary(self.global_step, self.checkpointer, getattr(self, "finished", False))
 
 
 def recipe_main(cfg: dict[str, Any]) -> None:
     ok = False
     try:
+        cfg = validate_config(cfg, FullFinetuneDistributedConfig)  # one line per bad key, nothing written
         recipe = FullFinetuneDistributedRecipe(cfg)
         recipe.setup()
         try:

@@ -29,12 +29,13 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train import distributed as D
-from ckptkit.train.checkpointer import ADAPTER_DIR, Checkpointer, rng_state, set_rng_state
-from ckptkit.train.config import get, load_config
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
+from ckptkit.train.checkpointer import ADAPTER_DIR, Checkpointer, checkpoint_name, rng_state, set_rng_state
+from ckptkit.train.config import get, load_config, validate_config
+from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
 from ckptkit.train.lora import apply_lora, lora_modules, merged_weight
 from ckptkit.train.metrics import MetricLogger, Progress
-from ckptkit.train.peft_io import save_adapter
+from ckptkit.train.peft_io import check_targets, prepare_for_peft, save_adapter
+from ckptkit.train.schema import LoRAFinetuneDistributedConfig
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
 
@@ -66,8 +67,12 @@ class LoRAFinetuneDistributedRecipe:
 
     def setup(self) -> None:
         """Shard the model and load it a tensor at a time; data, optimizer; the recipe state when resuming."""
-        resume_from = Path(self.checkpointer.recipe_checkpoint or "") if self.checkpointer.resume else None
+        resume_from = None  # the DCP recipe state folder
+        if self.checkpointer.resume:
+            resume_from = D.recipe_state_dir(Path(self.checkpointer.recipe_checkpoint or ""))
         progress = self._load_progress(resume_from) if resume_from is not None else None
+        model_cfg = self.checkpointer.model_config()  # format, layout and config checks: no weights read yet
+        check_targets(get(self.cfg, "lora.targets"), model_cfg)
         with self.checkpointer.open_base() as base:
             model_cfg = base.config
             self.model = build_model(model_cfg, device="meta", dtype=self.dtype)
@@ -79,10 +84,15 @@ class LoRAFinetuneDistributedRecipe:
                 alpha=float(lora.get("alpha", 16)),
                 dropout=float(lora.get("dropout", 0.0)),
             )
-            adapters = {}  # initialised on the CPU in module order: the same draws as lora_finetune
-            for name, module in lora_modules(self.model).items():
+            for module in lora_modules(self.model).values():  # on the CPU in module order: lora_finetune's draws
                 module.reset_lora(torch.device("cpu"), module.lora_a.dtype)
-                adapters[f"{name}.lora_a"], adapters[f"{name}.lora_b"] = module.lora_a.data, module.lora_b.data
+            prepare_for_peft(self.model)  # PEFT names checked now, not at save
+            adapters = self._adapter_state()
+            if len({t.data_ptr() for t in adapters.values()}) < len(adapters):
+                raise CkptkitError(
+                    f"LoRA on the fused modules of {model_cfg.model_type} (one shared A) is not supported by "
+                    "lora_finetune_distributed yet; use lora_finetune or other lora.targets"
+                )
             self.model.to("meta")
             D.shard_model(self.model, self.mesh, self.param_dtype, self.reduce_dtype,
                           bool(get(self.cfg, "enable_activation_checkpointing", False)))  # fmt: skip
@@ -94,6 +104,7 @@ class LoRAFinetuneDistributedRecipe:
         tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
         self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
+        check_trainable(self.dataset, get(self.cfg, "dataset.max_seq_len"))
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.global_batch // self.grad_accum
         if batches == 0:
@@ -124,7 +135,13 @@ class LoRAFinetuneDistributedRecipe:
         self.epochs_run, self.global_step, self.steps_in_epoch = 0, 0, 0
         if resume_from is not None and progress is not None:
             self._load_state(resume_from, progress)
-        self.metrics = MetricLogger(self.output_dir, resume=resume_from is not None) if self.rank == 0 else None
+        resumed = resume_from is not None
+        if self.rank == 0:
+            self.checkpointer.prepare_peft_base()  # an HF base for the adapters' base_model_name_or_path
+        dist.barrier()
+        self.metrics = None  # rank 0 logs
+        if self.rank == 0:
+            self.metrics = MetricLogger(self.output_dir, resumed, get(self.cfg, "wandb"), self.cfg)
 
     def _load_progress(self, path: Path) -> dict[str, Any]:
         """The saved position, checked against this run's schedule and global batch."""
@@ -164,7 +181,8 @@ class LoRAFinetuneDistributedRecipe:
     def train(self) -> None:
         """Epochs of optimizer steps; checkpoints at epoch ends and every save_every_n_steps."""
         total_steps = self.epochs * self.steps_per_epoch
-        with Progress(total_steps, self.global_step, self.quiet) as progress:
+        self.progress = Progress(total_steps, self.global_step, self.quiet, self.log_every, str(self.device))
+        with self.progress as progress:
             for epoch in range(self.epochs_run, self.epochs):
                 batches = epoch_batches(len(self.dataset), self.global_batch, self.seed, epoch)
                 while self.steps_in_epoch < self.steps_per_epoch:
@@ -174,17 +192,19 @@ class LoRAFinetuneDistributedRecipe:
                     self.steps_in_epoch += 1
                     self.global_step += 1
                     rate = tokens / (time.perf_counter() - start)
-                    progress.update(self.global_step, loss, rate)
+                    progress.update(self.global_step, epoch, loss, self.scheduler.get_last_lr()[0], rate, tokens)
                     if self.metrics is not None and self.global_step % self.log_every == 0:
                         self.metrics.log(
                             step=self.global_step, epoch=epoch, loss=loss,
                             lr=self.scheduler.get_last_lr()[0], tokens_per_second=rate,
                         )  # fmt: skip
                     due = self.save_every and self.global_step % int(self.save_every) == 0
-                    if due and self.global_step < total_steps:
-                        self._save(f"step_{self.global_step}", epoch, final=False)
+                    if due and self.steps_in_epoch < self.steps_per_epoch:  # an epoch's end saves epoch_N
+                        self._save(checkpoint_name("step", self.global_step, total_steps), epoch, final=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
-                self._save(f"epoch_{epoch}", epoch + 1, final=self.epochs_run == self.epochs)
+                name = checkpoint_name("epoch", epoch, self.epochs - 1)
+                self._save(name, epoch + 1, final=self.epochs_run == self.epochs)
+        self.finished = True
 
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
         """One optimizer step over gradient_accumulation_steps global batches; (mean loss, tokens).
@@ -248,10 +268,13 @@ class LoRAFinetuneDistributedRecipe:
             return merged_weight(w, a, b, modules[name].scaling)
 
         def adapter(folder: Path) -> None:
-            base = str(self.checkpointer.checkpoint_dir)
+            base = self.checkpointer.peft_base or None
             save_adapter(self.model, folder / ADAPTER_DIR, base_model_name_or_path=base, weights=adapters)
 
-        shapes = {k: tuple(v.shape) for k, v in weights.items() if not k.endswith((".lora_a", ".lora_b"))}
+        when = get(self.cfg, "lora.save_merged")
+        shapes = None  # an adapter-only checkpoint, unless merged weights are due
+        if when == "every" or (final and when == "final"):
+            shapes = {k: tuple(v.shape) for k, v in weights.items() if not k.endswith((".lora_a", ".lora_b"))}
         path = D.save_sharded(self.checkpointer, name, shapes, merged, state, adapter)
         rss = D.gather_objects((round(before), round(D.rss_mib())))  # per rank, MiB
         if self.metrics is not None:
@@ -259,6 +282,10 @@ class LoRAFinetuneDistributedRecipe:
             self.metrics.event(
                 checkpoint=str(path), step=self.global_step, rss_mib_before_save=before_save, peak_rss_mib_save=peak
             )
+            self.progress.note(f"saved {path}")
+            for gone in self.checkpointer.prune(self.steps_per_epoch):
+                self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
+        dist.barrier()  # pruned before any rank goes on
 
     def _adapter_state(self) -> dict[str, torch.Tensor]:
         """The trainable (adapter) tensors, sharded."""
@@ -267,11 +294,14 @@ class LoRAFinetuneDistributedRecipe:
     def cleanup(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+            if hasattr(self, "progress"):  # what was reached, the checkpoints, how to resume a stopped run
+                self.progress.summary(self.global_step, self.checkpointer, getattr(self, "finished", False))
 
 
 def recipe_main(cfg: dict[str, Any]) -> None:
     ok = False
     try:
+        cfg = validate_config(cfg, LoRAFinetuneDistributedConfig)  # one line per bad key, nothing written
         recipe = LoRAFinetuneDistributedRecipe(cfg)
         recipe.setup()
         try:
