@@ -33,8 +33,9 @@ from ckptkit.train.checkpointer import ADAPTER_DIR, Checkpointer, checkpoint_nam
 from ckptkit.train.config import get, load_config, validate_config
 from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
 from ckptkit.train.lora import apply_lora, lora_modules, merged_weight
+from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.metrics import MetricLogger, Progress
-from ckptkit.train.peft_io import check_targets, prepare_for_peft, save_adapter
+from ckptkit.train.peft_io import prepare_for_peft, save_adapter
 from ckptkit.train.schema import LoRAFinetuneDistributedConfig
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
