@@ -80,6 +80,7 @@ class OptimizerConfig(Section):
     lr: PositiveFloat = 2e-5
     weight_decay: NonNegativeFloat = 0.0
     betas: tuple[Beta, Beta] = (0.9, 0.999)
+    fused: Bool | None = None  # null: the fused kernel where torch has one for the device (CPU, CUDA)
 
 
 class SchedulerConfig(Section):
@@ -128,6 +129,8 @@ class RecipeConfig(Section):
     lr_scheduler: SchedulerConfig = SchedulerConfig()
     clip_grad_norm: PositiveFloat | None = None
     enable_activation_checkpointing: Bool = False
+    compile: Bool = False
+    eval_every_n_steps: PositiveInt | None = None
     log_every_n_steps: PositiveInt = 1
     save_every_n_steps: PositiveInt | None = None
     quiet: Bool = False

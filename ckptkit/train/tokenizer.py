@@ -15,8 +15,8 @@ class Tokenizer(Protocol):
 
     eos_ids: list[int]
 
-    def encode(self, text: str) -> list[int]:
-        """Ids for ``text``, with the BOS token when the tokenizer adds one."""
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Ids for ``text``, with the BOS token when the tokenizer adds one and ``add_bos``."""
         ...
 
     def decode(self, ids: list[int]) -> str:
@@ -42,8 +42,8 @@ class HFTokenizer:
             eos_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
             self.eos_ids = [eos_id] if eos_id is not None else []
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_bos).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -63,9 +63,9 @@ class SentencePieceTokenizer:
         eos = self._sp.eos_id()
         self.eos_ids: list[int] = [eos] if eos >= 0 else []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         bos = self._sp.bos_id()
-        return ([bos] if bos >= 0 else []) + self._sp.EncodeAsIds(text)
+        return ([bos] if bos >= 0 and add_bos else []) + self._sp.EncodeAsIds(text)
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.DecodeIds(ids)
@@ -124,8 +124,8 @@ class TiktokenTokenizer:
         self.n_base = len(ranks)
         self.eos_ids = [self.n_base + 1] + ([self.n_base + 8, self.n_base + 9] if self.n_base == 128000 else [])
 
-    def encode(self, text: str) -> list[int]:
-        return [self.n_base] + self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return [self.n_base] * add_bos + self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i < self.n_base])

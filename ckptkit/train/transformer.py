@@ -214,7 +214,8 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab) for ``input_ids`` (B, T).
 
         ``attention_mask`` (B, past + T), 1 for real tokens and 0 for padding (left or
-        right), covers the cached tokens too. Positions default to the count of real
+        right), covers the cached tokens too; or a boolean (B, 1, T, past + T) mask used as
+        given (packed documents; pass their ``position_ids`` too). Positions default to the count of real
         tokens before each one (as ``transformers.generate`` does), or ``past + arange(T)``
         without a mask. With ``cache``, the new keys/values are appended to it.
         """
@@ -251,6 +252,11 @@ class Transformer(nn.Module):
         """
         S = past + T
         window = window if window is not None and S > window else None
+        if attention_mask is not None and attention_mask.dim() == 4:  # a full (B, 1, T, S) mask, e.g. packed documents
+            if window is None:
+                return attention_mask.bool()
+            q, k = torch.arange(past, S, device=device)[:, None], torch.arange(S, device=device)[None, :]
+            return attention_mask.bool() & (k > q - window)
         if attention_mask is None and window is None and (past == 0 or T == 1):
             return None  # causal within the chunk (T > 1) or full attention to the cache (T == 1)
         q_idx = torch.arange(past, S, device=device)[:, None]

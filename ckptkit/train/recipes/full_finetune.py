@@ -14,19 +14,20 @@ import math
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.dtypes import dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
 from ckptkit.train.config import get, load_config, validate_config
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
+from ckptkit.train.data import build_datasets, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
 from ckptkit.train.schema import FullFinetuneConfig
+from ckptkit.train.step import build_optimizer, compile_layers, evaluate, forward_backward
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
 
@@ -56,6 +57,7 @@ class FullFinetuneRecipe:
         self.clip = get(cfg, "clip_grad_norm")
         self.log_every = int(get(cfg, "log_every_n_steps", 1))
         self.save_every = get(cfg, "save_every_n_steps")
+        self.eval_every = get(cfg, "eval_every_n_steps")
         self.checkpointer = Checkpointer(cfg)
         self.output_dir = self.checkpointer.output_dir
         self.quiet = bool(get(cfg, "quiet", False))
@@ -77,11 +79,13 @@ class FullFinetuneRecipe:
         if get(self.cfg, "enable_activation_checkpointing", False):
             for layer in self.model.layers:
                 layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
+        if get(self.cfg, "compile", False):
+            compile_layers(self.model)
 
         tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
-        self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
-        check_trainable(self.dataset, get(self.cfg, "dataset.max_seq_len"))
+        folder = Path(tokenizer_dir) if Path(tokenizer_dir).is_dir() else Path(tokenizer_dir).parent
+        self.dataset, self.val_dataset = build_datasets(get(self.cfg, "dataset", {}), self.tokenizer, folder, self.seed)
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.batch_size // self.grad_accum
         if batches == 0:
@@ -90,13 +94,8 @@ class FullFinetuneRecipe:
             )
         self.steps_per_epoch = min(batches, self.max_steps_per_epoch or batches)
 
-        opt = get(self.cfg, "optimizer", {})
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=float(opt.get("lr", 2e-5)),
-            betas=tuple(opt.get("betas", (0.9, 0.999))),
-            weight_decay=float(opt.get("weight_decay", 0.0)),
-        )
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(trainable, get(self.cfg, "optimizer", {}), self.device)
         sched = get(self.cfg, "lr_scheduler", {})
         warmup, floor = int(sched.get("warmup_steps", 0)), float(sched.get("min_lr_ratio", 0.0))
         total = self.epochs * self.steps_per_epoch
@@ -138,31 +137,36 @@ class FullFinetuneRecipe:
                             step=self.global_step, epoch=epoch, loss=loss,
                             lr=self.scheduler.get_last_lr()[0], tokens_per_second=rate,
                         )  # fmt: skip
+                    if self.eval_every and self.global_step % int(self.eval_every) == 0:
+                        self._evaluate(epoch)
                     due = self.save_every and self.global_step % int(self.save_every) == 0
                     if due and self.steps_in_epoch < self.steps_per_epoch:  # an epoch's end saves epoch_N
                         self._save(checkpoint_name("step", self.global_step, total_steps), epoch, final=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
+                if not self.eval_every or self.global_step % int(self.eval_every):
+                    self._evaluate(epoch)
                 name = checkpoint_name("epoch", epoch, self.epochs - 1)
                 self._save(name, epoch + 1, final=self.epochs_run == self.epochs)
         self.finished = True
 
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
-        """One optimizer step over gradient_accumulation_steps batches; (mean loss, tokens)."""
-        total_loss, tokens = 0.0, 0
-        for indices in step_batches:
-            batch = collate([self.dataset[i] for i in indices], self.pad_id)
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
-            (loss / len(step_batches)).backward()
-            total_loss += loss.item() / len(step_batches)
-            tokens += int(batch["attention_mask"].sum())
+        """One optimizer step over gradient_accumulation_steps batches, every label token weighted
+        equally; (mean loss per label token, input tokens)."""
+        stats = forward_backward(
+            self.model, [collate([self.dataset[i] for i in b], self.pad_id) for b in step_batches], self.device
+        )
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total_loss, tokens
+        return stats.loss, stats.input_tokens
+
+    def _evaluate(self, epoch: int) -> None:
+        """Mean loss per label token on the validation set, when there is one."""
+        if self.val_dataset is not None:
+            loss = evaluate(self.model, self.val_dataset, self.batch_size, self.pad_id, self.device)
+            self.metrics.log(step=self.global_step, epoch=epoch, eval_loss=loss)
 
     def _save(self, name: str, epochs_run: int, final: bool) -> None:
         weights = {k: v.detach() for k, v in self.model.state_dict().items()}

@@ -1,0 +1,101 @@
+"""Loss and optimizer: token-weighted accumulation, parity with the previous recipes, validation, compile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.train.config import load_config
+from ckptkit.train.data import build_dataset, collate
+from ckptkit.train.recipes import recipe_entry
+from ckptkit.train.step import build_optimizer, forward_backward
+from ckptkit.train.tokenizer import load_tokenizer
+
+from conftest import FIXTURES
+from train_helpers import native_model
+
+MAIN_LOSSES = json.loads((Path(__file__).parent / "data" / "main_losses.json").read_text())
+
+
+def run(recipe: str, config: str, out: Path, *overrides: str) -> list[dict]:
+    recipe_entry(recipe)(load_config(config, [*overrides, f"checkpointer.output_dir={out}", "quiet=true"]))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def gradients(model: torch.nn.Module, batches: list[dict]) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    forward_backward(model, batches, torch.device("cpu"))
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_four_micro_batches_of_one_equal_one_batch_of_four() -> None:
+    """Samples of different lengths (so padding differs): the accumulated gradient is the big batch's."""
+    data = build_dataset({"source": "tiny_alpaca"}, load_tokenizer(FIXTURES / "hf" / "llama2"))
+    samples = [data[i] for i in (0, 8, 20, 40)]
+    assert len({len(s.ids) for s in samples}) > 1
+    model = native_model("llama2").train()
+    big = gradients(model, [collate(samples, 0)])
+    small = gradients(model, [collate([s], 0) for s in samples])
+    scale = max(g.abs().max().item() for g in big.values())
+    worst = max((big[n] - small[n]).abs().max().item() for n in big)
+    assert worst <= 1e-6 * scale  # float32 summation order only
+    # the previous rule (mean of per-micro-batch means) is measurably different on these samples
+    model.zero_grad(set_to_none=True)
+    for s in samples:
+        b = collate([s], 0)
+        logits = model(b["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        (loss / 4).backward()
+    assert max((big[n] - p.grad).abs().max().item() for n, p in model.named_parameters()) > 100 * worst
+
+
+def test_recipe_accumulation_logs_the_big_batch_loss(tmp_path: Path) -> None:
+    one = ["epochs=1", "max_steps_per_epoch=1", "checkpointer.checkpoint_dir=fixtures/hf/llama2"]
+    big = run("full_finetune", "tiny_full", tmp_path / "big", *one, "batch_size=4")
+    acc = run("full_finetune", "tiny_full", tmp_path / "acc", *one, "batch_size=1", "gradient_accumulation_steps=4")
+    assert abs(big[0]["loss"] - acc[0]["loss"]) <= 1e-6 * big[0]["loss"]
+
+
+@pytest.mark.parametrize("case", [k for k in MAIN_LOSSES if not k.startswith("_")])
+def test_losses_equal_the_previous_recipes(case: str, tmp_path: Path) -> None:
+    """Where issue 10 changed no semantics: bitwise equal with the unfused optimizer, 1e-5 fused."""
+    spec = MAIN_LOSSES[case]
+    loop = run(spec["recipe"], spec["config"], tmp_path / "loop", *spec["overrides"], "optimizer.fused=false")
+    assert [r["loss"] for r in loop if "loss" in r] == spec["losses"]
+    if case.endswith("llama3"):  # short runs; longer runs at lr 2e-2 amplify last-bit differences
+        fused = run(spec["recipe"], spec["config"], tmp_path / "fused", *spec["overrides"])
+        got = [r["loss"] for r in fused if "loss" in r]
+        assert max(abs(a - b) for a, b in zip(got, spec["losses"], strict=True)) < 1e-5
+
+
+def test_fused_adamw_on_cpu_and_cuda() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert build_optimizer(params, {}, torch.device("cpu")).defaults["fused"] is True
+    unfused = build_optimizer(params, {"fused": False}, torch.device("cpu")).defaults
+    assert not unfused["fused"] and unfused["foreach"] is True
+
+
+def test_validation_loss_is_logged(tmp_path: Path) -> None:
+    rows = run("lora_finetune", "tiny_lora", tmp_path, "epochs=2", "dataset.validation_fraction=0.25",
+               "eval_every_n_steps=2", "checkpointer.checkpoint_dir=fixtures/hf/llama3")  # fmt: skip
+    train_steps = [r["step"] for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    assert len(train_steps) == 8  # 36 training rows / batch 8 = 4 steps per epoch
+    assert [s for s, _ in evals] == [2, 4, 6, 8]
+    assert evals[-1][1] < evals[0][1]
+
+
+@pytest.mark.slow
+def test_compiled_layers_give_the_same_gradients() -> None:
+    from ckptkit.train.step import compile_layers
+
+    batch = collate(build_dataset({"source": "tiny_alpaca"}, load_tokenizer(FIXTURES / "hf" / "llama3")).samples[:2], 0)
+    eager = gradients(native_model("llama3").train(), [batch])
+    model = native_model("llama3").train()
+    compile_layers(model)
+    compiled = gradients(model, [batch])
+    assert list(compiled) == list(eager)  # parameter names unchanged
+    assert max((eager[n] - compiled[n]).abs().max().item() for n in eager) < 1e-5
