@@ -1,13 +1,21 @@
-"""Training throughput: ckptkit's recipes vs a plain transformers (+ PEFT) loop, on CPU.
+"""Training throughput: ckptkit's recipes vs torchtune 0.6.1 and a transformers (+ PEFT) loop, on CPU.
 
-Same model (a ~30M-parameter Llama written by transformers' save_pretrained), same data
+Same model (an 18M-parameter Llama written by transformers' save_pretrained), same data
 (the fixture corpus repeated, tokenised by the fixture tokenizer into fixed-length chunks),
-same batches in the same order, same AdamW settings, float32. Each run is its own
-subprocess, so peak RSS is per run; tokens/s is the median over optimizer steps after
-two warm-up steps (checkpoint writing is not timed).
+same batches in the same order, same AdamW (fused) and clipping, float32. torchtune runs
+its own model builders (``llama2`` / ``lora_llama2``), its chunked cross-entropy and the
+step of its single-device recipes (token-weighted loss, ``scale_grads``). Each run is its
+own subprocess under GNU ``time`` (peak RSS, user and system CPU seconds); tokens/s is the
+median over optimizer steps after two warm-up steps (checkpoint writing is not timed).
+Rounds interleave the peers, so each ratio compares runs made under the same load; every
+worker prints its first-step loss, which must agree across peers (same model, same batch).
 
     python bench/train.py                  # defaults below, prints a markdown table
-    python bench/train.py --steps 20 --seq 256 --batch 4
+    python bench/train.py --steps 20 --seq 256 --batch 4 --rounds 3 --torchtune-python /path/to/venv/bin/python
+
+torchtune lives in its own virtual environment (``pip install --no-deps torchtune==0.6.1
+torchao==0.13.0 omegaconf tiktoken`` over the one with torch 2.13.0): PEFT refuses to run
+when torchao older than 0.16 is importable beside it.
 """
 
 from __future__ import annotations
@@ -59,21 +67,74 @@ def recipe_config(model: Path, out: Path, args: argparse.Namespace, lora: bool) 
     return cfg
 
 
-def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool) -> list[float]:
+def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool) -> tuple[float, list[float]]:
     from ckptkit.train.recipes import recipe_entry
 
     recipe_entry("lora_finetune" if lora else "full_finetune")(recipe_config(model, out, args, lora))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["tokens_per_second"] for r in rows if "tokens_per_second" in r]
+    rows = [r for r in rows if "tokens_per_second" in r]
+    return rows[0]["loss"], [r["tokens_per_second"] for r in rows]
 
 
-def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> list[float]:
+def bench_batches(model: Path, args: argparse.Namespace) -> list[dict]:
+    """The collated batches every peer trains on, in order."""
+    from ckptkit.train.data import build_dataset, collate, epoch_batches
+    from ckptkit.train.tokenizer import load_tokenizer
+
+    cfg = {"type": "text", "source": str(model / "data.txt"), "max_seq_len": args.seq}
+    data = build_dataset(cfg, load_tokenizer(model))
+    return [collate([data[i] for i in b], 0) for b in epoch_batches(len(data), args.batch, 0, 0)[: args.steps]]
+
+
+def worker_torchtune(model: Path, args: argparse.Namespace, lora: bool) -> tuple[float, list[float]]:
+    import torch
+    from safetensors.torch import load_file
+    from torchtune.models.convert_weights import hf_to_tune
+    from torchtune.models.llama2 import llama2, lora_llama2
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+    from torchtune.training import scale_grads
+
+    torch.manual_seed(0)
+    dims = dict(vocab_size=MODEL["vocab_size"], num_layers=MODEL["num_hidden_layers"],
+                num_heads=MODEL["num_attention_heads"], num_kv_heads=MODEL["num_key_value_heads"],
+                embed_dim=MODEL["hidden_size"], max_seq_len=MODEL["max_position_embeddings"],
+                intermediate_dim=MODEL["intermediate_size"], norm_eps=1e-6)  # fmt: skip
+    if lora:
+        attn = [{"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "output_proj"}[t] for t in LORA["targets"]]
+        net = lora_llama2(lora_attn_modules=attn, lora_rank=LORA["rank"], lora_alpha=LORA["alpha"], **dims)
+    else:
+        net = llama2(**dims)
+    sd = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+    sd = hf_to_tune(sd, num_heads=dims["num_heads"], num_kv_heads=dims["num_kv_heads"], dim=dims["embed_dim"])
+    missing, unexpected = net.load_state_dict(sd, strict=False)
+    assert not unexpected and all("lora" in k for k in missing), (missing, unexpected)
+    if lora:
+        set_trainable_params(net, get_adapter_params(net))
+    loss_fn = CEWithChunkedOutputLoss()
+    net.set_num_output_chunks(loss_fn.num_output_chunks)
+    net.train()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    first, rates = None, []
+    for batch in bench_batches(model, args):
+        start = time.perf_counter()
+        labels = batch["labels"]  # already shifted, like torchtune's hstack of labels[..., 1:]
+        num_tokens = (labels != -100).sum()
+        loss = loss_fn(net(batch["input_ids"]), labels) * num_tokens
+        loss.backward()
+        scale_grads(net, 1 / num_tokens)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        first = first if first is not None else loss.item() / int(num_tokens)
+        rates.append(int(batch["attention_mask"].sum()) / (time.perf_counter() - start))
+    return first, rates
+
+
+def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> tuple[float, list[float]]:
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
-
-    from ckptkit.train.data import IGNORE_INDEX, TextCompletionDataset, collate, epoch_batches
-    from ckptkit.train.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -84,37 +145,44 @@ def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> li
         config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=targets, lora_dropout=0.0)
         net = get_peft_model(net, config)
     net.train()
-    data = TextCompletionDataset(model / "data.txt", load_tokenizer(model), args.seq)
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4)
-    rates = []
-    for indices in epoch_batches(len(data), args.batch, 0, 0)[: args.steps]:
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    first, rates = None, []
+    for batch in bench_batches(model, args):
         start = time.perf_counter()
-        batch = collate([data[i] for i in indices], 0)
         logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        first = first if first is not None else loss.item()
         rates.append(int(batch["attention_mask"].sum()) / (time.perf_counter() - start))
-    return rates
+    return first, rates
 
 
 def measure(kind: str, model: Path, work: Path, args: argparse.Namespace) -> dict:
-    """Run one worker in a subprocess; its tokens/s and peak RSS."""
+    """Run one worker in a subprocess under GNU time: tokens/s, first loss, peak RSS, user/sys CPU."""
     out = work / f"out-{kind}"
-    cmd = [sys.executable, __file__, "--worker", kind, "--model", str(model), "--out", str(out),
+    shutil.rmtree(out, ignore_errors=True)
+    python = args.torchtune_python if kind.startswith("torchtune") else sys.executable
+    cmd = [python, __file__, "--worker", kind, "--model", str(model), "--out", str(out),
            "--steps", str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch)]  # fmt: skip
-    # Peak RSS from /usr/bin/time: a child started from this (torch-importing) process
-    # would otherwise report this process's high-water mark as its own (vfork + exec).
-    rss_file = work / f"{kind}.rss"
-    proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd], stdout=subprocess.PIPE, text=True)
+    # GNU time, not os.wait4: a child started from this (torch-importing) process would
+    # otherwise report this process's high-water mark as its own (vfork + exec).
+    stats = work / f"{kind}.time"
+    proc = subprocess.run(
+        ["/usr/bin/time", "-f", "%M %U %S", "-o", str(stats), *cmd], stdout=subprocess.PIPE, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{kind} failed with status {proc.returncode}")
-    stdout = proc.stdout
-    peak_kb = int(rss_file.read_text().split()[-1])
-    rates = json.loads(stdout.strip().splitlines()[-1])[2:]  # drop two warm-up steps
-    return {"kind": kind, "tokens_per_s": statistics.median(rates), "peak_rss_mb": peak_kb / 1024}
+    peak_kb, user, system = stats.read_text().split()[-3:]
+    first, rates = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"kind": kind, "tokens_per_s": statistics.median(rates[2:]), "loss": first,  # two warm-up steps dropped
+            "peak_rss_mb": int(peak_kb) / 1024, "user_s": float(user), "sys_s": float(system)}  # fmt: skip
+
+
+PEERS = {"full": ["ckptkit-full", "torchtune-full", "transformers-full"],
+         "lora": ["ckptkit-lora", "torchtune-lora", "transformers-peft-lora"]}  # fmt: skip
 
 
 def main() -> None:
@@ -122,17 +190,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every run")
+    parser.add_argument(
+        "--torchtune-python",
+        default=sys.executable,
+        help="a Python with torchtune 0.6.1 + torchao 0.13.0 (PEFT refuses torchao < 0.16 beside it)",
+    )
     parser.add_argument("--worker")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
         lora = args.worker.endswith("lora")
-        if args.worker.startswith("ckptkit"):
-            rates = worker_ckptkit(args.model, args.out, args, lora)
-        else:
-            rates = worker_transformers(args.model, args, lora)
-        print(json.dumps(rates))
+        workers = {"ckptkit": lambda: worker_ckptkit(args.model, args.out, args, lora),
+                   "torchtune": lambda: worker_torchtune(args.model, args, lora),
+                   "transformers": lambda: worker_transformers(args.model, args, lora)}  # fmt: skip
+        print(json.dumps(workers[args.worker.split("-")[0]]()))
         return
 
     import torch
@@ -141,15 +214,29 @@ def main() -> None:
     try:
         params = make_model(work / "model")
         print(f"model: {params / 1e6:.1f}M parameters, float32; batch {args.batch} x seq {args.seq}, "
-              f"{args.steps} AdamW steps; torch {torch.__version__}, {os.cpu_count()} CPU cores")  # fmt: skip
+              f"{args.steps} AdamW steps, {args.rounds} interleaved rounds; torch {torch.__version__}, "
+              f"{os.cpu_count()} CPU cores, load average before {os.getloadavg()[0]:.1f}")  # fmt: skip
+        results: dict[str, list[dict]] = {k: [] for kinds in PEERS.values() for k in kinds}
+        for r in range(args.rounds):
+            for kinds in PEERS.values():
+                order = kinds[r % 3 :] + kinds[: r % 3]  # rotate who runs first
+                for kind in order:
+                    results[kind].append(measure(kind, work / "model", work, args))
         print()
-        print("| run | tokens/s | peak RSS | vs transformers |")
-        print("| --- | ---: | ---: | ---: |")
-        for ours, theirs in (("ckptkit-full", "transformers-full"), ("ckptkit-lora", "transformers-peft-lora")):
-            a, b = measure(ours, work / "model", work, args), measure(theirs, work / "model", work, args)
-            for r in (b, a):
-                ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x"
-                print(f"| {r['kind']} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} MB | {ratio} |")
+        print("| run | tokens/s (median) | per round | ckptkit / peer per round | peak RSS | user s | sys s | loss 1 |")
+        print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+        for kinds in PEERS.values():
+            ours = results[kinds[0]]
+            for kind in kinds:
+                runs = results[kind]
+                rates = [x["tokens_per_s"] for x in runs]
+                ratios = [o["tokens_per_s"] / x["tokens_per_s"] for o, x in zip(ours, runs, strict=True)]
+                print(f"| {kind} | {statistics.median(rates):.0f} | {' / '.join(f'{v:.0f}' for v in rates)} | "
+                      f"{' / '.join(f'{v:.2f}x' for v in ratios)} | "
+                      f"{statistics.median(x['peak_rss_mb'] for x in runs):.0f} MB | "
+                      f"{statistics.median(x['user_s'] for x in runs):.1f} | "
+                      f"{statistics.median(x['sys_s'] for x in runs):.1f} | {runs[0]['loss']:.6f} |")  # fmt: skip
+        print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
