@@ -12,7 +12,7 @@ import torch
 from ckptkit.errors import CkptkitError
 from ckptkit.train.chat_template import load_chat_template
 from ckptkit.train.data import IGNORE_INDEX, build_dataset, build_datasets, collate
-from ckptkit.train.data_sources import DATASET_DIR
+from ckptkit.train.data_sources import DATASET_DIR, resolve_source
 from ckptkit.train.tokenizer import load_tokenizer
 
 from conftest import FIXTURES
@@ -213,6 +213,7 @@ def test_data_config_errors_are_one_line() -> None:
     for message, cfg in cases.items():
         with pytest.raises(CkptkitError, match=message.replace(".", r"\.")):
             build_dataset(cfg, tokenizer)
+    assert resolve_source("tatsu-lab/alpaca") == "tatsu-lab/alpaca"  # not local: a Hub name for load_dataset
 
 
 def test_packed_rows_compute_what_their_documents_compute() -> None:

@@ -123,7 +123,9 @@ def build_datasets(
     return make(rows), (make(val_rows) if val_rows is not None else None)
 
 
-def build_dataset(cfg: dict[str, Any] | DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None):
+def build_dataset(
+    cfg: dict[str, Any] | DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None
+) -> TokenizedDataset:
     """The training set alone (see ``build_datasets``)."""
     return build_datasets(cfg, tokenizer, tokenizer_dir)[0]
 
