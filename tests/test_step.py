@@ -75,7 +75,7 @@ def test_fused_adamw_on_cpu_and_cuda() -> None:
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert build_optimizer(params, {}, torch.device("cpu")).defaults["fused"] is True
     unfused = build_optimizer(params, {"fused": False}, torch.device("cpu")).defaults
-    assert not unfused["fused"] and unfused["foreach"] is True
+    assert not unfused["fused"] and unfused["foreach"] is None  # torch's choice: for-loop on CPU
 
 
 def test_validation_loss_is_logged(tmp_path: Path) -> None:

@@ -73,7 +73,8 @@ def build_optimizer(params: list[nn.Parameter], cfg: dict[str, Any], device: tor
     """AdamW from the ``optimizer`` section; the fused kernel by default on CPU and CUDA.
 
     ``optimizer.fused``: null (default) picks fused where torch has it for the device (CPU,
-    CUDA) and the for-each implementation elsewhere; true / false force or forbid fused.
+    CUDA); false leaves the choice to torch (for-each on CUDA, the for-loop on CPU, where
+    bench/optimizer.py measured for-each slower than it); true forces fused.
     """
     fused = cfg.get("fused")
     if fused is None:
@@ -84,7 +85,6 @@ def build_optimizer(params: list[nn.Parameter], cfg: dict[str, Any], device: tor
         betas=tuple(cfg.get("betas", (0.9, 0.999))),
         weight_decay=float(cfg.get("weight_decay", 0.0)),
         fused=bool(fused),
-        foreach=None if fused else True,
     )
 
 
