@@ -5,8 +5,10 @@ Same model (an 18M-parameter Llama written by transformers' save_pretrained), sa
 same batches in the same order, same AdamW (fused) and clipping, float32. torchtune runs
 its own model builders (``llama2`` / ``lora_llama2``), its chunked cross-entropy and the
 step of its single-device recipes (token-weighted loss, ``scale_grads``). Each run is its
-own subprocess under GNU ``time`` (peak RSS, user and system CPU seconds); tokens/s is the
-median over optimizer steps after two warm-up steps (checkpoint writing is not timed).
+own subprocess under GNU ``time`` (peak RSS, user and system CPU seconds). Each optimizer step
+(ckptkit: the recipe's own ``_step``) is clocked in wall time and in process CPU time; the
+table gives the median after two warm-up steps of tokens/s and of tokens per CPU-second
+(the steadier figure on a loaded machine). Checkpoint writing is not timed.
 Rounds interleave the peers, so each ratio compares runs made under the same load; every
 worker prints its first-step loss, which must agree across peers (same model, same batch).
 
@@ -67,13 +69,38 @@ def recipe_config(model: Path, out: Path, args: argparse.Namespace, lora: bool) 
     return cfg
 
 
-def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool) -> tuple[float, list[float]]:
-    from ckptkit.train.recipes import recipe_entry
+class StepClock:
+    """tokens/s of each step in wall time and in CPU time (the process's, all threads)."""
 
-    recipe_entry("lora_finetune" if lora else "full_finetune")(recipe_config(model, out, args, lora))
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def stop(self, tokens: int) -> None:
+        self.wall.append(tokens / (time.perf_counter() - self._wall))
+        self.cpu.append(tokens / (time.process_time() - self._cpu))
+
+
+def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool) -> tuple[float, StepClock]:
+    import importlib
+
+    module = importlib.import_module(f"ckptkit.train.recipes.{'lora_finetune' if lora else 'full_finetune'}")
+    recipe = module.LoRAFinetuneRecipe if lora else module.FullFinetuneRecipe
+    clock, step = StepClock(), recipe._step
+
+    def timed_step(self, batches):  # the recipe's own step, clocked like the peers' loops
+        clock.start()
+        loss, tokens = step(self, batches)
+        clock.stop(tokens)
+        return loss, tokens
+
+    recipe._step = timed_step
+    module.recipe_main(recipe_config(model, out, args, lora))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "tokens_per_second" in r]
-    return rows[0]["loss"], [r["tokens_per_second"] for r in rows]
+    return next(r["loss"] for r in rows if "loss" in r), clock
 
 
 def bench_batches(model: Path, args: argparse.Namespace) -> list[dict]:
@@ -86,7 +113,7 @@ def bench_batches(model: Path, args: argparse.Namespace) -> list[dict]:
     return [collate([data[i] for i in b], 0) for b in epoch_batches(len(data), args.batch, 0, 0)[: args.steps]]
 
 
-def worker_torchtune(model: Path, args: argparse.Namespace, lora: bool) -> tuple[float, list[float]]:
+def worker_torchtune(model: Path, args: argparse.Namespace, lora: bool) -> tuple[float, StepClock]:
     import torch
     from safetensors.torch import load_file
     from torchtune.models.convert_weights import hf_to_tune
@@ -115,9 +142,9 @@ def worker_torchtune(model: Path, args: argparse.Namespace, lora: bool) -> tuple
     net.set_num_output_chunks(loss_fn.num_output_chunks)
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    first, rates = None, []
+    first, clock = None, StepClock()
     for batch in bench_batches(model, args):
-        start = time.perf_counter()
+        clock.start()
         labels = batch["labels"]  # already shifted, like torchtune's hstack of labels[..., 1:]
         num_tokens = (labels != -100).sum()
         loss = loss_fn(net(batch["input_ids"]), labels) * num_tokens
@@ -127,11 +154,11 @@ def worker_torchtune(model: Path, args: argparse.Namespace, lora: bool) -> tuple
         opt.step()
         opt.zero_grad(set_to_none=True)
         first = first if first is not None else loss.item() / int(num_tokens)
-        rates.append(int(batch["attention_mask"].sum()) / (time.perf_counter() - start))
-    return first, rates
+        clock.stop(int(batch["attention_mask"].sum()))
+    return first, clock
 
 
-def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> tuple[float, list[float]]:
+def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> tuple[float, StepClock]:
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -146,9 +173,9 @@ def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> tu
         net = get_peft_model(net, config)
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    first, rates = None, []
+    first, clock = None, StepClock()
     for batch in bench_batches(model, args):
-        start = time.perf_counter()
+        clock.start()
         logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
         loss.backward()
@@ -156,8 +183,8 @@ def worker_transformers(model: Path, args: argparse.Namespace, lora: bool) -> tu
         opt.step()
         opt.zero_grad(set_to_none=True)
         first = first if first is not None else loss.item()
-        rates.append(int(batch["attention_mask"].sum()) / (time.perf_counter() - start))
-    return first, rates
+        clock.stop(int(batch["attention_mask"].sum()))
+    return first, clock
 
 
 def measure(kind: str, model: Path, work: Path, args: argparse.Namespace) -> dict:
@@ -176,8 +203,9 @@ def measure(kind: str, model: Path, work: Path, args: argparse.Namespace) -> dic
     if proc.returncode != 0:
         raise SystemExit(f"{kind} failed with status {proc.returncode}")
     peak_kb, user, system = stats.read_text().split()[-3:]
-    first, rates = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"kind": kind, "tokens_per_s": statistics.median(rates[2:]), "loss": first,  # two warm-up steps dropped
+    first, wall, cpu = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"kind": kind, "tokens_per_s": statistics.median(wall[2:]), "loss": first,  # two warm-up steps dropped
+            "tokens_per_cpu_s": statistics.median(cpu[2:]),
             "peak_rss_mb": int(peak_kb) / 1024, "user_s": float(user), "sys_s": float(system)}  # fmt: skip
 
 
@@ -205,7 +233,8 @@ def main() -> None:
         workers = {"ckptkit": lambda: worker_ckptkit(args.model, args.out, args, lora),
                    "torchtune": lambda: worker_torchtune(args.model, args, lora),
                    "transformers": lambda: worker_transformers(args.model, args, lora)}  # fmt: skip
-        print(json.dumps(workers[args.worker.split("-")[0]]()))
+        first, clock = workers[args.worker.split("-")[0]]()
+        print(json.dumps([first, clock.wall, clock.cpu]))
         return
 
     import torch
@@ -223,17 +252,18 @@ def main() -> None:
                 for kind in order:
                     results[kind].append(measure(kind, work / "model", work, args))
         print()
-        print("| run | tokens/s (median) | per round | ckptkit / peer per round | peak RSS | user s | sys s | loss 1 |")
-        print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+        print("| run | tokens/s wall (rounds) | ckptkit / peer | tokens per CPU-s (rounds) | ckptkit / peer | "
+              "peak RSS | user s | sys s | loss 1 |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
         for kinds in PEERS.values():
             ours = results[kinds[0]]
             for kind in kinds:
                 runs = results[kind]
-                rates = [x["tokens_per_s"] for x in runs]
-                ratios = [o["tokens_per_s"] / x["tokens_per_s"] for o, x in zip(ours, runs, strict=True)]
-                print(f"| {kind} | {statistics.median(rates):.0f} | {' / '.join(f'{v:.0f}' for v in rates)} | "
-                      f"{' / '.join(f'{v:.2f}x' for v in ratios)} | "
-                      f"{statistics.median(x['peak_rss_mb'] for x in runs):.0f} MB | "
+                cells = []
+                for key in ("tokens_per_s", "tokens_per_cpu_s"):
+                    ratios = [o[key] / x[key] for o, x in zip(ours, runs, strict=True)]
+                    cells += [" / ".join(f"{x[key]:.0f}" for x in runs), " / ".join(f"{r:.2f}x" for r in ratios)]
+                print(f"| {kind} | {' | '.join(cells)} | {statistics.median(x['peak_rss_mb'] for x in runs):.0f} MB | "
                       f"{statistics.median(x['user_s'] for x in runs):.1f} | "
                       f"{statistics.median(x['sys_s'] for x in runs):.1f} | {runs[0]['loss']:.6f} |")  # fmt: skip
         print(f"\nload average after: {os.getloadavg()[0]:.1f}")
