@@ -31,12 +31,13 @@ from ckptkit.errors import CkptkitError
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import ADAPTER_DIR, Checkpointer, checkpoint_name, rng_state, set_rng_state
 from ckptkit.train.config import get, load_config, validate_config
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, check_trainable, collate, epoch_batches
+from ckptkit.train.data import IGNORE_INDEX, build_dataset, collate, epoch_batches
 from ckptkit.train.lora import apply_lora, lora_modules, merged_weight
 from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.metrics import MetricLogger, Progress
 from ckptkit.train.peft_io import prepare_for_peft, save_adapter
 from ckptkit.train.schema import LoRAFinetuneDistributedConfig
+from ckptkit.train.step import model_inputs
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.transformer import build_model
 
@@ -104,8 +105,8 @@ class LoRAFinetuneDistributedRecipe:
 
         tokenizer_dir = get(self.cfg, "tokenizer") or self.checkpointer.checkpoint_dir
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
-        self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer)
-        check_trainable(self.dataset, get(self.cfg, "dataset.max_seq_len"))
+        folder = Path(tokenizer_dir) if Path(tokenizer_dir).is_dir() else Path(tokenizer_dir).parent
+        self.dataset = build_dataset(get(self.cfg, "dataset", {}), self.tokenizer, folder)
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.global_batch // self.grad_accum
         if batches == 0:
@@ -210,23 +211,22 @@ class LoRAFinetuneDistributedRecipe:
     def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
         """One optimizer step over gradient_accumulation_steps global batches; (mean loss, tokens).
 
-        Each rank sums the token losses of its part; dividing by the global batch's token
-        count (and multiplying by the ranks FSDP averages gradients over) gives exactly the
-        single-device mean.
+        Each rank sums the token losses of its part; dividing by the step's token count over
+        all its global batches (and multiplying by the ranks FSDP averages gradients over)
+        gives exactly the single-device token-weighted mean.
         """
         sums = torch.zeros(len(step_batches), dtype=torch.float32, device=self.device)
-        counts, tokens = [], 0
+        samples = [self.dataset[i] for indices in step_batches for i in indices]
+        count = max(1, sum(t != IGNORE_INDEX for s in samples for t in s.labels[1:]))
+        tokens = sum(len(s.ids) for s in samples)
         for j, indices in enumerate(step_batches):
-            samples = [self.dataset[i] for i in indices]
-            counts.append(max(1, sum(t != IGNORE_INDEX for _, labels in samples for t in labels[1:])))
-            tokens += sum(len(ids) for ids, _ in samples)
             batch = collate([self.dataset[i] for i in D.mine(indices)], self.pad_id)
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            logits = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
+            logits = self.model(**model_inputs(batch))  # packed batches: document mask and positions
             loss_sum = F.cross_entropy(
                 logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
-            (loss_sum * (self.world / (counts[-1] * len(step_batches)))).backward()
+            (loss_sum * (self.world / count)).backward()
             sums[j] = loss_sum.detach()
         dist.all_reduce(sums)
         if self.clip:
@@ -234,7 +234,7 @@ class LoRAFinetuneDistributedRecipe:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return sum(s / c / len(step_batches) for s, c in zip(sums.tolist(), counts, strict=True)), tokens
+        return (sums.sum() / count).item(), tokens
 
     def _save(self, name: str, epochs_run: int, final: bool) -> None:
         D.reset_peak_rss()
