@@ -290,10 +290,15 @@ def generate(
     top_k: Annotated[int | None, typer.Option(min=1, help="Sample from the k most likely tokens.")] = None,
     adapter: Annotated[Path | None, typer.Option(help="PEFT LoRA adapter directory to apply.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="PROMPT is a user message: apply the chat template; print the reply.")
+    ] = False,
 ) -> None:
     """Continue PROMPT with the native model (KV-cached greedy or sampled decoding), streamed as it comes.
 
-    Prompt plus completion are capped at the model's context length.
+    Prompt plus completion are capped at the model's context length. With --chat, PROMPT is
+    rendered with the checkpoint's chat template (tokenizer_config.json) and only the reply
+    is printed.
     """
     from ckptkit.train.generation import generate_text
 
@@ -303,7 +308,7 @@ def generate(
 
     generate_text(
         str(checkpoint), prompt, max_new_tokens, temperature, top_k, str(adapter) if adapter else None, seed,
-        on_text=write, on_note=lambda note: err.print(f"note: {note}", highlight=False),
+        on_text=write, on_note=lambda note: err.print(f"note: {note}", highlight=False), chat=chat,
     )  # fmt: skip
     sys.stdout.write("\n")
 

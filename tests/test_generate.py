@@ -194,3 +194,37 @@ def test_pickled_adapter_is_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["generate", str(hf_dir("llama2")), "--prompt", "hi", "--adapter", str(tmp_path)])
     assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
     assert f"{tmp_path / 'adapter_model.bin'}: not a plain file of tensors (UnpicklingError)" in result.stderr
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA2_CHAT = "{% for m in messages %}{{ bos_token }}[INST] {{ m['content'] | trim }} [/INST]{% endfor %}"
+
+
+@pytest.mark.parametrize(("family", "template"), [("qwen2", CHATML), ("llama2", LLAMA2_CHAT)])
+def test_chat_prompt_is_transformers_apply_chat_template(family: str, template: str, tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from ckptkit.cli import app
+    from ckptkit.train.generation import chat_prompt_ids
+
+    ckpt = tmp_path / family
+    shutil.copytree(hf_dir(family), ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    messages = [{"role": "user", "content": "Name a cold place. "}]
+    theirs = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(messages, add_generation_prompt=True)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+    tokenizer = load_tokenizer(ckpt)
+    ours = chat_prompt_ids(str(ckpt), "Name a cold place. ", tokenizer)
+    assert ours == list(theirs)  # the template's BOS once, not twice
+    # --chat prints the reply to that prompt, and only the reply
+    result = CliRunner().invoke(app, ["generate", str(ckpt), "--prompt", "Name a cold place. ", "--chat",
+                                      "--max-new-tokens", "5"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    reply = generate(native_model(family), torch.tensor([ours]), 5, eos_token_id=tokenizer.eos_ids)[0, len(ours) :]
+    assert result.stdout == tokenizer.decode(reply.tolist()) + "\n"

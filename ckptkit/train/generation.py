@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from ckptkit.errors import CkptkitError
+from ckptkit.train.tokenizer import Tokenizer
 from ckptkit.train.transformer import KVCache, Transformer
 
 
@@ -83,8 +85,10 @@ def generate_text(
     seed: int = 0,
     on_text: Callable[[str], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    chat: bool = False,
 ) -> str:
-    """Body of ``ckptkit generate``: load checkpoint (+ adapter) and tokenizer, return prompt + completion.
+    """Body of ``ckptkit generate``: load checkpoint (+ adapter) and tokenizer, return prompt + completion
+    (with ``chat``: ``prompt`` is a user message in the chat template, and only the reply is returned).
 
     ``max_new_tokens`` is capped so that prompt plus completion fit the model's context
     (``on_note`` says so); ``on_text`` receives the text piece by piece as tokens come.
@@ -100,11 +104,12 @@ def generate_text(
     eos_ids = sorted(set(tokenizer.eos_ids) | set([eos] if isinstance(eos, int) else eos or []))
     if adapter is not None:
         load_adapter(model, adapter, merge=True)
-    prompt_ids = tokenizer.encode(prompt)
+    prompt_ids = chat_prompt_ids(checkpoint, prompt, tokenizer) if chat else tokenizer.encode(prompt)
     if not prompt_ids:
         raise CkptkitError("the prompt encodes to no tokens")
     max_new_tokens = fit_context(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings, on_note)
-    ids = list(prompt_ids)
+    start = len(prompt_ids) if chat else 0  # what is shown: the reply only, or prompt and completion
+    ids = list(prompt_ids[start:])
     stream = TextStream(tokenizer.decode, ids, on_text)
 
     def on_token(next_ids: torch.Tensor) -> None:
@@ -123,9 +128,19 @@ def generate_text(
         generator=generator,
         on_token=on_token,
     )
-    text = tokenizer.decode(out[0].tolist())
+    text = tokenizer.decode(out[0, start:].tolist())
     stream.finish(text)
     return text
+
+
+def chat_prompt_ids(checkpoint: str, prompt: str, tokenizer: Tokenizer) -> list[int]:
+    """``prompt`` as one user message in the checkpoint's chat template, with the assistant's turn
+    opened, tokenised as transformers' ``apply_chat_template`` does (the template writes any BOS)."""
+    from ckptkit.train.chat_template import load_chat_template
+
+    folder = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
+    text = load_chat_template(folder).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(text, add_bos=False)
 
 
 def fit_context(prompt_len: int, max_new_tokens: int, context: int, on_note: Callable[[str], None] | None) -> int:
