@@ -143,6 +143,9 @@ def convert(
     max_shard_size: Annotated[str | None, typer.Option(help='HF shard size limit, e.g. "5GB".')] = None,
     force: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
     verify: Annotated[bool, typer.Option(help="Re-read the output and compare it with SRC, tensor by tensor.")] = False,
+    allow_lossy_cast: Annotated[
+        bool, typer.Option(help="Let --dtype overflow values to inf or flush them to 0 (an error otherwise).")
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
     copy_method: Annotated[
         CopyMethod,
@@ -167,6 +170,7 @@ def convert(
         verify=verify,
         quiet=quiet,
         copy_method=None if copy_method == NO_COPY else copy_method.value,
+        allow_lossy_cast=allow_lossy_cast,
     )
     if quiet:
         return
@@ -179,9 +183,15 @@ def convert(
     share = f", {copied / tensor_bytes:.0%} of tensor bytes copied file to file" if tensor_bytes else ""
     err.print(
         f"wrote {dst} ({to.value}, {layout}, {_human(result.bytes_written)}{share}) "
-        f"in {time.perf_counter() - start:.1f}s" + ("; verified bitwise against the source" if verify else ""),
+        f"in {time.perf_counter() - start:.1f}s" + (f"; {_verified(dtype.value if dtype else None)}" if verify else ""),
         highlight=False,
     )
+
+
+def _verified(dtype: str | None) -> str:
+    from ckptkit.casting import cast_description
+
+    return cast_description(dtype) if dtype else "verified bitwise against the source"
 
 
 @app.command()

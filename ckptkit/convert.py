@@ -59,13 +59,16 @@ def write_plan(
         writers[f.name] = (
             SafetensorsWriter(path, entries, f.metadata)
             if f.name.endswith(".safetensors")
-            else TorchPickleWriter(path, entries)
+            else TorchPickleWriter(path, entries, f.aliases)
         )
     total = sum(plan.targets[k].nbytes for k in where)
     computed = 0
     with byte_progress(label, total, quiet) as bar, Overlap(on_done=bar.advance) as copies:
         for key, files in where.items():
             lazy = plan.targets[key]
+            if all(key in f.aliases for f in files):  # stored as another tensor's storage
+                bar.advance(lazy.nbytes)
+                continue
             spans = lazy.spans() if copy_method is not None else None
             if spans is not None:
                 if total_bytes(spans) != lazy.nbytes:
@@ -141,6 +144,7 @@ def convert(
     quiet: bool = True,
     on_verify: Callable[[Any], None] | None = None,
     copy_method: str | None = AUTO,
+    allow_lossy_cast: bool = False,
 ) -> Result:
     """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
 
@@ -154,7 +158,7 @@ def convert(
     target_format(to)
     with open_checkpoint(src, from_format, model_type) as ckpt:
         check_destination(src, dst, force)
-        opts = Options(to, dtype, shards, max_shard_size)
+        opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method)
 
 
@@ -175,7 +179,10 @@ def write_checkpoint(
         by_method = write_plan(plan, tmp, quiet, copy_method=copy_method)
         target_format(plan.format).finish(ckpt, plan, tmp)
         for extra in ckpt.extra_files():
-            shutil.copy2(extra, tmp / extra.name)
+            if extra.name not in plan.tokenizer.skip:
+                shutil.copy2(extra, tmp / extra.name)
+        for name, data in plan.tokenizer.files.items():
+            (tmp / name).write_bytes(data)
         if verify:
             from ckptkit.verify import verify_against
 

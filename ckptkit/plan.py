@@ -6,6 +6,7 @@ only decides between restoring a recorded layout and laying out afresh, and cast
 
 from __future__ import annotations
 
+from ckptkit.casting import checked_cast
 from ckptkit.checkpoint import Checkpoint
 from ckptkit.dtypes import FLOATING, to_torch
 from ckptkit.errors import CkptkitError
@@ -28,19 +29,46 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
     origin = ckpt.origin
     restore = origin.get("format") == fmt.name and opts.shards is None and opts.max_shard_size is None
     targets, notes = fmt.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
-    targets = {k: _cast(v, opts.dtype) for k, v in targets.items()}
+    if opts.dtype is not None:
+        kept = [k for k, v in targets.items() if v.dtype not in FLOATING]
+        if kept:
+            notes.append(f"not cast (not floating point): {', '.join(kept[:4])}")
+    targets = {k: _cast(k, v, opts.dtype, opts.allow_lossy_cast) for k, v in targets.items()}
     plan = _restored_plan(ckpt, fmt, targets, notes) if restore else None
     if plan is None:
         files, split = fmt.default_files(ckpt, targets, opts)
         plan = Plan(fmt.name, targets, files, split, notes=notes)
+    plan.tokenizer = fmt.tokenizer(ckpt)
+    plan.notes.extend(plan.tokenizer.notes)
     plan.metadata_files.update(fmt.metadata_files(ckpt, plan, opts.dtype))
     return plan
 
 
-def _cast(lazy: Lazy, dtype: str | None) -> Lazy:
+def _cast(name: str, lazy: Lazy, dtype: str | None, allow_lossy: bool) -> Lazy:
     if dtype is None or lazy.dtype not in FLOATING or lazy.dtype == dtype:
         return lazy
-    return Lazy(lazy.shape, dtype, lambda: lazy.get().to(to_torch(dtype)), lazy.file)
+    return Lazy(
+        lazy.shape, dtype, lambda: checked_cast(lazy.get(), to_torch(dtype), name, lazy.file, allow_lossy), lazy.file
+    )
+
+
+def _plain_copies(ckpt: Checkpoint, fmt: CheckpointFormat) -> dict[str, str]:
+    """Native name -> the canonical tensor it is an unchanged copy of (copied or tied)."""
+    from ckptkit.transforms import COPY, TIED
+
+    rules = fmt.write_layout(ckpt).expand(ckpt.config.num_layers)
+    return {r.native: r.canonical[0] for r in rules if r.kind in (COPY, TIED) and len(r.canonical) == 1}
+
+
+def _shared_storage(
+    ckpt: Checkpoint, fmt: CheckpointFormat, recorded: dict[str, str], keys: list[str]
+) -> dict[str, str]:
+    """The recorded aliases (key -> key whose storage it shares) that still hold: both
+    written, both the same canonical tensor unchanged."""
+    if not recorded:
+        return {}
+    copies = _plain_copies(ckpt, fmt)
+    return {a: p for a, p in recorded.items() if a in keys and p in keys and copies.get(a, a) == copies.get(p, p)}
 
 
 def _unused_pool(ckpt: Checkpoint) -> dict[str, Lazy]:
@@ -53,7 +81,7 @@ def _unused_pool(ckpt: Checkpoint) -> dict[str, Lazy]:
 
 
 def _restored_plan(ckpt: Checkpoint, fmt: CheckpointFormat, targets: dict[str, Lazy], notes: list[str]) -> Plan | None:
-    """The recorded layout of ``fmt`` (file names, order, ranks), if it still fits."""
+    """The recorded layout of ``fmt`` (file names, order, ranks, storage sharing), if it still fits."""
     origin = ckpt.origin
     placed = [k for f in origin["files"] for k in f["keys"]]
     required = fmt.required(ckpt)
@@ -65,10 +93,11 @@ def _restored_plan(ckpt: Checkpoint, fmt: CheckpointFormat, targets: dict[str, L
     if absent:
         notes.append(f"not restored (no longer available): {', '.join(absent[:4])}")
     n = len(origin["files"])
-    files = [
-        FilePlan(f["name"], [k for k in f["keys"] if k in targets], f.get("metadata"), rank=i, ranks=n)
-        for i, f in enumerate(origin["files"])
-    ]
+    files = []
+    for i, f in enumerate(origin["files"]):
+        keys = [k for k in f["keys"] if k in targets]
+        aliases = _shared_storage(ckpt, fmt, f.get("aliases") or {}, keys)
+        files.append(FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases))
     keep = {k for f in files for k in f.keys}
     split = dict(origin.get("split_dims") or {})
     if n > 1:

@@ -129,10 +129,15 @@ def test_dtype_cast_and_verify(tmp_path: Path) -> None:
 
 
 def test_non_weight_files_are_carried(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf" / "mistral", tmp_path / "m", "meta")
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (tmp_path / "m" / name).read_bytes() == (FIXTURES / "hf" / "mistral" / name).read_bytes()
-    assert not (tmp_path / "m" / "config.json").exists()
+    """HF -> Meta keeps Meta's tokenizer.model; the HF-only files come back with HF."""
+    src = FIXTURES / "hf" / "mistral"
+    convert(src, tmp_path / "m", "meta")
+    assert (tmp_path / "m" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    hf_only = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    assert not any((tmp_path / "m" / name).exists() for name in (*hf_only, "config.json"))
+    convert(tmp_path / "m", tmp_path / "back", "hf")
+    for name in (*hf_only, "tokenizer.model"):
+        assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes()
     assert json.loads((tmp_path / "m" / "params.json").read_text())["n_kv_heads"] == 2
 
 

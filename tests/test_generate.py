@@ -104,7 +104,7 @@ def test_tiktoken_tokenizer_model_matches_tokenizer_json(family: str, tmp_path: 
     only_model = tmp_path / "original"
     only_model.mkdir()
     shutil.copy(meta / "tokenizer.model", only_model / "tokenizer.model")
-    tok, ref = load_tokenizer(only_model), HFTokenizer(meta / "tokenizer.json")
+    tok, ref = load_tokenizer(only_model), HFTokenizer(FIXTURES / "hf" / family / "tokenizer.json")
     assert isinstance(tok, TiktokenTokenizer)
     text = (FIXTURES / "corpus.txt").read_text()
     for piece in [*text.splitlines()[:40], text, "  tabs\tand\n\nnewlines 12345 émoji 😀"]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.rawcopy import Span
+from ckptkit.tokenization import TokenizerPlan
 from ckptkit.transforms import RANKS
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class Options:
     dtype: str | None = None
     shards: int | None = None
     max_shard_size: str | None = None
+    allow_lossy_cast: bool = False  # let --dtype overflow to inf or flush to 0
 
 
 @dataclass
@@ -53,6 +55,7 @@ class FilePlan:
     metadata: dict[str, str] | None = None
     rank: int = 0
     ranks: int = 1
+    aliases: dict[str, str] = field(default_factory=dict)  # key stored as another key's storage -> that key
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Plan:
     metadata_files: dict[str, str] = field(default_factory=dict)  # name -> text
     restored: bool = False
     notes: list[str] = field(default_factory=list)
+    tokenizer: TokenizerPlan = field(default_factory=TokenizerPlan)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class RawCheckpoint:
         index: ``{"name", "text"}`` of an HF index file, or None.
         file_metadata: safetensors ``__metadata__`` per file (None for pickles).
         split_dims: Meta rank-split dim per tensor (None: replicated); empty otherwise.
+        file_aliases: per pickle file, tensors stored as another tensor of it -> that tensor.
     """
 
     format: str
@@ -94,6 +99,7 @@ class RawCheckpoint:
     index: dict[str, str] | None = None
     file_metadata: dict[str, dict[str, str] | None] = field(default_factory=dict)
     split_dims: dict[str, int | None] = field(default_factory=dict)
+    file_aliases: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def read(self, name: str) -> torch.Tensor:
         """One native tensor, materialised (Meta ranks concatenated)."""

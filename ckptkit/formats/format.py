@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, Options, Plan, RawCheckpoint, read_json
+from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +99,7 @@ class CheckpointFormat:
             "model_type": ckpt.family.name,
             "files": [
                 {"name": name, "keys": keys, "metadata": raw.file_metadata.get(name)}
+                | ({"aliases": raw.file_aliases[name]} if raw.file_aliases.get(name) else {})
                 for name, keys in raw.files.items()
             ],
             "dtypes": {k: dtype_name(i.dtype) for k, i in raw.infos.items()},
@@ -159,12 +161,18 @@ class CheckpointFormat:
         """Non-weight files to write (config, index): name -> text."""
         return {}
 
+    def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
+        """What to do with the source's tokenizer files: by default carry them as they are."""
+        return TokenizerPlan()
+
     def finish(self, ckpt: Checkpoint, plan: Plan, out_dir: Path) -> None:
         """Write what depends on the written weights: by default the source's layout,
         recorded beside them so that converting back restores it exactly."""
         origin = ckpt.origin
         if plan.restored or origin.get("format") in (None, plan.format):
             return
+        if plan.tokenizer.record is not None:  # tokenizer files this format does not hold
+            origin = {**origin, "tokenizer": plan.tokenizer.record}
         sizes = {f.name: (out_dir / f.name).stat().st_size for f in plan.files}
         doc = {"written": {"format": plan.format, "files": sizes}, "origin": origin}
         (out_dir / ORIGIN_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

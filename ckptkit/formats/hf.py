@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from ckptkit.formats.base import (
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 
 if TYPE_CHECKING:
     from ckptkit.checkpoint import Checkpoint
@@ -57,12 +59,15 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
     files: dict[str, list[str]] = {}
     infos: dict[str, TensorInfo] = {}
     file_metadata: dict[str, dict[str, str] | None] = {}
+    file_aliases: dict[str, dict[str, str]] = {}
     for name in names:
         safetensors = name.endswith(".safetensors")
         reader: Any = SafetensorsReader(root / name) if safetensors else torch_reader(root / name)
         readers[name] = reader
         files[name] = list(reader.infos)
         file_metadata[name] = reader.metadata if safetensors else None
+        if getattr(reader, "aliases", None):
+            file_aliases[name] = reader.aliases
         for key, info in reader.infos.items():
             if key in infos:
                 raise CkptkitError(f"{root / name}: tensor {key!r} is also in {infos[key].file}")
@@ -88,6 +93,7 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
         config=config,
         index=index,
         file_metadata=file_metadata,
+        file_aliases=file_aliases,
     )
 
 
@@ -153,6 +159,11 @@ class HFFormat(CheckpointFormat):
         files = size_sharded_files(targets, opts, self.shard_pattern, self.single_name, self.safetensors)
         return files, {}
 
+    def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
+        cfg = ckpt.config
+        recorded = ckpt.origin.get("tokenizer")
+        return tokenizer_for_hf(ckpt.path, ckpt.family.tokenizer, cfg.vocab_size, cfg.max_position_embeddings, recorded)
+
     def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         out: dict[str, str] = {}
         weights = list(plan.targets.values())
@@ -168,10 +179,11 @@ class HFFormat(CheckpointFormat):
                 text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
             out["config.json"] = text
         else:
-            config = ckpt.family.config_to_hf(ckpt.config, main_dtype)
+            ids = {k: v for k, v in plan.tokenizer.ids.items() if getattr(ckpt.config, k) is None}
+            config = ckpt.family.config_to_hf(dataclasses.replace(ckpt.config, **ids), main_dtype)
             out["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
-        if len(plan.files) > 1:
-            index = ckpt.origin.get("index") if plan.restored else None
+        index = ckpt.origin.get("index") if plan.restored else None
+        if len(plan.files) > 1 or index:  # a single shard keeps the index it came with
             if index and cast is None:
                 out[index["name"]] = index["text"]
             else:

@@ -29,6 +29,7 @@ from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
 from ckptkit.formats.torchtune import torchtune_files
+from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
 
 if TYPE_CHECKING:
     import torch
@@ -205,6 +206,9 @@ class MetaFormat(CheckpointFormat):
                     )
                 split[k] = d
         return files, split
+
+    def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
+        return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer)
 
     def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}

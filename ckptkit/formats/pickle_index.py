@@ -155,6 +155,18 @@ def _reduce(fn: object, args: object) -> object:
     return TensorMeta(shape, storage[1], storage[2], offset, None if stride is None else tuple(int(s) for s in stride))
 
 
+def aliases(index: dict[str, TensorMeta]) -> dict[str, str]:
+    """Tensors that are another tensor of the file (same bytes, shape and dtype) -> that tensor."""
+    first: dict[TensorMeta, str] = {}
+    out = {}
+    for name, meta in index.items():
+        if meta in first:
+            out[name] = first[meta]
+        else:
+            first[meta] = name
+    return out
+
+
 def read_index(path: Path) -> dict[str, TensorMeta]:
     """The tensors of a zip-format ``torch.save`` file; UnsupportedPickle for anything else."""
     try:

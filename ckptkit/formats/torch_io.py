@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
-from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, read_index
+from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, aliases, read_index
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.rawcopy import AUTO, Span, copy_spans, spans_crc32, total_bytes
 
@@ -104,6 +104,7 @@ class TorchPickleReader:
         self._mapped = False
         self._index: dict[str, TensorMeta] = {}
         self._stored: dict[str, tuple[int, int, int]] | None = None
+        self.aliases: dict[str, str] = {}  # tensor stored as another one of this file -> that one
         try:
             index = read_index(path)
         except ForbiddenGlobal as e:
@@ -115,6 +116,7 @@ class TorchPickleReader:
             return
         self.infos = {k: TensorInfo(k, m.shape, m.dtype, path.name) for k, m in index.items()}
         self._index = index
+        self.aliases = aliases(index)
 
     def _load_tensors(self) -> dict[str, torch.Tensor]:
         import torch
@@ -124,7 +126,9 @@ class TorchPickleReader:
             if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
                 raise CkptkitError(f"{self.path}: expected a flat dict of tensors (a state dict)")
             infos = {k: TensorInfo(k, tuple(v.shape), dtype_name(v.dtype), self.path.name) for k, v in obj.items()}
-            if hasattr(self, "infos") and infos != self.infos:
+            if not hasattr(self, "infos"):  # no index was readable: find the aliases here
+                self.aliases = _shared(obj)
+            elif infos != self.infos:
                 raise CkptkitError(f"{self.path}: the pickle's tensors differ from its index (corrupt file)")
             self.infos, self._tensors = infos, obj
         return self._tensors
@@ -202,28 +206,52 @@ def stored_records(path: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _shared(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Aliases among loaded tensors: same storage, offset, shape, stride and dtype."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
 class TorchPickleWriter:
     """Writes one ``torch.save``-compatible file whose tensors are fixed up front.
 
     Args:
         path: file to create.
         entries: (name, dtype, shape) for every tensor, in dict order.
+        aliases: name -> another entry whose storage it shares (as old ``save_pretrained``
+            stored tied weights); written once, by that entry.
     """
 
-    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]]):
+    def __init__(
+        self,
+        path: Path,
+        entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
+        aliases: dict[str, str] | None = None,
+    ):
         self.path = path
+        self.aliases = dict(aliases or {})
         named = [(name, dtype_name(dt), tuple(shape)) for name, dt, shape in entries]
-        if torch_zip.supported([dtype for _, dtype, _ in named]):
+        if torch_zip.supported([dtype for _, dtype, _ in named]) and not self.aliases:
             records = torch_zip.write_skeleton(path, named)  # what torch.save writes, without torch
         else:
-            records = _torch_skeleton(path, named)
+            records = _torch_skeleton(path, named, self.aliases)
         by_name = {r.name: r for r in records}
         # Storage records are numbered in the order the pickler meets them: dict order.
         self._records: dict[str, tuple[int, int, str]] = {}
-        for i, info in enumerate(TensorInfo(n, s, d) for n, d, s in named):
-            record = by_name[f"data/{i}"]
+        for info in (TensorInfo(n, s, d) for n, d, s in named):
+            owner = self.aliases.get(info.name, info.name)
+            if owner in self._records:
+                continue
+            record = by_name[f"data/{len(self._records)}"]
             assert record.size == info.nbytes, (info.name, record.name)
-            self._records[info.name] = (record.data_offset, info.nbytes, record.name)
+            self._records[owner] = (record.data_offset, info.nbytes, record.name)
         self._header = {r.name: r.header_offset for r in records}
         self._central = {r.name: r.central_offset for r in records}
         self._crcs: dict[str, int] = {}
@@ -232,6 +260,8 @@ class TorchPickleWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         import torch
 
+        if name in self.aliases:
+            return  # its bytes are those of the entry it aliases
         offset, nbytes, record = self._records[name]
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         assert data.nbytes == nbytes, (name, data.nbytes, nbytes)
@@ -242,6 +272,8 @@ class TorchPickleWriter:
         """Copy a tensor's bytes file to file from ``spans`` (concatenated); the CRC-32 comes
         from the source record or from mappings of the source. Returns the copy method used.
         Thread-safe for distinct names."""
+        if name in self.aliases:
+            raise ValueError(f"{name}: stored as {self.aliases[name]}; its bytes are written with that tensor")
         offset, nbytes, record = self._records[name]
         if total_bytes(spans) != nbytes:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
@@ -264,14 +296,18 @@ class TorchPickleWriter:
         os.close(self._fd)
 
 
-def _torch_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[torch_zip.Record]:
+def _torch_skeleton(
+    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], aliases: dict[str, str]
+) -> list[torch_zip.Record]:
     """The archive laid out by ``torch.save`` of untouched placeholders (for dtypes
-    :mod:`torch_zip` cannot name); every record with its offsets."""
+    :mod:`torch_zip` cannot name, and for aliases: one placeholder under two names);
+    every record with its offsets."""
     import torch
 
     # Plain uninitialised tensors: skip_data writes no bytes, so their pages are never
     # touched (address space only), and no FakeTensorMode (it imports torch._dynamo).
-    placeholders = {name: torch.empty(shape, dtype=to_torch(dtype)) for name, dtype, shape in entries}
+    own = {name: torch.empty(shape, dtype=to_torch(dtype)) for name, dtype, shape in entries if name not in aliases}
+    placeholders = {name: own[aliases.get(name, name)] for name, _, _ in entries}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.serialization.skip_data():

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.spec import Layout
+from ckptkit.models.tokenizer_spec import TokenizerSpec
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,8 @@ class Family:
             layout (Mistral publishes ``consolidated.safetensors``), else None.
         vocab_parallel: Meta ranks split ``tok_embeddings`` on the vocabulary (dim 0)
             rather than on the hidden dim (dim 1).
+        tokenizer: how Meta's and HF's releases of the family hold its tokenizer (None:
+            the family has no Meta release, its tokenizer files are carried as they are).
     """
 
     name: ClassVar[str]
@@ -49,6 +52,7 @@ class Family:
     hf_architecture: ClassVar[str]
     meta_container: ClassVar[str | None] = None
     vocab_parallel: ClassVar[bool] = False
+    tokenizer: ClassVar[TokenizerSpec | None] = None
 
     # --- layouts -------------------------------------------------------------
     def hf_layout(self, cfg: ModelConfig) -> Layout:

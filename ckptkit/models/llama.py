@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family, MetaSource
+from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout, rope_parameters
+from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER
 from ckptkit.transforms import COPY, ROPE_K, ROPE_Q, TIED
 
 if TYPE_CHECKING:
@@ -24,25 +26,6 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-
-
-def meta_ffn_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Meta's FFN size: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
-    h = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        h = int(ffn_dim_multiplier * h)
-    return multiple_of * ((h + multiple_of - 1) // multiple_of)
-
-
-def meta_ffn_params(dim: int, ffn: int) -> tuple[int, float | None]:
-    """A (multiple_of, ffn_dim_multiplier) pair that reproduces ``ffn`` for ``dim``."""
-    for mult in (None, 1.3, 1.5, 2.0, 1.0, 1.2, 1.25, 1.4):
-        for power in range(13, -1, -1):
-            if meta_ffn_size(dim, 2**power, mult) == ffn:
-                return 2**power, mult
-    raise CkptkitError(
-        f"intermediate size {ffn} cannot be expressed as Meta's multiple_of/ffn_dim_multiplier for dim {dim}"
-    )
 
 
 def meta_layer_rules() -> tuple[Rule, ...]:
@@ -69,6 +52,7 @@ def meta_output_rule(cfg: ModelConfig) -> Rule:
 
 class Llama2(Family):
     name = "llama2"
+    tokenizer = LLAMA2_TOKENIZER
     hf_model_types = ("llama",)
     hf_architecture = "LlamaForCausalLM"
     meta_container = "pth"
@@ -180,6 +164,7 @@ class Llama2(Family):
 class Llama3(Llama2):
     name = "llama3"
     vocab_parallel = True
+    tokenizer = LLAMA3_TOKENIZER
     default_theta = 500000.0
     max_positions = 8192
 
@@ -215,6 +200,7 @@ class Llama3(Llama2):
 
 class Llama3_1(Llama3):
     name = "llama3_1"
+    tokenizer = LLAMA3_1_TOKENIZER
     max_positions = 131072
     rope_factor = 8.0
 

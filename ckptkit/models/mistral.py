@@ -9,10 +9,12 @@ from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import MetaSource
 from ckptkit.models.llama import Llama3
 from ckptkit.models.spec import hf_common_fields
+from ckptkit.models.tokenizer_spec import MISTRAL_TOKENIZER
 
 
 class Mistral(Llama3):
     name = "mistral"
+    tokenizer = MISTRAL_TOKENIZER
     hf_model_types = ("mistral",)
     hf_architecture = "MistralForCausalLM"
     meta_container = "safetensors"

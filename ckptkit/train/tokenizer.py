@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 from typing import Protocol
 
 from ckptkit.errors import CkptkitError
+from ckptkit.tokenization import tiktoken_bpe
 
 
 class Tokenizer(Protocol):
@@ -71,13 +71,6 @@ class SentencePieceTokenizer:
         return self._sp.DecodeIds(ids)
 
 
-# Meta Llama 3's pre-tokenizer split (tiktoken ``pat_str``).
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
 class TiktokenTokenizer:
     """Meta Llama 3's tiktoken-format ``tokenizer.model`` (``base64(bytes) rank`` lines).
 
@@ -88,39 +81,9 @@ class TiktokenTokenizer:
     Special-token text inside a prompt is encoded as plain text.
     """
 
-    def __init__(self, path: Path, lines: list[str]) -> None:
-        from tokenizers import Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as _Tokenizer
-
-        ranks: dict[bytes, int] = {}
-        try:
-            for line in lines:
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
-        except ValueError as exc:
-            raise CkptkitError(f"{path}: malformed tiktoken line: {exc}") from None
-        to_char = _bytes_to_unicode()
-
-        def text(b: bytes) -> str:
-            return "".join(to_char[x] for x in b)
-
-        merges = []
-        for token, rank in ranks.items():
-            for i in range(1, len(token)):
-                left, right = token[:i], token[i:]
-                if left in ranks and right in ranks:
-                    merges.append((rank, ranks[left], ranks[right], text(left), text(right)))
-        merges.sort()
-        bpe = models.BPE({text(b): r for b, r in ranks.items()}, [(m[3], m[4]) for m in merges], ignore_merges=True)
-        self._tok = _Tokenizer(bpe)
-        self._tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        self._tok.decoder = decoders.ByteLevel()
+    def __init__(self, path: Path) -> None:
+        ranks = tiktoken_bpe.read_ranks(path)
+        self._tok = tiktoken_bpe.build_tokenizer(ranks, [], None)
         self.n_base = len(ranks)
         self.eos_ids = [self.n_base + 1] + ([self.n_base + 8, self.n_base + 9] if self.n_base == 128000 else [])
 
@@ -131,30 +94,10 @@ class TiktokenTokenizer:
         return self._tok.decode([i for i in ids if i < self.n_base])
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def _read_tokenizer_model(path: Path) -> Tokenizer:
     """Sentencepiece protobuf, or Meta Llama 3's tiktoken text format."""
-    head = path.read_bytes()[:256]
-    try:
-        first = head.decode("ascii").split("\n", 1)[0].split()
-        if len(first) == 2 and first[1].isdigit():
-            base64.b64decode(first[0], validate=True)
-            return TiktokenTokenizer(path, path.read_text().splitlines())
-    except (UnicodeDecodeError, ValueError):
-        pass
+    if tiktoken_bpe.is_rank_file(path):
+        return TiktokenTokenizer(path)
     return SentencePieceTokenizer(path)
 
 

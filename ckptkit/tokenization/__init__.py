@@ -1,0 +1,138 @@
+"""Tokenizer files converted with the weights (Meta ``tokenizer.model`` <-> HF tokenizer files).
+
+To HF: the HF files come from, in order, the ones recorded when this checkpoint was
+converted from HF (if its ``tokenizer.model`` is still the one written then), the source's
+own HF files, or a conversion of Meta's ``tokenizer.model``. A tiktoken rank file is not
+carried into an HF folder; a sentencepiece model is, as HF's Llama 2 repos keep it.
+
+To Meta: ``tokenizer.model`` is the source's own, or (Llama 3.x) rebuilt from
+``tokenizer.json``. The HF-only files are recorded in the origin file so that converting
+back restores them byte for byte.
+
+Built with the ``tokenizers`` library and a small reader of the sentencepiece format:
+no transformers, tiktoken or protobuf is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptkit.models.tokenizer_spec import TIKTOKEN, TokenizerSpec
+from ckptkit.tokenization import tiktoken_bpe
+from ckptkit.tokenization.hf_files import HFTokenizer, build_hf_tokenizer
+
+MODEL_FILE = "tokenizer.model"
+HF_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+__all__ = ["HF_FILES", "MODEL_FILE", "HFTokenizer", "TokenizerPlan", "tokenizer_for_hf", "tokenizer_for_meta"]
+
+
+@dataclass
+class TokenizerPlan:
+    """What a conversion does with the tokenizer files of its source.
+
+    Attributes:
+        files: name -> content to write into the output.
+        skip: source files not to copy as they are (replaced or not carried).
+        record: HF-only files to keep in the origin file (HF -> Meta), or None.
+        ids: bos/eos/pad ids for ``config.json`` when the tokenizer was converted.
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    skip: set[str] = field(default_factory=set)
+    record: dict[str, Any] | None = None
+    ids: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _packed(data: bytes) -> str:
+    return base64.b64encode(zlib.compress(data, 9)).decode("ascii")
+
+
+def _unpacked(text: str) -> bytes:
+    return zlib.decompress(base64.b64decode(text))
+
+
+def _model_file(src: Path) -> Path | None:
+    """Meta's ``tokenizer.model``: in the folder, or beside it as Meta's Llama 2 downloads keep it."""
+    for candidate in (src / MODEL_FILE, src.parent / MODEL_FILE):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def tokenizer_for_hf(
+    src: Path, spec: TokenizerSpec | None, vocab_size: int, max_positions: int, recorded: dict[str, Any] | None = None
+) -> TokenizerPlan:
+    """The tokenizer side of writing the checkpoint in ``src`` as an HF folder (``spec``: its family's)."""
+    if spec is None:
+        return TokenizerPlan()
+    plan = TokenizerPlan()
+    model = src / MODEL_FILE
+    if model.is_file() and tiktoken_bpe.is_rank_file(model):
+        plan.skip.add(MODEL_FILE)
+    current = _digest(model.read_bytes()) if model.is_file() else None
+    if recorded and recorded.get("model_sha256") == current:
+        plan.files = {name: _unpacked(text) for name, text in recorded["files"].items()}
+        plan.skip.update(HF_FILES)
+        if not recorded.get("model_in_hf", False):
+            plan.skip.add(MODEL_FILE)
+        return plan
+    if (src / "tokenizer.json").is_file():
+        return plan
+    found = _model_file(src)
+    if found is None:
+        plan.notes.append("no tokenizer.model found: the output has no tokenizer")
+        return plan
+    hf = build_hf_tokenizer(spec, found, vocab_size, max_positions)
+    plan.files = {name: data for name, data in hf.files.items() if not (src / name).is_file()}
+    plan.notes = hf.notes
+    if found != model and spec.kind != TIKTOKEN:
+        plan.files[MODEL_FILE] = found.read_bytes()
+    plan.ids = {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
+    return plan
+
+
+def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None) -> TokenizerPlan:
+    """The tokenizer side of writing the checkpoint in ``src`` as a Meta folder (``spec``: its family's)."""
+    if spec is None:
+        return TokenizerPlan()
+    return _to_meta(src, spec.kind)
+
+
+def _to_meta(src: Path, kind: str) -> TokenizerPlan:
+    plan = TokenizerPlan(skip=set(HF_FILES))
+    present = {name: (src / name).read_bytes() for name in HF_FILES if (src / name).is_file()}
+    model = src / MODEL_FILE
+    data: bytes | None = None
+    if model.is_file():
+        data = model.read_bytes()
+    elif kind == TIKTOKEN and (src / "tokenizer.json").is_file():
+        ranks = tiktoken_bpe.ranks_from_tokenizer_json(src / "tokenizer.json")
+        if ranks is not None:
+            data = plan.files[MODEL_FILE] = tiktoken_bpe.ranks_text(ranks)
+    if data is None and present:
+        why = "is not a Llama 3 byte-level BPE" if kind == TIKTOKEN else "cannot be written as sentencepiece"
+        plan.notes.append(f"tokenizer.json {why} and the source has no tokenizer.model: the output has none")
+    if present:
+        plan.record = {
+            "model_sha256": _digest(data) if data is not None else None,
+            "model_in_hf": model.is_file(),
+            "files": {name: _packed(content) for name, content in present.items()},
+        }
+    return plan

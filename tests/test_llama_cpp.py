@@ -1,0 +1,88 @@
+"""llama.cpp's ``convert_hf_to_gguf.py`` accepts what ``ckptkit convert meta->hf`` writes.
+
+The converter comes from the ``llama-cpp-python`` sdist on PyPI (vendor/llama.cpp), fetched
+once with pip into a cache directory (``CKPTKIT_TEST_CACHE``, default: the system temp
+dir); only the converter, its ``conversion`` package and ``gguf-py`` are unpacked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ckptkit.convert import convert
+
+from conftest import FIXTURES
+from tokenizer_helpers import write_tiny_meta_llama3
+
+LLAMA_CPP_PYTHON = "0.3.36"
+VENDORED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    """The unpacked llama.cpp converter directory."""
+    cache = Path(os.environ.get("CKPTKIT_TEST_CACHE", tempfile.gettempdir())) / f"llama-cpp-{LLAMA_CPP_PYTHON}"
+    ready = cache / "llama.cpp"
+    if (ready / "convert_hf_to_gguf.py").is_file():
+        return ready
+    cache.mkdir(parents=True, exist_ok=True)
+    pkg = f"llama-cpp-python=={LLAMA_CPP_PYTHON}"
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(cache), pkg]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    sdist = next(cache.glob("llama_cpp_python-*.tar.gz"))
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    staging = Path(tempfile.mkdtemp(dir=cache))
+    with tarfile.open(sdist) as tar:
+        wanted = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(VENDORED)]
+        for m in wanted:
+            m.name = m.name.removeprefix(prefix)
+        tar.extractall(staging, members=wanted, filter="data")
+    sdist.unlink()
+    os.replace(staging, ready)
+    return ready
+
+
+def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:
+    """Run the converter; return the tokenizer metadata of the GGUF it wrote."""
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    cmd = [sys.executable, "convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out)]
+    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sys.path.insert(0, str(llama_cpp / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.remove(str(llama_cpp / "gguf-py"))
+    reader = GGUFReader(out)
+    keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+    return {k: reader.fields[k].contents() for k in keys if k in reader.fields}
+
+
+@pytest.mark.slow
+def test_llama3_meta_to_hf_converts_to_gguf(llama_cpp: Path, tmp_path: Path) -> None:
+    write_tiny_meta_llama3(tmp_path / "meta")
+    convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
+    # "llama-bpe": llama.cpp recognised Llama 3's pre-tokenizer from how the tokenizer encodes its probe text.
+    assert meta == {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe",
+        "tokenizer.ggml.bos_token_id": 128000,
+        "tokenizer.ggml.eos_token_id": 128001,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama2", "mistral"])
+def test_sentencepiece_meta_to_hf_converts_to_gguf(family: str, llama_cpp: Path, tmp_path: Path) -> None:
+    convert(FIXTURES / "meta" / family, tmp_path / "hf", "hf")
+    meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
+    assert meta["tokenizer.ggml.model"] == "llama"
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)

@@ -1,0 +1,166 @@
+"""Tokenizers convert with the weights: Meta tokenizer.model <-> HF tokenizer files.
+
+References are Meta's own tokenizers (llama_models' tiktoken tokenizer and chat format,
+sentencepiece itself) and transformers' AutoTokenizer loading the converted folder in an
+interpreter where tiktoken, protobuf and sentencepiece cannot be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
+
+from conftest import FIXTURES, tree_hashes
+from tokenizer_helpers import (
+    CHAT,
+    CORPUS,
+    LLAMA3_SPECIAL_TEXTS,
+    autotokenizer_without_extras,
+    llama3_tokenizer_model,
+    write_tiny_meta_llama3,
+)
+
+SPM_FAMILIES = ("llama2", "mistral")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def llama3_meta(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("llama3") / "meta"
+    write_tiny_meta_llama3(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def llama3_hf(llama3_meta: Path) -> Path:
+    out = llama3_meta.parent / "hf"
+    convert(llama3_meta, out, "hf")
+    return out
+
+
+@pytest.fixture(scope="session")
+def spm_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Meta Llama 2 and Mistral fixtures (sentencepiece) converted to HF."""
+    root = tmp_path_factory.mktemp("spm")
+    for family in SPM_FAMILIES:
+        convert(FIXTURES / "meta" / family, root / family, "hf")
+    return {family: root / family for family in SPM_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def loaded(llama3_hf: Path, spm_hf: dict[str, Path]) -> dict[str, dict]:
+    """What AutoTokenizer makes of each converted folder, without tiktoken/protobuf/sentencepiece."""
+    jobs = [(llama3_hf, CORPUS + LLAMA3_SPECIAL_TEXTS, CHAT)] + [(spm_hf[f], CORPUS, None) for f in SPM_FAMILIES]
+    results = autotokenizer_without_extras(jobs)
+    return dict(zip(["llama3_1", *SPM_FAMILIES], results, strict=True))
+
+
+def test_llama3_meta_to_hf_loads_without_tiktoken_and_encodes_like_meta(llama3_hf: Path, loaded: dict) -> None:
+    from llama_models.datatypes import RawMessage
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    names = sorted(p.name for p in llama3_hf.iterdir() if not p.name.startswith(("model", "ckptkit")))
+    assert names == ["config.json", *sorted(TOKENIZER_FILES)]  # no tiktoken file in the HF folder
+    meta = Tokenizer(llama3_tokenizer_model())
+    texts = CORPUS + LLAMA3_SPECIAL_TEXTS
+    got = loaded["llama3_1"]
+    assert got["ids"] == [meta.encode(t, bos=True, eos=False, allowed_special="all") for t in texts]
+    assert (got["bos"], got["eos"]) == (meta.bos_id, meta.eos_id)
+    dialog = [RawMessage(role=m["role"], content=m["content"]) for m in CHAT]
+    assert got["chat"] == ChatFormat(meta).encode_dialog_prompt(dialog).tokens
+    # All 256 specials at Meta's ids, every one a single special token.
+    added = {t["content"]: t["id"] for t in json.loads((llama3_hf / "tokenizer.json").read_text())["added_tokens"]}
+    assert added == meta.special_tokens
+    config = json.loads((llama3_hf / "config.json").read_text())
+    generation = json.loads((llama3_hf / "generation_config.json").read_text())
+    assert config["bos_token_id"] == generation["bos_token_id"] == meta.bos_id
+    assert config["eos_token_id"] == generation["eos_token_id"] == meta.stop_tokens
+
+
+def test_llama3_meta_hf_meta_restores_tokenizer_model(llama3_hf: Path, tmp_path: Path) -> None:
+    convert(llama3_hf, tmp_path / "meta", "meta")
+    assert (tmp_path / "meta" / "tokenizer.model").read_bytes() == llama3_tokenizer_model().read_bytes()
+    assert not any((tmp_path / "meta" / name).exists() for name in TOKENIZER_FILES)
+    convert(tmp_path / "meta", tmp_path / "hf", "hf")  # HF -> Meta -> HF: the HF files byte for byte
+    for name in TOKENIZER_FILES:
+        assert (tmp_path / "hf" / name).read_bytes() == (llama3_hf / name).read_bytes(), name
+
+
+def test_llama3_rank_file_is_rebuilt_when_no_record_is_left(llama3_hf: Path, tmp_path: Path) -> None:
+    """An HF folder that never was Meta (no origin record): tokenizer.model from tokenizer.json alone."""
+    src = tmp_path / "plain-hf"
+    shutil.copytree(llama3_hf, src)
+    (src / "ckptkit-origin.json").unlink(missing_ok=True)
+    convert(src, tmp_path / "meta", "meta")
+    assert (tmp_path / "meta" / "tokenizer.model").read_bytes() == llama3_tokenizer_model().read_bytes()
+
+
+@pytest.mark.parametrize("family", SPM_FAMILIES)
+def test_sentencepiece_meta_to_hf_encodes_like_sentencepiece(
+    family: str, spm_hf: dict[str, Path], loaded: dict, tmp_path: Path
+) -> None:
+    src, out = FIXTURES / "meta" / family, spm_hf[family]
+    assert (out / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()  # kept, as HF repos do
+    sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    got = loaded[family]
+    assert got["ids"] == [[sp.bos_id(), *sp.encode(t)] for t in CORPUS]  # add_bos, like Meta's generation code
+    assert (got["bos"], got["eos"]) == (sp.bos_id(), sp.eos_id())
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert config["bos_token_id"] == generation["bos_token_id"] == sp.bos_id()
+    assert config["eos_token_id"] == generation["eos_token_id"] == sp.eos_id()
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["add_bos_token"] is True and tok_config["add_eos_token"] is False
+    assert {tok_config[k] for k in ("bos_token", "eos_token", "unk_token")} == {"<s>", "</s>", "<unk>"}
+    # Meta -> HF -> Meta: the sentencepiece model comes back as it was.
+    convert(out, tmp_path / "meta", "meta")
+    assert tree_hashes(tmp_path / "meta")["tokenizer.model"] == tree_hashes(src)["tokenizer.model"]
+
+
+def test_llama2_tokenizer_beside_the_model_folder_is_used(tmp_path: Path) -> None:
+    """Meta's Llama 2 downloads keep tokenizer.model one level above the weights."""
+    shutil.copytree(FIXTURES / "meta" / "llama2", tmp_path / "llama-2-7b")
+    (tmp_path / "llama-2-7b" / "tokenizer.model").rename(tmp_path / "tokenizer.model")
+    convert(tmp_path / "llama-2-7b", tmp_path / "hf", "hf")
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (tmp_path / "tokenizer.model").read_bytes()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_llama3_0_uses_the_llama3_special_list(tmp_path: Path) -> None:
+    """Llama 3 (not 3.1) names its specials differently; ids of the shared ones agree with Meta's."""
+    from ckptkit.models.tokenizer_spec import LLAMA3_TOKENIZER
+    from ckptkit.tokenization.hf_files import build_hf_tokenizer
+
+    hf = build_hf_tokenizer(LLAMA3_TOKENIZER, llama3_tokenizer_model(), 128256, 8192)
+    added = {t["content"]: t["id"] for t in json.loads(hf.files["tokenizer.json"])["added_tokens"]}
+    assert len(added) == 256 and set(added.values()) == set(range(128000, 128256))
+    expected = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|start_header_id|>": 128006}
+    expected.update({"<|end_header_id|>": 128007, "<|eot_id|>": 128009, "<|reserved_special_token_250|>": 128255})
+    assert {k: added[k] for k in expected} == expected
+    assert "<|eom_id|>" not in added and "<|python_tag|>" not in added
+    assert json.loads(hf.files["generation_config.json"])["eos_token_id"] == [128001, 128009]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"not a tokenizer at all\n", "not a sentencepiece model"), (b"IQ== 0\nIg== 5\n", "ranks are not")],
+)
+def test_bad_tokenizer_model_is_one_line_error(content: bytes, message: str, tmp_path: Path) -> None:
+    family = "llama2" if b"IQ" not in content else "llama3"
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "meta" / family, src)
+    (src / "tokenizer.model").write_bytes(content)
+    before = tree_hashes(src)
+    with pytest.raises(CkptkitError) as err:
+        convert(src, tmp_path / "out", "hf")
+    assert message in str(err.value) and str(src / "tokenizer.model") in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists() and tree_hashes(src) == before
