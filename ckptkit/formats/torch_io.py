@@ -297,7 +297,7 @@ class TorchPickleWriter:
 
 
 def _torch_skeleton(
-    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], aliases: dict[str, str]
+    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], aliases: dict[str, str] | None = None
 ) -> list[torch_zip.Record]:
     """The archive laid out by ``torch.save`` of untouched placeholders (for dtypes
     :mod:`torch_zip` cannot name, and for aliases: one placeholder under two names);
@@ -306,6 +306,7 @@ def _torch_skeleton(
 
     # Plain uninitialised tensors: skip_data writes no bytes, so their pages are never
     # touched (address space only), and no FakeTensorMode (it imports torch._dynamo).
+    aliases = aliases or {}
     own = {name: torch.empty(shape, dtype=to_torch(dtype)) for name, dtype, shape in entries if name not in aliases}
     placeholders = {name: own[aliases.get(name, name)] for name, _, _ in entries}
     with warnings.catch_warnings():
