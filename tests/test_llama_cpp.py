@@ -22,15 +22,17 @@ from conftest import FIXTURES
 from tokenizer_helpers import write_tiny_meta_llama3
 
 LLAMA_CPP_PYTHON = "0.3.36"
-VENDORED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+VENDORED = (
+    "convert_hf_to_gguf.py", "conversion/", "gguf-py/", "convert_lora_to_gguf.py", "examples/convert_legacy_llama.py"
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def llama_cpp() -> Path:
     """The unpacked llama.cpp converter directory."""
     cache = Path(os.environ.get("CKPTKIT_TEST_CACHE", tempfile.gettempdir())) / f"llama-cpp-{LLAMA_CPP_PYTHON}"
-    ready = cache / "llama.cpp"
-    if (ready / "convert_hf_to_gguf.py").is_file():
+    ready = cache / f"llama.cpp-{len(VENDORED)}"  # a new name when more files are vendored
+    if all((ready / name).exists() for name in VENDORED):
         return ready
     cache.mkdir(parents=True, exist_ok=True)
     pkg = f"llama-cpp-python=={LLAMA_CPP_PYTHON}"
@@ -86,3 +88,32 @@ def test_sentencepiece_meta_to_hf_converts_to_gguf(family: str, llama_cpp: Path,
     meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
     assert meta["tokenizer.ggml.model"] == "llama"
     assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)
+
+
+def _run_llama_cpp(llama_cpp: Path, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    res = subprocess.run([sys.executable, *args], cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_trainer_outputs_of_a_meta_base_convert_with_llama_cpp(llama_cpp: Path, tmp_path: Path) -> None:
+    """A LoRA adapter of a Meta base names an HF copy llama.cpp's LoRA converter reads; an
+    intermediate Meta checkpoint keeps its recipe state where the legacy converter does not look."""
+    import json
+
+    from ckptkit.train.config import load_config
+    from ckptkit.train.recipes import recipe_entry
+
+    src = str(FIXTURES / "meta" / "llama2")
+    common = ["epochs=2", "max_steps_per_epoch=1", f"checkpointer.checkpoint_dir={src}", "quiet=true"]
+    recipe_entry("lora_finetune")(load_config("tiny_lora", [*common, f"checkpointer.output_dir={tmp_path / 'lora'}"]))
+    adapter = tmp_path / "lora" / "epoch_1" / "adapter"
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    _run_llama_cpp(llama_cpp, "convert_lora_to_gguf.py", str(adapter), "--base", base, "--outfile",
+                   str(tmp_path / "lora.gguf"))  # fmt: skip
+    recipe_entry("full_finetune")(load_config("tiny_full", [*common, f"checkpointer.output_dir={tmp_path / 'full'}"]))
+    intermediate = tmp_path / "full" / "epoch_0"
+    assert (intermediate / "recipe_state" / "recipe_state.pt").is_file()
+    _run_llama_cpp(llama_cpp, "examples/convert_legacy_llama.py", str(intermediate), "--outfile",
+                   str(tmp_path / "full.gguf"))  # fmt: skip
