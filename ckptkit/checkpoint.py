@@ -12,6 +12,8 @@ from ckptkit.formats.base import INTERNAL_FILE, ORIGIN_FILE, RawCheckpoint
 from ckptkit.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
+from ckptkit.models.fields import check_layer_count
+from ckptkit.untrusted import check_source_folder
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "Lazy", "decode_tensor", "encode_tensor", "load_checkpoint", "open_checkpoint"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf")
+LAYER_FIELD = {"config.json": "num_hidden_layers", "params.json": "n_layers", INTERNAL_FILE: "config.num_layers"}
 
 
 @dataclass
@@ -83,11 +86,14 @@ class Checkpoint:
 def open_checkpoint(path: str | Path, fmt: str | None = None, model_type: str | None = None) -> Checkpoint:
     """Open a checkpoint directory read-only; nothing but headers is read yet."""
     root = Path(path)
+    if root.is_dir():
+        check_source_folder(root)
     reader = get_format(fmt) if fmt else detect_format(root)
     raw = reader.open(root)
     try:
         family = get_family(model_type) if model_type else reader.family(raw)
         cfg = reader.read_config(raw, family)
+        check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, LAYER_FIELD.get(raw.config_name, "layers"))
         tensors, unused = reader.canonical_view(raw, family, cfg)
         return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, reader.recorded_origin(raw))
     except BaseException:

@@ -3,15 +3,12 @@
 For each target tensor it fetches the canonical tensors it needs from the source,
 applies the target format's transform, casts if asked, and writes it into every file
 that holds it (one file for HF shards, every rank for Meta). Output goes to a temporary
-directory beside the destination, renamed into place at the end.
+directory beside the destination, put in place at the end by :mod:`ckptkit.publish`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +22,15 @@ from ckptkit.formats.torch_io import TorchPickleWriter
 from ckptkit.overlap import Overlap
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
 from ckptkit.progress import byte_progress
+from ckptkit.publish import check_replaceable, publishing
 from ckptkit.rawcopy import AUTO, total_bytes
 from ckptkit.transforms import RANKS
+from ckptkit.untrusted import copy_regular_file
 
-__all__ = ["COMPUTED", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_plan"]
+__all__ = [
+    "COMPUTED", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_files",
+    "write_plan",
+]  # fmt: skip
 
 COMPUTED = "computed"  # bytes_by_method label of tensors materialised and written from memory
 
@@ -98,14 +100,6 @@ def write_plan(
     return by_method
 
 
-def replace_directory(tmp: Path, dst: Path) -> None:
-    """Put the finished directory ``tmp`` in place of ``dst`` (the one publishing step;
-    the trainer's checkpointer has its own, see ckptkit/train/checkpointer.py)."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
-
-
 # --- the command ---------------------------------------------------------------------
 
 
@@ -115,11 +109,7 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
     if d in s.parents:
         raise CkptkitError(f"{dst}: the destination contains the source; choose another directory")
-    if dst.exists():
-        if not dst.is_dir():
-            raise CkptkitError(f"{dst}: exists and is not a directory")
-        if any(dst.iterdir()) and not force:
-            raise CkptkitError(f"{dst}: exists and is not empty (pass --force to replace it)")
+    check_replaceable(dst, force)
 
 
 @dataclass
@@ -159,7 +149,7 @@ def convert(
     with open_checkpoint(src, from_format, model_type) as ckpt:
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
-        return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method)
+        return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)
 
 
 def write_checkpoint(
@@ -170,19 +160,12 @@ def write_checkpoint(
     quiet: bool = True,
     on_verify: Callable[[Any], None] | None = None,
     copy_method: str | None = AUTO,
+    force: bool = False,
 ) -> Result:
-    """Write ``ckpt`` to ``dst`` through a temporary directory renamed at the end."""
+    """Write ``ckpt`` to ``dst`` (replaced only with ``force``), published atomically."""
     plan = plan_conversion(ckpt, opts)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".ckptkit-tmp", dir=dst.parent))
-    try:
-        by_method = write_plan(plan, tmp, quiet, copy_method=copy_method)
-        target_format(plan.format).finish(ckpt, plan, tmp)
-        for extra in ckpt.extra_files():
-            if extra.name not in plan.tokenizer.skip:
-                shutil.copy2(extra, tmp / extra.name)
-        for name, data in plan.tokenizer.files.items():
-            (tmp / name).write_bytes(data)
+    with publishing(dst, replace=force) as tmp:
+        by_method = write_files(ckpt, plan, tmp, quiet, copy_method)
         if verify:
             from ckptkit.verify import verify_against
 
@@ -191,9 +174,20 @@ def write_checkpoint(
                 on_verify(report)
             if not report.ok:
                 raise CkptkitError(f"{dst}: verification failed: {report.summary()}")
-        replace_directory(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     written = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
     return Result(plan, ckpt.notes + plan.notes, written, by_method)
+
+
+def write_files(
+    ckpt: Checkpoint, plan: Plan, folder: Path, quiet: bool = True, copy_method: str | None = AUTO
+) -> dict[str, int]:
+    """Every file of the converted checkpoint, into an existing (temporary) folder; returns
+    the bytes written per copy method (see :func:`write_plan`)."""
+    by_method = write_plan(plan, folder, quiet, copy_method=copy_method)
+    target_format(plan.format).finish(ckpt, plan, folder)
+    for extra in ckpt.extra_files():
+        if extra.name not in plan.tokenizer.skip:
+            copy_regular_file(extra, folder / extra.name)
+    for name, data in plan.tokenizer.files.items():
+        (folder / name).write_bytes(data)
+    return by_method

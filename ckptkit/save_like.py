@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ckptkit.checkpoint import Lazy, open_checkpoint
-from ckptkit.convert import Options, Result, check_destination, write_checkpoint
+from ckptkit.checkpoint import Checkpoint, Lazy, open_checkpoint
+from ckptkit.convert import Options, Result, check_destination, plan_conversion, write_checkpoint, write_files
 from ckptkit.dtypes import to_torch
 from ckptkit.errors import CkptkitError
 
@@ -31,19 +31,33 @@ def save_checkpoint_like(
     """
     source, out_dir = Path(source), Path(out_dir)
     with open_checkpoint(source, model_type=model_type) as src:
-        missing = [k for k in src.tensors if k not in state_dict]
-        extra = [k for k in state_dict if k not in src.tensors]
-        if missing or extra:
-            raise CkptkitError(f"state dict does not match {source}: missing {missing[:3]}, unexpected {extra[:3]}")
-        tensors = {}
-        for name, lazy in src.tensors.items():
-            t = state_dict[name]
-            if tuple(t.shape) != lazy.shape:
-                raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {source} has {list(lazy.shape)}")
-            fetch = t.get if isinstance(t, Lazy) else (lambda t=t: t)
-            tensors[name] = Lazy(
-                lazy.shape, lazy.dtype, lambda f=fetch, d=to_torch(lazy.dtype): f().detach().to("cpu", d).contiguous()
-            )
-        mine = dataclasses.replace(src, tensors=tensors, recorded_origin=src.own_layout)
+        mine = _like(src, state_dict)
         check_destination(source, out_dir, force)
-        return write_checkpoint(mine, out_dir, Options(src.format), quiet=quiet)
+        return write_checkpoint(mine, out_dir, Options(src.format), quiet=quiet, force=force)
+
+
+def write_like(
+    source: str | Path, state_dict: dict[str, torch.Tensor], folder: Path, model_type: str | None = None
+) -> None:
+    """:func:`save_checkpoint_like` into an existing folder that the caller publishes."""
+    with open_checkpoint(source, model_type=model_type) as src:
+        mine = _like(src, state_dict)
+        write_files(mine, plan_conversion(mine, Options(src.format)), folder)
+
+
+def _like(src: Checkpoint, state_dict: dict[str, torch.Tensor]) -> Checkpoint:
+    """``src`` with its tensors replaced by ``state_dict``'s (same names, shapes; src's dtypes)."""
+    missing = [k for k in src.tensors if k not in state_dict]
+    extra = [k for k in state_dict if k not in src.tensors]
+    if missing or extra:
+        raise CkptkitError(f"state dict does not match {src.path}: missing {missing[:3]}, unexpected {extra[:3]}")
+    tensors = {}
+    for name, lazy in src.tensors.items():
+        t = state_dict[name]
+        if tuple(t.shape) != lazy.shape:
+            raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {src.path} has {list(lazy.shape)}")
+        fetch = t.get if isinstance(t, Lazy) else (lambda t=t: t)
+        tensors[name] = Lazy(
+            lazy.shape, lazy.dtype, lambda f=fetch, d=to_torch(lazy.dtype): f().detach().to("cpu", d).contiguous()
+        )
+    return dataclasses.replace(src, tensors=tensors, recorded_origin=src.own_layout)

@@ -4,7 +4,7 @@ Every case builds a broken copy of a fixture in a temporary directory and runs t
 command line on it. For each it checks the contract of ``docs/cli.md``: the return code;
 stderr is exactly one non-empty line naming the offending file and the problem; no
 traceback anywhere; the source is byte-identical afterwards; the destination is absent and
-no ``.<dst>.*.ckptkit-tmp`` directory is left beside it.
+nothing (no ``.<dst>.*`` temporary folder or lock file) is left beside it.
 
 A ``python -m ckptkit`` process spends 1-3 s importing torch, too slow for ~80 cases. So
 one driver process imports ckptkit once and forks a child per case that runs the same entry
@@ -118,7 +118,8 @@ def snapshot(root: Path | None) -> dict[str, str | None]:
 
 
 def leftovers(dst: Path) -> list[Path]:
-    return sorted(dst.parent.glob("*.ckptkit-tmp")) if dst.parent.exists() else []
+    """Anything a writer of ``dst`` put beside it (temporary folders, the lock file)."""
+    return sorted(dst.parent.glob(f".{dst.name}.*")) if dst.parent.exists() else []
 
 
 def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:

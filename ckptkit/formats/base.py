@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,15 +9,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import Span
+from ckptkit.models.fields import check_config_fields
+from ckptkit.rawcopy import Span, read_spans, take
 from ckptkit.tokenization import TokenizerPlan
 from ckptkit.transforms import RANKS
+from ckptkit.untrusted import loads_json, open_regular_file
 
 if TYPE_CHECKING:
     import torch
 
     from ckptkit.lazy import Lazy
 
+REPLICA_CHUNK = 16 << 20
+MAX_JSON_BYTES = 256 << 20  # config, index and sidecar files are far smaller
 ORIGIN_FILE = "ckptkit-origin.json"  # sidecar beside converted weights: the source's layout
 INTERNAL_FILE = "ckptkit.json"  # the internal format's own description
 
@@ -105,6 +108,8 @@ class RawCheckpoint:
         """One native tensor, materialised (Meta ranks concatenated)."""
         # Meta ranks each hold every tensor (checked when opened); other formats one file per tensor.
         files = list(self.files) if self.split_dims else [self.infos[name].file]
+        if len(files) > 1 and self.split_dims.get(name) is None:
+            return self._replicated(name, files)
         parts = [self.readers[f].read(name) for f in files]
         if len(parts) == 1:
             return parts[0]
@@ -119,8 +124,39 @@ class RawCheckpoint:
         parts = [self.readers[f].span(name) for f in self.files]
         if any(p is None for p in parts):
             return None
+        if self.split_dims.get(name) is None:
+            self._replicated_spans(name, parts)  # type: ignore[arg-type]
         shard = self.readers[next(iter(self.files))].infos[name].shape
         return RANKS.forward_spans([[p] for p in parts if p is not None], shard, self.split_dims.get(name))
+
+    def _replicated_spans(self, name: str, parts: list[Span]) -> None:
+        """:meth:`_replicated` on the stored bytes (no torch), 16 MiB at a time."""
+        files = list(self.files)
+        for start in range(0, parts[0].nbytes, REPLICA_CHUNK):
+            n = min(REPLICA_CHUNK, parts[0].nbytes - start)
+            first = read_spans(take([parts[0]], start, n))
+            for f, part in zip(files[1:], parts[1:], strict=True):
+                if read_spans(take([part], start, n)) != first:
+                    raise self._disagree(name, files[0], f)
+
+    def _disagree(self, name: str, a: str, b: str) -> CkptkitError:
+        return CkptkitError(
+            f"{self.root / a} and {self.root / b}: replicated tensor {name!r} differs between the ranks; "
+            "the checkpoint is inconsistent"
+        )
+
+    def _replicated(self, name: str, files: list[str]) -> torch.Tensor:
+        """A tensor every rank holds whole: rank 0's copy, after checking that each other
+        rank's is bitwise the same (one other copy in memory at a time)."""
+        import torch
+
+        first = self.readers[files[0]].read(name)
+        for f in files[1:]:
+            other = self.readers[f].read(name)
+            if not torch.equal(first.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8)):
+                raise self._disagree(name, files[0], f)
+            del other
+        return first
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -130,17 +166,24 @@ class RawCheckpoint:
 def read_json(path: Path) -> tuple[str, dict[str, Any]]:
     """A JSON object file as (text, parsed); one-line errors for unreadable or invalid ones."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open_regular_file(path) as f:
+            text = f.read(MAX_JSON_BYTES + 1).decode("utf-8")
     except OSError as e:
         raise CkptkitError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
         raise CkptkitError(f"{path}: not valid UTF-8 JSON") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CkptkitError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if len(text) > MAX_JSON_BYTES:
+        raise CkptkitError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; not a checkpoint's JSON file")
+    data = loads_json(text, path)
     if not isinstance(data, dict):
         raise CkptkitError(f"{path}: expected a JSON object")
+    return text, data
+
+
+def read_config(path: Path) -> tuple[str, dict[str, Any]]:
+    """A config.json / params.json as (text, parsed), its known fields type- and range-checked."""
+    text, data = read_json(path)
+    check_config_fields(path.name, data, path)
     return text, data
 
 

@@ -83,9 +83,12 @@ class CheckpointFormat:
             sizes = {name: (raw.root / name).stat().st_size for name in raw.files}
             if written["format"] != raw.format or written["files"] != sizes:
                 return None
-            return doc["origin"]
+            origin = doc["origin"]
         except (CkptkitError, KeyError, TypeError, OSError):
             return None
+        from ckptkit.formats.sidecar import check_origin
+
+        return check_origin(origin, path)  # it matches: a malformed record is an error, not ignored
 
     def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
         """This checkpoint's layout, as recorded for converting back to it later."""

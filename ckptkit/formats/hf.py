@@ -18,6 +18,7 @@ from ckptkit.formats.base import (
     RawCheckpoint,
     TensorReader,
     natural_key,
+    read_config,
     read_json,
     torch_reader,
 )
@@ -25,6 +26,7 @@ from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
+from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
     from ckptkit.checkpoint import Checkpoint
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
-    config_text, config = read_json(root / "config.json")
+    config_text, config = read_config(root / "config.json")
     index_path = root / fmt.index_name
     index = None
     if index_path.is_file():
@@ -42,6 +44,8 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CkptkitError(f"{index_path}: has no weight_map")
+        for shard in weight_map.values():
+            plain_name(shard, index_path, fmt.weight_file, "shard name")
         names = sorted(set(weight_map.values()), key=natural_key)
         for name in names:
             if not (root / name).is_file():
@@ -119,10 +123,10 @@ class HFFormat(CheckpointFormat):
         self.single_name = stem + ext
         self.index_name = f"{stem}{ext}.index.json"
         self.shard_pattern = stem + "{suffix}" + ext  # huggingface_hub's filename pattern
-        self._weight_file = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
+        self.weight_file = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
 
     def weight_files(self, root: Path) -> list[Path]:
-        found = (p for p in root.iterdir() if self._weight_file.fullmatch(p.name))
+        found = (p for p in root.iterdir() if self.weight_file.fullmatch(p.name))
         return sorted(found, key=lambda p: natural_key(p.name))
 
     def detect(self, root: Path) -> bool:

@@ -4,6 +4,7 @@ which holds the model config and the origin layout so converting back is exact."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,8 @@ from ckptkit.formats.base import INTERNAL_FILE, FilePlan, Options, Plan, RawChec
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.models.fields import check_config_fields
+from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
     from ckptkit.checkpoint import Checkpoint
@@ -22,6 +25,7 @@ UNUSED_PREFIX = "_unused."  # tensors the model does not use, under their origin
 SINGLE = "weights.safetensors"
 PATTERN = "weights{suffix}.safetensors"
 VERSION = 1
+FILE_NAME = re.compile(r"weights(-\d{5}-of-\d{5})?\.safetensors")
 
 
 def detect(root: Path) -> bool:
@@ -32,11 +36,19 @@ def open_raw(root: Path) -> RawCheckpoint:
     text, doc = read_json(root / INTERNAL_FILE)
     if doc.get("format") != "internal" or doc.get("version") != VERSION:
         raise CkptkitError(f"{root / INTERNAL_FILE}: not a ckptkit internal checkpoint (version {VERSION})")
+    if not isinstance(doc.get("config"), dict):
+        raise CkptkitError(f"{root / INTERNAL_FILE}: invalid config (not a JSON object)")
+    check_config_fields(INTERNAL_FILE, doc["config"], root / INTERNAL_FILE)
     files: dict[str, list[str]] = {}
     readers: dict[str, TensorReader] = {}
     infos: dict[str, TensorInfo] = {}
-    for name, keys in doc.get("files", {}).items():
-        path = root / name
+    listed = doc.get("files")
+    if not isinstance(listed, dict) or not all(
+        isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in listed.values()
+    ):
+        raise CkptkitError(f"{root / INTERNAL_FILE}: invalid 'files' (expected file name -> list of tensor names)")
+    for name, keys in listed.items():
+        path = root / plain_name(name, root / INTERNAL_FILE, FILE_NAME, "weight file name")
         if not path.is_file():
             raise CkptkitError(f"{root / INTERNAL_FILE}: names weight file {name}, which does not exist")
         reader: Any = SafetensorsReader(path)
@@ -115,7 +127,9 @@ class InternalFormat(CheckpointFormat):
         return {k: tensors[k] for k in expected}, unused
 
     def recorded_origin(self, raw: RawCheckpoint) -> dict[str, Any] | None:
-        return raw.config.get("origin") or {}
+        from ckptkit.formats.sidecar import check_origin
+
+        return check_origin(raw.config.get("origin") or {}, raw.root / INTERNAL_FILE)
 
     def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
         return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps

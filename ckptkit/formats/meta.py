@@ -21,7 +21,7 @@ from ckptkit.formats.base import (
     RawCheckpoint,
     TensorReader,
     natural_key,
-    read_json,
+    read_config,
     torch_reader,
 )
 from ckptkit.formats.format import CheckpointFormat
@@ -92,7 +92,7 @@ def detect(root: Path) -> bool:
 
 
 def open_raw(root: Path) -> RawCheckpoint:
-    config_text, params = read_json(root / "params.json")
+    config_text, params = read_config(root / "params.json")
     paths = weight_files(root)
     for i, p in enumerate(paths):
         if RANK_FILE.fullmatch(p.name) and p.name != rank_file(i):

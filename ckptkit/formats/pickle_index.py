@@ -10,10 +10,18 @@ subset raises :class:`UnsupportedPickle` and the caller falls back to ``torch.lo
 
 from __future__ import annotations
 
+import math
+import os
 import pickletools
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+from ckptkit.dtypes import ITEMSIZE
+from ckptkit.errors import CkptkitError
+from ckptkit.untrusted import open_regular_file
 
 STORAGES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
@@ -43,9 +51,11 @@ class TensorMeta:
 
     shape: tuple[int, ...]
     dtype: str
-    storage: str = ""
-    offset: int = 0
+    storage: str = ""  # the storage record's key (``data/KEY``)
+    offset: int = 0  # first element in the storage
     stride: tuple[int, ...] | None = None
+    end: int = 0  # one past the last element in the storage (0 for an empty tensor)
+    storage_numel: int = 0
 
 
 _MARK = object()
@@ -100,7 +110,7 @@ def scan(data: bytes) -> dict[str, TensorMeta]:
             pid = stack.pop()
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
                 raise UnsupportedPickle("unexpected persistent id")
-            stack.append(("storage", STORAGES[pid[1].name.split(" ")[1]], str(pid[2])))
+            stack.append(("storage", STORAGES[pid[1].name.split(" ")[1]], str(pid[2]), int(pid[4])))
         elif name == "REDUCE":
             args, fn = stack.pop(), stack.pop()
             stack.append(_reduce(fn, args))
@@ -152,7 +162,17 @@ def _reduce(fn: object, args: object) -> object:
     if not isinstance(offset, int) or not (stride is None or isinstance(stride, tuple)):
         raise UnsupportedPickle("unexpected tensor arguments")
     shape = tuple(int(s) for s in size)
-    return TensorMeta(shape, storage[1], storage[2], offset, None if stride is None else tuple(int(s) for s in stride))
+    steps = None if stride is None else tuple(int(s) for s in stride)
+    if steps is not None and (len(steps) != len(shape) or min((*shape, *steps, 0)) < 0):
+        raise UnsupportedPickle("unexpected tensor strides")
+    numel = math.prod(shape)
+    if not numel:
+        end = 0
+    elif steps is None:
+        end = offset + numel
+    else:
+        end = offset + 1 + sum((n - 1) * st for n, st in zip(shape, steps, strict=True))
+    return TensorMeta(shape, storage[1], storage[2], offset, steps, end, storage[3])
 
 
 def aliases(index: dict[str, TensorMeta]) -> dict[str, str]:
@@ -167,17 +187,100 @@ def aliases(index: dict[str, TensorMeta]) -> dict[str, str]:
     return out
 
 
-def read_index(path: Path) -> dict[str, TensorMeta]:
-    """The tensors of a zip-format ``torch.save`` file; UnsupportedPickle for anything else."""
+def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, zipfile.ZipInfo]]:
+    """The tensors of a zip-format ``torch.save`` file and its checked storage records
+    (by key); UnsupportedPickle for a file that is not a zip archive."""
+    with open_regular_file(path) as f:
+        try:
+            z = zipfile.ZipFile(f)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+            raise UnsupportedPickle(str(e)) from None
+        with z:
+            prefix, members = check_members(path, z, f)
+            try:
+                data = z.read(members[f"{prefix}/data.pkl"])
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+                raise CkptkitError(f"{path}: damaged zip archive ({e})") from None
     try:
-        with zipfile.ZipFile(path) as z:
-            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise UnsupportedPickle("no data.pkl")
-            data = z.read(pkl[0])
-    except (zipfile.BadZipFile, OSError, KeyError, EOFError) as e:
+        tensors = scan(data)
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError) as e:  # malformed opcode stream
         raise UnsupportedPickle(str(e)) from None
-    try:
-        return scan(data)
-    except (ValueError, IndexError, KeyError, TypeError) as e:  # malformed opcode stream
-        raise UnsupportedPickle(str(e)) from None
+    records = {}
+    for key, member in members.items():
+        if key.startswith(f"{prefix}/data/"):
+            records[key.removeprefix(f"{prefix}/data/")] = member
+    check_storages(path, tensors, records)
+    return tensors, records
+
+
+# --- zip members: what torch.save writes, nothing else ---------------------------------------
+
+_ENCRYPTED, _UTF8 = 0x1, 0x800
+
+
+def _plain_member(name: str) -> bool:
+    parts = name.split("/")
+    return (
+        len(parts) >= 2
+        and all(p not in ("", ".", "..") for p in parts)
+        and all(c.isprintable() and c != "\\" for c in name)
+    )
+
+
+def check_members(path: Path, z: zipfile.ZipFile, f: BinaryIO) -> tuple[str, dict[str, zipfile.ZipInfo]]:
+    """The archive's folder name and members by name, after checking each member is stored
+    (not compressed), not encrypted, plainly named in UTF-8, unique, inside the file, and
+    that its local header agrees with the central directory (what torch's reader checks)."""
+    size = os.fstat(f.fileno()).st_size
+    members: dict[str, zipfile.ZipInfo] = {}
+    for zi in z.infolist():
+        name = zi.filename
+        if zi.flag_bits & _ENCRYPTED:
+            raise CkptkitError(f"{path}: zip member {name!r} is encrypted; torch checkpoints never are")
+        if zi.compress_type != zipfile.ZIP_STORED:
+            raise CkptkitError(
+                f"{path}: zip member {name!r} is compressed (method {zi.compress_type}); "
+                "torch checkpoints store members uncompressed"
+            )
+        if not (zi.flag_bits & _UTF8 or name.isascii()) or not _plain_member(name):
+            raise CkptkitError(f"{path}: zip member name {name!r} is not a plain UTF-8 path")
+        if name in members:
+            raise CkptkitError(f"{path}: zip member {name!r} appears twice")
+        if zi.file_size != zi.compress_size or zi.header_offset + 30 + zi.file_size > z.start_dir or z.start_dir > size:
+            raise CkptkitError(f"{path}: zip member {name!r} has sizes or an offset outside the file")
+        _check_local_header(path, f, zi, size)
+        members[name] = zi
+    prefixes = {n.split("/", 1)[0] for n in members}
+    if len(prefixes) != 1 or f"{next(iter(prefixes))}/data.pkl" not in members:
+        raise CkptkitError(f"{path}: not a torch checkpoint (expected one folder holding data.pkl in the zip archive)")
+    return prefixes.pop(), members
+
+
+def _check_local_header(path: Path, f: BinaryIO, zi: zipfile.ZipInfo, size: int) -> None:
+    raw_name = zi.filename.encode("utf-8" if zi.flag_bits & _UTF8 else "ascii")
+    f.seek(zi.header_offset)
+    local = f.read(30 + len(raw_name))
+    ok = len(local) == 30 + len(raw_name) and local[:4] == b"PK\x03\x04"
+    if ok:
+        flags, method = struct.unpack("<HH", local[6:10])
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        ok = (
+            method == zi.compress_type
+            and not flags & _ENCRYPTED
+            and name_len == len(raw_name)
+            and local[30:] == raw_name
+            and zi.header_offset + 30 + name_len + extra_len + zi.file_size <= size
+        )
+    if not ok:
+        raise CkptkitError(f"{path}: zip member {zi.filename!r} has a damaged local header")
+
+
+def check_storages(path: Path, tensors: dict[str, TensorMeta], records: dict[str, zipfile.ZipInfo]) -> None:
+    """Every tensor's storage record exists, has the size the pickle says, and holds the tensor."""
+    for name, t in tensors.items():
+        record = records.get(t.storage)
+        itemsize = ITEMSIZE[t.dtype]
+        if record is None or record.file_size != t.storage_numel * itemsize:
+            raise CkptkitError(f"{path}: the storage of tensor {name!r} is missing or has the wrong size")
+        if t.offset < 0 or t.end > t.storage_numel:
+            raise CkptkitError(f"{path}: tensor {name!r} lies outside its storage")

@@ -19,6 +19,7 @@ from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, to
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.rawcopy import AUTO, Span, copy_spans, total_bytes
+from ckptkit.untrusted import loads_json, open_regular_file
 
 if TYPE_CHECKING:
     import torch
@@ -34,9 +35,15 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, in
         The tensors in data order, the ``__metadata__`` dict and the offset where data
         starts. Raises CkptkitError naming the file when the header is damaged.
     """
+    infos, metadata, data_start, _ = read_layout(path)
+    return infos, metadata, data_start
+
+
+def read_layout(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, int, dict[str, int]]:
+    """:func:`read_header` plus each tensor's offset in the data section."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        with open_regular_file(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CkptkitError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -48,32 +55,73 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, in
             raw = f.read(n)
     except OSError as e:
         raise CkptkitError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CkptkitError(f"{path}: corrupt safetensors header (not valid JSON)") from None
+    header = parse_header_json(path, raw)
+    metadata = header.pop("__metadata__", None)
+    check_metadata(path, metadata)
+    data_start = 8 + n
+    placed = check_layout(path, header, size - data_start)
+    return [info for _, info in placed], metadata, data_start, {info.name: begin for begin, info in placed}
+
+
+# --- validation, as strict as the safetensors library --------------------------------------
+
+
+def parse_header_json(path: Path, raw: bytes) -> dict[str, Any]:
+    """The header's JSON object; refuses invalid UTF-8/JSON, NaN, deep nesting, repeated names."""
+    if not raw.startswith(b"{"):
+        raise CkptkitError(f"{path}: corrupt safetensors header (does not start with '{{')")
+    header = loads_json(raw, path, "corrupt safetensors header", unique_keys=True)
     if not isinstance(header, dict):
         raise CkptkitError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None)
-    data_start = 8 + n
-    data_len = size - data_start
-    infos: list[tuple[int, TensorInfo]] = []
-    for name, entry in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CkptkitError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-        info = TensorInfo(name, shape, dtype, path.name)
-        if end - begin != info.nbytes or begin < 0 or end > data_len:
+    return header
+
+
+def check_metadata(path: Path, metadata: object) -> None:
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise CkptkitError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
+
+
+def _entry(path: Path, name: str, entry: object) -> tuple[int, int, TensorInfo]:
+    bad = CkptkitError(f"{path}: corrupt safetensors header entry for tensor {name!r}")
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise bad
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise bad
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and x >= 0 for x in offsets)):
+        raise bad
+    begin, end = offsets
+    if begin > end:
+        raise CkptkitError(f"{path}: invalid offset for tensor {name!r} ({begin}..{end})")
+    return begin, end, TensorInfo(name, tuple(shape), SAFETENSORS_DTYPES[dtype], path.name)
+
+
+def check_layout(path: Path, header: dict[str, Any], data_len: int) -> list[tuple[int, TensorInfo]]:
+    """Each tensor's (offset, info) in data order, after checking that the tensors tile the
+    data section exactly: sorted, contiguous, non-overlapping, each ``shape x itemsize``
+    bytes, ending where the file ends."""
+    entries = sorted((_entry(path, name, e) for name, e in header.items()), key=lambda x: (x[0], x[1]))
+    expected = 0
+    for begin, end, info in entries:
+        if begin != expected:
+            what = "overlaps the previous tensor" if begin < expected else f"leaves a gap of {begin - expected} bytes"
+            raise CkptkitError(f"{path}: invalid offset for tensor {info.name!r}: it {what} (offsets {begin}..{end})")
+        if end - begin != info.nbytes:
             raise CkptkitError(
-                f"{path}: tensor {name!r} lies outside the file or has the wrong size "
-                f"(offsets {begin}..{end}, data section {data_len} bytes): the file is truncated or corrupt"
+                f"{path}: tensor {info.name!r} has the wrong size: {end - begin} bytes at offsets {begin}..{end}, "
+                f"but shape {list(info.shape)} of {info.dtype} needs {info.nbytes}"
             )
-        infos.append((begin, info))
-    infos.sort(key=lambda x: x[0])
-    return [i for _, i in infos], metadata, data_start
+        expected = end
+    if expected != data_len:
+        raise CkptkitError(
+            f"{path}: the tensors cover {expected} bytes but the data section holds {data_len}: "
+            "the file is truncated or corrupt"
+        )
+    return [(begin, info) for begin, _, info in entries]
 
 
 class SafetensorsReader:
@@ -81,13 +129,8 @@ class SafetensorsReader:
 
     def __init__(self, path: Path):
         self.path = path
-        infos, self.metadata, self._data_start = read_header(path)
+        infos, self.metadata, self._data_start, self._offsets = read_layout(path)
         self.infos = {i.name: i for i in infos}
-        self._offsets: dict[str, int] = {}
-        offset = 0
-        for info in infos:
-            self._offsets[info.name] = offset
-            offset += info.nbytes
         self._file = None
 
     def read(self, name: str) -> torch.Tensor:
@@ -95,7 +138,7 @@ class SafetensorsReader:
 
         info = self.infos[name]
         if self._file is None:
-            self._file = self.path.open("rb", buffering=0)
+            self._file = open_regular_file(self.path, buffering=0)
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
         self._file.seek(self._data_start + self._offsets[name])
         view = memoryview(buf.numpy())
@@ -114,7 +157,7 @@ class SafetensorsReader:
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
         info = self.infos[name]
-        with self.path.open("rb") as f:
+        with open_regular_file(self.path) as f:
             f.seek(self._data_start + self._offsets[name])
             return f.read(min(nbytes, info.nbytes))
 

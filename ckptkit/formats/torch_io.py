@@ -14,6 +14,7 @@ the archive's CRC-32 fields, so no step holds more than one tensor.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import pickle
@@ -30,7 +31,8 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
 from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, aliases, read_index
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, copy_spans, spans_crc32, total_bytes
+from ckptkit.rawcopy import AUTO, Span, copy_spans, crc32_range, spans_crc32, total_bytes
+from ckptkit.untrusted import check_regular, open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +66,7 @@ def _load(path: Path) -> tuple[object, bool]:
     """
     import torch
 
+    check_regular(path)  # torch.load would block on a FIFO and read a device forever
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -105,8 +108,10 @@ class TorchPickleReader:
         self._index: dict[str, TensorMeta] = {}
         self._stored: dict[str, tuple[int, int, int]] | None = None
         self.aliases: dict[str, str] = {}  # tensor stored as another one of this file -> that one
+        self._records: dict[str, zipfile.ZipInfo] = {}
+        self._verified: set[str] = set()  # storage records whose CRC-32 matched
         try:
-            index = read_index(path)
+            index, self._records = read_index(path)
         except ForbiddenGlobal as e:
             raise CkptkitError(
                 f"{path}: refusing to load: the pickle needs more than weights_only=True allows (it imports {e})"
@@ -114,8 +119,8 @@ class TorchPickleReader:
         except UnsupportedPickle:  # an older or unusual pickle: let torch.load (weights_only) read it
             self._load_tensors()
             return
-        self.infos = {k: TensorInfo(k, m.shape, m.dtype, path.name) for k, m in index.items()}
         self._index = index
+        self.infos = {k: TensorInfo(k, m.shape, m.dtype, path.name) for k, m in index.items()}
         self.aliases = aliases(index)
 
     def _load_tensors(self) -> dict[str, torch.Tensor]:
@@ -134,6 +139,12 @@ class TorchPickleReader:
         return self._tensors
 
     def read(self, name: str) -> torch.Tensor:
+        """One tensor, copied out of the file, its storage's CRC-32 checked."""
+        out = self._copy(name)
+        self._check_crc(name, out)
+        return out
+
+    def _copy(self, name: str) -> torch.Tensor:
         import torch
 
         src = self._load_tensors()[name]
@@ -150,6 +161,36 @@ class TorchPickleReader:
             out_bytes[start : start + COPY_CHUNK].copy_(chunk)
             release_pages(chunk)
         return out
+
+    def _check_crc(self, name: str, tensor: torch.Tensor) -> None:
+        """Compare the CRC-32 of the tensor's storage record with the zip directory's."""
+        meta = self._index.get(name)
+        if meta is None or meta.storage in self._verified:
+            return  # a legacy (non-zip) pickle has no checksums; a shared storage is checked once
+        if meta.offset == 0 and meta.end == meta.storage_numel and tensor.is_contiguous():
+            # the tensor is its whole storage: check the bytes just read
+            self._crc_matches(meta.storage, crc32_of(tensor), self._records[meta.storage].CRC)
+        else:
+            self._verify_storage(meta.storage)
+
+    def _verify_storage(self, key: str) -> None:
+        """Check a storage record's CRC-32 by reading it from the file (mmap windows)."""
+        if key in self._verified:
+            return
+        if self._stored is None:
+            self._stored = stored_records(self.path)
+        data_offset, size, crc = self._stored[key]
+        fd = open_regular(self.path)
+        try:
+            got = crc32_range(fd, data_offset, size)
+        finally:
+            os.close(fd)
+        self._crc_matches(key, got, crc)
+
+    def _crc_matches(self, key: str, got: int, recorded: int) -> None:
+        if got != recorded:
+            raise CkptkitError(f"{self.path}: record data/{key} fails its CRC-32 check: the file is corrupt")
+        self._verified.add(key)
 
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
@@ -171,6 +212,7 @@ class TorchPickleReader:
         if record is None or meta.offset < 0 or start + nbytes > record[1]:
             return None
         data_offset, size, crc = record
+        self._verify_storage(meta.storage)  # before its bytes are copied file to file
         return Span(self.path, data_offset + start, nbytes, crc if start == 0 and nbytes == size else None)
 
     def close(self) -> None:
@@ -217,6 +259,37 @@ def _shared(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         else:
             first[key] = name
     return out
+
+
+def save_torch(obj: object, path: Path, size_hint: int = 0) -> None:
+    """``torch.save`` to ``path``; a failed write raises OSError with its cause.
+
+    torch reports a failed write (full disk, file size limit) as a RuntimeError without
+    the errno, and writing through a Python file object would change the archive's folder
+    name. So after a failure one byte is written where the file would have ended (at
+    least ``size_hint``), which fails again with the real errno (ENOSPC, EFBIG, EIO...).
+    """
+    import torch
+
+    try:
+        torch.save(obj, path)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "write failed"
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, b"\0", max(os.fstat(fd).st_size, size_hint))
+            finally:
+                os.close(fd)
+        except OSError as cause:
+            raise OSError(cause.errno, cause.strerror, str(path)) from None
+        raise OSError(errno.EIO, f"torch.save failed ({first[:120]})", str(path)) from None
+
+
+def crc32_of(tensor: torch.Tensor) -> int:
+    import torch
+
+    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
 class TorchPickleWriter:
@@ -312,7 +385,7 @@ def _torch_skeleton(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.serialization.skip_data():
-            torch.save(placeholders, path)
+            save_torch(placeholders, path, size_hint=sum(t.nbytes for t in placeholders.values()))
     del placeholders
     reader = torch._C.PyTorchFileReader(str(path))
     records = []

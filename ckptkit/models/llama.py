@@ -122,7 +122,9 @@ class Llama2(Family):
             what = f"dim {dim}, multiple_of {multiple_of}, ffn_dim_multiplier {mult} give FFN size {ffn}"
         if w1 is not None and w1[0] != ffn:
             raise CkptkitError(f"contradicts the tensors: {what}, but layers.0.feed_forward.w1.weight has {w1[0]} rows")
-        scaled = bool(params.get("use_scaled_rope"))
+        scaled = params.get("use_scaled_rope", False)
+        if not isinstance(scaled, bool):  # the one Llama-only field; the rest: models/fields.py
+            raise CkptkitError(f"field 'use_scaled_rope' must be true or false, not {scaled!r}")
         return ModelConfig(
             model_type=self.name,
             vocab_size=emb[0],

@@ -12,7 +12,6 @@ checkpoint, ``recipe_state/recipe_state.pt`` (a subfolder, so that tools which t
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
@@ -25,8 +24,10 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.torch_io import save_torch
 from ckptkit.models import ModelConfig
-from ckptkit.save_like import save_checkpoint_like
+from ckptkit.publish import publishing, sweep
+from ckptkit.save_like import write_like
 from ckptkit.train.config import get
 from ckptkit.train.lora import lora_modules
 from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
@@ -58,6 +59,7 @@ class Checkpointer:
         self.hf_base_dir = get(cfg, "checkpointer.hf_base_dir")
         self.expect_formats = get(cfg, "checkpointer.expect_formats")
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
+        sweep(self.output_dir)  # what killed runs left half-written
         self.loads_in_transformers = False
         self.peft_base = ""  # base_model_name_or_path of the adapters written
         self.saved: list[Path] = []
@@ -224,28 +226,17 @@ class Checkpointer:
         ``extra(folder)`` adds more to the folder before it is published (the distributed
         recipes write their sharded recipe state there).
         """
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         final = self.output_dir / name
-        tmp = self.output_dir / f".{name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
+        with publishing(final, replace=True) as tmp:
             if model_state is not None:
-                save_checkpoint_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
+                write_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
             if adapter_model is not None:
                 save_adapter(adapter_model, tmp / ADAPTER_DIR, base_model_name_or_path=self.peft_base or None)
             if recipe_state is not None:
                 (tmp / RECIPE_STATE_DIR).mkdir(parents=True)
-                torch.save(recipe_state, tmp / RECIPE_STATE_DIR / RECIPE_STATE)
+                save_torch(recipe_state, tmp / RECIPE_STATE_DIR / RECIPE_STATE)
             if extra is not None:
                 extra(tmp)
-            old = self.output_dir / f".{name}.old-{os.getpid()}"
-            if final.exists():
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self.saved.append(final)
         return final
 

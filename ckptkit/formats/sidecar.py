@@ -1,0 +1,122 @@
+"""Validation of a recorded origin layout (``ckptkit-origin.json``, ``ckptkit.json``).
+
+The layout recorded when a checkpoint was converted decides file names, index and config
+text when converting back, so a crafted or damaged record must never reach a path or the
+output: every name is a plain base name matching its format's pattern, every text parses
+as what it claims to be, every value has its type.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ckptkit.dtypes import ITEMSIZE
+from ckptkit.errors import CkptkitError
+from ckptkit.formats import hf, internal, meta
+from ckptkit.models.fields import check_config_fields
+from ckptkit.untrusted import loads_json, plain_name
+
+MAX_RECORDED_TENSOR = 1 << 16  # own_layout records only small unused tensors
+
+
+def weight_name_pattern(fmt: str) -> re.Pattern[str]:
+    """What a weight file of format ``fmt`` may be called."""
+    hf_format = _hf(fmt)
+    if hf_format is not None:
+        return hf_format.weight_file
+    if fmt == "meta":
+        names = (meta.RANK_FILE.pattern, re.escape(meta.SAFETENSORS_FILE), meta.TORCHTUNE_FILE.pattern)
+        return re.compile("|".join(f"(?:{n})" for n in names))
+    return internal.FILE_NAME
+
+
+def _hf(fmt: str) -> hf.HFFormat | None:
+    from ckptkit.formats import get_format
+
+    found = get_format(fmt)
+    return found if isinstance(found, hf.HFFormat) else None
+
+
+CONFIG_NAMES = {"hf": "config.json", "hf-bin": "config.json", "meta": "params.json"}
+
+
+def _need(ok: bool, where: Path, what: str) -> None:
+    if not ok:
+        raise CkptkitError(f"{where}: invalid recorded layout ({what})")
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def check_origin(origin: Any, where: Path) -> dict[str, Any]:
+    """``origin`` if it is a well-formed recorded layout; else a one-line error naming ``where``."""
+    _need(isinstance(origin, dict), where, "not a JSON object")
+    if not origin:
+        return origin  # nothing recorded
+    fmt = origin.get("format")
+    _need(fmt in CONFIG_NAMES, where, f"unknown format {fmt!r}")
+    _need(isinstance(origin.get("model_type"), str), where, "model_type")
+    files = origin.get("files")
+    _need(isinstance(files, list) and bool(files), where, "files")
+    pattern = weight_name_pattern(fmt)
+    names: list[str] = []
+    placed: set[str] = set()
+    for f in files:
+        _need(isinstance(f, dict), where, "files")
+        names.append(plain_name(f.get("name"), where, pattern, "recorded weight file name"))
+        keys = f.get("keys")
+        _need(isinstance(keys, list) and all(isinstance(k, str) for k in keys), where, f"keys of {names[-1]}")
+        _need(f.get("metadata") is None or _strings(f["metadata"]), where, f"metadata of {names[-1]}")
+        placed.update(keys)
+    _need(len(set(names)) == len(names), where, "a weight file name appears twice")
+    split = origin.get("split_dims") or {}
+    _need(isinstance(split, dict) and all(v in (None, 0, 1) for v in split.values()), where, "split_dims")
+    _need(origin.get("dtypes") is None or _strings(origin["dtypes"]), where, "dtypes")
+    _check_config(origin.get("config"), fmt, where)
+    _check_index(origin.get("index"), fmt, names, placed, where)
+    _check_unused(origin.get("unused") or {}, where)
+    return origin
+
+
+def _check_config(config: Any, fmt: str, where: Path) -> None:
+    _need(isinstance(config, dict), where, "config")
+    _need(config.get("name") == CONFIG_NAMES[fmt], where, f"config name {config.get('name')!r}")
+    _need(isinstance(config.get("text"), str), where, "config text")
+    doc = loads_json(config["text"], where, f"invalid recorded {config['name']}")
+    _need(isinstance(doc, dict), where, f"{config['name']} is not a JSON object")
+    check_config_fields(config["name"], doc, f"{where} (recorded {config['name']})")
+
+
+def _check_index(index: Any, fmt: str, names: list[str], placed: set[str], where: Path) -> None:
+    if index is None:
+        return
+    hf_format = _hf(fmt)
+    _need(hf_format is not None and isinstance(index, dict), where, "index")
+    _need(index.get("name") == hf_format.index_name, where, f"index name {index.get('name')!r}")  # type: ignore[union-attr]
+    _need(isinstance(index.get("text"), str), where, "index text")
+    doc = loads_json(index["text"], where, "invalid recorded index")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    _need(_strings(weight_map), where, "the recorded index has no valid weight_map")
+    _need(set(weight_map.values()) <= set(names), where, "the recorded index names other weight files")  # type: ignore[union-attr]
+    _need(set(weight_map) == placed, where, "the recorded index lists other tensors than the files")  # type: ignore[arg-type]
+
+
+def _check_unused(unused: Any, where: Path) -> None:
+    _need(isinstance(unused, dict), where, "unused")
+    for name, enc in unused.items():
+        ok = isinstance(enc, dict) and enc.get("dtype") in ITEMSIZE and isinstance(enc.get("data"), str)
+        shape = enc.get("shape") if ok else None
+        ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        if ok:
+            nbytes = math.prod(shape) * ITEMSIZE[enc["dtype"]]
+            try:
+                ok = nbytes <= MAX_RECORDED_TENSOR and len(base64.b64decode(enc["data"], validate=True)) == nbytes
+            except (binascii.Error, ValueError):
+                ok = False
+        _need(ok, where, f"recorded tensor {name!r}")

@@ -1,0 +1,287 @@
+"""The one way ckptkit puts a checkpoint folder in place: complete, or not at all.
+
+``with publishing(dst, replace=...) as tmp:`` yields a fresh folder beside ``dst`` to
+write into. On success every file and folder in it is fsynced, then it takes ``dst``'s
+place: with one ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (a reader
+sees the old or the new folder, never neither), else by renaming the old ``dst`` aside,
+the new one in, and deleting the old. On any failure the temporary folder goes away and
+``dst`` is as it was; OS errors become one line naming ``dst`` and the cause.
+
+A lock file beside ``dst`` (``flock``, released by the kernel when its holder dies)
+makes a second writer to the same ``dst`` fail at once. Whoever holds the lock removes
+the temporary and set-aside folders that killed writers left beside ``dst``
+(:func:`sweep` does the same for a whole folder, e.g. a trainer's ``output_dir``).
+
+Each step calls ``sys.audit("ckptkit.publish", step, path)`` first, so a test can stop
+the process at any of them (an audit hook sending itself SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from ckptkit.errors import CkptkitError, WriteError
+
+TMP_SUFFIX = ".ckptkit-tmp"  # a folder being written
+OLD_SUFFIX = ".ckptkit-old"  # a replaced folder waiting to be deleted
+LOCK_SUFFIX = ".ckptkit-lock"
+# ".NAME.PID-RANDOM.ckptkit-tmp"; before 0.2: ".NAME.RANDOM.ckptkit-tmp" (mkdtemp) and the
+# trainer's ".NAME.partial-PID" / ".NAME.old-PID".
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:[\w-]+\.ckptkit-(?:tmp|old)|partial-\d+|old-\d+)")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _audit(step: str, path: Path) -> None:
+    sys.audit("ckptkit.publish", step, str(path))
+
+
+def _renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_EXCHANGE = _renameat2()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically; False where the OS or filesystem cannot."""
+    if _EXCHANGE is None:
+        return False
+    if _EXCHANGE(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (folders after their contents)."""
+    for folder, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(folder) / name, os.O_RDONLY)
+        _fsync(Path(folder), os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# --- the lock ------------------------------------------------------------------------
+
+
+def lock_path(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}{LOCK_SUFFIX}"
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on ``path`` (created if needed), or None if held."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the holder before us may have unlinked it: lock the file that is there now
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def _holder(path: Path) -> str:
+    try:
+        pid = path.read_text().strip()
+    except OSError:
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+@contextlib.contextmanager
+def locked(dst: Path) -> Iterator[None]:
+    """Hold ``dst``'s writer lock; a one-line error if another process holds it."""
+    path = lock_path(dst)
+    fd = _try_lock(path)
+    if fd is None:
+        raise CkptkitError(
+            f"{dst}: another ckptkit process is writing it{_holder(path)}; wait for it to finish or choose another DST"
+        )
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _clean_leftovers(dst)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still locked: a waiting process re-checks the inode
+        os.close(fd)
+
+
+# --- leftovers of killed writers ---------------------------------------------------------
+
+
+def leftovers(parent: Path, name: str | None = None) -> list[Path]:
+    """Temporary and set-aside folders beside ``parent/name`` (any name when None)."""
+    try:
+        entries = sorted(parent.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for p in entries:
+        m = _LEFTOVER.fullmatch(p.name)
+        if m and (name is None or m["name"] == name):
+            found.append(p)
+    return found
+
+
+def _clean_leftovers(dst: Path) -> None:
+    """With ``dst``'s lock held: every writer of ``dst`` that left folders is dead.
+
+    A set-aside old folder with no ``dst`` (a writer killed between its two renames) is
+    renamed back; everything else is deleted.
+    """
+    for p in leftovers(dst.parent, dst.name):
+        if p.name.endswith(OLD_SUFFIX) and not dst.exists():
+            _audit("restore", p)
+            os.rename(p, dst)
+            continue
+        _audit("clean", p)
+        _remove(p)
+
+
+def sweep(folder: Path) -> list[Path]:
+    """Remove the leftovers of killed writers in ``folder``, for every name not being written now."""
+    removed = []
+    for name in sorted({_LEFTOVER.fullmatch(p.name)["name"] for p in leftovers(folder)}):  # type: ignore[index]
+        dst = folder / name
+        before = leftovers(folder, name)
+        with contextlib.suppress(CkptkitError), locked(dst):
+            removed += before
+    return removed
+
+
+# --- publishing ---------------------------------------------------------------------------
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def check_replaceable(dst: Path, replace: bool) -> None:
+    """A one-line error unless ``dst`` is absent, an empty folder, or a folder we may replace."""
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if dst.is_symlink():
+        raise CkptkitError(f"{dst}: is a symbolic link; give the folder it points to")
+    if not dst.is_dir():
+        raise CkptkitError(f"{dst}: exists and is not a directory")
+    if not replace and not _empty_dir(dst):
+        raise CkptkitError(f"{dst}: exists and is not empty (pass --force to replace it)")
+
+
+def _put_in_place(tmp: Path, dst: Path) -> None:
+    if not dst.exists():
+        _audit("rename", tmp)
+        os.rename(tmp, dst)
+    elif _empty_dir(dst):
+        _audit("rename", tmp)
+        os.rename(tmp, dst)  # replaces an empty folder atomically
+    else:
+        _audit("exchange", tmp)
+        if exchange(tmp, dst):  # tmp now holds the old checkpoint
+            _audit("delete-old", tmp)
+            shutil.rmtree(tmp)
+        else:
+            aside = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX) + OLD_SUFFIX)
+            _audit("aside", dst)
+            os.rename(dst, aside)
+            _audit("rename", tmp)
+            os.rename(tmp, dst)
+            _audit("delete-old", aside)
+            shutil.rmtree(aside)
+    _audit("sync-parent", dst.parent)
+    _fsync(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def os_error_line(dst: Path, e: OSError) -> str:
+    """One line for an OS error while publishing ``dst``: the DST when it was ours to write."""
+    cause = e.strerror or str(e)
+    if e.filename:
+        where, target = Path(os.fsdecode(e.filename)).absolute(), dst.absolute()
+        ours = where == target or where in target.parents
+        if not ours and target.parent in where.parents:
+            top = where.relative_to(target.parent).parts[0]
+            ours = top == target.name or top.startswith(f".{target.name}.")
+        if not ours:
+            return f"{e.filename}: {cause}"  # e.g. a source file that could not be read
+    return f"{dst}: cannot write: {cause}"
+
+
+@contextlib.contextmanager
+def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
+    """A fresh folder to write ``dst`` into; put in place when the block succeeds.
+
+    Args:
+        dst: the folder to create or replace.
+        replace: whether a non-empty ``dst`` may be replaced (``--force``).
+
+    Raises CkptkitError (one line naming ``dst``) for a refused ``dst``, a concurrent
+    writer, or an OS error while writing; ``dst`` is then unchanged and nothing is left
+    beside it.
+    """
+    dst = Path(dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with locked(dst):
+            check_replaceable(dst, replace)
+            tmp = dst.parent / f".{dst.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+            _audit("mkdir", tmp)
+            os.mkdir(tmp, 0o777)  # the umask decides, as for any folder the user creates
+            try:
+                yield tmp
+                _audit("fsync", tmp)
+                fsync_tree(tmp)
+                check_replaceable(dst, replace)
+                _put_in_place(tmp, dst)
+            except BaseException:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    except CkptkitError:
+        raise
+    except OSError as e:
+        error = WriteError(os_error_line(dst, e))
+        error.errno, error.strerror, error.filename = e.errno, e.strerror, e.filename
+        raise error from None

@@ -1,0 +1,415 @@
+"""Regression cases of issue 9: every name, offset, size and field read from disk is checked.
+
+Each case builds a damaged copy of a fixture (real files written by torch.save, the
+safetensors library and ckptkit itself, then edited at the byte level where a writer would
+refuse) and runs the CLI through test_errors' fork driver, with test_errors' contract:
+exit 1, one line naming the file and the problem, no traceback, the source untouched,
+DST absent, nothing beside it, and no ``pwned`` file (the target of the crafted paths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError, safe_open
+from test_errors import INDEX, Case, Outcome, check, converting, copy_fixture, edit_json, run_in_driver, snapshot
+
+from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
+
+from conftest import FIXTURES
+
+CASES: dict[str, Callable[[Path], Case]] = {}
+
+
+def case(name: str) -> Callable[[Callable[[Path], Case]], Callable[[Path], Case]]:
+    def register(build: Callable[[Path], Case]) -> Callable[[Path], Case]:
+        CASES[name] = build
+        return build
+
+    return register
+
+
+# --- 1. the recorded layout becomes paths and text: validate it ----------------------------
+
+
+def converted_meta(tmp: Path) -> Path:
+    """hf/llama2 converted to Meta by ckptkit: holds ckptkit-origin.json recording the HF layout."""
+    src = tmp / "src"
+    convert(FIXTURES / "hf/llama2", src, "meta")
+    return src
+
+
+def edit_origin(src: Path, edit: Callable[[dict], object]) -> None:
+    path = src / "ckptkit-origin.json"
+    doc = json.loads(path.read_text())
+    edit(doc["origin"])
+    path.write_text(json.dumps(doc))
+
+
+@case("origin-index-absolute-path")
+def _(tmp: Path) -> Case:
+    src = converted_meta(tmp)
+    edit_origin(src, lambda o: o["index"].update(name=str(tmp / "pwned")))
+    return converting(src, tmp, "ckptkit-origin.json", "index name", to="hf")
+
+
+@case("origin-file-dotdot")
+def _(tmp: Path) -> Case:
+    src = converted_meta(tmp)
+    edit_origin(src, lambda o: o["files"][0].update(name="../pwned"))
+    return converting(src, tmp, "ckptkit-origin.json", "'../pwned'", to="hf")
+
+
+@case("origin-index-text-corrupt")
+def _(tmp: Path) -> Case:
+    src = converted_meta(tmp)
+    edit_origin(src, lambda o: o["index"].update(text='{"weight_map": {"x": "model-00009-of-00009.safetensors"}}'))
+    return converting(src, tmp, "ckptkit-origin.json", "index", to="hf")
+
+
+@case("internal-origin-config-name")
+def _(tmp: Path) -> Case:
+    src = tmp / "src"
+    convert(FIXTURES / "hf/llama2", src, "internal")
+    doc = json.loads((src / "ckptkit.json").read_text())
+    doc["origin"]["config"]["name"] = "/tmp/pwned"
+    (src / "ckptkit.json").write_text(json.dumps(doc))
+    return converting(src, tmp, "ckptkit.json", "config name", to="hf")
+
+
+# --- 2. safetensors offsets as strict as the library ----------------------------------------
+
+
+def rewrite_layout(path: Path, move: Callable[[list[dict]], bytes]) -> None:
+    """Rewrite a safetensors file's header and data; ``move`` edits the entries (in data
+    order) and returns the new data section."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    entries = sorted(({"name": k, **v} for k, v in header.items()), key=lambda e: e["data_offsets"][0])
+    data = move(entries, raw[8 + n :])  # type: ignore[call-arg]
+    out = {"__metadata__": meta} if meta else {}
+    out.update({e.pop("name"): e for e in entries})
+    text = json.dumps(out).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def library_refuses(path: Path) -> None:
+    with pytest.raises(SafetensorError):
+        with safe_open(path, "pt") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+
+
+@case("safetensors-gap")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("hf/llama2", tmp / "src")
+    shard = src / "model-00001-of-00004.safetensors"
+
+    def gap(entries: list[dict], data: bytes) -> bytes:
+        cut = entries[0]["data_offsets"][1]
+        for e in entries[1:]:
+            e["data_offsets"] = [x + 8 for x in e["data_offsets"]]
+        return data[:cut] + b"\0" * 8 + data[cut:]
+
+    rewrite_layout(shard, gap)  # type: ignore[arg-type]
+    library_refuses(shard)
+    return converting(src, tmp, shard.name, "invalid offset", "gap")
+
+
+@case("safetensors-overlap")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("hf/llama2", tmp / "src")
+    shard = src / "model-00001-of-00004.safetensors"
+
+    def overlap(entries: list[dict], data: bytes) -> bytes:
+        entries[-1]["data_offsets"] = [x - 2 for x in entries[-1]["data_offsets"]]  # sizes unchanged
+        return data
+
+    rewrite_layout(shard, overlap)  # type: ignore[arg-type]
+    library_refuses(shard)
+    return converting(src, tmp, shard.name, "invalid offset", "overlaps")
+
+
+# --- 3. replicated Meta tensors must agree -----------------------------------------------------
+
+
+@case("meta-ranks-disagree-on-norm")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("meta/llama2-2rank", tmp / "src")
+    state = torch.load(src / "consolidated.01.pth", weights_only=True)
+    state["norm.weight"] = state["norm.weight"] + 1
+    torch.save(state, src / "consolidated.01.pth")
+    return converting(src, tmp, "consolidated.00.pth and", "consolidated.01.pth", "norm.weight")
+
+
+@case("meta-ranks-disagree-through-memory")
+def _(tmp: Path) -> Case:
+    """The same, with the file-to-file copy off: the tensors go through memory."""
+    c = CASES["meta-ranks-disagree-on-norm"](tmp)
+    c.args += ["--copy-method", "off"]
+    return c
+
+
+# --- 6. zip members, JSON, config fields, special files ----------------------------------------
+
+
+BIN = "pytorch_model-00001-of-00002.bin"
+
+
+def rezip(path: Path, compress: int) -> None:
+    with zipfile.ZipFile(path) as z:
+        members = [(zi.filename, z.read(zi)) for zi in z.infolist()]
+    with zipfile.ZipFile(path, "w", compression=compress) as z:
+        for name, data in members:
+            z.writestr(name, data)
+
+
+def patch_central(path: Path, member_suffix: str, edit: Callable[[bytearray, int, int], None]) -> None:
+    """Edit the local and central headers of one zip member in place: ``edit(data, at, kind)``
+    gets the offset of a header (kind 0: local, 1: central)."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        zi = next(i for i in z.infolist() if i.filename.endswith(member_suffix))
+        start = z.start_dir
+    edit(data, zi.header_offset, 0)
+    pos = start
+    while data[pos : pos + 4] == b"PK\x01\x02":
+        n, m, k = struct.unpack("<HHH", data[pos + 28 : pos + 34])
+        if data[pos + 46 : pos + 46 + n].decode("utf-8", "replace").endswith(member_suffix):
+            edit(data, pos, 1)
+        pos += 46 + n + m + k
+    path.write_bytes(bytes(data))
+
+
+def set_flag(bit: int, clear: int = 0) -> Callable[[bytearray, int, int], None]:
+    def edit(data: bytearray, at: int, kind: int) -> None:
+        where = at + (6 if kind == 0 else 8)
+        flags = struct.unpack("<H", data[where : where + 2])[0]
+        data[where : where + 2] = struct.pack("<H", (flags | bit) & ~clear)
+
+    return edit
+
+
+def latin_name(data: bytearray, at: int, kind: int) -> None:
+    """Make the last letter of the member name a non-UTF-8 byte and clear the UTF-8 flag."""
+    set_flag(0, clear=0x800)(data, at, kind)
+    n = struct.unpack("<H", data[at + (26 if kind == 0 else 28) : at + (28 if kind == 0 else 30)])[0]
+    name_at = at + (30 if kind == 0 else 46)
+    data[name_at + n - 1] = 0xE9
+
+
+def hf_bin(tmp: Path) -> tuple[Path, Path]:
+    src = copy_fixture("hf-bin/llama2", tmp / "src")
+    return src, src / BIN
+
+
+@case("zip-deflated")
+def _(tmp: Path) -> Case:
+    src, path = hf_bin(tmp)
+    rezip(path, zipfile.ZIP_DEFLATED)
+    return converting(src, tmp, BIN, "compressed", to="hf")
+
+
+@case("zip-encrypted-flag")
+def _(tmp: Path) -> Case:
+    src, path = hf_bin(tmp)
+    patch_central(path, "/data.pkl", set_flag(0x1))
+    return converting(src, tmp, BIN, "encrypted", to="hf")
+
+
+@case("zip-non-utf8-name")
+def _(tmp: Path) -> Case:
+    src, path = hf_bin(tmp)
+    patch_central(path, "/byteorder", latin_name)
+    return converting(src, tmp, BIN, "not a plain UTF-8", to="hf")
+
+
+@case("zip-crc-mismatch")
+def _(tmp: Path) -> Case:
+    src, path = hf_bin(tmp)
+    with zipfile.ZipFile(path) as z:
+        zi = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    n, m = struct.unpack("<HH", data[zi.header_offset + 26 : zi.header_offset + 30])
+    data[zi.header_offset + 30 + n + m + zi.file_size // 2] ^= 0x40  # one bit of one weight
+    path.write_bytes(bytes(data))
+    return converting(src, tmp, BIN, "CRC-32", to="hf")
+
+
+def llama2_hf(tmp: Path) -> Path:
+    return copy_fixture("hf/llama2", tmp / "src")
+
+
+def raw_json_edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+@case("json-infinity")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    raw_json_edit(src / "config.json", '"rope_theta": 10000.0', '"rope_theta": Infinity')
+    return converting(src, tmp, "config.json", "Infinity")
+
+
+@case("json-deep-nesting")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    raw_json_edit(src / "config.json", "{", '{"x": ' + "[" * 100_000 + "]" * 100_000 + ",")
+    return converting(src, tmp, "config.json", "nested")
+
+
+for _name, _value in (("str", "2"), ("float", 2.5), ("null", None), ("zero", 0), ("bool", True)):
+
+    @case(f"config-num_hidden_layers-{_name}")
+    def _(tmp: Path, value: object = _value) -> Case:
+        src = llama2_hf(tmp)
+        edit_json(src / "config.json", num_hidden_layers=value)
+        return converting(src, tmp, "config.json", "num_hidden_layers", "positive integer")
+
+
+@case("config-num_hidden_layers-nan")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    raw_json_edit(src / "config.json", '"num_hidden_layers": 2', '"num_hidden_layers": NaN')
+    return converting(src, tmp, "config.json", "NaN")
+
+
+@case("config-num_hidden_layers-huge")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    edit_json(src / "config.json", num_hidden_layers=100_000_000)
+    return converting(src, tmp, "config.json", "100000000", "hold 2 layers")
+
+
+for _field, _value in (("n_heads", 0), ("multiple_of", 0), ("dim", "abc"), ("n_layers", 2.0)):
+
+    @case(f"params-{_field}-{_value}")
+    def _(tmp: Path, field: str = _field, value: object = _value) -> Case:
+        src = copy_fixture("meta/llama2", tmp / "src")
+        edit_json(src / "params.json", **{field: value})
+        return converting(src, tmp, "params.json", repr(field))
+
+
+@case("index-value-null")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    doc = json.loads((src / INDEX).read_text())
+    doc["weight_map"][next(iter(doc["weight_map"]))] = None
+    (src / INDEX).write_text(json.dumps(doc))
+    return converting(src, tmp, INDEX, "shard name")
+
+
+@case("internal-files-not-a-map")
+def _(tmp: Path) -> Case:
+    src = tmp / "src"
+    convert(FIXTURES / "hf/llama2", src, "internal")
+    edit_json(src / "ckptkit.json", files=["weights.safetensors"])
+    return converting(src, tmp, "ckptkit.json", "files", to="hf")
+
+
+@case("internal-config-field-type")
+def _(tmp: Path) -> Case:
+    src = tmp / "src"
+    convert(FIXTURES / "hf/llama2", src, "internal")
+    doc = json.loads((src / "ckptkit.json").read_text())
+    doc["config"]["num_heads"] = "4"
+    (src / "ckptkit.json").write_text(json.dumps(doc))
+    return converting(src, tmp, "ckptkit.json", "num_heads", to="hf")
+
+
+@case("pth-symlink-to-dev-zero")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("meta/llama2", tmp / "src")
+    (src / "consolidated.00.pth").unlink()
+    (src / "consolidated.00.pth").symlink_to("/dev/zero")
+    return converting(src, tmp, "consolidated.00.pth", "/dev/zero")
+
+
+@case("fifo-as-weight-file")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("meta/llama2", tmp / "src")
+    (src / "consolidated.00.pth").unlink()
+    os.mkfifo(src / "consolidated.00.pth")  # opening it for reading would block forever
+    return converting(src, tmp, "consolidated.00.pth", "FIFO")
+
+
+@case("fifo-as-shard")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    (src / "model-00004-of-00004.safetensors").unlink()
+    os.mkfifo(src / "model-00004-of-00004.safetensors")
+    return converting(src, tmp, "model-00004-of-00004.safetensors", "FIFO")
+
+
+# --- 7. carried files: no symlinks out of SRC, no special files dropped silently ---------------
+
+
+@case("carried-symlink-outside-src")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    secret = tmp / "secret.txt"
+    secret.write_text("not yours\n")
+    (src / "tokenizer.model").unlink()
+    (src / "tokenizer.model").symlink_to(secret)
+    return converting(src, tmp, "tokenizer.model", "outside the checkpoint folder")
+
+
+@case("carried-fifo")
+def _(tmp: Path) -> Case:
+    src = llama2_hf(tmp)
+    os.mkfifo(src / "notes.txt")
+    return converting(src, tmp, "notes.txt", "FIFO")
+
+
+# --- running them -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    built = {}
+    for name, build in CASES.items():
+        tmp = tmp_path_factory.mktemp(name)
+        built[name] = (tmp, build(tmp))
+    before = {n: (snapshot(c.src), snapshot(c.keep)) for n, (_, c) in built.items()}
+    procs = run_in_driver(built, tmp_path_factory.mktemp("logs"))
+    return {n: Outcome(tmp, c, procs[n], *before[n]) for n, (tmp, c) in built.items()}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the case driver forks")
+@pytest.mark.parametrize("name", list(CASES))
+def test_untrusted_input(name: str, outcomes: dict[str, Outcome]) -> None:
+    check(outcomes[name])
+
+
+def test_symlinks_inside_src_are_followed(tmp_path: Path) -> None:
+    """A symlink that stays inside SRC (or a Hugging Face cache snapshot's blobs) is fine."""
+    cache = tmp_path / "models--x" / "snapshots" / "abc"
+    blobs = tmp_path / "models--x" / "blobs"
+    shutil.copytree(FIXTURES / "hf/llama2", cache)
+    blobs.mkdir()
+    for p in sorted(cache.iterdir()):
+        os.rename(p, blobs / p.name)
+        p.symlink_to(Path("../../blobs") / p.name)
+    convert(cache, tmp_path / "out", "meta")
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == (blobs / "tokenizer.model").read_bytes()
+    assert not (tmp_path / "out" / "tokenizer.model").is_symlink()
+
+
+def test_replicated_tensors_that_agree_convert(tmp_path: Path) -> None:
+    convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", "hf")
+    with pytest.raises(CkptkitError, match="exists and is not empty"):
+        convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", "hf")
