@@ -46,8 +46,9 @@ def write_plan(
     A tensor whose bytes the source holds as they are to be written (its lazy has spans:
     unchanged, or rows moved by a transform) is copied file to file on worker threads with
     ``copy_method`` (``auto``, or one of :data:`~ckptkit.rawcopy.METHODS` forced; None:
-    never), while this thread computes the others (casts, generated tensors). Returns the
-    bytes written by each method (:data:`COMPUTED` for those computed in memory).
+    never), while this thread computes the others (casts, generated tensors: those with
+    ``raw`` bytes, unless split across ranks, without torch). Returns the bytes written by
+    each method (:data:`COMPUTED` for those computed in memory).
     """
     writers: dict[str, Any] = {}
     where: dict[str, list[FilePlan]] = {}
@@ -71,20 +72,29 @@ def write_plan(
             if all(key in f.aliases for f in files):  # stored as another tensor's storage
                 bar.advance(lazy.nbytes)
                 continue
+            ranks, dim = files[0].ranks, plan.split_dims.get(key)
             spans = lazy.spans() if copy_method is not None else None
             if spans is not None:
                 if total_bytes(spans) != lazy.nbytes:
                     raise RuntimeError(f"{key}: {total_bytes(spans)} stored bytes, planned {lazy.nbytes}")
-                ranks, dim = files[0].ranks, plan.split_dims.get(key)
                 pieces = RANKS.inverse_spans(spans, lazy.shape, ranks, dim) if ranks > 1 else [spans]
                 for f in files:
                     job = functools.partial(writers[f.name].write_spans, key, pieces[f.rank], copy_method)
                     copies.submit(job, total_bytes(pieces[f.rank]) if dim is not None or f is files[0] else 0)
                 continue
+            if lazy.raw is not None and (ranks == 1 or dim is None):  # bytes in memory: no torch
+                data = lazy.raw()
+                if len(data) != lazy.nbytes:
+                    raise RuntimeError(f"{key}: produced {len(data)} bytes, planned {lazy.nbytes}")
+                for f in files:
+                    writers[f.name].write_bytes(key, data)
+                computed += lazy.nbytes
+                bar.advance(lazy.nbytes)
+                continue
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
                 raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
-            pieces = RANKS.inverse(tensor, files[0].ranks, plan.split_dims.get(key)) if files[0].ranks > 1 else [tensor]
+            pieces = RANKS.inverse(tensor, ranks, dim) if ranks > 1 else [tensor]
             for f in files:
                 writers[f.name].write(key, pieces[f.rank] if len(pieces) > 1 else pieces[0])
             del tensor, pieces

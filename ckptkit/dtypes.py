@@ -45,3 +45,10 @@ def to_torch(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes in row-major order (a view of its memory where it is contiguous)."""
+    import torch
+
+    return memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())

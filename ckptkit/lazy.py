@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
+from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.rawcopy import Span, read_spans
 
 if TYPE_CHECKING:
@@ -26,6 +26,8 @@ class Lazy:
 
     ``spans()`` says where the bytes ``get()`` would return lie in the source files (byte
     ranges, concatenated in order) when they can be copied file to file, else None.
+    ``raw``, where set, returns those bytes from memory without torch (generated or
+    recorded tensors).
     """
 
     shape: tuple[int, ...]
@@ -33,31 +35,52 @@ class Lazy:
     get: Callable[[], torch.Tensor]
     file: str = ""
     spans: Callable[[], list[Span] | None] = no_spans
+    raw: Callable[[], bytes] | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
+def bytes_lazy(shape: tuple[int, ...], dtype: str, raw: Callable[[], bytes], file: str = "") -> Lazy:
+    """A lazy tensor whose bytes come from ``raw()``; ``get()`` builds the torch tensor."""
+    return Lazy(shape, dtype, lambda: tensor_from_bytes(raw(), dtype, shape), file, raw=raw)
+
+
+def tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    import torch
+
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(tuple(shape), dtype=to_torch(dtype))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(to_torch(dtype)).reshape(tuple(shape))
+
+
 def encode_lazy(lazy: Lazy) -> dict[str, Any]:
-    """:func:`encode_tensor` of ``lazy.get()``, from its stored bytes where it has them
-    (no torch needed)."""
-    spans = lazy.spans()
-    if spans is None:
-        return encode_tensor(lazy.get())
-    data = read_spans(spans)
-    return {"dtype": lazy.dtype, "shape": list(lazy.shape), "data": base64.b64encode(data).decode()}
+    """:func:`encode_tensor` of ``lazy.get()``, from its bytes where it has them in memory
+    or stored as they are (no torch needed)."""
+    if lazy.raw is not None:
+        data = lazy.raw()
+    else:
+        spans = lazy.spans()
+        if spans is None:
+            return encode_tensor(lazy.get())
+        data = read_spans(spans)
+    return _encoded(lazy.dtype, lazy.shape, data)
+
+
+def _encoded(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": list(shape), "data": base64.b64encode(data).decode()}
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
-    import torch
+    return _encoded(dtype_name(t.dtype), tuple(t.shape), tensor_bytes(t))
 
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": base64.b64encode(data).decode()}
+
+def decoded_lazy(d: dict[str, Any]) -> Lazy:
+    """The lazy tensor of an :func:`encode_tensor` record (no torch until ``get()``)."""
+    data = base64.b64decode(d["data"])
+    return bytes_lazy(tuple(d["shape"]), d["dtype"], lambda: data)
 
 
 def decode_tensor(d: dict[str, Any]) -> torch.Tensor:
-    import torch
-
-    buf = bytearray(base64.b64decode(d["data"]))
-    return torch.frombuffer(buf, dtype=torch.uint8).view(to_torch(d["dtype"])).reshape(d["shape"]).clone()
+    return decoded_lazy(d).get()

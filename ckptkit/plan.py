@@ -12,7 +12,7 @@ from ckptkit.dtypes import FLOATING, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import FORMATS, CheckpointFormat, get_format
 from ckptkit.formats.base import FilePlan, Options, Plan
-from ckptkit.lazy import Lazy, decode_tensor
+from ckptkit.lazy import Lazy, decoded_lazy
 
 __all__ = ["FilePlan", "Options", "Plan", "plan_conversion", "target_format"]
 
@@ -75,7 +75,7 @@ def _unused_pool(ckpt: Checkpoint) -> dict[str, Lazy]:
     """Tensors the model does not use that this conversion could carry, by native name."""
     pool: dict[str, Lazy] = {}
     for name, enc in (ckpt.origin.get("unused") or {}).items():
-        pool[name] = Lazy(tuple(enc["shape"]), enc["dtype"], lambda e=enc: decode_tensor(e))
+        pool[name] = decoded_lazy(enc)
     pool.update(ckpt.unused)
     return pool
 

@@ -18,8 +18,6 @@ from ckptkit.formats.base import ORIGIN_FILE, FilePlan, Options, Plan, RawCheckp
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
-    import torch
-
     from ckptkit.checkpoint import Checkpoint
     from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
@@ -113,7 +111,7 @@ class CheckpointFormat:
         }
 
     # --- writing --------------------------------------------------------------------
-    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
         """Tensors this format's own checkpoints carry that the model does not use."""
         return {}
 
@@ -122,14 +120,12 @@ class CheckpointFormat:
     ) -> tuple[dict[str, Lazy], list[str]]:
         """(native name -> tensor to write, notes) from the canonical tensors and ``pool``,
         the unused tensors this conversion could carry."""
-        from ckptkit.dtypes import dtype_name
-        from ckptkit.lazy import Lazy
         from ckptkit.mapping import native_targets
 
         layout = self.write_layout(ckpt)
         targets = native_targets(ckpt.tensors, layout, ckpt.config, with_optional)
-        for name, t in self.extra_tensors(ckpt.family, ckpt.config).items():
-            pool.setdefault(name, Lazy(tuple(t.shape), dtype_name(t.dtype), lambda t=t: t))
+        for name, lazy in self.extra_tensors(ckpt.family, ckpt.config).items():
+            pool.setdefault(name, lazy)
         targets.update({k: v for k, v in pool.items() if layout.is_unused(k)})
         dropped = [k for k in pool if not layout.is_unused(k)]
         notes = []

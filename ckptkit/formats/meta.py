@@ -32,8 +32,6 @@ from ckptkit.formats.torchtune import torchtune_files
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
 
 if TYPE_CHECKING:
-    import torch
-
     from ckptkit.checkpoint import Checkpoint
     from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
@@ -180,7 +178,7 @@ class MetaFormat(CheckpointFormat):
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.meta_layout(cfg)
 
-    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
         return family.meta_extra_tensors(cfg)
 
     def split_dim(self, name: str, ndim: int, family: Family) -> int | None:

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, to_torch
+from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.rawcopy import AUTO, Span, copy_spans, total_bytes
@@ -217,12 +217,14 @@ class SafetensorsWriter:
         self._file.truncate(self._data_start + offset)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        import torch
+        self.write_bytes(name, tensor_bytes(tensor))
 
+    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
+        """Write a tensor's bytes (row-major)."""
         offset, nbytes = self._offsets[name]
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        assert data.nbytes == nbytes, (name, data.nbytes, nbytes)
-        os.pwrite(self._file.fileno(), memoryview(data), self._data_start + offset)
+        if memoryview(data).nbytes != nbytes:
+            raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte tensor")
+        os.pwrite(self._file.fileno(), data, self._data_start + offset)
         self._pending.discard(name)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:

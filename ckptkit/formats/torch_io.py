@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptkit.dtypes import ITEMSIZE, dtype_name, to_torch
+from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
 from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, aliases, read_index
@@ -287,9 +287,7 @@ def save_torch(obj: object, path: Path, size_hint: int = 0) -> None:
 
 
 def crc32_of(tensor: torch.Tensor) -> int:
-    import torch
-
-    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return zlib.crc32(tensor_bytes(tensor))
 
 
 class TorchPickleWriter:
@@ -331,15 +329,17 @@ class TorchPickleWriter:
         self._fd = os.open(path, os.O_RDWR)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        import torch
+        self.write_bytes(name, tensor_bytes(tensor))
 
+    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
+        """Write a tensor's bytes (row-major) and record their CRC-32."""
         if name in self.aliases:
             return  # its bytes are those of the entry it aliases
         offset, nbytes, record = self._records[name]
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        assert data.nbytes == nbytes, (name, data.nbytes, nbytes)
-        os.pwrite(self._fd, memoryview(data), offset)
-        self._crcs[record] = zlib.crc32(memoryview(data))
+        if memoryview(data).nbytes != nbytes:
+            raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte record")
+        os.pwrite(self._fd, data, offset)
+        self._crcs[record] = zlib.crc32(data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         """Copy a tensor's bytes file to file from ``spans`` (concatenated); the CRC-32 comes

@@ -12,7 +12,7 @@ from ckptkit.models.spec import Layout
 from ckptkit.models.tokenizer_spec import TokenizerSpec
 
 if TYPE_CHECKING:
-    import torch
+    from ckptkit.lazy import Lazy
 
 
 @dataclass
@@ -61,8 +61,9 @@ class Family:
     def meta_layout(self, cfg: ModelConfig) -> Layout:
         raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
 
-    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """Tensors Meta's own checkpoints carry that the model does not use."""
+    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, Lazy]:
+        """Tensors Meta's own checkpoints carry that the model does not use (generated, with
+        ``raw`` bytes so that writing them needs no torch)."""
         return {}
 
     # --- configs -------------------------------------------------------------

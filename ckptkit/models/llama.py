@@ -7,18 +7,18 @@ the FFN size from ``dim``, ``multiple_of`` and ``ffn_dim_multiplier``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+import functools
+from typing import Any, ClassVar
 
 from ckptkit.errors import CkptkitError
+from ckptkit.lazy import Lazy, bytes_lazy
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family, MetaSource
 from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
+from ckptkit.models.rope_freqs import rope_freqs_bytes
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout, rope_parameters
 from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER
 from ckptkit.transforms import COPY, ROPE_K, ROPE_Q, TIED
-
-if TYPE_CHECKING:
-    import torch
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -76,12 +76,10 @@ class Llama2(Family):
             unused=(r"rope\.freqs",),
         )
 
-    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        import torch
-
-        hd = cfg.head_dim
-        freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
-        return {"rope.freqs": freqs.to(torch.bfloat16)}
+    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, Lazy]:
+        hd, theta = cfg.head_dim, cfg.rope_theta
+        raw = functools.cache(lambda: rope_freqs_bytes(hd, theta))
+        return {"rope.freqs": bytes_lazy((hd // 2,), "bfloat16", raw)}
 
     def rope_scaling(self) -> dict[str, Any] | None:
         if self.rope_factor is None:
@@ -179,7 +177,7 @@ class Llama3(Llama2):
             unused=(r"rope\.freqs",),
         )
 
-    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, Lazy]:
         return {}
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
