@@ -7,31 +7,43 @@ offset the writer laid out: each span with ``os.copy_file_range`` (the kernel co
 ``cp`` does), else ``os.sendfile``, else positioned reads and writes through one bounded
 buffer; many small spans at once with one ``pwritev`` gathering from a read-only mapping
 of the source ("gather"). The zip writer's CRC-32 comes from the source archive where it
-records one for exactly these bytes, else from ``zlib.crc32`` over window-by-window mmaps
-of the source: page-cache pages, no user-space copy.
+records one for exactly these bytes, else from ``zlib.crc32`` over the source read a
+window at a time.
+
+``stream`` (:mod:`ckptkit.streamcopy`) instead reads each window of source bytes once
+into a small buffer, computes or checks CRC-32s there and writes it out. Spans of a zip
+record carry a :class:`RecordCheck`: before its bytes are copied or read, the record's
+recorded CRC-32 is checked once per file (:class:`Verifier`), by the stream pass itself
+where it reads the whole record, else by reading the record.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import itertools
 import mmap
 import os
 import sys
+import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ckptkit import streamcopy
+from ckptkit.recordcheck import RecordCheck, verify_checks
+from ckptkit.streamcopy import crc32_range
+
 RANGE_METHODS = ("copy_file_range", "sendfile", "readwrite")  # for one range, in auto's order
 GATHER = "gather"
-METHODS = (*RANGE_METHODS, GATHER)
+STREAM = "stream"
+METHODS = (STREAM, *RANGE_METHODS, GATHER)
 AUTO = "auto"
 GATHER_FROM = 16  # auto: a list of at least this many spans is gathered with pwritev
 CHUNK = 1 << 30  # bytes per copy_file_range / sendfile call
 BUFFER = 8 << 20  # the read/write fallback's buffer
-CRC_WINDOW = 64 << 20  # bytes mapped at a time while computing a CRC
 # errors that mean "this method does not work for these two files", not "the copy failed"
 _UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM}
 
@@ -41,13 +53,15 @@ class Span:
     """``nbytes`` bytes of ``path`` from ``offset``: where one tensor's data lies.
 
     ``crc`` is the CRC-32 of exactly these bytes when the source file records it (a zip
-    record holding the whole tensor), else None.
+    record holding the whole tensor), else None. ``check`` is the zip record the bytes lie
+    in, whose CRC-32 must be checked before they are used (None: nothing to check).
     """
 
     path: Path
     offset: int
     nbytes: int
     crc: int | None = None
+    check: RecordCheck | None = None
 
     def slice(self, start: int, nbytes: int) -> Span:
         """The sub-span of ``nbytes`` bytes from ``start`` within this one (no CRC unless whole)."""
@@ -124,8 +138,13 @@ def coalesce(spans: list[Span]) -> list[Span]:
         if span.nbytes == 0:
             continue
         last = out[-1] if out else None
-        if last is not None and last.path == span.path and last.offset + last.nbytes == span.offset:
-            out[-1] = Span(last.path, last.offset, last.nbytes + span.nbytes)
+        if (
+            last is not None
+            and last.path == span.path
+            and last.offset + last.nbytes == span.offset
+            and last.check == span.check
+        ):
+            out[-1] = Span(last.path, last.offset, last.nbytes + span.nbytes, check=last.check)
         else:
             out.append(span)
     return out
@@ -160,6 +179,7 @@ def take_rows(spans: list[Span], row_bytes: int, rows: list[int]) -> list[Span]:
 
 def read_spans(spans: list[Span]) -> bytes:
     """The bytes of ``spans``, read into memory (for small tensors)."""
+    verify_checks(spans)
     out = bytearray()
     for span in spans:
         with span.path.open("rb") as f:
@@ -175,29 +195,84 @@ def total_bytes(spans: list[Span]) -> int:
     return sum(s.nbytes for s in spans)
 
 
-def copy_spans(spans: list[Span], dst_fd: int, dst_offset: int, method: str = AUTO) -> str:
-    """Write the concatenation of ``spans`` into ``dst_fd`` at ``dst_offset``.
+@dataclass(frozen=True)
+class Transfer:
+    method: str  # the method that wrote the bytes
+    crc: int | None  # CRC-32 of the bytes written, when asked for
 
-    ``auto`` gathers a long list (many small row ranges) with ``pwritev`` and copies a
-    short one span by span (:func:`copy_range`); a forced method applies to every span.
-    Returns the method used ("auto" never).
+
+def transfer(
+    spans: list[Span],
+    dst_fd: int,
+    dst_offset: int,
+    method: str = AUTO,
+    want_crc: bool = False,
+    lock: threading.Lock | None = None,
+) -> Transfer:
+    """Write the concatenation of ``spans`` into ``dst_fd`` at ``dst_offset``, checking the
+    source records they draw on first (or on the way, for ``stream``).
+
+    ``auto`` streams (:mod:`ckptkit.streamcopy`) unless the spans are many scattered
+    pieces (a column slice of every row), which it gathers with ``pwritev`` from a mapping.
+    A forced method applies to every span. ``want_crc``: also return the CRC-32 of the
+    bytes written. ``lock``: held while writing to ``dst_fd`` (one writer per file at a
+    time). Writeback of the range is started on the way out (:func:`start_writeback`).
     """
     spans = coalesce(spans)
-    if method == GATHER or (method == AUTO and len(spans) >= GATHER_FROM and hasattr(os, "pwritev")):
+    nbytes = total_bytes(spans)
+    if method == AUTO:
+        method = GATHER if hasattr(os, "pwritev") and streamcopy.sparse(spans) else STREAM
+    if method == STREAM:
+        crc = streamcopy.stream_spans(spans, dst_fd, dst_offset, want_crc, lock)
+        start_writeback(dst_fd, dst_offset, nbytes)
+        return Transfer(STREAM, crc)
+    verify_checks(spans)
+    if method == GATHER:
         _gather(spans, dst_fd, dst_offset)
-        return GATHER
-    used = method if method != AUTO else RANGE_METHODS[0]
-    fds: dict[Path, int] = {}
+        used = GATHER
+    else:
+        used = method
+        fds: dict[Path, int] = {}
+        try:
+            at = dst_offset
+            for span in spans:
+                if span.path not in fds:
+                    fds[span.path] = os.open(span.path, os.O_RDONLY)
+                used = copy_range(fds[span.path], span.offset, dst_fd, at, span.nbytes, method)
+                at += span.nbytes
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    start_writeback(dst_fd, dst_offset, nbytes)
+    return Transfer(used, spans_crc32(spans) if want_crc else None)
+
+
+def copy_spans(spans: list[Span], dst_fd: int, dst_offset: int, method: str = AUTO) -> str:
+    """:func:`transfer` without a CRC; returns the method used ("auto" never)."""
+    return transfer(spans, dst_fd, dst_offset, method).method
+
+
+def _sync_file_range() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        for span in spans:
-            if span.path not in fds:
-                fds[span.path] = os.open(span.path, os.O_RDONLY)
-            used = copy_range(fds[span.path], span.offset, dst_fd, dst_offset, span.nbytes, method)
-            dst_offset += span.nbytes
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return used
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn  # type: ignore[no-any-return]
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing these bytes to disk now, without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the fsync before publishing finds
+    little left to do. Best effort: a no-op where unavailable or refused."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 IOV_MAX = 1024  # buffers per pwritev call (Linux's limit)
@@ -277,25 +352,6 @@ def _finish_short(batch: list[memoryview], done: int, dst_fd: int, dst_offset: i
             while written < len(v):
                 written += os.pwrite(dst_fd, v[written:], dst_offset + pos + written)
         pos += len(v)
-
-
-def crc32_range(fd: int, offset: int, nbytes: int, window: int = CRC_WINDOW, crc: int = 0) -> int:
-    """CRC-32 of ``nbytes`` of ``fd`` from ``offset`` (continuing ``crc``), read through
-    mmap windows (no copy).
-
-    At most one window is mapped at a time, so the resident memory this adds is bounded by
-    ``window`` whatever ``nbytes`` is.
-    """
-    pos, end = offset, offset + nbytes
-    gran = mmap.ALLOCATIONGRANULARITY
-    while pos < end:
-        base = pos - pos % gran
-        length = min(end, pos + window) - base
-        with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=base) as mapped:
-            with memoryview(mapped) as view:
-                crc = zlib.crc32(view[pos - base :], crc)
-        pos = base + length
-    return crc
 
 
 def spans_crc32(spans: list[Span]) -> int:

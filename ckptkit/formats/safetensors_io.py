@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, copy_spans, total_bytes
+from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
+from ckptkit.streamcopy import write_all
 from ckptkit.untrusted import loads_json, open_regular_file
 
 if TYPE_CHECKING:
@@ -215,6 +217,8 @@ class SafetensorsWriter:
         self._file = path.open("wb")
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._file.truncate(self._data_start + offset)
+        self._file.flush()
+        self._lock = threading.Lock()  # one thread writes to the file at a time
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -224,7 +228,8 @@ class SafetensorsWriter:
         offset, nbytes = self._offsets[name]
         if memoryview(data).nbytes != nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte tensor")
-        os.pwrite(self._file.fileno(), data, self._data_start + offset)
+        write_all(self._file.fileno(), memoryview(data), self._data_start + offset)
+        start_writeback(self._file.fileno(), self._data_start + offset, nbytes)
         self._pending.discard(name)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
@@ -235,7 +240,7 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            used = copy_spans(spans, fd, self._data_start + offset, method)
+            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock).method
         finally:
             os.close(fd)
         self._pending.discard(name)

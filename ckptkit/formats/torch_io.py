@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import struct
+import threading
 import warnings
 import zipfile
 import zlib
@@ -31,8 +32,10 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
 from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, aliases, read_index
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, copy_spans, crc32_range, spans_crc32, total_bytes
-from ckptkit.untrusted import check_regular, open_regular
+from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
+from ckptkit.recordcheck import RecordCheck, Verifier
+from ckptkit.streamcopy import write_all
+from ckptkit.untrusted import check_regular
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +112,7 @@ class TorchPickleReader:
         self._stored: dict[str, tuple[int, int, int]] | None = None
         self.aliases: dict[str, str] = {}  # tensor stored as another one of this file -> that one
         self._records: dict[str, zipfile.ZipInfo] = {}
-        self._verified: set[str] = set()  # storage records whose CRC-32 matched
+        self._verifier = Verifier(path, self._corrupt)  # storage records' CRC-32s, each checked once
         try:
             index, self._records = read_index(path)
         except ForbiddenGlobal as e:
@@ -165,32 +168,26 @@ class TorchPickleReader:
     def _check_crc(self, name: str, tensor: torch.Tensor) -> None:
         """Compare the CRC-32 of the tensor's storage record with the zip directory's."""
         meta = self._index.get(name)
-        if meta is None or meta.storage in self._verified:
+        if meta is None or self._verifier.verified(meta.storage):
             return  # a legacy (non-zip) pickle has no checksums; a shared storage is checked once
-        if meta.offset == 0 and meta.end == meta.storage_numel and tensor.is_contiguous():
-            # the tensor is its whole storage: check the bytes just read
-            self._crc_matches(meta.storage, crc32_of(tensor), self._records[meta.storage].CRC)
-        else:
-            self._verify_storage(meta.storage)
-
-    def _verify_storage(self, key: str) -> None:
-        """Check a storage record's CRC-32 by reading it from the file (mmap windows)."""
-        if key in self._verified:
+        check = self._record_check(meta.storage)
+        if check is None:
             return
+        if meta.offset == 0 and meta.end == meta.storage_numel and tensor.is_contiguous():
+            self._verifier.settle(check, crc32_of(tensor))  # the tensor is its whole storage
+        else:
+            self._verifier.verify(check)
+
+    def _record_check(self, key: str) -> RecordCheck | None:
         if self._stored is None:
             self._stored = stored_records(self.path)
+        if key not in self._stored:
+            return None
         data_offset, size, crc = self._stored[key]
-        fd = open_regular(self.path)
-        try:
-            got = crc32_range(fd, data_offset, size)
-        finally:
-            os.close(fd)
-        self._crc_matches(key, got, crc)
+        return RecordCheck(self._verifier, key, data_offset, size, crc)
 
-    def _crc_matches(self, key: str, got: int, recorded: int) -> None:
-        if got != recorded:
-            raise CkptkitError(f"{self.path}: record data/{key} fails its CRC-32 check: the file is corrupt")
-        self._verified.add(key)
+    def _corrupt(self, key: str) -> CkptkitError:
+        return CkptkitError(f"{self.path}: record data/{key} fails its CRC-32 check: the file is corrupt")
 
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
@@ -212,8 +209,9 @@ class TorchPickleReader:
         if record is None or meta.offset < 0 or start + nbytes > record[1]:
             return None
         data_offset, size, crc = record
-        self._verify_storage(meta.storage)  # before its bytes are copied file to file
-        return Span(self.path, data_offset + start, nbytes, crc if start == 0 and nbytes == size else None)
+        whole = crc if start == 0 and nbytes == size else None
+        # the record's CRC-32 is checked before (or while) these bytes are copied or read
+        return Span(self.path, data_offset + start, nbytes, whole, self._record_check(meta.storage))
 
     def close(self) -> None:
         self._tensors = None
@@ -327,6 +325,7 @@ class TorchPickleWriter:
         self._central = {r.name: r.central_offset for r in records}
         self._crcs: dict[str, int] = {}
         self._fd = os.open(path, os.O_RDWR)
+        self._lock = threading.Lock()  # one thread writes to the file at a time
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -338,12 +337,13 @@ class TorchPickleWriter:
         offset, nbytes, record = self._records[name]
         if memoryview(data).nbytes != nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte record")
-        os.pwrite(self._fd, data, offset)
+        write_all(self._fd, memoryview(data), offset)
+        start_writeback(self._fd, offset, nbytes)
         self._crcs[record] = zlib.crc32(data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
-        """Copy a tensor's bytes file to file from ``spans`` (concatenated); the CRC-32 comes
-        from the source record or from mappings of the source. Returns the copy method used.
+        """Copy a tensor's bytes file to file from ``spans`` (concatenated), with its CRC-32
+        (the source record's, or computed on the way). Returns the copy method used.
         Thread-safe for distinct names."""
         if name in self.aliases:
             raise ValueError(f"{name}: stored as {self.aliases[name]}; its bytes are written with that tensor")
@@ -352,11 +352,12 @@ class TorchPickleWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            used = copy_spans(spans, fd, offset, method)
+            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock)
         finally:
             os.close(fd)
-        self._crcs[record] = spans_crc32(spans)
-        return used
+        assert done.crc is not None
+        self._crcs[record] = done.crc
+        return done.method
 
     def close(self) -> None:
         missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]

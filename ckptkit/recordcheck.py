@@ -1,0 +1,96 @@
+"""Recorded CRC-32s of a source's zip records, checked once each before their bytes are used."""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptkit.streamcopy import crc32_range
+
+if TYPE_CHECKING:
+    from ckptkit.rawcopy import Span
+
+
+class Verifier:
+    """The recorded CRC-32s of one file's zip records, each checked once.
+
+    ``fail(key)`` makes the exception a mismatch raises. A record is checked either by
+    :meth:`feed` (the windows a stream copy reads, when they tile it in order) or by
+    :meth:`verify` (reading it); :meth:`complete` reads whatever feeding did not cover.
+    """
+
+    def __init__(self, path: Path, fail: Callable[[str], Exception]) -> None:
+        self.path = path
+        self._fail = fail
+        self._lock = threading.Lock()
+        self._verified: set[str] = set()
+        self._progress: dict[str, tuple[int, int]] = {}  # key -> (next offset, CRC so far)
+
+    def verified(self, key: str) -> bool:
+        return key in self._verified
+
+    def feed(self, check: RecordCheck, lo: int, view: memoryview) -> None:
+        """Continue ``check``'s CRC with the bytes ``view`` holds from file offset ``lo``."""
+        with self._lock:
+            if check.key in self._verified:
+                return
+            nxt, crc = self._progress.get(check.key, (check.offset, 0))
+        end = check.offset + check.size
+        a, b = nxt, min(lo + len(view), end)
+        if not lo <= a < b:
+            return  # a gap or nothing new: complete() reads the record
+        crc = zlib.crc32(view[a - lo : b - lo], crc)
+        with self._lock:
+            if self._progress.get(check.key, (check.offset, 0))[0] != nxt or check.key in self._verified:
+                return  # another thread moved on meanwhile
+            if b < end:
+                self._progress[check.key] = (b, crc)
+                return
+            self._progress.pop(check.key, None)
+        self.settle(check, crc)
+
+    def complete(self, check: RecordCheck) -> None:
+        if check.key not in self._verified:
+            self.verify(check)
+
+    def verify(self, check: RecordCheck) -> None:
+        """Read the record and compare its CRC-32 (once per record)."""
+        if check.key in self._verified:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            got = crc32_range(fd, check.offset, check.size)
+        finally:
+            os.close(fd)
+        self.settle(check, got)
+
+    def settle(self, check: RecordCheck, got: int) -> None:
+        """Record the CRC-32 ``got`` of the whole record; raises if it is not the recorded one."""
+        if got != check.crc:
+            raise self._fail(check.key)
+        with self._lock:
+            self._verified.add(check.key)
+            self._progress.pop(check.key, None)
+
+
+@dataclass(frozen=True)
+class RecordCheck:
+    """A zip record whose recorded CRC-32 must hold before bytes of it are used."""
+
+    verifier: Verifier = field(compare=False)
+    key: str
+    offset: int  # where the record's data starts in the file
+    size: int
+    crc: int
+
+
+def verify_checks(spans: Iterable[Span]) -> None:
+    """Check every source record these spans draw on (each once per file)."""
+    for span in spans:
+        if span.check is not None:
+            span.check.verifier.verify(span.check)
