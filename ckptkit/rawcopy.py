@@ -29,7 +29,7 @@ import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkit import streamcopy
@@ -69,7 +69,7 @@ class Span:
             raise ValueError(f"slice {start}+{nbytes} outside a span of {self.nbytes} bytes")
         if start == 0 and nbytes == self.nbytes:
             return self
-        return replace(self, offset=self.offset + start, nbytes=nbytes, crc=None)
+        return Span(self.path, self.offset + start, nbytes, None, self.check)
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, method: str = AUTO) -> str:
@@ -140,8 +140,8 @@ def coalesce(spans: list[Span]) -> list[Span]:
         last = out[-1] if out else None
         if (
             last is not None
-            and last.path == span.path
             and last.offset + last.nbytes == span.offset
+            and (last.path is span.path or last.path == span.path)
             and last.check == span.check
         ):
             out[-1] = Span(last.path, last.offset, last.nbytes + span.nbytes, check=last.check)

@@ -73,7 +73,7 @@ def windows(spans: list[Span], limit: int | None = None) -> Iterator[Window]:
         while pos < span.nbytes:
             n = min(span.nbytes - pos, limit)
             off = span.offset + pos
-            if cur is not None and cur.path == span.path:
+            if cur is not None and (cur.path is span.path or cur.path == span.path):
                 lo, hi = min(cur.lo, off), max(cur.hi, off + n)
                 if hi - lo <= limit:
                     cur.lo, cur.hi = lo, hi
