@@ -9,8 +9,9 @@ bf16, random data) and then runs ``--repeat`` interleaved rounds (default 3) of:
 * ``cp -r`` of the HF directory, ``ckptkit convert --to meta`` of it (hf>meta);
 * ``cp -r`` of that Meta directory, ``ckptkit convert --to hf`` of it (meta>hf);
 * torchtune's Meta load + save of the Meta directory (``bench/torchtune_roundtrip.py``);
-* ``ckptkit convert --to internal`` of the HF directory (hf>internal: needs no tensor
-  operation, so it never imports torch);
+* ``ckptkit convert --to internal`` of the HF directory (hf>internal) and a second
+  ``cp -r`` of it; none of the three conversions imports torch (Llama 2's
+  ``rope.freqs`` is computed without it);
 * torchtune's HF load + save of the HF directory;
 * the import floors: ``python -c "import ckptkit.cli, ckptkit.convert"`` (what a
   torch-free conversion pays) and the same plus ``import torch``.
@@ -22,6 +23,13 @@ high-water mark). Inputs are read once, untimed, just before each command (warm 
 ckptkit fsyncs what it publishes (so its ``sync`` finds little left), ``cp`` does not, so
 the tables give both ratios, the command alone and the command plus its ``sync`` (until
 the output is on disk).
+Fairness: on the development VM, memory the guest frees is handed back to the host
+after a while, and a process that then fills fresh page cache pays for the host taking
+it back: a ``cp -r`` of 2 GB took 0.7 s, or 2.5 s right after another process freed
+2.8 GB. So every command starts after the same ``--settle`` wait (default 5 s) following
+the removal of the previous output, a ``sync`` and the warm-up read, and each
+conversion and the ``cp -r`` of its input swap order every round (the last round runs
+``cp`` first, so the verified meta>hf output is the last thing written).
 Ratios are taken per round, against the ``cp -r`` of the same bytes and the torchtune run
 on the same source in the same round; the tables give each round's ratio and the median.
 The last round's meta>hf output is checked with ``ckptkit verify`` and a byte comparison
@@ -66,9 +74,9 @@ GB = 1 << 30
 FLOOR_TORCH, FLOOR_FREE = "import floor (torch)", "import floor (no torch)"
 # conversion -> (the cp of its input, the torchtune run on the same source, its import floor)
 PEERS = {
-    "convert hf>meta": ("cp -r hf", "torchtune hf load+save", FLOOR_TORCH),
-    "convert meta>hf": ("cp -r meta", "torchtune meta load+save", FLOOR_TORCH),
-    "convert hf>internal": ("cp -r hf", "torchtune hf load+save", FLOOR_FREE),
+    "convert hf>meta": ("cp -r hf", "torchtune hf load+save", FLOOR_FREE),  # torch-free since rope.freqs
+    "convert meta>hf": ("cp -r meta", "torchtune meta load+save", FLOOR_FREE),
+    "convert hf>internal": ("cp -r hf (2)", "torchtune hf load+save", FLOOR_FREE),
 }
 
 
@@ -161,8 +169,9 @@ def run_child(argv: list[str], log: Path) -> tuple[Run, int]:
 
 
 class Bench:
-    def __init__(self, workdir: Path, repeat: int, cold: bool, mem_limit: int):
+    def __init__(self, workdir: Path, repeat: int, cold: bool, mem_limit: int, settle: float = 5.0):
         self.workdir, self.repeat, self.cold, self.mem_limit = workdir, repeat, cold, mem_limit
+        self.settle = settle
         self.results: dict[tuple[int, str], Measurement] = {}
         self.loads: list[float] = []
         self.ckptkit = [sys.executable, "-m", "ckptkit"]
@@ -183,6 +192,7 @@ class Bench:
             print(f"  {layers}L  {label:<26} {why}", flush=True)
             return m.runs[-1]
         (evict if self.cold else warm)(inputs)
+        time.sleep(self.settle)  # every command starts from the same state (see "Fairness" above)
         self.loads.append(loadavg())
         slug = "".join(c if c.isalnum() else "_" for c in label)
         log = self.workdir / f"log-{layers}L-{slug}-{len(m.runs)}.txt"
@@ -229,21 +239,21 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dic
     ck, tt = bench.ckptkit, [sys.executable, str(HERE / "torchtune_roundtrip.py")]
     check: dict = {}
     for rnd in range(bench.repeat):
-        bench.measure(layers, "cp -r hf", ["cp", "-r", str(hf), str(copy)], [hf], copy)
-        shutil.rmtree(copy)
-        bench.measure(
-            layers, "convert hf>meta", [*ck, "convert", str(hf), str(meta), "--to", "meta", "--quiet"], [hf], meta
-        )
-        bench.measure(layers, "cp -r meta", ["cp", "-r", str(meta), str(copy)], [meta], copy)
-        shutil.rmtree(copy)
-        bench.measure(
-            layers, "convert meta>hf", [*ck, "convert", str(meta), str(out), "--to", "hf", "--quiet"], [meta], out
-        )
+        cp_first = rnd % 2 == 0  # odd rounds run each conversion before the cp of its input
+        cp_hf = ("cp -r hf", ["cp", "-r", str(hf), str(copy)], [hf], copy)
+        cp_meta = ("cp -r meta", ["cp", "-r", str(meta), str(copy)], [meta], copy)
+        to_meta = ("convert hf>meta", [*ck, "convert", str(hf), str(meta), "--to", "meta", "--quiet"], [hf], meta)
+        to_hf = ("convert meta>hf", [*ck, "convert", str(meta), str(out), "--to", "hf", "--quiet"], [meta], out)
+        for first, second in ((cp_hf, to_meta), (cp_meta, to_hf)) if cp_first else ((to_meta, cp_hf), (to_hf, cp_meta)):
+            for label, cmd, inputs, output in (first, second):
+                bench.measure(layers, label, cmd, inputs, output)
+                if output == copy or (output == out and not cp_first):  # keep at most 3 copies on disk
+                    shutil.rmtree(output)
         if rnd == bench.repeat - 1:
             verify = subprocess.run([*ck, "verify", str(hf), str(out)], capture_output=True, text=True)
             check = {"verify": verify.returncode == 0, "identical": weights_identical(hf, out)}
             print(f"  verify hf vs meta>hf: {(verify.stdout or verify.stderr).strip().splitlines()[-1]}", flush=True)
-        shutil.rmtree(out)
+        shutil.rmtree(out, ignore_errors=True)
         if "meta" in torchtune:
             bench.measure(
                 layers, "torchtune meta load+save", [*tt, "meta", str(meta), str(out)], [meta], out, total // 5
@@ -251,8 +261,10 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dic
             shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(meta)
         argv = [*ck, "convert", str(hf), str(out), "--to", "internal", "--quiet"]
-        bench.measure(layers, "convert hf>internal", argv, [hf], out)
-        shutil.rmtree(out)
+        pair = [("convert hf>internal", argv, out), ("cp -r hf (2)", ["cp", "-r", str(hf), str(copy)], copy)]
+        for label, cmd, output in pair if not cp_first else pair[::-1]:
+            bench.measure(layers, label, cmd, [hf], output)
+            shutil.rmtree(output)
         if "hf" in torchtune:
             bench.measure(layers, "torchtune hf load+save", [*tt, "hf", str(hf), str(out)], [hf], out, total * 11 // 10)
             shutil.rmtree(out, ignore_errors=True)
@@ -396,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=HERE / "out", help="where checkpoints go (default: bench/out)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--cold", action="store_true", help="evict inputs from the page cache before each run")
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds to wait before each command (default 5)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--no-torchtune", action="store_true", help="skip the torchtune runs")
     ap.add_argument(
@@ -414,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         print("torchtune is not importable: its runs are skipped", flush=True)
         torchtune = False
     args.workdir.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args.workdir.resolve(), args.repeat, args.cold, int(args.mem_limit_gb * GB))
+    bench = Bench(args.workdir.resolve(), args.repeat, args.cold, int(args.mem_limit_gb * GB), args.settle)
     print(" | ".join(f"{k} {v}" for k, v in machine().items()), flush=True)
     sizes: dict[int, dict] = {}
     try:
