@@ -41,6 +41,7 @@ GATHER = "gather"
 STREAM = "stream"
 METHODS = (STREAM, *RANGE_METHODS, GATHER)
 AUTO = "auto"
+AUTO_RANGE = "auto-range"  # internal: range methods in auto order
 GATHER_FROM = 16  # auto: a list of at least this many spans is gathered with pwritev
 CHUNK = 1 << 30  # bytes per copy_file_range / sendfile call
 BUFFER = 8 << 20  # the read/write fallback's buffer
@@ -221,7 +222,10 @@ def transfer(
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
     if method == AUTO:
-        method = GATHER if hasattr(os, "pwritev") and streamcopy.sparse(spans) else STREAM
+        if not streamcopy.AVAILABLE:  # no preadv/pwritev (e.g. macOS before 11)
+            method = AUTO_RANGE
+        else:
+            method = GATHER if streamcopy.sparse(spans) else STREAM
     if method == STREAM:
         crc = streamcopy.stream_spans(spans, dst_fd, dst_offset, want_crc, lock)
         start_writeback(dst_fd, dst_offset, nbytes)
@@ -231,7 +235,8 @@ def transfer(
         _gather(spans, dst_fd, dst_offset)
         used = GATHER
     else:
-        used = method
+        method = AUTO if method == AUTO_RANGE else method
+        used = RANGE_METHODS[0] if method == AUTO else method
         fds: dict[Path, int] = {}
         try:
             at = dst_offset

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptkit.errors import CkptkitError
 from ckptkit.streamcopy import crc32_range
+from ckptkit.untrusted import open_regular
 
 if TYPE_CHECKING:
     from ckptkit.rawcopy import Span
@@ -30,6 +32,7 @@ class Verifier:
         self._lock = threading.Lock()
         self._verified: set[str] = set()
         self._progress: dict[str, tuple[int, int]] = {}  # key -> (next offset, CRC so far)
+        self._reading: dict[str, threading.Lock] = {}  # key -> held while a thread reads it
 
     def verified(self, key: str) -> bool:
         return key in self._verified
@@ -59,15 +62,22 @@ class Verifier:
             self.verify(check)
 
     def verify(self, check: RecordCheck) -> None:
-        """Read the record and compare its CRC-32 (once per record)."""
-        if check.key in self._verified:
-            return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            got = crc32_range(fd, check.offset, check.size)
-        finally:
-            os.close(fd)
-        self.settle(check, got)
+        """Read the record and compare its CRC-32 (once per record: a thread that finds
+        another reading it waits for that one)."""
+        with self._lock:
+            busy = self._reading.setdefault(check.key, threading.Lock())
+        with busy:
+            if check.key in self._verified:
+                return
+            fd = open_regular(self.path)
+            try:
+                got = crc32_range(fd, check.offset, check.size)
+            except EOFError:
+                why = f"record data/{check.key} is cut short: the file is truncated"
+                raise CkptkitError(f"{self.path}: {why}") from None
+            finally:
+                os.close(fd)
+            self.settle(check, got)
 
     def settle(self, check: RecordCheck, got: int) -> None:
         """Record the CRC-32 ``got`` of the whole record; raises if it is not the recorded one."""

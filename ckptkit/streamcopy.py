@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 BUFFER = 4 << 20  # bytes per window: one attention head of a 16k-wide model
 DENSE = 2  # stream only when it reads at most this many times the bytes it writes
 IOV_MAX = 1024
+AVAILABLE = hasattr(os, "preadv") and hasattr(os, "pwritev")  # what stream_spans needs
 IO_CHUNK = 1 << 20  # bytes per read or write call: larger writes ran 2-3x slower (docs/benchmarks.md)
 
 _local = threading.local()
@@ -149,7 +150,7 @@ def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: in
     pos, end = offset, offset + nbytes
     while pos < end:
         view = buf[: min(len(buf), end - pos)]
-        got = os.preadv(fd, [view], pos)
+        got = _pread_into(fd, view, pos)
         if got == 0:
             raise EOFError(f"source ended {end - pos} bytes early")
         crc = zlib.crc32(view[:got], crc)
@@ -157,10 +158,18 @@ def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: in
     return crc
 
 
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
+
+
 def _read_fully(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done : done + IO_CHUNK]], offset + done)
+        got = _pread_into(fd, view[done : done + IO_CHUNK], offset + done)
         if got == 0:
             raise EOFError(f"source ended {len(view) - done} bytes early")
         done += got

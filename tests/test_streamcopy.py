@@ -153,3 +153,92 @@ def test_the_buffer_is_not_backed_by_transparent_huge_pages() -> None:
     assert entry is not None, "the buffer's mapping is not in /proc/self/smaps"
     assert "nh" in entry["VmFlags"].split()  # MADV_NOHUGEPAGE
     assert entry.get("THPeligible", "0") == "0"
+
+
+def _rekeyed_pth(tmp_path: Path, key: str, corrupt: bool) -> Path:
+    """A torch.save file whose storage record is renamed ``data/<key>`` (pickle and zip
+    member both), optionally with one data byte flipped under the recorded CRC."""
+    src, out = tmp_path / "a.pth", tmp_path / f"rekeyed-{corrupt}.pth"
+    values = torch.arange(16, dtype=torch.float32)
+    torch.save({"w": values}, src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        for zi in zin.infolist():
+            data, name = zin.read(zi), zi.filename
+            if name.endswith("data.pkl"):
+                old = b"X\x01\x00\x00\x000"  # BINUNICODE "0", the storage key
+                assert data.count(old) == 1
+                data = data.replace(old, b"X" + len(key).to_bytes(4, "little") + key.encode())
+            if name.endswith("/data/0"):
+                name = name[:-1] + key
+            zout.writestr(name, data)
+    if corrupt:
+        raw = bytearray(out.read_bytes())
+        raw[raw.find(values.numpy().tobytes()) + 5] ^= 0xFF
+        out.write_bytes(bytes(raw))
+    return out
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_storage_that_is_not_a_plain_record_is_refused_not_trusted(corrupt: bool, tmp_path: Path) -> None:
+    """A key with "/" is no record torch writes; its CRC could not be looked up, so the
+    tensor was once read unchecked (a flipped byte passed)."""
+    assert torch.equal(TorchPickleReader(_rekeyed_pth(tmp_path, "0", False)).read("w"), torch.arange(16.0))
+    reader = TorchPickleReader(_rekeyed_pth(tmp_path, "0/x", corrupt))
+    with pytest.raises(CkptkitError, match="not a plain stored record"):
+        reader.read("w")
+
+
+def test_without_preadv_and_pwritev_auto_uses_the_range_methods(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(streamcopy, "AVAILABLE", False)
+    monkeypatch.delattr(os, "preadv")
+    monkeypatch.delattr(os, "pwritev")
+    t = torch.randn(256, 512).to(torch.bfloat16)
+    torch.save({"w": t}, tmp_path / "ok.pth")
+    span = TorchPickleReader(tmp_path / "ok.pth").span("w")
+    done, written = _copy(take([span], 1000, 50_000), tmp_path / "out.bin", "auto", want_crc=True)
+    assert done.method == "copy_file_range" and written == t.view(torch.uint8).numpy().tobytes()[1000:51000]
+    assert done.crc == zlib.crc32(written)
+    path, key, _ = _corrupt_pth(tmp_path, 0.5)
+    with pytest.raises(CkptkitError, match="fails its CRC-32 check"):
+        _copy([TorchPickleReader(path).span(key)], tmp_path / "bad.bin", "auto")
+
+
+def test_a_record_shared_by_concurrent_jobs_is_read_once(tmp_path: Path, monkeypatch) -> None:
+    """Eight row ranges of one record (a Meta rank split) copied on two threads: the
+    record's CRC-32 is computed once, not once per thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptkit import recordcheck
+
+    read: list[int] = []
+    real = recordcheck.crc32_range
+    monkeypatch.setattr(recordcheck, "crc32_range", lambda fd, off, n, *a, **k: read.append(n) or real(fd, off, n))
+    t = torch.randn(2048, 2048).to(torch.bfloat16)  # 8 MiB
+    torch.save({"w": t}, tmp_path / "big.pth")
+    span = TorchPickleReader(tmp_path / "big.pth").span("w")
+    pieces = [take([span], i * span.nbytes // 8, span.nbytes // 8) for i in (7, 3, 5, 1, 6, 2, 4, 0)]
+    out = tmp_path / "out.bin"
+    out.write_bytes(bytes(span.nbytes))
+    fd = os.open(out, os.O_RDWR)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda p: transfer(p, fd, p[0].offset - span.offset), pieces))
+    finally:
+        os.close(fd)
+    assert out.read_bytes() == t.view(torch.uint8).numpy().tobytes()
+    assert sum(read) <= span.nbytes
+
+
+def test_a_record_cut_short_after_opening_is_one_line(tmp_path: Path) -> None:
+    t = torch.randn(512, 512).to(torch.bfloat16)
+    torch.save({"w": t}, tmp_path / "m.pth")
+    span = TorchPickleReader(tmp_path / "m.pth").span("w")
+    os.truncate(tmp_path / "m.pth", span.offset + span.nbytes // 2)
+    with pytest.raises(CkptkitError, match="cut short"):
+        span.check.verifier.verify(span.check)
+
+
+def test_rope_freqs_for_a_theta_beyond_float32_match_torch() -> None:
+    from ckptkit.models.rope_freqs import rope_freqs_bytes, torch_rope_freqs_bytes
+
+    assert rope_freqs_bytes(128, 1e39) == torch_rope_freqs_bytes(128, 1e39)

@@ -171,18 +171,16 @@ class TorchPickleReader:
         if meta is None or self._verifier.verified(meta.storage):
             return  # a legacy (non-zip) pickle has no checksums; a shared storage is checked once
         check = self._record_check(meta.storage)
-        if check is None:
-            return
         if meta.offset == 0 and meta.end == meta.storage_numel and tensor.is_contiguous():
             self._verifier.settle(check, crc32_of(tensor))  # the tensor is its whole storage
         else:
             self._verifier.verify(check)
 
-    def _record_check(self, key: str) -> RecordCheck | None:
+    def _record_check(self, key: str) -> RecordCheck:
         if self._stored is None:
             self._stored = stored_records(self.path)
-        if key not in self._stored:
-            return None
+        if key not in self._stored:  # e.g. a key with "/" in it: nothing torch writes
+            raise CkptkitError(f"{self.path}: storage {key!r} is not a plain stored record data/<key>; corrupt file")
         data_offset, size, crc = self._stored[key]
         return RecordCheck(self._verifier, key, data_offset, size, crc)
 

@@ -16,6 +16,9 @@ import struct
 NEAR_MIDPOINT_ULPS = 8  # float32 ULPs around a bfloat16 midpoint where torch's pow decides
 
 
+FLT_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
 def f32(x: float) -> float:
     """``x`` rounded to float32 (nearest, ties to even)."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
@@ -43,7 +46,10 @@ def emulated_f32(head_dim: int, theta: float) -> list[float]:
 
 
 def rope_freqs_bytes(head_dim: int, theta: float) -> bytes:
-    """The bytes of Meta's bfloat16 ``rope.freqs`` (little-endian), torch only near midpoints."""
+    """The bytes of Meta's bfloat16 ``rope.freqs`` (little-endian), torch only near midpoints
+    (and for a theta float32 cannot hold, where torch's overflow rules decide)."""
+    if not 0.0 < theta <= FLT_MAX:
+        return torch_rope_freqs_bytes(head_dim, theta)
     bits = [f32_bits(v) for v in emulated_f32(head_dim, theta)]
     if any(near_bf16_midpoint(b) for b in bits):
         return torch_rope_freqs_bytes(head_dim, theta)
