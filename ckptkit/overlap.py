@@ -1,8 +1,8 @@
 """Run file-to-file copies on worker threads while the caller computes other tensors.
 
-A copy holds no tensor in memory (the kernel moves the bytes; a CRC maps one bounded
-window at a time), and at most ``depth`` copies are queued or running, so a conversion's
-memory stays at the one tensor the caller is transforming plus the workers' windows.
+A copy holds no tensor in memory (bytes move through one small buffer per worker), and
+at most ``depth`` copies are queued or running, so a conversion's memory stays at the one
+tensor the caller is transforming plus the workers' buffers.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""File-to-file copies of byte ranges that never pass through Python, and CRC-32 of file ranges.
+"""File-to-file copies of byte ranges that never become Python objects, and CRC-32 of file ranges.
 
 A tensor whose bytes a conversion only moves is described by a list of :class:`Span`
 (which file, where, how many bytes; concatenated in order): one span when it is stored
-unchanged, row ranges when rows are permuted, split or joined. The list is written at the
-offset the writer laid out: each span with ``os.copy_file_range`` (the kernel copies, as
-``cp`` does), else ``os.sendfile``, else positioned reads and writes through one bounded
-buffer; many small spans at once with one ``pwritev`` gathering from a read-only mapping
-of the source ("gather"). The zip writer's CRC-32 comes from the source archive where it
-records one for exactly these bytes, else from ``zlib.crc32`` over the source read a
-window at a time.
-
-``stream`` (:mod:`ckptkit.streamcopy`) instead reads each window of source bytes once
-into a small buffer, computes or checks CRC-32s there and writes it out. Spans of a zip
-record carry a :class:`RecordCheck`: before its bytes are copied or read, the record's
-recorded CRC-32 is checked once per file (:class:`Verifier`), by the stream pass itself
-where it reads the whole record, else by reading the record.
+unchanged, row ranges when rows are permuted, split or joined. :func:`transfer` writes
+the list at the offset the writer laid out. By default it streams
+(:mod:`ckptkit.streamcopy`: each window of source bytes read once into a small reused
+buffer, CRC-32s computed or checked there, written out); spans so scattered that
+streaming would read more than twice what it writes are gathered with ``pwritev`` from a
+read-only mapping of the source. On request each span goes with ``os.copy_file_range``
+(the kernel copies, as ``cp`` does), else ``os.sendfile``, else positioned reads and
+writes. Spans of a zip record carry a :class:`RecordCheck`: before its bytes are used,
+the record's recorded CRC-32 is checked once per file (:class:`Verifier`), by the stream
+pass itself where it reads the whole record in order, else by reading the record.
 """
 
 from __future__ import annotations
