@@ -18,6 +18,7 @@ def rope_meta_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
 def rope_hf_to_meta(w: torch.Tensor, heads: int) -> torch.Tensor:
     return ROPE_Q.inverse([w], SimpleNamespace(num_heads=heads))
 
+
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 

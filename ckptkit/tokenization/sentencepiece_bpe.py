@@ -44,4 +44,3 @@ def build_tokenizer(model: SpmModel, path: Path, add_bos: bool = True) -> Any:
 def special_piece(model: SpmModel, index: int) -> str | None:
     """The text of piece ``index`` (BOS, EOS, UNK, PAD ids), None when the model has none."""
     return model.pieces[index].text if 0 <= index < len(model.pieces) else None
-
