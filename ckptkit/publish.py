@@ -192,6 +192,21 @@ def sweep(folder: Path) -> list[Path]:
     return removed
 
 
+def retire(path: Path) -> None:
+    """Delete a published folder so that it is never seen half-deleted under its name:
+    with its lock held it is renamed to a temporary name first, then removed. A deletion
+    killed midway leaves a leftover that the next writer or :func:`sweep` removes."""
+    with locked(path):
+        if not path.exists():
+            return
+        doomed = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+        _audit("retire", path)
+        os.rename(path, doomed)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        _audit("clean", doomed)
+        _remove(doomed)
+
+
 # --- publishing ---------------------------------------------------------------------------
 
 

@@ -364,3 +364,36 @@ def test_every_file_and_folder_is_fsynced_before_it_is_put_in_place(
     synced = {Path(p).relative_to(tmp) for step, p in events[:put] if step == "fsync" and p.startswith(tmp)}
     assert synced == {p.relative_to(dst) for p in dst.rglob("*")} | {Path(".")}
     assert events[-1] == ("fsync", str(tmp_path))  # the parent, after the rename
+
+
+PRUNE_CHILD = r"""
+import os, signal, sys
+from ckptkit.train.checkpointer import Checkpointer
+src, out = sys.argv[1], sys.argv[2]
+ck = Checkpointer({"checkpointer": {"checkpoint_dir": src, "output_dir": out, "keep_last_n_checkpoints": 1}})
+removed = [0]
+def hook(event, args):
+    if event == "os.remove":
+        removed[0] += 1
+        if removed[0] == 2:  # in the middle of deleting the old checkpoint's files
+            os.kill(os.getpid(), signal.SIGKILL)
+sys.addaudithook(hook)
+ck.prune(steps_per_epoch=10)
+"""
+
+
+def test_a_pruned_checkpoint_is_never_left_half_deleted(tmp_path: Path) -> None:
+    """keep_last_n pruning killed midway: the old checkpoint's name is gone at once (no
+    partial step_1 a resume could pick up); the next sweep removes what is left."""
+    from ckptkit.publish import leftovers, sweep
+
+    out = tmp_path / "out"
+    for name in ("step_1", "step_2"):
+        convert(FIXTURES / "meta/llama2", out / name, "hf")
+    assert len(list((out / "step_1").iterdir())) > 2
+    proc = subprocess.run([sys.executable, "-c", PRUNE_CHILD, str(FIXTURES / "meta/llama2"), str(out)])
+    assert proc.returncode == -9
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["step_2"]
+    (left,) = leftovers(out, "step_1")
+    assert left.is_dir()
+    assert sweep(out) == [left] and sorted(p.name for p in out.iterdir()) == ["step_2"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.torch_io import save_torch
 from ckptkit.models import ModelConfig
-from ckptkit.publish import publishing, sweep
+from ckptkit.publish import publishing, retire, sweep
 from ckptkit.save_like import write_like
 from ckptkit.train.config import get
 from ckptkit.train.lora import lora_modules
@@ -264,7 +263,7 @@ class Checkpointer:
         found.sort(key=lambda p: (step(p), p.name.startswith("epoch")))
         doomed = found[: max(0, len(found) - self.keep_last)]
         for path in doomed:
-            shutil.rmtree(path)
+            retire(path)  # renamed away first: a kill never leaves a partial checkpoint under its name
         self.saved = [p for p in self.saved if p not in doomed]
         return doomed
 
