@@ -9,7 +9,6 @@ import json
 import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,37 +17,7 @@ import torch
 from ckptkit.convert import COMPUTED, convert
 from ckptkit.rawcopy import METHODS
 
-from conftest import FIXTURES
-
-SERIALIZATION_ID = ".data/serialization_id"  # torch.save writes a random one into every archive
-
-
-def _masked(path: Path) -> bytes:
-    """A .pth file's bytes with its random serialization id and that record's CRCs zeroed."""
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as z:
-        start_dir = z.start_dir
-        for zi in z.infolist():
-            if zi.filename.endswith(SERIALIZATION_ID):
-                name_len, extra_len = struct.unpack_from("<HH", data, zi.header_offset + 26)
-                at = zi.header_offset + 30 + name_len + extra_len
-                data[at : at + zi.file_size] = bytes(zi.file_size)
-                data[at + zi.file_size + 4 : at + zi.file_size + 8] = bytes(4)  # the data descriptor's CRC
-                data[zi.header_offset + 14 : zi.header_offset + 18] = bytes(4)
-                central = data.index(zi.filename.encode(), start_dir) - 46
-                data[central + 16 : central + 20] = bytes(4)
-    return bytes(data)
-
-
-def assert_same_files(a: Path, b: Path) -> None:
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
-    for name in names:
-        if name.endswith((".pth", ".bin")):
-            assert _masked(a / name) == _masked(b / name), name
-        else:
-            assert (a / name).read_bytes() == (b / name).read_bytes(), name
-
+from conftest import FIXTURES, assert_same_files
 
 CASES = [
     ("hf/llama2", "meta", {}),  # safetensors -> .pth, CRC over the source mapping; q/k rows permuted

@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
-from test_fastpath import assert_same_files
 
 from ckptkit.convert import convert
 from ckptkit.formats.base import ORIGIN_FILE
@@ -32,7 +31,7 @@ from ckptkit.models.rope_freqs import (
     rope_freqs_bytes,
 )
 
-from conftest import FIXTURES
+from conftest import FIXTURES, assert_same_files
 
 THETAS = [10000.0, 500000.0, 1e6, 12345.6, 98765.4321, 3.5] + [1e4 * k for k in (2, 3, 7, 25, 100)]
 
