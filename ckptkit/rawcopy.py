@@ -38,10 +38,9 @@ GATHER = "gather"
 STREAM = "stream"
 METHODS = (STREAM, *RANGE_METHODS, GATHER)
 AUTO = "auto"
-AUTO_RANGE = "auto-range"  # internal: range methods in auto order
-GATHER_FROM = 16  # auto: a list of at least this many spans is gathered with pwritev
+GATHER_FROM = 16  # spans_crc32: at least this many spans are read through one mapping
 CHUNK = 1 << 30  # bytes per copy_file_range / sendfile call
-BUFFER = 8 << 20  # the read/write fallback's buffer
+BUFFER = streamcopy.BUFFER  # the read/write fallback's buffer (the stream buffer)
 # errors that mean "this method does not work for these two files", not "the copy failed"
 _UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM}
 
@@ -112,17 +111,9 @@ def _sendfile(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count:
 
 
 def _read_write(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
-    buf = bytearray(min(count, BUFFER))
-    if hasattr(os, "preadv"):
-        got = os.preadv(src_fd, [buf], src_offset)
-    else:
-        data = os.pread(src_fd, len(buf), src_offset)
-        got = len(data)
-        buf[:got] = data
-    view = memoryview(buf)[:got]
-    written = 0
-    while written < got:
-        written += os.pwrite(dst_fd, view[written:], dst_offset + written)
+    view = streamcopy.buffer()[: min(count, BUFFER)]
+    got = streamcopy.pread_into(src_fd, view, src_offset)
+    streamcopy.write_all(dst_fd, view[:got], dst_offset)
     return got
 
 
@@ -218,11 +209,8 @@ def transfer(
     """
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
-    if method == AUTO:
-        if not streamcopy.AVAILABLE:  # no preadv/pwritev (e.g. macOS before 11)
-            method = AUTO_RANGE
-        else:
-            method = GATHER if streamcopy.sparse(spans) else STREAM
+    if method == AUTO and streamcopy.AVAILABLE:  # else (no preadv/pwritev): the range methods
+        method = GATHER if streamcopy.sparse(spans) else STREAM
     if method == STREAM:
         crc = streamcopy.stream_spans(spans, dst_fd, dst_offset, want_crc, lock)
         start_writeback(dst_fd, dst_offset, nbytes)
@@ -231,8 +219,7 @@ def transfer(
     if method == GATHER:
         _gather(spans, dst_fd, dst_offset)
         used = GATHER
-    else:
-        method = AUTO if method == AUTO_RANGE else method
+    else:  # one range method, or auto's fallback order
         used = RANGE_METHODS[0] if method == AUTO else method
         fds: dict[Path, int] = {}
         try:
@@ -275,9 +262,6 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     little left to do. Best effort: a no-op where unavailable or refused."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-IOV_MAX = 1024  # buffers per pwritev call (Linux's limit)
 
 
 class _Mapped:
@@ -333,27 +317,14 @@ class _Mapped:
 
 def _gather(spans: list[Span], dst_fd: int, dst_offset: int) -> None:
     """``pwritev`` of slices of read-only mappings of the source: the kernel copies from
-    the page cache to the file, a batch of at most IOV_MAX spans at a time."""
+    the page cache to the file, the mapped pages released every ``IOV_MAX`` spans."""
     with _Mapped(spans) as mapped:
         views = mapped.views
-        for i in range(0, len(views), IOV_MAX):
-            batch = views[i : i + IOV_MAX]
-            want = sum(len(v) for v in batch)
-            done = os.pwritev(dst_fd, batch, dst_offset)
-            if done != want:  # a short write: finish this batch piece by piece
-                _finish_short(batch, done, dst_fd, dst_offset)
-            dst_offset += want
+        for i in range(0, len(views), streamcopy.IOV_MAX):
+            batch = views[i : i + streamcopy.IOV_MAX]
+            streamcopy.write_parts(dst_fd, batch, dst_offset)
+            dst_offset += sum(len(v) for v in batch)
             mapped.release()
-
-
-def _finish_short(batch: list[memoryview], done: int, dst_fd: int, dst_offset: int) -> None:
-    pos = 0
-    for v in batch:
-        if pos + len(v) > done:
-            written = max(0, done - pos)
-            while written < len(v):
-                written += os.pwrite(dst_fd, v[written:], dst_offset + pos + written)
-        pos += len(v)
 
 
 def spans_crc32(spans: list[Span]) -> int:
@@ -368,7 +339,7 @@ def spans_crc32(spans: list[Span]) -> int:
         with _Mapped(spans) as mapped:
             for i, view in enumerate(mapped.views, start=1):
                 crc = zlib.crc32(view, crc)
-                if i % IOV_MAX == 0:
+                if i % streamcopy.IOV_MAX == 0:
                     mapped.release()
         return crc
     for span in spans:

@@ -116,7 +116,6 @@ def stream_spans(
     reading them; a mismatch raises (see :class:`~ckptkit.rawcopy.Verifier`)."""
     buf = buffer()
     crc = 0
-    assert len(buf) >= BUFFER
     fds: dict[Path, int] = {}
     seen: dict[tuple[int, str], RecordCheck] = {}
     try:
@@ -133,7 +132,7 @@ def stream_spans(
                 for part in parts:
                     crc = zlib.crc32(part, crc)
             with lock or nullcontext():
-                _write_fully(dst_fd, parts, dst_offset)
+                write_parts(dst_fd, parts, dst_offset)
             dst_offset += w.held
     finally:
         for fd in fds.values():
@@ -150,7 +149,7 @@ def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: in
     pos, end = offset, offset + nbytes
     while pos < end:
         view = buf[: min(len(buf), end - pos)]
-        got = _pread_into(fd, view, pos)
+        got = pread_into(fd, view, pos)
         if got == 0:
             raise EOFError(f"source ended {end - pos} bytes early")
         crc = zlib.crc32(view[:got], crc)
@@ -158,7 +157,8 @@ def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: in
     return crc
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read up to ``len(view)`` bytes at ``offset`` into ``view``; returns how many."""
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
     data = os.pread(fd, len(view), offset)
@@ -169,7 +169,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 def _read_fully(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
-        got = _pread_into(fd, view[done : done + IO_CHUNK], offset + done)
+        got = pread_into(fd, view[done : done + IO_CHUNK], offset + done)
         if got == 0:
             raise EOFError(f"source ended {len(view) - done} bytes early")
         done += got
@@ -177,12 +177,10 @@ def _read_fully(fd: int, view: memoryview, offset: int) -> None:
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:
     """``pwrite`` all of ``data`` at ``offset``, :data:`IO_CHUNK` bytes per call."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + IO_CHUNK], offset + done)
+    write_parts(fd, [data], offset)
 
 
-def _write_fully(fd: int, parts: list[memoryview], offset: int) -> None:
+def write_parts(fd: int, parts: list[memoryview], offset: int) -> None:
     """Write ``parts`` one after another from ``offset``: ``pwritev`` of at most
     :data:`IOV_MAX` pieces and :data:`IO_CHUNK` bytes per call."""
     batch: list[memoryview] = []
