@@ -17,7 +17,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from ckptkit.dtypes import ITEMSIZE
 from ckptkit.errors import CkptkitError
@@ -187,7 +187,15 @@ def aliases(index: dict[str, TensorMeta]) -> dict[str, str]:
     return out
 
 
-def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, zipfile.ZipInfo]]:
+class StoredRecord(NamedTuple):
+    """A stored (uncompressed) zip member: where its data starts, its size, its recorded CRC-32."""
+
+    offset: int
+    size: int
+    crc: int
+
+
+def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, StoredRecord]]:
     """The tensors of a zip-format ``torch.save`` file and its checked storage records
     (by key); UnsupportedPickle for a file that is not a zip archive."""
     with open_regular_file(path) as f:
@@ -196,7 +204,7 @@ def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, zipfile.Zip
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
             raise UnsupportedPickle(str(e)) from None
         with z:
-            prefix, members = check_members(path, z, f)
+            prefix, members, offsets = check_members(path, z, f)
             try:
                 data = z.read(members[f"{prefix}/data.pkl"])
             except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
@@ -206,9 +214,9 @@ def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, zipfile.Zip
     except (ValueError, IndexError, KeyError, TypeError, AttributeError) as e:  # malformed opcode stream
         raise UnsupportedPickle(str(e)) from None
     records = {}
-    for key, member in members.items():
-        if key.startswith(f"{prefix}/data/"):
-            records[key.removeprefix(f"{prefix}/data/")] = member
+    for name, zi in members.items():
+        if name.startswith(f"{prefix}/data/"):
+            records[name.removeprefix(f"{prefix}/data/")] = StoredRecord(offsets[name], zi.file_size, zi.CRC)
     check_storages(path, tensors, records)
     return tensors, records
 
@@ -227,12 +235,16 @@ def _plain_member(name: str) -> bool:
     )
 
 
-def check_members(path: Path, z: zipfile.ZipFile, f: BinaryIO) -> tuple[str, dict[str, zipfile.ZipInfo]]:
-    """The archive's folder name and members by name, after checking each member is stored
-    (not compressed), not encrypted, plainly named in UTF-8, unique, inside the file, and
-    that its local header agrees with the central directory (what torch's reader checks)."""
+def check_members(
+    path: Path, z: zipfile.ZipFile, f: BinaryIO
+) -> tuple[str, dict[str, zipfile.ZipInfo], dict[str, int]]:
+    """The archive's folder name, members by name and where each member's data starts,
+    after checking each member is stored (not compressed), not encrypted, plainly named in
+    UTF-8, unique, inside the file, and that its local header agrees with the central
+    directory (what torch's reader checks)."""
     size = os.fstat(f.fileno()).st_size
     members: dict[str, zipfile.ZipInfo] = {}
+    offsets: dict[str, int] = {}
     for zi in z.infolist():
         name = zi.filename
         if zi.flag_bits & _ENCRYPTED:
@@ -248,15 +260,16 @@ def check_members(path: Path, z: zipfile.ZipFile, f: BinaryIO) -> tuple[str, dic
             raise CkptkitError(f"{path}: zip member {name!r} appears twice")
         if zi.file_size != zi.compress_size or zi.header_offset + 30 + zi.file_size > z.start_dir or z.start_dir > size:
             raise CkptkitError(f"{path}: zip member {name!r} has sizes or an offset outside the file")
-        _check_local_header(path, f, zi, size)
+        offsets[name] = _check_local_header(path, f, zi, size)
         members[name] = zi
     prefixes = {n.split("/", 1)[0] for n in members}
     if len(prefixes) != 1 or f"{next(iter(prefixes))}/data.pkl" not in members:
         raise CkptkitError(f"{path}: not a torch checkpoint (expected one folder holding data.pkl in the zip archive)")
-    return prefixes.pop(), members
+    return prefixes.pop(), members, offsets
 
 
-def _check_local_header(path: Path, f: BinaryIO, zi: zipfile.ZipInfo, size: int) -> None:
+def _check_local_header(path: Path, f: BinaryIO, zi: zipfile.ZipInfo, size: int) -> int:
+    """Where the member's data starts, after checking its local header."""
     raw_name = zi.filename.encode("utf-8" if zi.flag_bits & _UTF8 else "ascii")
     f.seek(zi.header_offset)
     local = f.read(30 + len(raw_name))
@@ -273,14 +286,15 @@ def _check_local_header(path: Path, f: BinaryIO, zi: zipfile.ZipInfo, size: int)
         )
     if not ok:
         raise CkptkitError(f"{path}: zip member {zi.filename!r} has a damaged local header")
+    return zi.header_offset + 30 + name_len + extra_len
 
 
-def check_storages(path: Path, tensors: dict[str, TensorMeta], records: dict[str, zipfile.ZipInfo]) -> None:
+def check_storages(path: Path, tensors: dict[str, TensorMeta], records: dict[str, StoredRecord]) -> None:
     """Every tensor's storage record exists, has the size the pickle says, and holds the tensor."""
     for name, t in tensors.items():
         record = records.get(t.storage)
         itemsize = ITEMSIZE[t.dtype]
-        if record is None or record.file_size != t.storage_numel * itemsize:
+        if record is None or record.size != t.storage_numel * itemsize:
             raise CkptkitError(f"{path}: the storage of tensor {name!r} is missing or has the wrong size")
         if t.offset < 0 or t.end > t.storage_numel:
             raise CkptkitError(f"{path}: tensor {name!r} lies outside its storage")

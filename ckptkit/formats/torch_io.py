@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING
 from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
-from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, aliases, read_index
+from ckptkit.formats.pickle_index import (
+    ForbiddenGlobal,
+    StoredRecord,
+    TensorMeta,
+    UnsupportedPickle,
+    aliases,
+    read_index,
+)
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
 from ckptkit.recordcheck import RecordCheck, Verifier
@@ -109,12 +116,11 @@ class TorchPickleReader:
         self._tensors: dict[str, torch.Tensor] | None = None
         self._mapped = False
         self._index: dict[str, TensorMeta] = {}
-        self._stored: dict[str, tuple[int, int, int]] | None = None
+        self._stored: dict[str, StoredRecord] = {}  # plain data/<key> records by key
         self.aliases: dict[str, str] = {}  # tensor stored as another one of this file -> that one
-        self._records: dict[str, zipfile.ZipInfo] = {}
         self._verifier = Verifier(path, self._corrupt)  # storage records' CRC-32s, each checked once
         try:
-            index, self._records = read_index(path)
+            index, records = read_index(path)
         except ForbiddenGlobal as e:
             raise CkptkitError(
                 f"{path}: refusing to load: the pickle needs more than weights_only=True allows (it imports {e})"
@@ -123,6 +129,7 @@ class TorchPickleReader:
             self._load_tensors()
             return
         self._index = index
+        self._stored = {k: r for k, r in records.items() if "/" not in k}
         self.infos = {k: TensorInfo(k, m.shape, m.dtype, path.name) for k, m in index.items()}
         self.aliases = aliases(index)
 
@@ -177,8 +184,6 @@ class TorchPickleReader:
             self._verifier.verify(check)
 
     def _record_check(self, key: str) -> RecordCheck:
-        if self._stored is None:
-            self._stored = stored_records(self.path)
         if key not in self._stored:  # e.g. a key with "/" in it: nothing torch writes
             raise CkptkitError(f"{self.path}: storage {key!r} is not a plain stored record data/<key>; corrupt file")
         data_offset, size, crc = self._stored[key]
@@ -199,8 +204,6 @@ class TorchPickleReader:
         meta = self._index.get(name)
         if meta is None or not meta.storage or not _dense(meta.shape, meta.stride):
             return None
-        if self._stored is None:
-            self._stored = stored_records(self.path)
         record = self._stored.get(meta.storage)
         nbytes = self.infos[name].nbytes
         start = meta.offset * ITEMSIZE[meta.dtype]
@@ -225,23 +228,6 @@ def _dense(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> bool:
             return False
         expected *= size
     return True
-
-
-def stored_records(path: Path) -> dict[str, tuple[int, int, int]]:
-    """Storage key -> (data offset, size, CRC-32) of each uncompressed ``data/<key>`` record."""
-    out: dict[str, tuple[int, int, int]] = {}
-    with zipfile.ZipFile(path) as z, path.open("rb") as f:
-        for zi in z.infolist():
-            head, sep, key = zi.filename.partition("/data/")
-            if not sep or "/" in head or "/" in key or zi.compress_type != zipfile.ZIP_STORED:
-                continue
-            f.seek(zi.header_offset)
-            local = f.read(30)
-            if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                continue
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            out[key] = (zi.header_offset + 30 + name_len + extra_len, zi.file_size, zi.CRC)
-    return out
 
 
 def _shared(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
