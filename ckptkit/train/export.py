@@ -7,7 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from ckptkit.errors import CkptkitError
-from ckptkit.train.lora import base_state_dict
+from ckptkit.train.lora import base_state_dict, merged_weight
 from ckptkit.train.peft_io import check_base_copies, read_lora_weights
 
 
@@ -28,21 +28,24 @@ def merge_adapter_into_checkpoint(
     """Fold a PEFT LoRA adapter into a checkpoint on disk, without building a model.
 
     Each targeted weight becomes ``(W.float() + scaling * B @ A).to(W.dtype)``: one
-    rounding to the stored dtype. Every other tensor passes through untouched.
+    rounding to the stored dtype. Every other tensor passes through untouched. Tensors
+    are read one at a time, as the writer reaches them.
     """
-    from ckptkit import load_checkpoint, save_checkpoint_like
+    from ckptkit import save_checkpoint_like
+    from ckptkit.checkpoint import Lazy, open_checkpoint
 
-    cfg, state_dict = load_checkpoint(str(base_checkpoint), model_type=model_type)
-    adapter = read_lora_weights(adapter_dir, cfg)
-    check_base_copies(adapter, state_dict)
-    for module, w in adapter.lora.items():
-        key = f"{module}.weight"
-        if key not in state_dict:
-            raise CkptkitError(f"adapter targets {key}, which the checkpoint does not have")
-        base = state_dict[key]
-        if (w.b.shape[0], w.a.shape[1]) != tuple(base.shape):
-            raise CkptkitError(
-                f"adapter for {key} has shape {(w.b.shape[0], w.a.shape[1])}, weight is {tuple(base.shape)}"
-            )
-        state_dict[key] = (base.float() + (w.b.float() @ w.a.float()) * w.scaling).to(base.dtype)
-    save_checkpoint_like(str(base_checkpoint), state_dict, str(out_dir))
+    with open_checkpoint(base_checkpoint, model_type=model_type) as ckpt:
+        adapter = read_lora_weights(adapter_dir, ckpt.config)
+        check_base_copies(adapter, {k: ckpt.tensors[k].get() for k in adapter.base_copies if k in ckpt.tensors})
+        state: dict[str, Lazy] = dict(ckpt.tensors)
+        for module, w in adapter.lora.items():
+            key = f"{module}.weight"
+            if key not in state:
+                raise CkptkitError(f"adapter targets {key}, which the checkpoint does not have")
+            base = state[key]
+            if (w.b.shape[0], w.a.shape[1]) != tuple(base.shape):
+                raise CkptkitError(
+                    f"adapter for {key} has shape {(w.b.shape[0], w.a.shape[1])}, weight is {tuple(base.shape)}"
+                )
+            state[key] = Lazy(base.shape, base.dtype, lambda b=base, w=w: merged_weight(b.get(), w.a, w.b, w.scaling))
+        save_checkpoint_like(str(base_checkpoint), state, str(out_dir), model_type=model_type)

@@ -109,7 +109,7 @@ class LoRALinear(nn.Linear):
     def merge(self) -> None:
         """Fold the update into ``weight`` (computed in float32, rounded once)."""
         if not self.merged:
-            self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
+            self.weight.copy_(merged_weight(self.weight, self.lora_a, self.lora_b, self.scaling))
             self.merged = True
 
     @torch.no_grad()
