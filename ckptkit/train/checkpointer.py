@@ -182,8 +182,9 @@ class Checkpointer:
         except CkptkitError as e:
             raise CkptkitError(f"{folder / ADAPTER_WEIGHTS}: {e}; check checkpointer.adapter_checkpoint") from None
 
-    def prepare_peft_base(self) -> str:
-        """A base PEFT and llama.cpp can load, for ``base_model_name_or_path`` of the adapters.
+    def prepare_peft_base(self) -> None:
+        """Set ``peft_base``: a base PEFT and llama.cpp can load, for ``base_model_name_or_path``
+        of the adapters.
 
         An HF base is named as it is; any other (Meta, internal) needs an HF copy:
         ``checkpointer.hf_base_dir`` when given (checked to be HF), else one converted once
@@ -191,14 +192,14 @@ class Checkpointer:
         """
         if self.loads_in_transformers:
             self.peft_base = str(self.checkpoint_dir.resolve())
-            return self.peft_base
+            return
         if self.hf_base_dir:
             folder = Path(self.hf_base_dir)
             with open_checkpoint(folder) as ckpt:
                 if not ckpt.fmt.loads_in_transformers:
                     raise CkptkitError(f"{folder}: is {ckpt.format}, not HF; check checkpointer.hf_base_dir")
             self.peft_base = str(folder.resolve())
-            return self.peft_base
+            return
         from ckptkit.convert import convert
 
         folder = self.output_dir / HF_BASE_DIR
@@ -208,7 +209,6 @@ class Checkpointer:
             convert(self.checkpoint_dir, folder, "hf", model_type=self.model_type, force=True)
             stamp.write_text(source)
         self.peft_base = str(folder.resolve())
-        return self.peft_base
 
     # --- writing -------------------------------------------------------------------
     def save(

@@ -54,6 +54,15 @@ def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: li
 
     if recipe in RECIPES and not recipe.endswith("_distributed"):
         raise CkptkitError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
+    if recipe in RECIPES:  # the recipe's own schema: torchtune spellings, defaults, one-line errors
+        from ckptkit.train import schema
+        from ckptkit.train.config import validate_config
+
+        schemas = {
+            "full_finetune_distributed": schema.FullFinetuneDistributedConfig,
+            "lora_finetune_distributed": schema.LoRAFinetuneDistributedConfig,
+        }
+        cfg = validate_config(cfg, schemas[recipe])
     Checkpointer(cfg).open_base().close()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
