@@ -192,6 +192,11 @@ def sweep(folder: Path) -> list[Path]:
     return removed
 
 
+def tmp_beside(path: Path) -> Path:
+    """A fresh temporary name beside ``path``, of the form :data:`_LEFTOVER` recognises."""
+    return path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+
+
 def retire(path: Path) -> None:
     """Delete a published folder so that it is never seen half-deleted under its name:
     with its lock held it is renamed to a temporary name first, then removed. A deletion
@@ -199,7 +204,7 @@ def retire(path: Path) -> None:
     with locked(path):
         if not path.exists():
             return
-        doomed = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+        doomed = tmp_beside(path)
         _audit("retire", path)
         os.rename(path, doomed)
         _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -227,10 +232,7 @@ def check_replaceable(dst: Path, replace: bool) -> None:
 
 
 def _put_in_place(tmp: Path, dst: Path) -> None:
-    if not dst.exists():
-        _audit("rename", tmp)
-        os.rename(tmp, dst)
-    elif _empty_dir(dst):
+    if not dst.exists() or _empty_dir(dst):
         _audit("rename", tmp)
         os.rename(tmp, dst)  # replaces an empty folder atomically
     else:
@@ -281,7 +283,7 @@ def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
         dst.parent.mkdir(parents=True, exist_ok=True)
         with locked(dst):
             check_replaceable(dst, replace)
-            tmp = dst.parent / f".{dst.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+            tmp = tmp_beside(dst)
             _audit("mkdir", tmp)
             os.mkdir(tmp, 0o777)  # the umask decides, as for any folder the user creates
             try:

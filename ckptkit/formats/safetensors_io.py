@@ -30,19 +30,14 @@ if TYPE_CHECKING:
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, int]:
+def read_layout(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, int, dict[str, int]]:
     """Parse and validate a safetensors header.
 
     Returns:
-        The tensors in data order, the ``__metadata__`` dict and the offset where data
-        starts. Raises CkptkitError naming the file when the header is damaged.
+        The tensors in data order, the ``__metadata__`` dict, the offset where data starts
+        and each tensor's offset in the data section. Raises CkptkitError naming the file
+        when the header is damaged.
     """
-    infos, metadata, data_start, _ = read_layout(path)
-    return infos, metadata, data_start
-
-
-def read_layout(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, int, dict[str, int]]:
-    """:func:`read_header` plus each tensor's offset in the data section."""
     try:
         with open_regular_file(path) as f:
             size = os.fstat(f.fileno()).st_size

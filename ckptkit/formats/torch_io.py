@@ -305,8 +305,7 @@ class TorchPickleWriter:
             record = by_name[f"data/{len(self._records)}"]
             assert record.size == info.nbytes, (info.name, record.name)
             self._records[owner] = (record.data_offset, info.nbytes, record.name)
-        self._header = {r.name: r.header_offset for r in records}
-        self._central = {r.name: r.central_offset for r in records}
+        self._zip = by_name  # record name -> where its local header and directory entry lie
         self._crcs: dict[str, int] = {}
         self._fd = os.open(path, os.O_RDWR)
         self._lock = threading.Lock()  # one thread writes to the file at a time
@@ -349,8 +348,8 @@ class TorchPickleWriter:
             raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
         for record, crc in self._crcs.items():
             packed = struct.pack("<I", crc)
-            os.pwrite(self._fd, packed, self._header[record] + 14)
-            os.pwrite(self._fd, packed, self._central[record] + 16)
+            os.pwrite(self._fd, packed, self._zip[record].header_offset + 14)
+            os.pwrite(self._fd, packed, self._zip[record].central_offset + 16)
         os.close(self._fd)
 
 

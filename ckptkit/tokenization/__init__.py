@@ -112,10 +112,7 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None) -> TokenizerPlan:
     """The tokenizer side of writing the checkpoint in ``src`` as a Meta folder (``spec``: its family's)."""
     if spec is None:
         return TokenizerPlan()
-    return _to_meta(src, spec.kind)
-
-
-def _to_meta(src: Path, kind: str) -> TokenizerPlan:
+    kind = spec.kind
     plan = TokenizerPlan(skip=set(HF_FILES))
     present = {name: (src / name).read_bytes() for name in HF_FILES if (src / name).is_file()}
     model = src / MODEL_FILE

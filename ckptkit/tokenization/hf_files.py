@@ -32,8 +32,9 @@ def _json(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _fast_tokenizer(spec: TokenizerSpec, model_path: Path, vocab_size: int) -> tuple[Any, list[str]]:
-    """The ``tokenizers.Tokenizer`` and notes for ``model_path``."""
+def _fast_tokenizer(spec: TokenizerSpec, model_path: Path, vocab_size: int) -> tuple[Any, list[str], Any]:
+    """The ``tokenizers.Tokenizer``, notes, and the parsed sentencepiece model (None for
+    tiktoken) for ``model_path``."""
     notes: list[str] = []
     if spec.kind == TIKTOKEN:
         if not tiktoken_bpe.is_rank_file(model_path):
@@ -47,11 +48,11 @@ def _fast_tokenizer(spec: TokenizerSpec, model_path: Path, vocab_size: int) -> t
             notes.append(f"{model_path.name}: the model has room for {room} of Meta's {len(spec.specials)} specials")
         if spec.bos not in specials:
             raise CkptkitError(f"{model_path}: the model's vocabulary has no room for {spec.bos}")
-        return tiktoken_bpe.build_tokenizer(ranks, specials, spec.bos), notes
+        return tiktoken_bpe.build_tokenizer(ranks, specials, spec.bos), notes, None
     model = read_spm_model(model_path)
     if len(model.pieces) > vocab_size:
         raise CkptkitError(f"{model_path}: {len(model.pieces)} pieces, more than the model's {vocab_size} embeddings")
-    return sentencepiece_bpe.build_tokenizer(model, model_path), notes
+    return sentencepiece_bpe.build_tokenizer(model, model_path), notes, model
 
 
 def _token_id(tok: Any, text: str | None) -> int | None:
@@ -60,11 +61,10 @@ def _token_id(tok: Any, text: str | None) -> int | None:
 
 def build_hf_tokenizer(spec: TokenizerSpec, model_path: Path, vocab_size: int, max_positions: int) -> HFTokenizer:
     """The HF tokenizer files for Meta's ``model_path`` (sentencepiece or tiktoken)."""
-    tok, notes = _fast_tokenizer(spec, model_path, vocab_size)
-    if spec.kind == TIKTOKEN:
+    tok, notes, model = _fast_tokenizer(spec, model_path, vocab_size)
+    if model is None:
         bos, eos, unk = spec.bos, spec.eos, None
     else:
-        model = read_spm_model(model_path)
         bos, eos, unk = (sentencepiece_bpe.special_piece(model, i) for i in (model.bos_id, model.eos_id, model.unk_id))
     named = {"bos_token": bos, "eos_token": eos, "unk_token": unk}
     named = {k: v for k, v in named.items() if v is not None}
