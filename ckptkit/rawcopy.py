@@ -5,9 +5,10 @@ A tensor whose bytes a conversion only moves is described by a list of :class:`S
 unchanged, row ranges when rows are permuted, split or joined. :func:`transfer` writes
 the list at the offset the writer laid out. By default it streams
 (:mod:`ckptkit.streamcopy`: each window of source bytes read once into a small reused
-buffer, CRC-32s computed or checked there, written out); spans so scattered that
-streaming would read more than twice what it writes are gathered with ``pwritev`` from a
-read-only mapping of the source. On request each span goes with ``os.copy_file_range``
+buffer, CRC-32s computed or checked there, written out, the whole pages past the page
+cache where the writer has an ``O_DIRECT`` descriptor: :mod:`ckptkit.directio`); spans
+so scattered that streaming would read more than twice what it writes are gathered with
+``pwritev`` from a read-only mapping of the source. On request each span goes with ``os.copy_file_range``
 (the kernel copies, as ``cp`` does), else ``os.sendfile``, else positioned reads and
 writes. Spans of a zip record carry a :class:`RecordCheck`: before its bytes are used,
 the record's recorded CRC-32 is checked once per file (:class:`Verifier`), by the stream
@@ -26,17 +27,19 @@ import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptkit import streamcopy
+from ckptkit import directio, streamcopy
 from ckptkit.recordcheck import RecordCheck, verify_checks
 from ckptkit.streamcopy import crc32_range
 
 RANGE_METHODS = ("copy_file_range", "sendfile", "readwrite")  # for one range, in auto's order
 GATHER = "gather"
 STREAM = "stream"
-METHODS = (STREAM, *RANGE_METHODS, GATHER)
+DIRECT = "direct"  # stream, the whole pages written past the page cache (ckptkit.directio)
+METHODS = (DIRECT, STREAM, *RANGE_METHODS, GATHER)
 AUTO = "auto"
 GATHER_FROM = 16  # spans_crc32: at least this many spans are read through one mapping
 CHUNK = 1 << 30  # bytes per copy_file_range / sendfile call
@@ -197,24 +200,39 @@ def transfer(
     method: str = AUTO,
     want_crc: bool = False,
     lock: threading.Lock | None = None,
+    direct_fd: int | None = None,
 ) -> Transfer:
     """Write the concatenation of ``spans`` into ``dst_fd`` at ``dst_offset``, checking the
-    source records they draw on first (or on the way, for ``stream``).
+    source records they draw on first (or on the way, for ``stream`` and ``direct``).
 
-    ``auto`` streams (:mod:`ckptkit.streamcopy`) unless the spans are many scattered
-    pieces (a column slice of every row), which it gathers with ``pwritev`` from a mapping.
-    A forced method applies to every span. ``want_crc``: also return the CRC-32 of the
-    bytes written. ``lock``: held while writing to ``dst_fd`` (one writer per file at a
-    time). Writeback of the range is started on the way out (:func:`start_writeback`).
+    ``auto`` streams (:mod:`ckptkit.streamcopy`), writing whole pages with ``direct_fd``
+    (``O_DIRECT``, :mod:`ckptkit.directio`) when given, unless the spans are many
+    scattered pieces (a column slice of every row), which it gathers with ``pwritev`` from
+    a mapping. A forced method applies to every span (``direct`` without ``direct_fd``,
+    or where nothing went direct, reports ``stream``). ``want_crc``: also return the
+    CRC-32 of the bytes written. ``lock``: held while writing to ``dst_fd`` (one writer
+    per file at a time; direct writes need no lock). Writeback of the range is started on
+    the way out (:func:`start_writeback`).
     """
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
     if method == AUTO and streamcopy.AVAILABLE:  # else (no preadv/pwritev): the range methods
-        method = GATHER if streamcopy.sparse(spans) else STREAM
-    if method == STREAM:
-        crc = streamcopy.stream_spans(spans, dst_fd, dst_offset, want_crc, lock)
+        method = GATHER if streamcopy.sparse(spans) else DIRECT
+    if method in (STREAM, DIRECT):
+        used = STREAM
+
+        def write(parts: list[memoryview], at: int) -> None:
+            nonlocal used
+            if method == DIRECT and direct_fd is not None:
+                if directio.write_parts(dst_fd, direct_fd, parts, at, lock):
+                    used = DIRECT
+                return
+            with lock or nullcontext():
+                streamcopy.write_parts(dst_fd, parts, at)
+
+        crc = streamcopy.stream_spans(spans, write, dst_offset, want_crc)
         start_writeback(dst_fd, dst_offset, nbytes)
-        return Transfer(STREAM, crc)
+        return Transfer(used, crc)
     verify_checks(spans)
     if method == GATHER:
         _gather(spans, dst_fd, dst_offset)

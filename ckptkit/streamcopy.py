@@ -20,8 +20,7 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,10 +107,11 @@ def sparse(spans: list[Span]) -> bool:
 
 
 def stream_spans(
-    spans: list[Span], dst_fd: int, dst_offset: int, want_crc: bool = False, lock: threading.Lock | None = None
+    spans: list[Span], write: Callable[[list[memoryview], int], object], dst_offset: int, want_crc: bool = False
 ) -> int | None:
-    """Write the concatenation of ``spans`` into ``dst_fd`` at ``dst_offset`` window by
-    window; returns its CRC-32 when ``want_crc``. Source records' CRCs (``Span.check``) are
+    """Write the concatenation of ``spans`` from ``dst_offset`` window by window:
+    ``write(parts, offset)`` puts each window's pieces (destination order) in place.
+    Returns their CRC-32 when ``want_crc``. Source records' CRCs (``Span.check``) are
     checked over the windows that tile them, and any not wholly seen are checked by
     reading them; a mismatch raises (see :class:`~ckptkit.rawcopy.Verifier`)."""
     buf = buffer()
@@ -131,8 +131,7 @@ def stream_spans(
             if want_crc:
                 for part in parts:
                     crc = zlib.crc32(part, crc)
-            with lock or nullcontext():
-                write_parts(dst_fd, parts, dst_offset)
+            write(parts, dst_offset)
             dst_offset += w.held
     finally:
         for fd in fds.values():

@@ -109,3 +109,18 @@ def assert_same_files(a: Path, b: Path) -> None:
             assert _masked(a / name) == _masked(b / name), name
         else:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def direct_supported(folder: Path) -> bool:
+    """Whether files in ``folder`` open with ``O_DIRECT`` (tmpfs before Linux 6.6 refuses)."""
+    from ckptkit.directio import open_direct
+
+    probe = folder / f".direct-probe-{os.getpid()}"
+    probe.touch()
+    try:
+        fd = open_direct(probe)
+        if fd is not None:
+            os.close(fd)
+        return fd is not None
+    finally:
+        probe.unlink()

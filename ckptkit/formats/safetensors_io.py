@@ -16,10 +16,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.directio import DirectFd
 from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
+from ckptkit.rawcopy import AUTO, DIRECT, Span, start_writeback, total_bytes, transfer
 from ckptkit.streamcopy import write_all
 from ckptkit.untrusted import loads_json, open_regular_file
 
@@ -214,6 +215,7 @@ class SafetensorsWriter:
         self._file.truncate(self._data_start + offset)
         self._file.flush()
         self._lock = threading.Lock()  # one thread writes to the file at a time
+        self._direct = DirectFd(path)  # O_DIRECT writes of whole pages, opened on first use
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -235,7 +237,8 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock).method
+            direct_fd = self._direct.get() if method in (AUTO, DIRECT) else None
+            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct_fd=direct_fd).method
         finally:
             os.close(fd)
         self._pending.discard(name)
@@ -244,4 +247,5 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self._pending:
             raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+        self._direct.close()
         self._file.close()

@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptkit.directio import DirectFd
 from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
@@ -39,7 +40,7 @@ from ckptkit.formats.pickle_index import (
     read_index,
 )
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
+from ckptkit.rawcopy import AUTO, DIRECT, Span, start_writeback, total_bytes, transfer
 from ckptkit.recordcheck import RecordCheck, Verifier
 from ckptkit.streamcopy import write_all
 from ckptkit.untrusted import check_regular
@@ -309,6 +310,7 @@ class TorchPickleWriter:
         self._crcs: dict[str, int] = {}
         self._fd = os.open(path, os.O_RDWR)
         self._lock = threading.Lock()  # one thread writes to the file at a time
+        self._direct = DirectFd(path)  # O_DIRECT writes of whole pages, opened on first use
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -335,7 +337,8 @@ class TorchPickleWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock)
+            direct_fd = self._direct.get() if method in (AUTO, DIRECT) else None
+            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct_fd=direct_fd)
         finally:
             os.close(fd)
         assert done.crc is not None
@@ -350,6 +353,7 @@ class TorchPickleWriter:
             packed = struct.pack("<I", crc)
             os.pwrite(self._fd, packed, self._zip[record].header_offset + 14)
             os.pwrite(self._fd, packed, self._zip[record].central_offset + 16)
+        self._direct.close()
         os.close(self._fd)
 
 

@@ -1,0 +1,205 @@
+"""O_DIRECT writes (ckptkit.directio): the bytes land exactly and their neighbours are
+untouched, the whole pages bypass the page cache while the partial pages at the ends go
+through it, a refused or short direct write is finished buffered, and a conversion large
+enough to have whole pages writes them direct and still round-trips byte for byte."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptkit import directio, streamcopy
+from ckptkit.convert import COMPUTED, convert
+from ckptkit.rawcopy import DIRECT, STREAM
+from ckptkit.verify import verify_paths
+
+from conftest import assert_same_files, direct_supported
+
+ALIGN = directio.ALIGN
+FILL = 0xA5
+
+pytestmark = pytest.mark.skipif(
+    not direct_supported(Path(tempfile.gettempdir())), reason="the temporary folder's filesystem refuses O_DIRECT"
+)
+
+
+def _fresh(path: Path, size: int) -> tuple[int, int]:
+    """A file of ``size`` FILL bytes, on disk and out of the page cache; (buffered fd, direct fd)."""
+    path.write_bytes(bytes([FILL]) * size)
+    fd = os.open(path, os.O_RDWR)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    direct_fd = directio.open_direct(path)
+    assert direct_fd is not None
+    return fd, direct_fd
+
+
+def _resident(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (``mincore``), without reading them."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return [bool(b & 1) for b in vec]
+    finally:
+        del addr
+        mapped.close()
+
+
+def _expected(size: int, offset: int, data: bytes) -> bytes:
+    out = bytearray([FILL]) * size
+    out[offset : offset + len(data)] = data
+    return bytes(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    offset=st.integers(0, 3 * ALIGN),
+    lengths=st.lists(st.integers(1, 300_000), min_size=1, max_size=12),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_range_lands_exactly_and_leaves_its_neighbours(offset: int, lengths: list[int], seed: int) -> None:
+    total = min(sum(lengths), streamcopy.BUFFER)
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    data = data.numpy().tobytes()
+    parts, pos = [], 0
+    for n in lengths:
+        if pos < total:
+            parts.append(memoryview(data)[pos : pos + n])
+            pos += n
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "out.bin"
+        size = offset + total + 2 * ALIGN + 77
+        fd, direct_fd = _fresh(path, size)
+        try:
+            directio.write_parts(fd, direct_fd, parts, offset, threading.Lock())
+        finally:
+            os.close(direct_fd)
+            os.close(fd)
+        assert path.read_bytes() == _expected(size, offset, data)
+
+
+def test_whole_pages_bypass_the_page_cache_and_the_ends_do_not(tmp_path: Path) -> None:
+    path = tmp_path / "out.bin"
+    size, offset, n = 3 << 20, 1000, (2 << 20) + 123
+    fd, direct_fd = _fresh(path, size)
+    data = os.urandom(n)
+    try:
+        assert not any(_resident(path))
+        wrote_direct = directio.write_parts(fd, direct_fd, [memoryview(data)], offset)
+        resident = _resident(path)
+    finally:
+        os.close(direct_fd)
+        os.close(fd)
+    first, last = offset // ALIGN, (offset + n - 1) // ALIGN
+    assert wrote_direct
+    assert resident[first] and resident[last]  # partial pages: written through the page cache
+    assert not any(resident[first + 1 : last])  # whole pages: straight to the file
+    assert path.read_bytes() == _expected(size, offset, data)
+
+
+def test_a_short_run_is_written_buffered(tmp_path: Path) -> None:
+    path = tmp_path / "out.bin"
+    fd, direct_fd = _fresh(path, 1 << 20)
+    data = os.urandom(directio.MIN_DIRECT // 2)
+    try:
+        assert not directio.write_parts(fd, direct_fd, [memoryview(data)], 0)
+        assert all(_resident(path)[: len(data) // ALIGN])
+    finally:
+        os.close(direct_fd)
+        os.close(fd)
+    assert path.read_bytes() == _expected(1 << 20, 0, data)
+
+
+def _faulty_pwrite(direct_fd: int, behaviour: str):
+    """``os.pwrite`` whose direct writes are refused (EINVAL), or reported 100 bytes short
+    of the two pages they really wrote (a stop off a page boundary)."""
+    real = os.pwrite
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if fd != direct_fd:
+            return real(fd, data, offset)
+        if behaviour == "refuse":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, memoryview(data)[: 2 * ALIGN], offset) - 100
+
+    return pwrite
+
+
+@pytest.mark.parametrize("behaviour", ["refuse", "short"])
+def test_a_refused_or_short_direct_write_is_finished_buffered(
+    behaviour: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "out.bin"
+    size, offset = 2 << 20, 333
+    fd, direct_fd = _fresh(path, size)
+    data = os.urandom(1 << 20)
+    monkeypatch.setattr(directio.os, "pwrite", _faulty_pwrite(direct_fd, behaviour))
+    try:
+        wrote_direct = directio.write_parts(fd, direct_fd, [memoryview(data)], offset)
+    finally:
+        monkeypatch.undo()
+        os.close(direct_fd)
+        os.close(fd)
+    assert wrote_direct == (behaviour == "short")
+    assert path.read_bytes() == _expected(size, offset, data)
+
+
+def test_open_direct_is_none_where_the_filesystem_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f"
+    path.touch()
+    real = os.open
+
+    def refusing(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(p))
+        return real(p, flags, *a)
+
+    monkeypatch.setattr(directio.os, "open", refusing)
+    assert directio.open_direct(path) is None
+
+
+@pytest.fixture(scope="module")
+def llama_hf(tmp_path_factory) -> Path:
+    """A Llama with whole pages in every matrix, saved by transformers (odd sizes: the
+    tensors start off page boundaries)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=512, intermediate_size=1400, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=3001, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    out = tmp_path_factory.mktemp("direct") / "hf"
+    model.save_pretrained(out, max_shard_size="3MB")
+    return out
+
+
+@pytest.mark.parametrize("via", ["meta", "hf-bin", "internal"])
+def test_a_conversion_writes_its_whole_pages_direct_and_round_trips(via: str, llama_hf: Path, tmp_path: Path) -> None:
+    there = convert(llama_hf, tmp_path / via, via)
+    back = convert(tmp_path / via, tmp_path / "back", "hf")
+    for result in (there, back):
+        by = result.bytes_by_method
+        copied = by.get(DIRECT, 0) + by.get(STREAM, 0)
+        assert set(by) <= {DIRECT, STREAM, COMPUTED}
+        assert by[DIRECT] > 0.95 * copied, by  # all but the small norms go direct
+    assert_same_files(llama_hf, tmp_path / "back")
+    assert verify_paths(llama_hf, tmp_path / "back").ok
