@@ -78,6 +78,9 @@ PEERS = {
     "convert meta>hf": ("cp -r meta", "torchtune meta load+save", FLOOR_FREE),
     "convert hf>internal": ("cp -r hf (2)", "torchtune hf load+save", FLOOR_FREE),
 }
+# with --buffered-too: meta>hf written through the page cache, as before direct writes (no target)
+BUFFERED = "convert meta>hf --copy-method stream"
+VARIANTS = {BUFFERED: PEERS["convert meta>hf"]}
 
 
 @dataclass
@@ -169,9 +172,11 @@ def run_child(argv: list[str], log: Path) -> tuple[Run, int]:
 
 
 class Bench:
-    def __init__(self, workdir: Path, repeat: int, cold: bool, mem_limit: int, settle: float = 5.0):
+    def __init__(
+        self, workdir: Path, repeat: int, cold: bool, mem_limit: int, settle: float = 5.0, buffered_too: bool = False
+    ):
         self.workdir, self.repeat, self.cold, self.mem_limit = workdir, repeat, cold, mem_limit
-        self.settle = settle
+        self.settle, self.buffered_too = settle, buffered_too
         self.results: dict[tuple[int, str], Measurement] = {}
         self.loads: list[float] = []
         self.ckptkit = [sys.executable, "-m", "ckptkit"]
@@ -254,6 +259,9 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dic
             check = {"verify": verify.returncode == 0, "identical": weights_identical(hf, out)}
             print(f"  verify hf vs meta>hf: {(verify.stdout or verify.stderr).strip().splitlines()[-1]}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
+        if bench.buffered_too:
+            bench.measure(layers, BUFFERED, [*to_hf[1], "--copy-method", "stream"], [meta], out)
+            shutil.rmtree(out)
         if "meta" in torchtune:
             bench.measure(
                 layers, "torchtune meta load+save", [*tt, "meta", str(meta), str(out)], [meta], out, total // 5
@@ -346,8 +354,8 @@ def report(bench: Bench, sizes: dict[int, dict], argv: list[str]) -> tuple[str, 
                 lines.append(f"| {layers} | {info['total'] / MB:,.0f} MB | {label} | {'; '.join(why)} | | | | | | | |")
                 continue
             cp = cp_sync = tt = ""
-            if label in PEERS:
-                cp_label, tt_label, _ = PEERS[label]
+            if label in PEERS or label in VARIANTS:
+                cp_label, tt_label, _ = PEERS.get(label) or VARIANTS[label]
                 cp, tt = show(ratios(bench, layers, label, cp_label)), show(ratios(bench, layers, tt_label, label))
                 cp_sync = show(ratios(bench, layers, label, cp_label, synced=True))
             syncs = [r.sync_s for r in m.done() if r.sync_s is not None]
@@ -419,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--mem-limit-gb", type=float, default=20, help="memory in use a command may take the machine to")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
+    ap.add_argument(
+        "--buffered-too", action="store_true", help="also time meta>hf through the page cache (--copy-method stream)"
+    )
     args = ap.parse_args(argv)
     if args.repeat < 1 or any(n < 1 for n in args.layers):
         raise SystemExit("--repeat and --layers must be positive")
@@ -427,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         print("torchtune is not importable: its runs are skipped", flush=True)
         torchtune = False
     args.workdir.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args.workdir.resolve(), args.repeat, args.cold, int(args.mem_limit_gb * GB), args.settle)
+    bench = Bench(
+        args.workdir.resolve(), args.repeat, args.cold, int(args.mem_limit_gb * GB), args.settle, args.buffered_too
+    )
     print(" | ".join(f"{k} {v}" for k, v in machine().items()), flush=True)
     sizes: dict[int, dict] = {}
     try:

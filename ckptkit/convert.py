@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
+from ckptkit.directio import direct_pays
 from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.safetensors_io import SafetensorsWriter
@@ -47,24 +48,28 @@ def write_plan(
     unchanged, or rows moved by a transform) is copied file to file on worker threads with
     ``copy_method`` (``auto``, or one of :data:`~ckptkit.rawcopy.METHODS` forced; None:
     never), while this thread computes the others (casts, generated tensors: those with
-    ``raw`` bytes, unless split across ranks, without torch). Returns the bytes written by
-    each method (:data:`COMPUTED` for those computed in memory).
+    ``raw`` bytes, unless split across ranks, without torch). ``auto`` writes whole pages
+    past the page cache when the output is larger than the kernel's dirty limit
+    (:func:`~ckptkit.directio.direct_pays`). Returns the bytes written by each method
+    (:data:`COMPUTED` for those computed in memory).
     """
-    writers: dict[str, Any] = {}
     where: dict[str, list[FilePlan]] = {}
+    entries: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
     for f in plan.files:
-        entries = []
         for k in f.keys:
             shape = RANKS.shard_shape(plan.targets[k].shape, f.ranks, plan.split_dims.get(k))
-            entries.append((k, plan.targets[k].dtype, tuple(shape)))
+            entries.setdefault(f.name, []).append((k, plan.targets[k].dtype, tuple(shape)))
             where.setdefault(k, []).append(f)
-        path = out_dir / f.name
-        writers[f.name] = (
-            SafetensorsWriter(path, entries, f.metadata)
-            if f.name.endswith(".safetensors")
-            else TorchPickleWriter(path, entries, f.aliases)
-        )
     total = sum(plan.targets[k].nbytes for k in where)
+    direct = direct_pays(total)  # auto: whole pages past the page cache when the output is big
+    writers: dict[str, Any] = {}
+    for f in plan.files:
+        path, mine = out_dir / f.name, entries.get(f.name, [])
+        writers[f.name] = (
+            SafetensorsWriter(path, mine, f.metadata, direct=direct)
+            if f.name.endswith(".safetensors")
+            else TorchPickleWriter(path, mine, f.aliases, direct=direct)
+        )
     computed = 0
     with byte_progress(label, total, quiet) as bar, Overlap(on_done=bar.advance) as copies:
         for key, files in where.items():

@@ -11,6 +11,16 @@ a neighbouring tensor or a header) go through the page cache. A page is therefor
 ever written one way, which keeps the two paths coherent, and ``fsync`` before
 publishing flushes both.
 
+Direct writes pay only when the output is larger than the kernel lets a writer keep
+dirty in the page cache (:func:`dirty_limit`, 20 % of available memory by default): below
+it, buffered writes land in free memory, the writeback started as each tensor lands
+overlaps the copying, and the output stays cached for whatever reads it next (on the
+development VM a 2 GB hf>meta took 1.6-1.8 s through the page cache and 1.7-2.0 s
+direct); above it, a buffered writer is throttled to the disk's pace and also pays for
+allocating and reclaiming the pages (13.5 GB: 15-17 s buffered, 10-15 s direct, with a
+quarter of the system time; docs/benchmarks.md). So ``auto`` writes
+direct only above that limit (:func:`direct_pays`); ``--copy-method direct`` forces it.
+
 Where the filesystem refuses ``O_DIRECT`` (``open`` or a write fails with ``EINVAL``),
 the same bytes are written buffered instead.
 """
@@ -32,6 +42,30 @@ AVAILABLE = hasattr(os, "O_DIRECT")
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 _local = threading.local()
+
+
+def dirty_limit() -> int | None:
+    """Bytes of dirty page cache past which the kernel throttles a writer (``vm.dirty_bytes``,
+    else ``vm.dirty_ratio`` percent of available memory); None where unknown (not Linux)."""
+    try:
+        vm = Path("/proc/sys/vm")
+        dirty_bytes = int((vm / "dirty_bytes").read_text())
+        if dirty_bytes > 0:
+            return dirty_bytes
+        ratio = int((vm / "dirty_ratio").read_text())
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 * ratio // 100
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def direct_pays(nbytes: int) -> bool:
+    """Whether ``auto`` should write an output of ``nbytes`` direct: when it exceeds the
+    kernel's dirty limit (see the module docstring)."""
+    limit = dirty_limit()
+    return AVAILABLE and limit is not None and nbytes > limit
 
 
 def open_direct(path: Path) -> int | None:

@@ -194,8 +194,8 @@ def llama_hf(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("via", ["meta", "hf-bin", "internal"])
 def test_a_conversion_writes_its_whole_pages_direct_and_round_trips(via: str, llama_hf: Path, tmp_path: Path) -> None:
-    there = convert(llama_hf, tmp_path / via, via)
-    back = convert(tmp_path / via, tmp_path / "back", "hf")
+    there = convert(llama_hf, tmp_path / via, via, copy_method=DIRECT)
+    back = convert(tmp_path / via, tmp_path / "back", "hf", copy_method=DIRECT)
     for result in (there, back):
         by = result.bytes_by_method
         copied = by.get(DIRECT, 0) + by.get(STREAM, 0)
@@ -203,3 +203,22 @@ def test_a_conversion_writes_its_whole_pages_direct_and_round_trips(via: str, ll
         assert by[DIRECT] > 0.95 * copied, by  # all but the small norms go direct
     assert_same_files(llama_hf, tmp_path / "back")
     assert verify_paths(llama_hf, tmp_path / "back").ok
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 1 << 40])
+def test_auto_writes_direct_only_past_the_dirty_limit(
+    limit: int, llama_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model is about 10 MB: past a 1 MiB dirty limit auto goes direct, under 1 TiB not."""
+    monkeypatch.setattr(directio, "dirty_limit", lambda: limit)
+    result = convert(llama_hf, tmp_path / "meta", "meta")
+    assert (DIRECT in result.bytes_by_method) == (limit == 1 << 20), result.bytes_by_method
+    back = convert(tmp_path / "meta", tmp_path / "back", "hf")
+    assert (DIRECT in back.bytes_by_method) == (limit == 1 << 20), back.bytes_by_method
+    assert_same_files(llama_hf, tmp_path / "back")
+
+
+def test_the_dirty_limit_is_a_share_of_this_machine_s_memory() -> None:
+    limit = directio.dirty_limit()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert limit is not None and 0 < limit <= total

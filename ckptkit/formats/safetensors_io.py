@@ -183,6 +183,8 @@ class SafetensorsWriter:
         path: file to create.
         entries: (name, dtype, shape) for every tensor, in data order.
         metadata: the ``__metadata__`` strings, or None for none.
+        direct: whether ``auto`` copies write whole pages with ``O_DIRECT``
+            (:mod:`ckptkit.directio`; ``direct`` copies always do).
     """
 
     def __init__(
@@ -190,6 +192,7 @@ class SafetensorsWriter:
         path: Path,
         entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
         metadata: dict[str, str] | None,
+        direct: bool = False,
     ):
         header: dict[str, Any] = {}
         if metadata is not None:
@@ -216,6 +219,7 @@ class SafetensorsWriter:
         self._file.flush()
         self._lock = threading.Lock()  # one thread writes to the file at a time
         self._direct = DirectFd(path)  # O_DIRECT writes of whole pages, opened on first use
+        self._auto_direct = direct
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -237,7 +241,7 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            direct_fd = self._direct.get() if method in (AUTO, DIRECT) else None
+            direct_fd = self._direct.get() if method == DIRECT or (method == AUTO and self._auto_direct) else None
             used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct_fd=direct_fd).method
         finally:
             os.close(fd)

@@ -281,6 +281,8 @@ class TorchPickleWriter:
         entries: (name, dtype, shape) for every tensor, in dict order.
         aliases: name -> another entry whose storage it shares (as old ``save_pretrained``
             stored tied weights); written once, by that entry.
+        direct: whether ``auto`` copies write whole pages with ``O_DIRECT``
+            (:mod:`ckptkit.directio`; ``direct`` copies always do).
     """
 
     def __init__(
@@ -288,6 +290,7 @@ class TorchPickleWriter:
         path: Path,
         entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
         aliases: dict[str, str] | None = None,
+        direct: bool = False,
     ):
         self.path = path
         self.aliases = dict(aliases or {})
@@ -311,6 +314,7 @@ class TorchPickleWriter:
         self._fd = os.open(path, os.O_RDWR)
         self._lock = threading.Lock()  # one thread writes to the file at a time
         self._direct = DirectFd(path)  # O_DIRECT writes of whole pages, opened on first use
+        self._auto_direct = direct
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -337,7 +341,7 @@ class TorchPickleWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            direct_fd = self._direct.get() if method in (AUTO, DIRECT) else None
+            direct_fd = self._direct.get() if method == DIRECT or (method == AUTO and self._auto_direct) else None
             done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct_fd=direct_fd)
         finally:
             os.close(fd)
