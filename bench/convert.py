@@ -14,7 +14,10 @@ bf16, random data) and then runs ``--repeat`` interleaved rounds (default 3) of:
   ``rope.freqs`` is computed without it);
 * torchtune's HF load + save of the HF directory;
 * the import floors: ``python -c "import ckptkit.cli, ckptkit.convert"`` (what a
-  torch-free conversion pays) and the same plus ``import torch``.
+  torch-free conversion pays) and the same plus ``import torch``;
+* with ``--buffered-too``, meta>hf again with ``--copy-method stream`` (every write
+  through the page cache, as ``auto`` does for outputs under the kernel's dirty limit),
+  to compare with ``auto``'s direct writes in the same rounds.
 
 Every command is its own process under GNU ``time`` (wall, user, sys, peak RSS; a
 launcher is needed because a child started from a big Python parent inherits its
