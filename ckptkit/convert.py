@@ -63,13 +63,36 @@ def write_plan(
     total = sum(plan.targets[k].nbytes for k in where)
     direct = direct_pays(total)  # auto: whole pages past the page cache when the output is big
     writers: dict[str, Any] = {}
-    for f in plan.files:
-        path, mine = out_dir / f.name, entries.get(f.name, [])
-        writers[f.name] = (
-            SafetensorsWriter(path, mine, f.metadata, direct=direct)
-            if f.name.endswith(".safetensors")
-            else TorchPickleWriter(path, mine, f.aliases, direct=direct)
-        )
+    try:
+        for f in plan.files:
+            path, mine = out_dir / f.name, entries.get(f.name, [])
+            writers[f.name] = (
+                SafetensorsWriter(path, mine, f.metadata, direct=direct)
+                if f.name.endswith(".safetensors")
+                else TorchPickleWriter(path, mine, f.aliases, direct=direct)
+            )
+        by_method = _write_tensors(plan, where, writers, total, label, quiet, copy_method)
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():  # no descriptor outlives a failure (ENOSPC: blocks held)
+            w.discard()
+        raise
+    for name, text in plan.metadata_files.items():
+        (out_dir / name).write_text(text, encoding="utf-8")
+    return by_method
+
+
+def _write_tensors(
+    plan: Plan,
+    where: dict[str, list[FilePlan]],
+    writers: dict[str, Any],
+    total: int,
+    label: str,
+    quiet: bool,
+    copy_method: str | None,
+) -> dict[str, int]:
+    """The tensor loop of :func:`write_plan`: returns the bytes written by each method."""
     computed = 0
     with byte_progress(label, total, quiet) as bar, Overlap(on_done=bar.advance) as copies:
         for key, files in where.items():
@@ -105,10 +128,6 @@ def write_plan(
             del tensor, pieces
             computed += lazy.nbytes
             bar.advance(lazy.nbytes)
-    for w in writers.values():
-        w.close()
-    for name, text in plan.metadata_files.items():
-        (out_dir / name).write_text(text, encoding="utf-8")
     by_method = dict(copies.bytes_by_label)
     if computed:
         by_method[COMPUTED] = computed

@@ -7,9 +7,9 @@ the cost (``docs/benchmarks.md``: ``dd oflag=direct`` of 13.5 GB took half the t
 ``cp`` and an eighth of its system time on the development VM). So the bytes of a
 destination range are laid out in an aligned staging buffer and the whole pages inside
 the range go to the file with ``O_DIRECT``; the partial pages at either end (shared with
-a neighbouring tensor or a header) go through the page cache. A page is therefore only
-ever written one way, which keeps the two paths coherent, and ``fsync`` before
-publishing flushes both.
+a neighbouring tensor or a header) go through the page cache, and one writer at a time
+holds the file (see :func:`write_parts` for why), which keeps the two paths coherent;
+``fsync`` before publishing flushes both.
 
 Direct writes pay only when the output is larger than the kernel lets a writer keep
 dirty in the page cache (:func:`dirty_limit`, 20 % of available memory by default): below
@@ -94,12 +94,19 @@ def staging() -> memoryview:
 
 
 def write_parts(
-    fd: int, direct_fd: int, parts: list[memoryview], offset: int, lock: threading.Lock | None = None
+    fd: int, direct: DirectFd, parts: list[memoryview], offset: int, lock: threading.Lock | None = None
 ) -> bool:
     """Write ``parts`` one after another from ``offset``: the whole pages in between with
-    ``direct_fd``, the partial pages at the ends with ``fd`` while holding ``lock``.
-    At most :data:`~ckptkit.streamcopy.BUFFER` bytes. Returns whether any byte went direct
-    (False: all buffered, because the run was short or the filesystem refused)."""
+    ``direct``'s descriptor, the partial pages at the ends with ``fd``, all while holding
+    ``lock``. At most :data:`~ckptkit.streamcopy.BUFFER` bytes. Returns whether any byte
+    went direct (False: all buffered, because the run was short or the file refuses).
+
+    The lock is the file's (one writer at a time, buffered or direct): a direct write
+    flushes and drops the cached pages it overlaps, which is only safe if no buffered
+    write dirties them meanwhile; where the kernel's page or folio is larger than
+    :data:`ALIGN` (64 KiB pages, large folios) a buffered edge and a direct page can share
+    one, so the writes to a file must not overlap in time.
+    """
     total = sum(len(p) for p in parts)
     head = min(total, -offset % ALIGN)  # bytes before the first page boundary
     body = (total - head) // ALIGN * ALIGN
@@ -107,7 +114,7 @@ def write_parts(
         with lock or nullcontext():
             streamcopy.write_parts(fd, parts, offset)
         return False
-    stage = staging()
+    stage = staging()  # this thread's: filled before taking the lock
     lead = offset % ALIGN  # the range starts this far into its first page
     pos = lead
     for part in parts:
@@ -119,30 +126,34 @@ def write_parts(
         for data, at in edges:
             if len(data):
                 streamcopy.write_all(fd, data, at)
-    return _write_body(fd, direct_fd, stage[start : start + body], offset + head, lock)
+        done = _write_direct(direct, stage[start : start + body], offset + head)
+        if done < body:  # refused, or stopped off a page boundary: the rest buffered
+            streamcopy.write_all(fd, stage[start + done : start + body], offset + head + done)
+    return done > 0
 
 
-def _write_body(fd: int, direct_fd: int, data: memoryview, offset: int, lock: threading.Lock | None) -> bool:
+def _write_direct(direct: DirectFd, data: memoryview, offset: int) -> int:
+    """Write ``data`` with ``direct``'s descriptor while it takes whole pages; returns the
+    bytes written. A refusal (``EINVAL``...) is remembered: the file goes buffered from then on."""
+    direct_fd = direct.get()
     done = 0
     try:
-        while done < len(data):
+        while direct_fd is not None and done < len(data):
             n = os.pwrite(direct_fd, data[done:], offset + done)
-            if n <= 0 or n % ALIGN:  # a short write off a page boundary: finish buffered
-                done += max(n, 0)
+            done += max(n, 0)
+            if n <= 0 or n % ALIGN:
                 break
-            done += n
     except OSError as e:
         if e.errno not in _REFUSED:
             raise
-    if done < len(data):
-        with lock or nullcontext():
-            streamcopy.write_all(fd, data[done:], offset + done)
-    return done > 0
+        direct.refuse()
+    return done
 
 
 class DirectFd:
     """One output file's ``O_DIRECT`` descriptor, opened on first use and shared by the
-    threads writing the file (``pwrite`` needs no file position); None where refused."""
+    threads writing the file (``pwrite`` needs no file position); None where the file
+    system refuses it, at open or at a first write."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -157,8 +168,13 @@ class DirectFd:
                 self._fd = open_direct(self._path)
             return self._fd
 
+    def refuse(self) -> None:
+        """A direct write was refused: close the descriptor, never use it again."""
+        self.close()
+
     def close(self) -> None:
         with self._lock:
+            self._tried = True
             if self._fd is not None:
                 os.close(self._fd)
             self._fd = None

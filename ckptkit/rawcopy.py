@@ -200,19 +200,19 @@ def transfer(
     method: str = AUTO,
     want_crc: bool = False,
     lock: threading.Lock | None = None,
-    direct_fd: int | None = None,
+    direct: directio.DirectFd | None = None,
 ) -> Transfer:
     """Write the concatenation of ``spans`` into ``dst_fd`` at ``dst_offset``, checking the
     source records they draw on first (or on the way, for ``stream`` and ``direct``).
 
-    ``auto`` streams (:mod:`ckptkit.streamcopy`), writing whole pages with ``direct_fd``
-    (``O_DIRECT``, :mod:`ckptkit.directio`) when given, unless the spans are many
-    scattered pieces (a column slice of every row), which it gathers with ``pwritev`` from
-    a mapping. A forced method applies to every span (``direct`` without ``direct_fd``,
-    or where nothing went direct, reports ``stream``). ``want_crc``: also return the
-    CRC-32 of the bytes written. ``lock``: held while writing to ``dst_fd`` (one writer
-    per file at a time; direct writes need no lock). Writeback of the range is started on
-    the way out (:func:`start_writeback`).
+    ``auto`` streams (:mod:`ckptkit.streamcopy`), writing whole pages with ``direct``'s
+    ``O_DIRECT`` descriptor (:mod:`ckptkit.directio`) when given, unless the spans are
+    many scattered pieces (a column slice of every row), which it gathers with ``pwritev``
+    from a mapping. A forced method applies to every span (``direct`` reports ``stream``
+    where no window had whole pages to write direct, or the file refused). ``want_crc``:
+    also return the CRC-32 of the bytes written. ``lock``: held while writing to the file
+    (one writer per file at a time). Writeback of the range is started on the way out
+    (:func:`start_writeback`).
     """
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
@@ -223,8 +223,8 @@ def transfer(
 
         def write(parts: list[memoryview], at: int) -> None:
             nonlocal used
-            if method == DIRECT and direct_fd is not None:
-                if directio.write_parts(dst_fd, direct_fd, parts, at, lock):
+            if method == DIRECT and direct is not None:
+                if directio.write_parts(dst_fd, direct, parts, at, lock):
                     used = DIRECT
                 return
             with lock or nullcontext():

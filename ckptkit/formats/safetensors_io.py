@@ -241,15 +241,21 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            direct_fd = self._direct.get() if method == DIRECT or (method == AUTO and self._auto_direct) else None
-            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct_fd=direct_fd).method
+            direct = self._direct if method == DIRECT or (method == AUTO and self._auto_direct) else None
+            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct=direct).method
         finally:
             os.close(fd)
         self._pending.discard(name)
         return used
 
     def close(self) -> None:
-        if self._pending:
-            raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+        try:
+            if self._pending:
+                raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Close the file's descriptors without checking it is complete (after a failure)."""
         self._direct.close()
         self._file.close()

@@ -341,8 +341,8 @@ class TorchPickleWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            direct_fd = self._direct.get() if method == DIRECT or (method == AUTO and self._auto_direct) else None
-            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct_fd=direct_fd)
+            direct = self._direct if method == DIRECT or (method == AUTO and self._auto_direct) else None
+            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct=direct)
         finally:
             os.close(fd)
         assert done.crc is not None
@@ -350,15 +350,23 @@ class TorchPickleWriter:
         return done.method
 
     def close(self) -> None:
-        missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]
-        if missing:
-            raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
-        for record, crc in self._crcs.items():
-            packed = struct.pack("<I", crc)
-            os.pwrite(self._fd, packed, self._zip[record].header_offset + 14)
-            os.pwrite(self._fd, packed, self._zip[record].central_offset + 16)
+        try:
+            missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]
+            if missing:
+                raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
+            for record, crc in self._crcs.items():
+                packed = struct.pack("<I", crc)
+                os.pwrite(self._fd, packed, self._zip[record].header_offset + 14)
+                os.pwrite(self._fd, packed, self._zip[record].central_offset + 16)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Close the file's descriptors without checking it is complete (after a failure)."""
         self._direct.close()
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _torch_skeleton(
