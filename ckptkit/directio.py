@@ -4,7 +4,7 @@ A conversion writes each output byte once and does not read it back, yet a buffe
 write copies it into freshly allocated page cache, which the kernel must later write out
 and reclaim. For a checkpoint larger than a few GB that allocation and reclaim is most of
 the cost (``docs/benchmarks.md``: ``dd oflag=direct`` of 13.5 GB took half the time of
-``cp`` and an eighth of its system time on the development VM). So the bytes of a
+``cp`` and a ninth of its system time on the development VM). So the bytes of a
 destination range are laid out in an aligned staging buffer and the whole pages inside
 the range go to the file with ``O_DIRECT``; the partial pages at either end (shared with
 a neighbouring tensor or a header) go through the page cache, and one writer at a time
@@ -17,8 +17,8 @@ it, buffered writes land in free memory, the writeback started as each tensor la
 overlaps the copying, and the output stays cached for whatever reads it next (on the
 development VM a 2 GB hf>meta took 1.6-1.8 s through the page cache and 1.7-2.0 s
 direct); above it, a buffered writer is throttled to the disk's pace and also pays for
-allocating and reclaiming the pages (13.5 GB: 15-17 s buffered, 10-15 s direct, with a
-quarter of the system time; docs/benchmarks.md). So ``auto`` writes
+allocating and reclaiming the pages (13.5 GB meta>hf: 13.7 s buffered, 11.4 s direct,
+with 9.8 and 2.8 s of system time; docs/benchmarks.md). So ``auto`` writes
 direct only above that limit (:func:`direct_pays`); ``--copy-method direct`` forces it.
 
 Where the filesystem refuses ``O_DIRECT`` (``open`` or a write fails with ``EINVAL``),
