@@ -18,8 +18,8 @@ overlaps the copying, and the output stays cached for whatever reads it next (on
 development VM a 2 GB hf>meta took 1.6-1.8 s through the page cache and 1.7-2.0 s
 direct); above it, a buffered writer is throttled to the disk's pace and also pays for
 allocating and reclaiming the pages (13.5 GB meta>hf: 13.7 s buffered, 11.4 s direct,
-with 9.8 and 2.8 s of system time; docs/benchmarks.md). So ``auto`` writes
-direct only above that limit (:func:`direct_pays`); ``--copy-method direct`` forces it.
+with 9.8 and 2.8 s of system time; docs/benchmarks.md). So ``auto`` writes direct only
+above that limit (:func:`direct_pays`); ``--copy-method direct`` forces it.
 
 Where the filesystem refuses ``O_DIRECT`` (``open`` or a write fails with ``EINVAL``),
 the same bytes are written buffered instead.
@@ -28,7 +28,6 @@ the same bytes are written buffered instead.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from contextlib import nullcontext
@@ -82,14 +81,11 @@ def open_direct(path: Path) -> int | None:
 
 
 def staging() -> memoryview:
-    """This thread's staging buffer: page-aligned (an anonymous mapping), one stream window
-    plus a page, without huge pages (see :mod:`ckptkit.streamcopy`)."""
+    """This thread's staging buffer: page-aligned, one stream window plus a page
+    (:func:`~ckptkit.streamcopy.anonymous`)."""
     view = getattr(_local, "view", None)
     if view is None or len(view) < streamcopy.BUFFER + ALIGN:
-        mapped = mmap.mmap(-1, streamcopy.BUFFER + ALIGN)
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            mapped.madvise(mmap.MADV_NOHUGEPAGE)
-        view = _local.view = memoryview(mapped)
+        view = _local.view = streamcopy.anonymous(streamcopy.BUFFER + ALIGN)
     return view
 
 
@@ -146,17 +142,19 @@ def _write_direct(direct: DirectFd, data: memoryview, offset: int) -> int:
     except OSError as e:
         if e.errno not in _REFUSED:
             raise
-        direct.refuse()
+        direct.close()  # never tried again: the file goes buffered
     return done
 
 
 class DirectFd:
     """One output file's ``O_DIRECT`` descriptor, opened on first use and shared by the
     threads writing the file (``pwrite`` needs no file position); None where the file
-    system refuses it, at open or at a first write."""
+    system refuses it, at open or at a first write. ``auto``: whether ``auto`` copies use
+    it (:func:`direct_pays` for the whole output); ``direct`` copies always do."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, auto: bool = False) -> None:
         self._path = path
+        self.auto = auto
         self._fd: int | None = None
         self._tried = False
         self._lock = threading.Lock()
@@ -167,10 +165,6 @@ class DirectFd:
                 self._tried = True
                 self._fd = open_direct(self._path)
             return self._fd
-
-    def refuse(self) -> None:
-        """A direct write was refused: close the descriptor, never use it again."""
-        self.close()
 
     def close(self) -> None:
         with self._lock:

@@ -6,10 +6,10 @@ unchanged, row ranges when rows are permuted, split or joined. :func:`transfer` 
 the list at the offset the writer laid out. By default it streams
 (:mod:`ckptkit.streamcopy`: each window of source bytes read once into a small reused
 buffer, CRC-32s computed or checked there, written out, the whole pages past the page
-cache where the writer has an ``O_DIRECT`` descriptor: :mod:`ckptkit.directio`); spans
-so scattered that streaming would read more than twice what it writes are gathered with
-``pwritev`` from a read-only mapping of the source. On request each span goes with ``os.copy_file_range``
-(the kernel copies, as ``cp`` does), else ``os.sendfile``, else positioned reads and
+cache for a large output: :mod:`ckptkit.directio`); spans so scattered that streaming
+would read more than twice what it writes are gathered with ``pwritev`` from a read-only
+mapping of the source. On request each span goes with ``os.copy_file_range`` (the
+kernel copies, as ``cp`` does), else ``os.sendfile``, else positioned reads and
 writes. Spans of a zip record carry a :class:`RecordCheck`: before its bytes are used,
 the record's recorded CRC-32 is checked once per file (:class:`Verifier`), by the stream
 pass itself where it reads the whole record in order, else by reading the record.
@@ -206,18 +206,19 @@ def transfer(
     source records they draw on first (or on the way, for ``stream`` and ``direct``).
 
     ``auto`` streams (:mod:`ckptkit.streamcopy`), writing whole pages with ``direct``'s
-    ``O_DIRECT`` descriptor (:mod:`ckptkit.directio`) when given, unless the spans are
-    many scattered pieces (a column slice of every row), which it gathers with ``pwritev``
-    from a mapping. A forced method applies to every span (``direct`` reports ``stream``
-    where no window had whole pages to write direct, or the file refused). ``want_crc``:
-    also return the CRC-32 of the bytes written. ``lock``: held while writing to the file
-    (one writer per file at a time). Writeback of the range is started on the way out
-    (:func:`start_writeback`).
+    ``O_DIRECT`` descriptor (:mod:`ckptkit.directio`) when it is given and ``direct.auto``,
+    unless the spans are many scattered pieces (a column slice of every row), which it
+    gathers with ``pwritev`` from a mapping. A forced method applies to every span
+    (``direct`` reports ``stream`` where no window had whole pages to write direct, or the
+    file refused). ``want_crc``: also return the CRC-32 of the bytes written. ``lock``:
+    held while writing to the file (one writer per file at a time). Writeback of the range
+    is started on the way out (:func:`start_writeback`).
     """
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
     if method == AUTO and streamcopy.AVAILABLE:  # else (no preadv/pwritev): the range methods
-        method = GATHER if streamcopy.sparse(spans) else DIRECT
+        dense = DIRECT if direct is not None and direct.auto else STREAM
+        method = GATHER if streamcopy.sparse(spans) else dense
     if method in (STREAM, DIRECT):
         used = STREAM
 

@@ -38,14 +38,19 @@ IO_CHUNK = 1 << 20  # bytes per read or write call: larger writes ran 2-3x slowe
 _local = threading.local()
 
 
+def anonymous(nbytes: int) -> memoryview:
+    """A page-aligned anonymous mapping of ``nbytes`` without huge pages."""
+    mapped = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapped.madvise(mmap.MADV_NOHUGEPAGE)
+    return memoryview(mapped)
+
+
 def buffer() -> memoryview:
-    """This thread's buffer, made once: an anonymous mapping without huge pages."""
+    """This thread's buffer, made once (:func:`anonymous`)."""
     view = getattr(_local, "view", None)
     if view is None or len(view) < BUFFER:
-        mapped = mmap.mmap(-1, BUFFER)
-        if hasattr(mmap, "MADV_NOHUGEPAGE"):
-            mapped.madvise(mmap.MADV_NOHUGEPAGE)
-        view = _local.view = memoryview(mapped)
+        view = _local.view = anonymous(BUFFER)
     return view
 
 

@@ -20,7 +20,7 @@ from ckptkit.directio import DirectFd
 from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, DIRECT, Span, start_writeback, total_bytes, transfer
+from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
 from ckptkit.streamcopy import write_all
 from ckptkit.untrusted import loads_json, open_regular_file
 
@@ -218,8 +218,7 @@ class SafetensorsWriter:
         self._file.truncate(self._data_start + offset)
         self._file.flush()
         self._lock = threading.Lock()  # one thread writes to the file at a time
-        self._direct = DirectFd(path)  # O_DIRECT writes of whole pages, opened on first use
-        self._auto_direct = direct
+        self._direct = DirectFd(path, auto=direct)  # O_DIRECT writes of whole pages, opened on first use
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -241,8 +240,7 @@ class SafetensorsWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            direct = self._direct if method == DIRECT or (method == AUTO and self._auto_direct) else None
-            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct=direct).method
+            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct=self._direct).method
         finally:
             os.close(fd)
         self._pending.discard(name)

@@ -40,7 +40,7 @@ from ckptkit.formats.pickle_index import (
     read_index,
 )
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, DIRECT, Span, start_writeback, total_bytes, transfer
+from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
 from ckptkit.recordcheck import RecordCheck, Verifier
 from ckptkit.streamcopy import write_all
 from ckptkit.untrusted import check_regular
@@ -313,8 +313,7 @@ class TorchPickleWriter:
         self._crcs: dict[str, int] = {}
         self._fd = os.open(path, os.O_RDWR)
         self._lock = threading.Lock()  # one thread writes to the file at a time
-        self._direct = DirectFd(path)  # O_DIRECT writes of whole pages, opened on first use
-        self._auto_direct = direct
+        self._direct = DirectFd(path, auto=direct)  # O_DIRECT writes of whole pages, opened on first use
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -341,8 +340,7 @@ class TorchPickleWriter:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
         fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
         try:
-            direct = self._direct if method == DIRECT or (method == AUTO and self._auto_direct) else None
-            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct=direct)
+            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct=self._direct)
         finally:
             os.close(fd)
         assert done.crc is not None
