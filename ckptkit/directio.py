@@ -11,15 +11,18 @@ a neighbouring tensor or a header) go through the page cache, and one writer at 
 holds the file (see :func:`write_parts` for why), which keeps the two paths coherent;
 ``fsync`` before publishing flushes both.
 
-Direct writes pay only when the output is larger than the kernel lets a writer keep
-dirty in the page cache (:func:`dirty_limit`, 20 % of available memory by default): below
-it, buffered writes land in free memory, the writeback started as each tensor lands
-overlaps the copying, and the output stays cached for whatever reads it next (on the
-development VM a 2 GB hf>meta took 1.6-1.8 s through the page cache and 1.7-2.0 s
-direct); above it, a buffered writer is throttled to the disk's pace and also pays for
-allocating and reclaiming the pages (13.5 GB meta>hf: 13.7 s buffered, 11.4 s direct,
-with 9.8 and 2.8 s of system time; docs/benchmarks.md). So ``auto`` writes direct only
-above that limit (:func:`direct_pays`); ``--copy-method direct`` forces it.
+ckptkit publishes only what is on disk (it fsyncs before the rename), so a conversion
+waits for the disk either way, and a buffered write adds the page cache's allocation and
+copy on top. Past the kernel's dirty limit (:func:`dirty_limit`, 20 % of available memory
+by default) the buffered writer is also throttled to the disk's pace (13.5 GB meta>hf on
+the development VM: 13.7 s buffered, 11.4 s direct, with 9.8 and 2.8 s of system time).
+Under it, at 2.1 GB, direct writes (reading each window straight into the staging
+buffer, :func:`place`) took 1.6-1.9 s where buffered ones took 1.8-2.8 s, with a third
+of the system time, as close to a ``dd oflag=direct`` of the same bytes (1.1-1.9 s) as
+the checksums allow (docs/benchmarks.md). Small outputs gain nothing from a device round
+trip per window and their readers (tests, a ``verify`` right after) find them cached. So
+``auto`` writes direct from :data:`DIRECT_FROM` bytes of output, or past the dirty limit
+where that is lower (:func:`direct_pays`); ``--copy-method direct`` forces it.
 
 Where the filesystem refuses ``O_DIRECT`` (``open`` or a write fails with ``EINVAL``),
 the same bytes are written buffered instead.
@@ -27,6 +30,7 @@ the same bytes are written buffered instead.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -37,6 +41,7 @@ from ckptkit import streamcopy
 
 ALIGN = 4096  # offset, length and memory alignment of a direct write (any device's logical block)
 MIN_DIRECT = 64 << 10  # whole-page runs shorter than this go buffered: not worth a device round trip
+DIRECT_FROM = 1 << 30  # auto writes an output of this many bytes direct (measured at 2.1 and 13.5 GB)
 AVAILABLE = hasattr(os, "O_DIRECT")
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
@@ -61,10 +66,13 @@ def dirty_limit() -> int | None:
 
 
 def direct_pays(nbytes: int) -> bool:
-    """Whether ``auto`` should write an output of ``nbytes`` direct: when it exceeds the
-    kernel's dirty limit (see the module docstring)."""
+    """Whether ``auto`` should write an output of ``nbytes`` direct: from
+    :data:`DIRECT_FROM` bytes, or past the kernel's dirty limit where that is lower (see
+    the module docstring)."""
+    if not AVAILABLE:
+        return False
     limit = dirty_limit()
-    return AVAILABLE and limit is not None and nbytes > limit
+    return nbytes >= DIRECT_FROM or (limit is not None and nbytes > limit)
 
 
 def open_direct(path: Path) -> int | None:
@@ -87,6 +95,21 @@ def staging() -> memoryview:
     if view is None or len(view) < streamcopy.BUFFER + ALIGN:
         view = _local.view = streamcopy.anonymous(streamcopy.BUFFER + ALIGN)
     return view
+
+
+def place(offset: int, nbytes: int) -> memoryview:
+    """Where to read ``nbytes`` bound for file ``offset`` so that :func:`write_parts` finds
+    them in place and skips its copy into the staging buffer: this thread's buffer, at the
+    offset's position within its page. At most :data:`~ckptkit.streamcopy.BUFFER` bytes."""
+    lead = offset % ALIGN
+    return staging()[lead : lead + nbytes]
+
+
+def _address(view: memoryview) -> int | None:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):  # read-only or empty: not the staging buffer
+        return None
 
 
 def write_parts(
@@ -112,10 +135,11 @@ def write_parts(
         return False
     stage = staging()  # this thread's: filled before taking the lock
     lead = offset % ALIGN  # the range starts this far into its first page
-    pos = lead
-    for part in parts:
-        stage[pos : pos + len(part)] = part
-        pos += len(part)
+    if not (len(parts) == 1 and _address(parts[0]) == _address(stage[lead:])):  # else read in place
+        pos = lead
+        for part in parts:
+            stage[pos : pos + len(part)] = part
+            pos += len(part)
     start = lead + head  # 0 or ALIGN: the first whole page, aligned in memory and in the file
     edges = [(stage[lead:start], offset), (stage[start + body : lead + total], offset + head + body)]
     with lock or nullcontext():

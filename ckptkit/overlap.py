@@ -2,14 +2,17 @@
 
 A copy holds no tensor in memory (bytes move through one small buffer per worker), and
 at most ``depth`` copies are queued or running, so a conversion's memory stays at the one
-tensor the caller is transforming plus the workers' buffers.
+tensor the caller is transforming plus the workers' buffers. A full queue waits for
+whichever copy finishes first, not the oldest: tensors differ in size 100-fold, and
+waiting on one large copy would leave the other worker idle once the small copies queued
+behind it were done.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 WORKERS = 2
 DEPTH = 4
@@ -26,27 +29,31 @@ class Overlap:
         self, workers: int = WORKERS, depth: int = DEPTH, on_done: Callable[[int], None] | None = None
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptkit-copy")
-        self._pending: deque[tuple[Future[str], int]] = deque()
+        self._pending: dict[Future[str], int] = {}  # in submission order
         self._depth = max(1, depth)
         self._on_done = on_done
         self.bytes_by_label: Counter[str] = Counter()
 
     def submit(self, job: Callable[[], str], nbytes: int) -> None:
-        """Queue ``job``; waits for the oldest job first when ``depth`` are pending."""
+        """Queue ``job``; when ``depth`` are pending, first waits until one of them is done."""
         while len(self._pending) >= self._depth:
-            self._finish_oldest()
-        self._pending.append((self._pool.submit(job), nbytes))
+            done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
+            self._collect(done)
+        self._pending[self._pool.submit(job)] = nbytes
 
     def finish(self) -> None:
         """Wait for every queued job; re-raises the first failure."""
         while self._pending:
-            self._finish_oldest()
+            done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
+            self._collect(done)
 
-    def _finish_oldest(self) -> None:
-        future, nbytes = self._pending.popleft()
-        self.bytes_by_label[future.result()] += nbytes
-        if self._on_done is not None:
-            self._on_done(nbytes)
+    def _collect(self, done: set[Future[str]]) -> None:
+        """Account for finished jobs (oldest first); the first failure among them raises."""
+        for future in [f for f in self._pending if f in done]:
+            nbytes = self._pending.pop(future)
+            self.bytes_by_label[future.result()] += nbytes
+            if self._on_done is not None:
+                self._on_done(nbytes)
 
     def __enter__(self) -> Overlap:
         return self
@@ -56,7 +63,7 @@ class Overlap:
             if exc_type is None:
                 self.finish()
         finally:  # after a failure: drop what has not started, wait for what has
-            for future, _ in self._pending:
+            for future in self._pending:
                 future.cancel()
             self._pending.clear()
             self._pool.shutdown(wait=True)

@@ -231,7 +231,8 @@ def transfer(
             with lock or nullcontext():
                 streamcopy.write_parts(dst_fd, parts, at)
 
-        crc = streamcopy.stream_spans(spans, write, dst_offset, want_crc)
+        place = directio.place if method == DIRECT and direct is not None else None
+        crc = streamcopy.stream_spans(spans, write, dst_offset, want_crc, place)
         start_writeback(dst_fd, dst_offset, nbytes)
         return Transfer(used, crc)
     verify_checks(spans)

@@ -112,13 +112,20 @@ def sparse(spans: list[Span]) -> bool:
 
 
 def stream_spans(
-    spans: list[Span], write: Callable[[list[memoryview], int], object], dst_offset: int, want_crc: bool = False
+    spans: list[Span],
+    write: Callable[[list[memoryview], int], object],
+    dst_offset: int,
+    want_crc: bool = False,
+    place: Callable[[int, int], memoryview] | None = None,
 ) -> int | None:
     """Write the concatenation of ``spans`` from ``dst_offset`` window by window:
     ``write(parts, offset)`` puts each window's pieces (destination order) in place.
     Returns their CRC-32 when ``want_crc``. Source records' CRCs (``Span.check``) are
     checked over the windows that tile them, and any not wholly seen are checked by
-    reading them; a mismatch raises (see :class:`~ckptkit.rawcopy.Verifier`)."""
+    reading them; a mismatch raises (see :class:`~ckptkit.rawcopy.Verifier`).
+    ``place(offset, nbytes)``: where to read a window that is written as it is read (one
+    piece) and bound for ``offset``, instead of this thread's buffer (the direct writer's
+    staging buffer, :func:`~ckptkit.directio.place`, which then needs no copy)."""
     buf = buffer()
     crc = 0
     fds: dict[Path, int] = {}
@@ -127,7 +134,8 @@ def stream_spans(
         for w in windows(spans):
             if w.path not in fds:
                 fds[w.path] = os.open(w.path, os.O_RDONLY)
-            view = buf[: w.hi - w.lo]
+            n = w.hi - w.lo
+            view = place(dst_offset, n) if place is not None and len(w.pieces) == 1 else buf[:n]
             _read_fully(fds[w.path], view, w.lo)
             for key, check in w.checks.items():
                 seen[key] = check

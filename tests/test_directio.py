@@ -118,6 +118,25 @@ def test_whole_pages_bypass_the_page_cache_and_the_ends_do_not(tmp_path: Path) -
     assert path.read_bytes() == _expected(size, offset, data)
 
 
+@pytest.mark.parametrize("shift", [0, 1, -1, ALIGN])
+def test_bytes_read_into_the_staging_buffer_land_whether_or_not_in_place(tmp_path: Path, shift: int) -> None:
+    """A window read where :func:`directio.place` says (shift 0) is written without being
+    copied; one sitting elsewhere in the same staging buffer (as if placed for another
+    offset) must still be moved into place first, overlapping itself."""
+    path = tmp_path / "out.bin"
+    size, offset, n = 6 << 20, 5000, (3 << 20) + 77
+    fd, direct = _fresh(path, size)
+    data = os.urandom(n)
+    view = directio.place(offset + shift, n)
+    view[:] = data
+    try:
+        assert directio.write_parts(fd, direct, [view], offset)
+    finally:
+        direct.close()
+        os.close(fd)
+    assert path.read_bytes() == _expected(size, offset, data)
+
+
 def test_a_short_run_is_written_buffered(tmp_path: Path) -> None:
     path = tmp_path / "out.bin"
     fd, direct = _fresh(path, 1 << 20)
@@ -254,16 +273,21 @@ def test_a_conversion_writes_its_whole_pages_direct_and_round_trips(via: str, ll
     assert verify_paths(llama_hf, tmp_path / "back").ok
 
 
-@pytest.mark.parametrize("limit", [1 << 20, 1 << 40])
-def test_auto_writes_direct_only_past_the_dirty_limit(
-    limit: int, llama_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("limit", "direct_from", "expect"),
+    [(1 << 20, 1 << 40, True), (1 << 40, 1 << 20, True), (1 << 40, 1 << 40, False), (None, 1 << 40, False)],
+)
+def test_auto_writes_direct_from_a_size_or_past_the_dirty_limit(
+    limit: int | None, direct_from: int, expect: bool, llama_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The model is about 10 MB: past a 1 MiB dirty limit auto goes direct, under 1 TiB not."""
+    """The model is about 10 MB: auto goes direct when it is past a 1 MiB dirty limit or
+    over a 1 MiB threshold, not when both are 1 TiB (or the limit is unknown)."""
     monkeypatch.setattr(directio, "dirty_limit", lambda: limit)
+    monkeypatch.setattr(directio, "DIRECT_FROM", direct_from)
     result = convert(llama_hf, tmp_path / "meta", "meta")
-    assert (DIRECT in result.bytes_by_method) == (limit == 1 << 20), result.bytes_by_method
+    assert (DIRECT in result.bytes_by_method) == expect, result.bytes_by_method
     back = convert(tmp_path / "meta", tmp_path / "back", "hf")
-    assert (DIRECT in back.bytes_by_method) == (limit == 1 << 20), back.bytes_by_method
+    assert (DIRECT in back.bytes_by_method) == expect, back.bytes_by_method
     assert_same_files(llama_hf, tmp_path / "back")
 
 
