@@ -14,15 +14,13 @@ holds the file (see :func:`write_parts` for why), which keeps the two paths cohe
 ckptkit publishes only what is on disk (it fsyncs before the rename), so a conversion
 waits for the disk either way, and a buffered write adds the page cache's allocation and
 copy on top. Past the kernel's dirty limit (:func:`dirty_limit`, 20 % of available memory
-by default) the buffered writer is also throttled to the disk's pace (13.5 GB meta>hf on
-the development VM: 13.7 s buffered, 11.4 s direct, with 9.8 and 2.8 s of system time).
-Under it, at 2.1 GB, direct writes (reading each window straight into the staging
-buffer, :func:`place`) took 1.6-1.9 s where buffered ones took 1.8-2.8 s, with a third
-of the system time, as close to a ``dd oflag=direct`` of the same bytes (1.1-1.9 s) as
-the checksums allow (docs/benchmarks.md). Small outputs gain nothing from a device round
-trip per window and their readers (tests, a ``verify`` right after) find them cached. So
-``auto`` writes direct from :data:`DIRECT_FROM` bytes of output, or past the dirty limit
-where that is lower (:func:`direct_pays`); ``--copy-method direct`` forces it.
+by default) the buffered writer is also throttled to the disk's pace, and direct pays
+(13.5 GB meta>hf on the development VM: 16.7 s buffered, 11.7 s direct, with 14.4 and
+3.6 s of system time). Under it the two cost about the same, and which wins depends on
+the VM's page-cache mode (2.1 GB meta>hf, 5 interleaved rounds: 1.88 s buffered, 2.08 s
+direct; in runs where ``cp`` was slow, direct won), while buffered output stays cached
+for whatever reads it next (docs/benchmarks.md). So ``auto`` writes direct only above the
+limit (:func:`direct_pays`); ``--copy-method direct`` forces it.
 
 Where the filesystem refuses ``O_DIRECT`` (``open`` or a write fails with ``EINVAL``),
 the same bytes are written buffered instead.
@@ -41,7 +39,6 @@ from ckptkit import streamcopy
 
 ALIGN = 4096  # offset, length and memory alignment of a direct write (any device's logical block)
 MIN_DIRECT = 64 << 10  # whole-page runs shorter than this go buffered: not worth a device round trip
-DIRECT_FROM = 1 << 30  # auto writes an output of this many bytes direct (measured at 2.1 and 13.5 GB)
 AVAILABLE = hasattr(os, "O_DIRECT")
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
@@ -66,13 +63,10 @@ def dirty_limit() -> int | None:
 
 
 def direct_pays(nbytes: int) -> bool:
-    """Whether ``auto`` should write an output of ``nbytes`` direct: from
-    :data:`DIRECT_FROM` bytes, or past the kernel's dirty limit where that is lower (see
-    the module docstring)."""
-    if not AVAILABLE:
-        return False
+    """Whether ``auto`` should write an output of ``nbytes`` direct: when it exceeds the
+    kernel's dirty limit (see the module docstring)."""
     limit = dirty_limit()
-    return nbytes >= DIRECT_FROM or (limit is not None and nbytes > limit)
+    return AVAILABLE and limit is not None and nbytes > limit
 
 
 def open_direct(path: Path) -> int | None:

@@ -273,21 +273,17 @@ def test_a_conversion_writes_its_whole_pages_direct_and_round_trips(via: str, ll
     assert verify_paths(llama_hf, tmp_path / "back").ok
 
 
-@pytest.mark.parametrize(
-    ("limit", "direct_from", "expect"),
-    [(1 << 20, 1 << 40, True), (1 << 40, 1 << 20, True), (1 << 40, 1 << 40, False), (None, 1 << 40, False)],
-)
-def test_auto_writes_direct_from_a_size_or_past_the_dirty_limit(
-    limit: int | None, direct_from: int, expect: bool, llama_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("limit", [1 << 20, 1 << 40, None])
+def test_auto_writes_direct_only_past_the_dirty_limit(
+    limit: int | None, llama_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The model is about 10 MB: auto goes direct when it is past a 1 MiB dirty limit or
-    over a 1 MiB threshold, not when both are 1 TiB (or the limit is unknown)."""
+    """The model is about 10 MB: past a 1 MiB dirty limit auto goes direct, under 1 TiB
+    (or where the limit is unknown) not."""
     monkeypatch.setattr(directio, "dirty_limit", lambda: limit)
-    monkeypatch.setattr(directio, "DIRECT_FROM", direct_from)
     result = convert(llama_hf, tmp_path / "meta", "meta")
-    assert (DIRECT in result.bytes_by_method) == expect, result.bytes_by_method
+    assert (DIRECT in result.bytes_by_method) == (limit == 1 << 20), result.bytes_by_method
     back = convert(tmp_path / "meta", tmp_path / "back", "hf")
-    assert (DIRECT in back.bytes_by_method) == expect, back.bytes_by_method
+    assert (DIRECT in back.bytes_by_method) == (limit == 1 << 20), back.bytes_by_method
     assert_same_files(llama_hf, tmp_path / "back")
 
 
