@@ -37,18 +37,18 @@ class Overlap:
     def submit(self, job: Callable[[], str], nbytes: int) -> None:
         """Queue ``job``; when ``depth`` are pending, first waits until one of them is done."""
         while len(self._pending) >= self._depth:
-            done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
-            self._collect(done)
+            self._collect()
         self._pending[self._pool.submit(job)] = nbytes
 
     def finish(self) -> None:
         """Wait for every queued job; re-raises the first failure."""
         while self._pending:
-            done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
-            self._collect(done)
+            self._collect()
 
-    def _collect(self, done: set[Future[str]]) -> None:
-        """Account for finished jobs (oldest first); the first failure among them raises."""
+    def _collect(self) -> None:
+        """Wait until a job is done, then account for every finished one (oldest first); the
+        first failure among them raises."""
+        done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
         for future in [f for f in self._pending if f in done]:
             nbytes = self._pending.pop(future)
             self.bytes_by_label[future.result()] += nbytes

@@ -11,7 +11,9 @@ import mmap
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,16 +38,21 @@ if not direct_supported(Path(tempfile.gettempdir())):
     pytest.skip("the temporary folder's filesystem refuses O_DIRECT", allow_module_level=True)
 
 
-def _fresh(path: Path, size: int) -> tuple[int, directio.DirectFd]:
-    """A file of ``size`` FILL bytes, on disk and out of the page cache; (buffered fd, its
-    O_DIRECT descriptor)."""
+@contextmanager
+def _fresh(path: Path, size: int) -> Iterator[tuple[int, directio.DirectFd]]:
+    """A file of ``size`` FILL bytes, on disk and out of the page cache; yields (buffered
+    fd, its O_DIRECT descriptor) and closes both."""
     path.write_bytes(bytes([FILL]) * size)
     fd = os.open(path, os.O_RDWR)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     direct = directio.DirectFd(path)
-    assert direct.get() is not None
-    return fd, direct
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert direct.get() is not None
+        yield fd, direct
+    finally:
+        direct.close()
+        os.close(fd)
 
 
 def _resident(path: Path) -> list[bool]:
@@ -90,27 +97,19 @@ def test_any_range_lands_exactly_and_leaves_its_neighbours(offset: int, lengths:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "out.bin"
         size = offset + total + 2 * ALIGN + 77
-        fd, direct = _fresh(path, size)
-        try:
+        with _fresh(path, size) as (fd, direct):
             directio.write_parts(fd, direct, parts, offset, threading.Lock())
-        finally:
-            direct.close()
-            os.close(fd)
         assert path.read_bytes() == _expected(size, offset, data)
 
 
 def test_whole_pages_bypass_the_page_cache_and_the_ends_do_not(tmp_path: Path) -> None:
     path = tmp_path / "out.bin"
     size, offset, n = 3 << 20, 1000, (2 << 20) + 123
-    fd, direct = _fresh(path, size)
     data = os.urandom(n)
-    try:
+    with _fresh(path, size) as (fd, direct):
         assert not any(_resident(path))
         wrote_direct = directio.write_parts(fd, direct, [memoryview(data)], offset)
         resident = _resident(path)
-    finally:
-        direct.close()
-        os.close(fd)
     first, last = offset // ALIGN, (offset + n - 1) // ALIGN
     assert wrote_direct
     assert resident[first] and resident[last]  # partial pages: written through the page cache
@@ -125,28 +124,20 @@ def test_bytes_read_into_the_staging_buffer_land_whether_or_not_in_place(tmp_pat
     offset) must still be moved into place first, overlapping itself."""
     path = tmp_path / "out.bin"
     size, offset, n = 6 << 20, 5000, (3 << 20) + 77
-    fd, direct = _fresh(path, size)
     data = os.urandom(n)
     view = directio.place(offset + shift, n)
     view[:] = data
-    try:
+    with _fresh(path, size) as (fd, direct):
         assert directio.write_parts(fd, direct, [view], offset)
-    finally:
-        direct.close()
-        os.close(fd)
     assert path.read_bytes() == _expected(size, offset, data)
 
 
 def test_a_short_run_is_written_buffered(tmp_path: Path) -> None:
     path = tmp_path / "out.bin"
-    fd, direct = _fresh(path, 1 << 20)
     data = os.urandom(directio.MIN_DIRECT // 2)
-    try:
+    with _fresh(path, 1 << 20) as (fd, direct):
         assert not directio.write_parts(fd, direct, [memoryview(data)], 0)
         assert all(_resident(path)[: len(data) // ALIGN])
-    finally:
-        direct.close()
-        os.close(fd)
     assert path.read_bytes() == _expected(1 << 20, 0, data)
 
 
@@ -171,16 +162,14 @@ def test_a_refused_or_short_direct_write_is_finished_buffered(
 ) -> None:
     path = tmp_path / "out.bin"
     size, offset = 2 << 20, 333
-    fd, direct = _fresh(path, size)
     data = os.urandom(1 << 20)
-    monkeypatch.setattr(directio.os, "pwrite", _faulty_pwrite(direct.get(), behaviour))
-    try:
-        wrote_direct = directio.write_parts(fd, direct, [memoryview(data)], offset)
-        remembered = direct.get() is None  # a refusal sends the file's later writes buffered
-    finally:
-        monkeypatch.undo()
-        direct.close()
-        os.close(fd)
+    with _fresh(path, size) as (fd, direct):
+        monkeypatch.setattr(directio.os, "pwrite", _faulty_pwrite(direct.get(), behaviour))
+        try:
+            wrote_direct = directio.write_parts(fd, direct, [memoryview(data)], offset)
+            remembered = direct.get() is None  # a refusal sends the file's later writes buffered
+        finally:
+            monkeypatch.undo()
     assert wrote_direct == (behaviour == "short") and remembered == (behaviour == "refuse")
     assert path.read_bytes() == _expected(size, offset, data)
 
@@ -194,20 +183,16 @@ def test_two_threads_writing_neighbouring_ranges_of_one_file(tmp_path: Path) -> 
     src.write_bytes(data)
     out = tmp_path / "out.bin"
     base = 12_345  # an odd header length before the first range
-    fd, direct = _fresh(out, base + len(data) + 999)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     lock = threading.Lock()
+    with _fresh(out, base + len(data) + 999) as (fd, direct):
 
-    def copy(i: int) -> str:
-        span = Span(src, starts[i], sizes[i])
-        return transfer([span], fd, base + starts[i], DIRECT, lock=lock, direct=direct).method
+        def copy(i: int) -> str:
+            span = Span(src, starts[i], sizes[i])
+            return transfer([span], fd, base + starts[i], DIRECT, lock=lock, direct=direct).method
 
-    try:
         with ThreadPoolExecutor(2) as pool:
             used = list(pool.map(copy, range(len(sizes))))
-    finally:
-        direct.close()
-        os.close(fd)
     assert all(u == DIRECT for u, n in zip(used, sizes, strict=True) if n >= 2 * directio.MIN_DIRECT), used
     assert all(u == STREAM for u, n in zip(used, sizes, strict=True) if n < directio.MIN_DIRECT), used
     assert out.read_bytes() == _expected(base + len(data) + 999, base, data)
