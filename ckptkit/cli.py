@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
 
@@ -22,8 +23,23 @@ from ckptkit.formats import FORMATS
 from ckptkit.models import MODEL_TYPES
 from ckptkit.rawcopy import AUTO, METHODS
 
+class Command(TyperCommand):
+    """A command whose usage line names its arguments as the docs do (``SRC DST``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                pieces.extend(param.get_usage_pieces(ctx))
+                continue
+            name = (param.metavar or param.name or "").upper() + ("..." if param.nargs != 1 else "")
+            pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
 app = typer.Typer(
     name="ckptkit",
+    rich_markup_mode=None,  # plain click help: fits 80 columns, never cuts an option name
     help="Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats.",
     no_args_is_help=True,
     add_completion=False,
@@ -42,6 +58,10 @@ ModelType = StrEnum("ModelType", {name: name for name in MODEL_TYPES})  # type: 
 
 NO_COPY = "off"
 CopyMethod = StrEnum("CopyMethod", {m: m for m in (AUTO, *METHODS, NO_COPY)})  # type: ignore[misc]
+
+
+_FORMATS = ", ".join(FORMATS)
+MODEL_TYPE_HELP = f"Model type (default: detected from the files): {', '.join(MODEL_TYPES)}."
 
 
 class DType(StrEnum):
@@ -94,12 +114,12 @@ def _human(n: float) -> str:
     return str(n)
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def inspect(
-    path: Annotated[Path, typer.Argument(help="Checkpoint directory or one weight / index file.")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory or one weight / index file.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
+    model_type: Annotated[ModelType | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
 ) -> None:
     """List format, model type, dtypes and tensors; reads metadata only."""
     from ckptkit.inspection import inspect_path
@@ -128,28 +148,45 @@ def inspect(
     out.print(table)
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def convert(
-    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (never modified).")],
-    dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist or be empty).")],
-    to: Annotated[Format, typer.Option("--to", help="Target format.")],
-    from_: Annotated[Format | None, typer.Option("--from", help="Force the source format.")] = None,
-    model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
-    dtype: Annotated[
-        DType | None, typer.Option(help="Cast floating tensors (default: keep every dtype and byte).")
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (never modified).")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination directory (must not exist or be empty).")],
+    to: Annotated[Format, typer.Option("--to", metavar="FORMAT", help=f"Target format: {_FORMATS}.")],
+    from_: Annotated[
+        Format | None, typer.Option("--from", metavar="FORMAT", help="Source format (default: detected).")
     ] = None,
-    shards: Annotated[int | None, typer.Option(help="Meta model-parallel ranks to write.")] = None,
-    max_shard_size: Annotated[str | None, typer.Option(help='HF shard size limit, e.g. "5GB".')] = None,
-    force: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
-    verify: Annotated[bool, typer.Option(help="Re-read the output and compare it with SRC, tensor by tensor.")] = False,
-    allow_lossy_cast: Annotated[
-        bool, typer.Option(help="Let --dtype overflow values to inf or flush them to 0 (an error otherwise).")
+    model_type: Annotated[ModelType | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
+    dtype: Annotated[
+        DType | None,
+        typer.Option(
+            metavar="DTYPE",
+            help=f"Cast floating tensors to {', '.join(DType)} (default: keep every dtype and byte).",
+        ),
+    ] = None,
+    shards: Annotated[int | None, typer.Option(metavar="N", help="Meta model-parallel ranks to write.")] = None,
+    max_shard_size: Annotated[
+        str | None, typer.Option(metavar="SIZE", help='HF shard size limit, e.g. "5GB" (default 5GB).')
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty destination.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Re-read the output and compare it with SRC, tensor by tensor.")
     ] = False,
-    quiet: Annotated[bool, typer.Option(help="No progress bar or summary.")] = False,
+    allow_lossy_cast: Annotated[
+        bool,
+        typer.Option(
+            "--allow-lossy-cast", help="Let --dtype overflow values to inf or flush them to 0 (an error otherwise)."
+        ),
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
     copy_method: Annotated[
         CopyMethod,
-        typer.Option(help="How tensors go file to file (auto: the fastest that works; off: through memory)."),
+        typer.Option(
+            metavar="METHOD",
+            help=f"How tensors go file to file: {', '.join(CopyMethod)} (auto: the fastest that works; "
+            "off: through memory).",
+        ),
     ] = CopyMethod(AUTO),
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time."""
@@ -194,11 +231,11 @@ def _verified(dtype: str | None) -> str:
     return cast_description(dtype) if dtype else "verified bitwise against the source"
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def verify(
-    a: Annotated[Path, typer.Argument(help="First checkpoint (any format).")],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint (any format).")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint (any format).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor, bitwise, in canonical names."""
@@ -225,15 +262,22 @@ def verify(
 # --- recipes: run, ls, cp --------------------------------------------------------------
 
 
-@app.command(context_settings={"allow_extra_args": False})
+@app.command(cls=Command, context_settings={"allow_extra_args": False})
 @user_errors
 def run(
-    recipe: Annotated[str, typer.Argument(help="Bundled recipe (see `ckptkit ls`) or a recipe .py file.")],
-    config: Annotated[str, typer.Option("--config", help="Bundled config name or a YAML path.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="KEY=VALUE overrides, e.g. optimizer.lr=3e-4")] = None,
+    recipe: Annotated[
+        str, typer.Argument(metavar="RECIPE", help="Bundled recipe (see `ckptkit ls`) or a recipe .py file.")
+    ],
+    config: Annotated[str, typer.Option("--config", metavar="CONFIG", help="Bundled config name or a YAML path.")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="KEY=VALUE", help="Config overrides, e.g. optimizer.lr=3e-4", show_default=False),
+    ] = None,
     nproc_per_node: Annotated[
         int | None,
-        typer.Option("--nproc-per-node", min=1, help="Start this many processes with torchrun (distributed recipes)."),
+        typer.Option(
+            "--nproc-per-node", metavar="N", min=1, help="Start N processes with torchrun (distributed recipes)."
+        ),
     ] = None,
 ) -> None:
     """Run a training recipe with a config and KEY=VALUE overrides."""
@@ -248,7 +292,7 @@ def run(
         launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
 
 
-@app.command(name="ls")
+@app.command(cls=Command, name="ls")
 @user_errors
 def list_recipes() -> None:
     """List the bundled recipes and their configs."""
@@ -260,12 +304,12 @@ def list_recipes() -> None:
     out.print(table)
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def cp(
-    name: Annotated[str, typer.Argument(help="A bundled recipe or config name (see `ckptkit ls`).")],
-    dest: Annotated[Path, typer.Argument(help="File or directory to copy it to.")],
-    force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="A bundled recipe or config name (see `ckptkit ls`).")],
+    dest: Annotated[Path, typer.Argument(metavar="DEST", help="File or directory to copy it to.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
 ) -> None:
     """Copy a bundled recipe (.py) or config (.yaml) out for editing."""
     import shutil
@@ -290,16 +334,18 @@ def cp(
 # --- generate (native model; body in ckptkit/train/generation.py) -------------------------------
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def generate(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (any format) with a tokenizer.")],
-    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate at most.")] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
-    top_k: Annotated[int | None, typer.Option(min=1, help="Sample from the k most likely tokens.")] = None,
-    adapter: Annotated[Path | None, typer.Option(help="PEFT LoRA adapter directory to apply.")] = None,
-    seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
+    checkpoint: Annotated[
+        Path, typer.Argument(metavar="CHECKPOINT", help="Checkpoint directory (any format) with a tokenizer.")
+    ],
+    prompt: Annotated[str, typer.Option("--prompt", metavar="TEXT", help="Text to continue.")],
+    max_new_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option(metavar="T", min=0.0, help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(metavar="K", min=1, help="Sample from the K most likely tokens.")] = None,
+    adapter: Annotated[Path | None, typer.Option(metavar="DIR", help="PEFT LoRA adapter directory to apply.")] = None,
+    seed: Annotated[int, typer.Option(metavar="N", help="Random seed for sampling.")] = 0,
     chat: Annotated[
         bool, typer.Option("--chat", help="PROMPT is a user message: apply the chat template; print the reply.")
     ] = False,
@@ -326,13 +372,17 @@ def generate(
 # --- end generate --------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=Command)
 @user_errors
 def merge(
-    base: Annotated[Path, typer.Argument(help="The base checkpoint the adapter was trained on (any format).")],
-    adapter: Annotated[Path, typer.Argument(help="PEFT LoRA adapter directory, e.g. out/step_500/adapter.")],
-    dst: Annotated[Path, typer.Argument(help="Destination directory (must not exist or be empty).")],
-    model_type: Annotated[ModelType | None, typer.Option(help="Override model type detection.")] = None,
+    base: Annotated[
+        Path, typer.Argument(metavar="BASE", help="The base checkpoint the adapter was trained on (any format).")
+    ],
+    adapter: Annotated[
+        Path, typer.Argument(metavar="ADAPTER", help="PEFT LoRA adapter directory, e.g. out/epoch_0/adapter.")
+    ],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination directory (must not exist or be empty).")],
+    model_type: Annotated[ModelType | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
 ) -> None:
     """Fold a LoRA adapter into its base: DST has the base's format, files and shards, merged weights."""
     from ckptkit.train.export import merge_adapter_into_checkpoint
