@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand
 
 from ckptkit import __version__
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import FORMATS
 from ckptkit.models import MODEL_TYPES
 from ckptkit.rawcopy import AUTO, METHODS
+
 
 class Command(TyperCommand):
     """A command whose usage line names its arguments as the docs do (``SRC DST``)."""
