@@ -73,6 +73,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from report import reporting
 from synthetic import MB, build_hf
 
 HERE = Path(__file__).resolve().parent
@@ -523,4 +524,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with reporting("convert.py"):
+        sys.exit(main())

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import yaml
+from report import reporting
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "fixtures" / "hf" / "llama2"  # its tokenizer (ids < 384 fit any vocabulary)
@@ -108,4 +109,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting("dist_save_memory.py"):
+        main()

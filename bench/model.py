@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from report import reporting
 
 # Llama-3-style GQA config, 99.5M parameters (untied 32k vocab).
 CONFIG = dict(vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, head_dim=64,
@@ -193,4 +194,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting("model.py"):
+        main()

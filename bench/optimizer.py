@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from report import reporting
 
 SHAPES = [(384, 512), (384, 512)] + [(512, 512), (256, 512), (256, 512), (512, 512)] * 6
 SHAPES += [(1408, 512), (1408, 512), (512, 1408)] * 6 + [(512,)] * 13
@@ -56,4 +57,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting("optimizer.py"):
+        main()

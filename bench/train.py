@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import reporting
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "fixtures" / "hf" / "llama2"  # its tokenizer; vocabulary 384
 MODEL = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
@@ -272,4 +274,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting("train.py"):
+        main()
