@@ -51,4 +51,4 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's bytes in row-major order (a view of its memory where it is contiguous)."""
     import torch
 
-    return memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data

@@ -11,6 +11,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -20,7 +21,7 @@ stderr = Console(stderr=True)
 
 
 class Bar:
-    def __init__(self, progress: Progress | None, task: int | None):
+    def __init__(self, progress: Progress | None, task: TaskID | None):
         self._progress, self._task = progress, task
 
     def advance(self, nbytes: int) -> None:

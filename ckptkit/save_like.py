@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ def write_like(
         write_files(mine, plan_conversion(mine, Options(src.format)), folder)
 
 
-def _like(src: Checkpoint, state_dict: dict[str, torch.Tensor]) -> Checkpoint:
+def _like(src: Checkpoint, state_dict: Mapping[str, torch.Tensor | Lazy]) -> Checkpoint:
     """``src`` with its tensors replaced by ``state_dict``'s (same names, shapes; src's dtypes)."""
     missing = [k for k in src.tensors if k not in state_dict]
     extra = [k for k in state_dict if k not in src.tensors]
@@ -56,8 +57,14 @@ def _like(src: Checkpoint, state_dict: dict[str, torch.Tensor]) -> Checkpoint:
         t = state_dict[name]
         if tuple(t.shape) != lazy.shape:
             raise CkptkitError(f"state dict tensor {name} is {list(t.shape)}, {src.path} has {list(lazy.shape)}")
-        fetch = t.get if isinstance(t, Lazy) else (lambda t=t: t)
-        tensors[name] = Lazy(
-            lazy.shape, lazy.dtype, lambda f=fetch, d=to_torch(lazy.dtype): f().detach().to("cpu", d).contiguous()
-        )
+        fetch: Callable[[], torch.Tensor] = t.get if isinstance(t, Lazy) else functools.partial(_same, t)
+        tensors[name] = Lazy(lazy.shape, lazy.dtype, functools.partial(_on_cpu, fetch, to_torch(lazy.dtype)))
     return dataclasses.replace(src, tensors=tensors, recorded_origin=src.own_layout)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _on_cpu(fetch: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return fetch().detach().to("cpu", dtype).contiguous()

@@ -104,7 +104,7 @@ class RopePermute(Transform):
         hd = w.shape[0] // n
         return w.reshape(n, 2, hd // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans]:
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans | None]:
         return [self._rows(native, shape, getattr(cfg, self.heads), to_meta=False)]
 
     def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans:
@@ -148,9 +148,10 @@ class Fused(Transform):
 
         return torch.cat(list(parts), dim=0)
 
-    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans]:
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans | None]:
         row_bytes = total_bytes(native) // max(shape[0], 1)
-        out, start = [], 0
+        out: list[Spans | None] = []
+        start = 0
         for part in shapes:
             out.append(take(native, start, part[0] * row_bytes))
             start += part[0] * row_bytes

@@ -63,4 +63,4 @@ def torch_rope_freqs_bytes(head_dim: int, theta: float) -> bytes:
     from ckptkit.dtypes import tensor_bytes
 
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    return tensor_bytes(freqs.to(torch.bfloat16))
+    return bytes(tensor_bytes(freqs.to(torch.bfloat16)))
