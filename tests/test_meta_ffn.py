@@ -48,7 +48,7 @@ def test_any_ffn_size_can_be_expressed(dim: int, ffn: int) -> None:
 
 
 def test_solver_examples() -> None:
-    assert meta_ffn_params(120, 336) == (48, None)  # the case: no power of two works
+    assert meta_ffn_params(120, 336) == (48, None)  # dims where no power-of-two multiple_of works
     assert meta_ffn_params(4096, 11008) == (256, None)  # Llama 2 7B, as Meta ships it
     assert meta_ffn_size(*[96, *meta_ffn_params(96, 280)]) == 280
     with pytest.raises(CkptkitError, match="cannot be expressed"):

@@ -1,4 +1,4 @@
-"""Regression cases of issue 9: every name, offset, size and field read from disk is checked.
+"""Untrusted input: every name, offset, size and field read from disk is checked.
 
 Each case builds a damaged copy of a fixture (real files written by torch.save, the
 safetensors library and ckptkit itself, then edited at the byte level where a writer would
