@@ -23,6 +23,7 @@ from ckptkit.inspection import inspect_path
 from ckptkit.lazy import Lazy
 from ckptkit.models import Family, ModelConfig, canonical_shapes, get_family
 from ckptkit.models.spec import Layout, Rule
+
 from conftest import FIXTURES, assert_same_files, assert_same_layout
 
 CONFIG = "flat.json"
