@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.formats import CheckpointFormat, detect_format, get_format
-from ckptkit.formats.base import INTERNAL_FILE, ORIGIN_FILE, RawCheckpoint
+from ckptkit.formats import CheckpointFormat, detect_format, get_format, is_checkpoint_file, recorded_origin
+from ckptkit.formats.base import RawCheckpoint
 from ckptkit.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Checkpoint", "Lazy", "decode_tensor", "encode_tensor", "load_checkpoint", "open_checkpoint"]
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".gguf")
-LAYER_FIELD = {"config.json": "num_hidden_layers", "params.json": "n_layers", INTERNAL_FILE: "config.num_layers"}
 
 
 @dataclass
@@ -69,16 +66,15 @@ class Checkpoint:
 
     def extra_files(self) -> list[Path]:
         """Top-level non-weight files to carry over (tokenizer, generation config, ...)."""
-        skip = {self.raw.config_name, "config.json", "params.json", ORIGIN_FILE, INTERNAL_FILE}
+        skip = {self.raw.config_name, *self.raw.files}
         if self.raw.index:
             skip.add(self.raw.index["name"])
-        skip.update(self.raw.files)
         out = []
         for p in sorted(self.path.iterdir()):
             if not p.is_file() or p.name in skip or p.name.startswith("."):
                 continue
-            if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
-                continue  # weights of another layout shipped alongside
+            if is_checkpoint_file(p.name):
+                continue  # some format's weights, index or config: another layout shipped alongside
             out.append(p)
         return out
 
@@ -93,9 +89,9 @@ def open_checkpoint(path: str | Path, fmt: str | None = None, model_type: str | 
     try:
         family = get_family(model_type) if model_type else reader.family(raw)
         cfg = reader.read_config(raw, family)
-        check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, LAYER_FIELD.get(raw.config_name, "layers"))
+        check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, reader.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
-        return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, reader.recorded_origin(raw))
+        return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, recorded_origin(reader, raw))
     except BaseException:
         raw.close()
         raise

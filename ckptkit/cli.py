@@ -19,7 +19,7 @@ from typer.core import TyperCommand
 
 from ckptkit import __version__
 from ckptkit.errors import CkptkitError
-from ckptkit.formats import FORMATS
+from ckptkit.formats import format_names
 from ckptkit.models import MODEL_TYPES
 from ckptkit.rawcopy import AUTO, METHODS
 
@@ -53,7 +53,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # Choices come from the registries: a new format or family appears here by itself.
-Format = StrEnum("Format", {name.replace("-", "_"): name for name in FORMATS})  # type: ignore[misc]
+Format = StrEnum("Format", {name.replace("-", "_"): name for name in format_names()})  # type: ignore[misc]
 ModelType = StrEnum("ModelType", {name: name for name in MODEL_TYPES})  # type: ignore[misc]
 
 

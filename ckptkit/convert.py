@@ -18,8 +18,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.directio import direct_pays
 from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.safetensors_io import SafetensorsWriter
-from ckptkit.formats.torch_io import TorchPickleWriter
+from ckptkit.formats.containers import Entries
 from ckptkit.overlap import Overlap
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
 from ckptkit.progress import byte_progress
@@ -54,7 +53,7 @@ def write_plan(
     (:data:`COMPUTED` for those computed in memory).
     """
     where: dict[str, list[FilePlan]] = {}
-    entries: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    entries: dict[str, Entries] = {}
     for f in plan.files:
         for k in f.keys:
             shape = RANKS.shard_shape(plan.targets[k].shape, f.ranks, plan.split_dims.get(k))
@@ -62,15 +61,11 @@ def write_plan(
             where.setdefault(k, []).append(f)
     total = sum(plan.targets[k].nbytes for k in where)
     direct = direct_pays(total)  # auto: whole pages past the page cache when the output is big
+    fmt = target_format(plan.format)
     writers: dict[str, Any] = {}
     try:
-        for f in plan.files:
-            path, mine = out_dir / f.name, entries.get(f.name, [])
-            writers[f.name] = (
-                SafetensorsWriter(path, mine, f.metadata, direct=direct)
-                if f.name.endswith(".safetensors")
-                else TorchPickleWriter(path, mine, f.aliases, direct=direct)
-            )
+        for f in plan.files:  # the format says which writer writes each file
+            writers[f.name] = fmt.writer(out_dir / f.name, f, entries.get(f.name, []), direct)
         by_method = _write_tensors(plan, where, writers, total, label, quiet, copy_method)
         for w in writers.values():
             w.close()
@@ -122,10 +117,10 @@ def _write_tensors(
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
                 raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
-            pieces = RANKS.inverse(tensor, ranks, dim) if ranks > 1 else [tensor]
+            parts = RANKS.inverse(tensor, ranks, dim) if ranks > 1 else [tensor]
             for f in files:
-                writers[f.name].write(key, pieces[f.rank] if len(pieces) > 1 else pieces[0])
-            del tensor, pieces
+                writers[f.name].write(key, parts[f.rank] if len(parts) > 1 else parts[0])
+            del tensor, parts
             computed += lazy.nbytes
             bar.advance(lazy.nbytes)
     by_method = dict(copies.bytes_by_label)

@@ -10,7 +10,7 @@ from ckptkit.casting import checked_cast
 from ckptkit.checkpoint import Checkpoint
 from ckptkit.dtypes import FLOATING, to_torch
 from ckptkit.errors import CkptkitError
-from ckptkit.formats import FORMATS, CheckpointFormat, get_format
+from ckptkit.formats import CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
 from ckptkit.lazy import Lazy, decoded_lazy
 
@@ -18,9 +18,10 @@ __all__ = ["FilePlan", "Options", "Plan", "plan_conversion", "target_format"]
 
 
 def target_format(name: str) -> CheckpointFormat:
-    if name not in FORMATS:
-        raise CkptkitError(f"unknown target format {name!r}; choose one of {', '.join(FORMATS)}")
-    return get_format(name)
+    fmt = find_format(name)
+    if fmt is None:
+        raise CkptkitError(f"unknown target format {name!r}; choose one of {', '.join(format_names())}")
+    return fmt
 
 
 def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:

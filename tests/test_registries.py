@@ -1,8 +1,10 @@
-"""The registries are the single source of formats and model families: the CLI offers
-exactly what they hold, and nothing outside them branches on a format's or family's name."""
+"""The registries are the single source of formats and model families: the CLI and the
+docs offer exactly what they hold, each format reads and writes its own checkpoints, and
+nothing outside them branches on a format's name, a weight file's suffix or a family."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -10,8 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from ckptkit.cli import app
+from ckptkit.convert import convert
 from ckptkit.formats import REGISTRY as FORMAT_REGISTRY
+from ckptkit.formats import containers, detect_format
 from ckptkit.models import REGISTRY as FAMILY_REGISTRY
+
+from conftest import FIXTURES, assert_same_layout
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckptkit"
 
@@ -42,11 +48,6 @@ def test_cli_model_type_choices_are_the_family_registry(command: str, tmp_path: 
     assert _choices([*args, "--model-type", "bogus"]) == list(FAMILY_REGISTRY)
 
 
-def test_registered_names_match_their_objects() -> None:
-    assert all(fmt.name == name for name, fmt in FORMAT_REGISTRY.items())
-    assert all(family.name == name for name, family in FAMILY_REGISTRY.items())
-
-
 def _sources(under: Path, exclude: str | None = None) -> list[Path]:
     return [p for p in sorted(under.rglob("*.py")) if exclude is None or exclude not in p.parts]
 
@@ -61,10 +62,118 @@ def _matches(pattern: str, files: list[Path]) -> list[str]:
     ]
 
 
-def test_no_format_name_branches_outside_formats() -> None:
-    names = "|".join(re.escape(n) for n in FORMAT_REGISTRY)
-    pattern = rf'(==|!=)\s*"({names})"|in \(\s*"({names})"'
-    assert _matches(pattern, _sources(PACKAGE, exclude="formats")) == []
+# Every registered format with a fixture of it (internal: made from the HF one). A format
+# registered without an entry here fails test_every_format_has_a_fixture.
+FORMAT_FIXTURES = {
+    "meta": FIXTURES / "meta" / "llama2",
+    "hf": FIXTURES / "hf" / "llama2",
+    "hf-bin": FIXTURES / "hf-bin" / "llama2",
+    "internal": None,
+}
+
+
+def test_every_format_has_a_fixture() -> None:
+    assert sorted(FORMAT_FIXTURES) == sorted(FORMAT_REGISTRY)
+
+
+@pytest.mark.parametrize("name", list(FORMAT_FIXTURES))
+def test_each_format_detects_and_round_trips_its_own_checkpoint(name: str, tmp_path: Path) -> None:
+    src = FORMAT_FIXTURES[name]
+    if src is None:
+        src = tmp_path / "src"
+        convert(FIXTURES / "hf" / "llama2", src, name)
+    assert detect_format(src) is FORMAT_REGISTRY[name]
+    other = "internal" if name == "hf" else "hf"  # internal's own layout is its origin's, HF here
+    convert(src, tmp_path / "mid", other)
+    assert detect_format(tmp_path / "mid") is FORMAT_REGISTRY[other]
+    convert(tmp_path / "mid", tmp_path / "back", name)
+    assert detect_format(tmp_path / "back") is FORMAT_REGISTRY[name]
+    assert_same_layout(src, tmp_path / "back")
+
+
+def _documented_formats() -> list[str]:
+    """The names in the first column of docs/cli.md's "Format names" table."""
+    text = (PACKAGE.parent / "docs" / "cli.md").read_text()
+    section = text.split("## Format names", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\|\s*`([^`]+)`\s*\|", section, flags=re.MULTILINE)
+
+
+def test_the_registry_holds_exactly_the_documented_formats() -> None:
+    assert _documented_formats() == list(FORMAT_REGISTRY)
+
+
+def _strings(node: ast.AST, constants: dict[str, list[str]]) -> list[str]:
+    """The string constants an expression spells out: a literal, a tuple / list / set of
+    them, or a module-level name bound to one of those."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for e in node.elts for s in _strings(e, constants)]
+    if isinstance(node, ast.Name):
+        return constants.get(node.id, [])
+    return []
+
+
+def format_branches(source: str, names: set[str], suffixes: tuple[str, ...]) -> list[int]:
+    """Lines of ``source`` that compare something with a format name or a weight-file
+    name or suffix (``==``, ``!=``, ``in``, ``is``, either side), or test a name with
+    ``endswith`` / ``startswith`` / ``removesuffix`` against a weight-file suffix."""
+    tree = ast.parse(source)
+    constants: dict[str, list[str]] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    constants[target.id] = _strings(stmt.value, {})
+
+    def telling(nodes: list[ast.expr]) -> bool:
+        return any(s in names or s.endswith(suffixes) for n in nodes for s in _strings(n, constants))
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and telling([node.left, *node.comparators]):
+            lines.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("endswith", "startswith", "removesuffix")
+            and telling(node.args)
+        ):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+WEIGHT_SUFFIXES = (*containers.WEIGHT_SUFFIXES, containers.INDEX_SUFFIX)
+
+
+def test_the_format_branch_check_catches_every_spelling() -> None:
+    planted = """
+SUFFIXES = ('.safetensors', '.bin')
+def f(fmt, p, name, device, other):
+    a = fmt == 'meta'
+    b = "hf" != fmt
+    c = fmt in {"meta", "internal"}
+    d = fmt not in ["hf-bin"]
+    e = p.suffix == ".pth"
+    g = p.suffix in SUFFIXES
+    h = name.endswith(".safetensors")
+    i = name.endswith((".pt", ".gguf"))
+    j = name == "model.safetensors.index.json"
+    k = "hf" is fmt
+    ok = (fmt == other, p.suffix == ".txt", name.endswith(".json"), device == "cpu", build(device="meta"))
+"""
+    assert format_branches(planted, set(FORMAT_REGISTRY), WEIGHT_SUFFIXES) == list(range(4, 14))
+
+
+def test_no_format_name_or_suffix_branches_outside_formats() -> None:
+    names = set(FORMAT_REGISTRY)
+    found = [
+        f"{p.relative_to(PACKAGE)}:{line}"
+        for p in _sources(PACKAGE, exclude="formats")
+        for line in format_branches(p.read_text(), names, WEIGHT_SUFFIXES)
+    ]
+    assert found == []
 
 
 def test_no_family_knowledge_outside_models() -> None:

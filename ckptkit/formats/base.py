@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from ckptkit.lazy import Lazy
+    from ckptkit.models import Family, ModelConfig
 
 REPLICA_CHUNK = 16 << 20
 MAX_JSON_BYTES = 256 << 20  # config, index and sidecar files are far smaller
@@ -161,6 +162,22 @@ class RawCheckpoint:
     def close(self) -> None:
         for r in self.readers.values():
             r.close()
+
+
+class OpenedCheckpoint(Protocol):
+    """What a format needs of an opened checkpoint (:class:`ckptkit.checkpoint.Checkpoint`)
+    to write it: declared here so that no format module imports the reader."""
+
+    path: Path
+    family: Family
+    config: ModelConfig
+    raw: RawCheckpoint
+    tensors: dict[str, Lazy]
+    unused: dict[str, Lazy]
+    recorded_origin: dict[str, Any] | None
+
+    @property
+    def origin(self) -> dict[str, Any]: ...
 
 
 def read_json(path: Path) -> tuple[str, dict[str, Any]]:

@@ -1,24 +1,26 @@
 """The protocol every checkpoint format implements, with the behaviour most formats share.
 
-A format is one object (a :class:`CheckpointFormat` subclass instance) registered by name
-in :mod:`ckptkit.formats`. The reader asks it to detect and open a directory and to say
-which family and config the metadata describes and which native layout the tensors use;
-the converter asks it how to lay out files and which metadata files to write. Nothing
-outside ``ckptkit/formats/`` branches on a format's name.
+A format is one object (a :class:`CheckpointFormat` subclass instance) that its module
+registers by name (:func:`ckptkit.formats.registry.register`). The reader asks it to
+detect and open a directory and to say which family and config the metadata describes
+and which native layout the tensors use; the converter asks it how to lay out files,
+which metadata files to write and which writer writes each weight file. Nothing outside
+``ckptkit/formats/`` branches on a format's name or a file's suffix.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import ORIGIN_FILE, FilePlan, Options, Plan, RawCheckpoint, read_json
+from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
+from ckptkit.formats.containers import Entries, tensor_file_writer
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
-    from ckptkit.checkpoint import Checkpoint
     from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
@@ -31,11 +33,23 @@ class CheckpointFormat:
         name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
         expects: the files that identify it, for error messages.
         detect_order: lower is tried first when several formats could claim a directory.
+        weight_file: the names its weight files may have (checked in recorded layouts;
+            files of these names are never carried over as extra files).
+        config_file: the metadata file a layout recorded from this format keeps
+            (``config.json``, ``params.json``); None: never recorded as an origin.
+        index_name: its index file (tensor name -> weight file), if it has one.
+        metadata_names: the fixed-name files it writes besides weights and index.
+        layer_field: the config field that gives the layer count, for error messages.
     """
 
     name: ClassVar[str]
     expects: ClassVar[str]
     detect_order: ClassVar[int] = 50
+    weight_file: re.Pattern[str]
+    config_file: str | None = None
+    index_name: str | None = None
+    metadata_names: tuple[str, ...] = ()
+    layer_field: str = "layers"
     loads_in_transformers: ClassVar[bool] = False  # ``from_pretrained`` (and PEFT) read the folder as it is
 
     # --- reading --------------------------------------------------------------------
@@ -70,8 +84,10 @@ class CheckpointFormat:
 
         return canonical_view(raw, self.layout(family, cfg), cfg)
 
-    def recorded_origin(self, raw: RawCheckpoint) -> dict[str, Any] | None:
-        """The layout recorded when these files were converted, if it still matches them."""
+    def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
+        """The layout recorded when these files were converted, if it still matches them,
+        unchecked, with the file it came from (:func:`ckptkit.formats.sidecar.recorded_origin`
+        checks it)."""
         path = raw.root / ORIGIN_FILE
         if not path.is_file():
             return None
@@ -81,14 +97,11 @@ class CheckpointFormat:
             sizes = {name: (raw.root / name).stat().st_size for name in raw.files}
             if written["format"] != raw.format or written["files"] != sizes:
                 return None
-            origin = doc["origin"]
+            return doc["origin"], path
         except (CkptkitError, KeyError, TypeError, OSError):
             return None
-        from ckptkit.formats.sidecar import check_origin
 
-        return check_origin(origin, path)  # it matches: a malformed record is an error, not ignored
-
-    def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
+    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         """This checkpoint's layout, as recorded for converting back to it later."""
         from ckptkit.dtypes import dtype_name
         from ckptkit.lazy import encode_lazy
@@ -116,7 +129,7 @@ class CheckpointFormat:
         return {}
 
     def targets(
-        self, ckpt: Checkpoint, pool: dict[str, Lazy], with_optional: bool
+        self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
     ) -> tuple[dict[str, Lazy], list[str]]:
         """(native name -> tensor to write, notes) from the canonical tensors and ``pool``,
         the unused tensors this conversion could carry."""
@@ -135,13 +148,13 @@ class CheckpointFormat:
             )
         return targets, notes
 
-    def write_layout(self, ckpt: Checkpoint) -> Layout:
+    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
         try:
             return self.layout(ckpt.family, ckpt.config)
         except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
             raise CkptkitError(f"{ckpt.path}: {e}") from None
 
-    def required(self, ckpt: Checkpoint) -> set[str]:
+    def required(self, ckpt: OpenedCheckpoint) -> set[str]:
         """Native names a restored layout must place."""
         layout = self.write_layout(ckpt)
         return {r.native for r in layout.expand(ckpt.config.num_layers) if not r.optional}
@@ -151,20 +164,27 @@ class CheckpointFormat:
         return None
 
     def default_files(
-        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         """File names and partition for a fresh layout: (files, rank split dims)."""
         raise NotImplementedError
 
-    def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+    def writer(self, path: Path, file: FilePlan, entries: Entries, direct: bool) -> Any:
+        """The writer of one output weight file (``entries``: its tensors as (name, dtype,
+        shard shape) in stored order): by default the container its name says
+        (:func:`ckptkit.formats.containers.tensor_file_writer`). A writer has
+        ``write`` / ``write_bytes`` / ``write_spans`` / ``close`` / ``discard``."""
+        return tensor_file_writer(path, entries, file.metadata, file.aliases, direct)
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         """Non-weight files to write (config, index): name -> text."""
         return {}
 
-    def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
         """What to do with the source's tokenizer files: by default carry them as they are."""
         return TokenizerPlan()
 
-    def finish(self, ckpt: Checkpoint, plan: Plan, out_dir: Path) -> None:
+    def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         """Write what depends on the written weights: by default the source's layout,
         recorded beside them so that converting back restores it exactly."""
         origin = ckpt.origin

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import (
     FilePlan,
+    OpenedCheckpoint,
     Options,
     Plan,
     RawCheckpoint,
@@ -20,16 +21,15 @@ from ckptkit.formats.base import (
     natural_key,
     read_config,
     read_json,
-    torch_reader,
 )
+from ckptkit.formats.containers import is_safetensors, open_tensor_file
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
-from ckptkit.formats.safetensors_io import SafetensorsReader
+from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
-    from ckptkit.checkpoint import Checkpoint
     from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
@@ -65,11 +65,10 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
     file_metadata: dict[str, dict[str, str] | None] = {}
     file_aliases: dict[str, dict[str, str]] = {}
     for name in names:
-        safetensors = name.endswith(".safetensors")
-        reader: Any = SafetensorsReader(root / name) if safetensors else torch_reader(root / name)
+        reader: Any = open_tensor_file(root / name)
         readers[name] = reader
         files[name] = list(reader.infos)
-        file_metadata[name] = reader.metadata if safetensors else None
+        file_metadata[name] = reader.metadata if is_safetensors(name) else None
         if getattr(reader, "aliases", None):
             file_aliases[name] = reader.aliases
         for key, info in reader.infos.items():
@@ -115,11 +114,15 @@ class HFFormat(CheckpointFormat):
     expects = "config.json + model*.safetensors or pytorch_model*.bin"
     detect_order = 30
     loads_in_transformers = True
+    config_file = "config.json"
+    index_name: str
+    metadata_names = ("config.json",)
+    layer_field = "num_hidden_layers"
 
     def __init__(self, name: str, stem: str, ext: str) -> None:
         self.name = name  # type: ignore[misc]
         self.stem, self.ext = stem, ext
-        self.safetensors = ext == ".safetensors"
+        self.safetensors = is_safetensors(ext)
         self.single_name = stem + ext
         self.index_name = f"{stem}{ext}.index.json"
         self.shard_pattern = stem + "{suffix}" + ext  # huggingface_hub's filename pattern
@@ -158,17 +161,17 @@ class HFFormat(CheckpointFormat):
         return family.hf_layout(cfg)
 
     def default_files(
-        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         files = size_sharded_files(targets, opts, self.shard_pattern, self.single_name, self.safetensors)
         return files, {}
 
-    def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
         cfg = ckpt.config
         recorded = ckpt.origin.get("tokenizer")
         return tokenizer_for_hf(ckpt.path, ckpt.family.tokenizer, cfg.vocab_size, cfg.max_position_embeddings, recorded)
 
-    def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         out: dict[str, str] = {}
         weights = list(plan.targets.values())
         main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
@@ -196,3 +199,7 @@ class HFFormat(CheckpointFormat):
                 params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.safetensors else None
                 out[self.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
         return out
+
+
+register(HFFormat("hf", "model", ".safetensors"))
+register(HFFormat("hf-bin", "pytorch_model", ".bin"))

@@ -3,21 +3,31 @@ which holds the model config and the origin layout so converting back is exact."
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import INTERNAL_FILE, FilePlan, Options, Plan, RawCheckpoint, TensorReader, read_json
+from ckptkit.formats.base import (
+    INTERNAL_FILE,
+    FilePlan,
+    OpenedCheckpoint,
+    Options,
+    Plan,
+    RawCheckpoint,
+    TensorReader,
+    read_json,
+)
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
+from ckptkit.formats.registry import register
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.models.fields import check_config_fields
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
-    from ckptkit.checkpoint import Checkpoint
     from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
 
@@ -75,6 +85,9 @@ class InternalFormat(CheckpointFormat):
     name = "internal"
     expects = "ckptkit.json"
     detect_order = 10
+    weight_file = FILE_NAME
+    metadata_names = (INTERNAL_FILE,)
+    layer_field = "config.num_layers"
 
     def detect(self, root: Path) -> bool:
         return detect(root)
@@ -109,7 +122,7 @@ class InternalFormat(CheckpointFormat):
         unused: dict[str, Lazy] = {}
         for key, info in raw.infos.items():
             lazy = Lazy(
-                info.shape, info.dtype, lambda key=key: raw.read(key), info.file, lambda key=key: raw.spans(key)
+                info.shape, info.dtype, functools.partial(raw.read, key), info.file, functools.partial(raw.spans, key)
             )
             if key.startswith(UNUSED_PREFIX):
                 unused[key.removeprefix(UNUSED_PREFIX)] = lazy
@@ -126,30 +139,28 @@ class InternalFormat(CheckpointFormat):
                 raise CkptkitError(f"{root / tensors[name].file}: the config contradicts the tensor shapes: {name}")
         return {k: tensors[k] for k in expected}, unused
 
-    def recorded_origin(self, raw: RawCheckpoint) -> dict[str, Any] | None:
-        from ckptkit.formats.sidecar import check_origin
+    def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
+        return raw.config.get("origin") or {}, raw.root / INTERNAL_FILE
 
-        return check_origin(raw.config.get("origin") or {}, raw.root / INTERNAL_FILE)
-
-    def own_layout(self, ckpt: Checkpoint) -> dict[str, Any]:
+    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps
 
     def targets(
-        self, ckpt: Checkpoint, pool: dict[str, Lazy], with_optional: bool
+        self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
     ) -> tuple[dict[str, Lazy], list[str]]:
         targets = dict(ckpt.tensors)
         targets.update({UNUSED_PREFIX + k: v for k, v in ckpt.unused.items()})
         return targets, []
 
-    def required(self, ckpt: Checkpoint) -> set[str]:
+    def required(self, ckpt: OpenedCheckpoint) -> set[str]:
         return set(ckpt.tensors)
 
     def default_files(
-        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         return size_sharded_files(targets, opts, PATTERN, SINGLE, safetensors=True), {}
 
-    def finish(self, ckpt: Checkpoint, plan: Plan, out_dir: Path) -> None:
+    def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         doc = {
             "format": self.name,
             "version": VERSION,
@@ -159,3 +170,6 @@ class InternalFormat(CheckpointFormat):
             "origin": ckpt.origin,
         }
         (out_dir / INTERNAL_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
+register(InternalFormat())

@@ -16,23 +16,23 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import (
     FilePlan,
+    OpenedCheckpoint,
     Options,
     Plan,
     RawCheckpoint,
     TensorReader,
     natural_key,
     read_config,
-    torch_reader,
 )
+from ckptkit.formats.containers import open_tensor_file
 from ckptkit.formats.format import CheckpointFormat
-from ckptkit.formats.safetensors_io import SafetensorsReader
+from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
 from ckptkit.formats.torchtune import torchtune_files
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
 
 if TYPE_CHECKING:
-    from ckptkit.checkpoint import Checkpoint
     from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
@@ -75,6 +75,9 @@ def mistral_file(root: Path) -> list[Path]:
 
 # The file namings Meta-layout weights come in, tried in order; the first that finds files wins.
 NAMINGS = (rank_files, mistral_file, torchtune_files)
+WEIGHT_FILE = re.compile(
+    "|".join(f"(?:{n})" for n in (RANK_FILE.pattern, re.escape(SAFETENSORS_FILE), TORCHTUNE_FILE.pattern))
+)
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -98,7 +101,7 @@ def open_raw(root: Path) -> RawCheckpoint:
     readers: dict[str, TensorReader] = {}
     files: dict[str, list[str]] = {}
     for p in paths:
-        reader: Any = SafetensorsReader(p) if p.suffix == ".safetensors" else torch_reader(p)
+        reader: Any = open_tensor_file(p)
         readers[p.name], files[p.name] = reader, list(reader.infos)
     first = paths[0].name
     for name, keys in files.items():
@@ -142,6 +145,10 @@ class MetaFormat(CheckpointFormat):
     name = "meta"
     expects = "params.json + consolidated.*.pth"
     detect_order = 20
+    weight_file = WEIGHT_FILE
+    config_file = "params.json"
+    metadata_names = ("params.json",)
+    layer_field = "n_layers"
 
     def detect(self, root: Path) -> bool:
         return detect(root)
@@ -185,7 +192,7 @@ class MetaFormat(CheckpointFormat):
         return split_dim(name, ndim, family.vocab_parallel)
 
     def default_files(
-        self, ckpt: Checkpoint, targets: dict[str, Lazy], opts: Options
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         from ckptkit.formats.safetensors_io import library_order
 
@@ -205,10 +212,10 @@ class MetaFormat(CheckpointFormat):
                 split[k] = d
         return files, split
 
-    def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
         return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer)
 
-    def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
         if recorded.get("name") == "params.json":
             return {"params.json": recorded["text"]}
@@ -222,3 +229,6 @@ def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:
         return False
     reader = raw.readers[next(iter(raw.files))]
     return reader.sample("tok_embeddings.weight", TIE_SAMPLE_BYTES) == reader.sample("output.weight", TIE_SAMPLE_BYTES)
+
+
+register(MetaFormat())

@@ -11,43 +11,37 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ckptkit.dtypes import ITEMSIZE
 from ckptkit.errors import CkptkitError
-from ckptkit.formats import hf, internal, meta
+from ckptkit.formats.base import RawCheckpoint
+from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.registry import find_format
 from ckptkit.models.fields import check_config_fields
 from ckptkit.untrusted import loads_json, plain_name
 
 MAX_RECORDED_TENSOR = 1 << 16  # own_layout records only small unused tensors
 
 
-def weight_name_pattern(fmt: str) -> re.Pattern[str]:
-    """What a weight file of format ``fmt`` may be called."""
-    hf_format = _hf(fmt)
-    if hf_format is not None:
-        return hf_format.weight_file
-    if fmt == "meta":
-        names = (meta.RANK_FILE.pattern, re.escape(meta.SAFETENSORS_FILE), meta.TORCHTUNE_FILE.pattern)
-        return re.compile("|".join(f"(?:{n})" for n in names))
-    return internal.FILE_NAME
+def recorded_origin(fmt: CheckpointFormat, raw: RawCheckpoint) -> dict[str, Any] | None:
+    """The layout recorded when ``raw``'s files were converted (``fmt.read_origin``), if it
+    still matches them; a matching record that is malformed is an error, not ignored."""
+    found = fmt.read_origin(raw)
+    if found is None:
+        return None
+    origin, where = found
+    return check_origin(origin, where)
 
 
-def _hf(fmt: str) -> hf.HFFormat | None:
-    from ckptkit.formats import get_format
-
-    found = get_format(fmt)
-    return found if isinstance(found, hf.HFFormat) else None
-
-
-CONFIG_NAMES = {"hf": "config.json", "hf-bin": "config.json", "meta": "params.json"}
+def _fail(where: Path, what: str) -> NoReturn:
+    raise CkptkitError(f"{where}: invalid recorded layout ({what})")
 
 
 def _need(ok: bool, where: Path, what: str) -> None:
     if not ok:
-        raise CkptkitError(f"{where}: invalid recorded layout ({what})")
+        _fail(where, what)
 
 
 def _strings(value: Any) -> bool:
@@ -59,12 +53,13 @@ def check_origin(origin: Any, where: Path) -> dict[str, Any]:
     _need(isinstance(origin, dict), where, "not a JSON object")
     if not origin:
         return origin  # nothing recorded
-    fmt = origin.get("format")
-    _need(fmt in CONFIG_NAMES, where, f"unknown format {fmt!r}")
+    fmt = find_format(origin.get("format"))
+    if fmt is None or fmt.config_file is None:  # a format never recorded as an origin: internal
+        _fail(where, f"unknown format {origin.get('format')!r}")
     _need(isinstance(origin.get("model_type"), str), where, "model_type")
     files = origin.get("files")
     _need(isinstance(files, list) and bool(files), where, "files")
-    pattern = weight_name_pattern(fmt)
+    pattern = fmt.weight_file
     names: list[str] = []
     placed: set[str] = set()
     for f in files:
@@ -84,21 +79,20 @@ def check_origin(origin: Any, where: Path) -> dict[str, Any]:
     return origin
 
 
-def _check_config(config: Any, fmt: str, where: Path) -> None:
+def _check_config(config: Any, fmt: CheckpointFormat, where: Path) -> None:
     _need(isinstance(config, dict), where, "config")
-    _need(config.get("name") == CONFIG_NAMES[fmt], where, f"config name {config.get('name')!r}")
+    _need(config.get("name") == fmt.config_file, where, f"config name {config.get('name')!r}")
     _need(isinstance(config.get("text"), str), where, "config text")
     doc = loads_json(config["text"], where, f"invalid recorded {config['name']}")
     _need(isinstance(doc, dict), where, f"{config['name']} is not a JSON object")
     check_config_fields(config["name"], doc, f"{where} (recorded {config['name']})")
 
 
-def _check_index(index: Any, fmt: str, names: list[str], placed: set[str], where: Path) -> None:
+def _check_index(index: Any, fmt: CheckpointFormat, names: list[str], placed: set[str], where: Path) -> None:
     if index is None:
         return
-    hf_format = _hf(fmt)
-    _need(hf_format is not None and isinstance(index, dict), where, "index")
-    _need(index.get("name") == hf_format.index_name, where, f"index name {index.get('name')!r}")  # type: ignore[union-attr]
+    _need(fmt.index_name is not None and isinstance(index, dict), where, "index")
+    _need(index.get("name") == fmt.index_name, where, f"index name {index.get('name')!r}")
     _need(isinstance(index.get("text"), str), where, "index text")
     doc = loads_json(index["text"], where, "invalid recorded index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -113,7 +107,7 @@ def _check_unused(unused: Any, where: Path) -> None:
         ok = isinstance(enc, dict) and enc.get("dtype") in ITEMSIZE and isinstance(enc.get("data"), str)
         shape = enc.get("shape") if ok else None
         ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-        if ok:
+        if ok and isinstance(shape, list):
             nbytes = math.prod(shape) * ITEMSIZE[enc["dtype"]]
             try:
                 ok = nbytes <= MAX_RECORDED_TENSOR and len(base64.b64decode(enc["data"], validate=True)) == nbytes

@@ -1,0 +1,73 @@
+"""The file containers tensors are stored in, told apart by file name: safetensors and
+torch pickles (``torch.save`` zips).
+
+Formats pick a container per file with :func:`open_tensor_file` (read) and
+:func:`tensor_file_writer` (write); this is the one place that knows which suffix is
+which container. Nothing outside ``ckptkit/formats/`` compares a file suffix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.formats.base import TensorReader, torch_reader
+from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
+
+if TYPE_CHECKING:
+    import torch
+
+SAFETENSORS = ".safetensors"
+PICKLE_SUFFIXES = (".pth", ".pt", ".bin")
+READABLE_SUFFIXES = (SAFETENSORS, *PICKLE_SUFFIXES)  # what open_tensor_file reads
+WEIGHT_SUFFIXES = (*READABLE_SUFFIXES, ".gguf")  # files that hold tensors, read here or not
+INDEX_SUFFIX = ".index.json"  # an HF shard index: tensor name -> shard file
+READABLE_DESCRIPTION = ".pth, .pt, .bin, .safetensors or *.index.json"
+
+Entries = list[tuple[str, "torch.dtype | str", tuple[int, ...]]]
+
+
+def is_safetensors(name: str) -> bool:
+    return name.endswith(SAFETENSORS)
+
+
+def is_readable(name: str) -> bool:
+    """Whether :func:`open_tensor_file` reads a file of this name."""
+    return name.endswith(READABLE_SUFFIXES)
+
+
+def is_index(name: str) -> bool:
+    return name.endswith(INDEX_SUFFIX)
+
+
+def holds_weights(name: str) -> bool:
+    """Whether a file of this name holds tensors (or indexes them) in any container ckptkit knows."""
+    return Path(name).suffix in WEIGHT_SUFFIXES or is_index(name)
+
+
+def container_name(name: str) -> str:
+    """``safetensors`` or ``torch``: what ``inspect`` calls a file no format owns."""
+    return "safetensors" if is_safetensors(name) else "torch"
+
+
+def open_tensor_file(path: Path) -> TensorReader:
+    """A lazy reader for one safetensors file or torch pickle (headers only; torch is
+    imported for a pickle's first tensor read)."""
+    reader: Any = SafetensorsReader(path) if is_safetensors(path.name) else torch_reader(path)
+    return reader  # type: ignore[no-any-return]
+
+
+def tensor_file_writer(
+    path: Path,
+    entries: Entries,
+    metadata: dict[str, str] | None,
+    aliases: dict[str, str],
+    direct: bool,
+) -> Any:
+    """The writer for one output file, by its name: a safetensors file (with ``metadata``)
+    or a torch pickle (with ``aliases``: tensors stored as another one's storage)."""
+    if is_safetensors(path.name):
+        return SafetensorsWriter(path, entries, metadata, direct=direct)
+    from ckptkit.formats.torch_io import TorchPickleWriter
+
+    return TorchPickleWriter(path, entries, aliases, direct=direct)

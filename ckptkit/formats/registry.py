@@ -1,0 +1,78 @@
+"""The format registry: every on-disk format ckptkit reads and writes, by name.
+
+A format module registers its object(s) when imported (``register(MyFormat())``);
+:mod:`ckptkit.formats` imports the built-in ones. The CLI's ``--to`` / ``--from``
+choices, detection, ``inspect``, ``verify`` and the checks of recorded layouts all ask
+this registry, so a new format needs no edit anywhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import ORIGIN_FILE
+from ckptkit.formats.containers import holds_weights
+from ckptkit.formats.format import CheckpointFormat
+
+REGISTRY: dict[str, CheckpointFormat] = {}
+
+
+def register(fmt: CheckpointFormat) -> CheckpointFormat:
+    """Add ``fmt`` under ``fmt.name`` (a name already taken is an error); returns it."""
+    if fmt.name in REGISTRY:
+        raise ValueError(f"format {fmt.name!r} is already registered")
+    REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def unregister(name: str) -> None:
+    """Remove the format registered as ``name`` (tests that register their own)."""
+    del REGISTRY[name]
+
+
+def format_names() -> tuple[str, ...]:
+    """The registered names, in registration order."""
+    return tuple(REGISTRY)
+
+
+def find_format(name: object) -> CheckpointFormat | None:
+    """The format registered as ``name``, or None (also for a name that is not a string)."""
+    return REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def get_format(name: str) -> CheckpointFormat:
+    found = find_format(name)
+    if found is None:
+        raise CkptkitError(f"unknown format {name!r}; choose one of {', '.join(REGISTRY)}")
+    return found
+
+
+def detect_format(root: Path) -> CheckpointFormat:
+    """The format of a checkpoint directory, or a one-line error."""
+    if not root.exists():
+        raise CkptkitError(f"{root}: no such file or directory")
+    if not root.is_dir():
+        raise CkptkitError(f"{root}: expected a checkpoint directory")
+    for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
+        if fmt.detect(root):
+            return fmt
+    if not any(root.iterdir()):
+        raise CkptkitError(f"{root}: directory is empty")
+    names = list(dict.fromkeys(f.expects for f in REGISTRY.values()))
+    raise CkptkitError(f"{root}: not a recognised checkpoint (expected {', '.join(names[:-1])}, or {names[-1]})")
+
+
+def file_format(name: str) -> CheckpointFormat | None:
+    """The format a lone weight or index file of this name belongs to, if any."""
+    return next((f for f in REGISTRY.values() if f.owns_file(name)), None)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file of this name is part of some format's checkpoint (weights, index,
+    config or ckptkit's own records) rather than a file to carry over (tokenizer, README)."""
+    if name == ORIGIN_FILE or holds_weights(name):
+        return True
+    return any(
+        f.weight_file.fullmatch(name) or name in f.metadata_names or name == f.index_name for f in REGISTRY.values()
+    )

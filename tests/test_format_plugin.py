@@ -1,0 +1,168 @@
+"""A format is one module: a format defined here, outside ckptkit, and registered at run
+time is detected, inspected and converted to and from like a built-in one, bitwise."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckptkit.checkpoint import open_checkpoint
+from ckptkit.convert import convert
+from ckptkit.formats import REGISTRY, detect_format, is_checkpoint_file, register, unregister
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
+from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
+from ckptkit.inspection import inspect_path
+from ckptkit.lazy import Lazy
+from ckptkit.models import Family, ModelConfig, canonical_shapes, get_family
+from ckptkit.models.spec import Layout, Rule
+
+from conftest import FIXTURES, assert_same_files, assert_same_layout
+
+CONFIG = "flat.json"
+WEIGHTS = "tensors.flat"  # a safetensors container under a suffix no built-in code knows
+
+
+class FlatFormat(CheckpointFormat):
+    """Canonical tensor names in one ``tensors.flat`` + ``flat.json`` (model type, config)."""
+
+    name = "flat-test"
+    expects = f"{CONFIG} + {WEIGHTS}"
+    detect_order = 40
+    weight_file = re.compile(re.escape(WEIGHTS))
+    config_file = CONFIG
+    metadata_names = (CONFIG,)
+
+    def detect(self, root: Path) -> bool:
+        return (root / CONFIG).is_file() and (root / WEIGHTS).is_file()
+
+    def open(self, root: Path) -> RawCheckpoint:
+        text, doc = read_json(root / CONFIG)
+        reader = SafetensorsReader(root / WEIGHTS)
+        return RawCheckpoint(
+            format=self.name,
+            root=root,
+            files={WEIGHTS: list(reader.infos)},
+            infos=dict(reader.infos),
+            readers={WEIGHTS: reader},  # type: ignore[dict-item]
+            config_name=CONFIG,
+            config_text=text,
+            config=doc,
+        )
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        return get_family(raw.config["model_type"])
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        return ModelConfig.from_dict(raw.config["config"])
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return Layout(head=tuple(Rule(name, (name,)) for name in canonical_shapes(cfg)), layer=())
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        return [FilePlan(WEIGHTS, list(targets))], {}
+
+    def writer(self, path: Path, file: FilePlan, entries: Any, direct: bool) -> Any:
+        return SafetensorsWriter(path, entries, None, direct=direct)
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        doc = {"model_type": ckpt.family.name, "config": ckpt.config.to_dict()}
+        return {CONFIG: json.dumps(doc, indent=1) + "\n"}
+
+
+@pytest.fixture
+def flat() -> Iterator[FlatFormat]:
+    fmt = FlatFormat()
+    register(fmt)
+    try:
+        yield fmt
+    finally:
+        unregister(fmt.name)
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_registered_format_round_trips_hf_bitwise(flat: FlatFormat, tmp_path: Path) -> None:
+    src = FIXTURES / "hf" / "llama2"
+    convert(src, tmp_path / "flat", flat.name)
+    assert sorted(p.name for p in (tmp_path / "flat").iterdir() if is_checkpoint_file(p.name)) == [
+        "ckptkit-origin.json",
+        CONFIG,
+        WEIGHTS,
+    ]
+    assert detect_format(tmp_path / "flat") is flat
+    assert inspect_path(tmp_path / "flat")["format"] == flat.name
+
+    # Read independently: the flat file holds HF's tensors, bit for bit, under canonical names.
+    hf: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("model-*.safetensors")):
+        hf |= _safetensors(shard)
+    mine = _safetensors(tmp_path / "flat" / WEIGHTS)
+    with open_checkpoint(src) as ckpt:
+        assert sorted(mine) == sorted(ckpt.tensors)
+    pairs = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "layers.0.attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
+        "layers.1.mlp.w2.weight": "model.layers.1.mlp.down_proj.weight",
+        "norm.scale": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    for canonical, native in pairs.items():
+        assert _bitwise_equal(mine[canonical], hf[native]), canonical
+
+    convert(tmp_path / "flat", tmp_path / "back", "hf")
+    assert_same_files(src, tmp_path / "back")
+
+
+def test_a_registered_format_round_trips_meta_bitwise(flat: FlatFormat, tmp_path: Path) -> None:
+    src = FIXTURES / "meta" / "llama2"
+    convert(src, tmp_path / "flat", flat.name)
+    with open_checkpoint(tmp_path / "flat") as ckpt:
+        assert ckpt.format == flat.name and ckpt.origin["format"] == "meta"
+    original = torch.load(src / "consolidated.00.pth", weights_only=True)
+    mine = _safetensors(tmp_path / "flat" / WEIGHTS)
+    assert _bitwise_equal(mine["layers.0.mlp.w1.weight"], original["layers.0.feed_forward.w1.weight"])
+
+    convert(tmp_path / "flat", tmp_path / "back", "meta")
+    # Pickles come back with the same tensors and size (as every round trip through .pth
+    # does, test_roundtrip.py); the other files byte for byte.
+    assert_same_layout(src, tmp_path / "back")
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in (tmp_path / "back").iterdir())
+    for p in src.iterdir():
+        written = tmp_path / "back" / p.name
+        if p.suffix == ".pth":
+            assert written.stat().st_size == p.stat().st_size, p.name
+        else:
+            assert written.read_bytes() == p.read_bytes(), p.name
+    back = torch.load(tmp_path / "back" / "consolidated.00.pth", weights_only=True)
+    assert list(back) == list(original)
+    assert all(_bitwise_equal(back[k], original[k]) for k in original)
+
+
+def test_unregistering_removes_the_format(tmp_path: Path) -> None:
+    fmt = register(FlatFormat())
+    unregister(fmt.name)
+    assert fmt.name not in REGISTRY
+    with pytest.raises(Exception, match="unknown target format 'flat-test'"):
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "out", "flat-test")
+
+
+def test_a_name_is_registered_once(flat: FlatFormat) -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register(FlatFormat())
