@@ -61,7 +61,7 @@ NO_COPY = "off"
 CopyMethod = StrEnum("CopyMethod", {m: m for m in (AUTO, *METHODS, NO_COPY)})  # type: ignore[misc]
 
 
-_FORMATS = ", ".join(FORMATS)
+_FORMATS = ", ".join(format_names())
 MODEL_TYPE_HELP = f"Model type (default: detected from the files): {', '.join(MODEL_TYPES)}."
 
 
