@@ -235,6 +235,7 @@ class Recipe:
         loss = evaluate(
             self.model, self.val_dataset, self.cfg.batch_size, self.pad_id, self.device, p.rank, p.world_size, p.reduce
         )
+        p.after_forward_only(self.model)
         if self.metrics is not None:
             self.metrics.log(step=self.global_step, epoch=epoch, eval_loss=loss)
 

@@ -92,6 +92,9 @@ class Placement:
         rank) and what to log with the checkpoint event."""
         raise NotImplementedError
 
+    def after_forward_only(self, model: nn.Module) -> None:
+        """Put the model back as training expects it after forwards without backward (evaluation)."""
+
     def barrier(self) -> None:
         """Wait for every rank."""
 
@@ -216,6 +219,15 @@ class FSDP2(Placement):
         path = D.save_sharded(checkpointer, name, shapes, tensor, state, extra)
         rss = D.gather_objects((round(before), round(D.rss_mib())))  # per rank, MiB
         return path, {"rss_mib_before_save": [r[0] for r in rss], "peak_rss_mib_save": [r[1] for r in rss]}
+
+    def after_forward_only(self, model: nn.Module) -> None:
+        # FSDP2 keeps the root's parameters gathered after a forward until its backward; without
+        # one (evaluation) they would stay gathered, and unknown to the optimizer's state dict
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def barrier(self) -> None:
         dist.barrier()
