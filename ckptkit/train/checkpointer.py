@@ -28,7 +28,7 @@ from ckptkit.models import ModelConfig
 from ckptkit.publish import publishing, retire, sweep
 from ckptkit.save_like import write_like
 from ckptkit.train.config import parse_config
-from ckptkit.train.lora import lora_modules
+from ckptkit.train.lora import lora_modules, model_config
 from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
 from ckptkit.train.schema import CheckpointerConfig, RecipeConfig
 
@@ -105,7 +105,7 @@ class Checkpointer:
 
     def recipe_state_path(self) -> Path:
         """``checkpointer.recipe_checkpoint``: the state file, or a checkpoint folder holding one."""
-        path = Path(self.recipe_checkpoint)
+        path = Path(self.recipe_checkpoint or "")
         if path.is_dir():
             for candidate in (path / RECIPE_STATE_DIR / RECIPE_STATE, path / RECIPE_STATE):
                 if candidate.is_file():
@@ -180,7 +180,7 @@ class Checkpointer:
             folder = folder / ADAPTER_DIR  # the checkpoint folder was given
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
-        adapter = read_lora_weights(folder, model.config)
+        adapter = read_lora_weights(folder, model_config(model))
         modules = lora_modules(model)
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))
@@ -226,7 +226,7 @@ class Checkpointer:
     def save(
         self,
         name: str,
-        model_state: dict[str, torch.Tensor] | None,
+        model_state: dict[str, Any] | None,
         adapter_model: nn.Module | None = None,
         recipe_state: dict[str, Any] | None = None,
         extra: Callable[[Path], None] | None = None,

@@ -9,7 +9,6 @@ a top-level ``output_dir`` and ``_component_`` where it names one of ckptkit's p
 
 from __future__ import annotations
 
-import copy
 import difflib
 import re
 import types
@@ -117,18 +116,6 @@ def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
         return value
 
     return resolve(cfg, ())
-
-
-def get(cfg: dict[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
-    """A dotted key's value; ``required`` makes a missing key a one-line error naming it."""
-    node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            if required:
-                raise CkptkitError(f"config is missing required key {key}")
-            return default
-        node = node[part]
-    return copy.deepcopy(node)
 
 
 # --- schema ----------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def chat_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
             raise CkptkitError(f"{where}: message {n}: needs a role system/user/assistant and string content")
     if not any(role == "assistant" for role, _ in turns):
         raise CkptkitError(f"{where}: the conversation has no assistant message")
-    return [{"role": role, "content": content} for role, content in turns]
+    return [{"role": str(role), "content": str(content)} for role, content in turns]
 
 
 def _tokenizer_for(conf: DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None) -> Any:

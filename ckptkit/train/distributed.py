@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.lazy import Lazy
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
+from ckptkit.train.lora import decoder_layers
 
 T = TypeVar("T")
 
@@ -104,7 +106,7 @@ def shard_model(
 ) -> None:
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, norm, output)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         if activation_checkpointing:
             layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -186,7 +188,7 @@ def save_sharded(
         dcp.save(recipe_state, checkpoint_id=folder)
 
     def work(lead: Callable[[str, Any], Any]) -> Path:
-        model = None if shapes is None else {k: Lazy(s, "", lambda k=k: lead("gather", k)) for k, s in shapes.items()}
+        model = None if shapes is None else {k: Lazy(s, "", partial(lead, "gather", k)) for k, s in shapes.items()}
 
         def extra(folder: Path) -> None:
             if adapter is not None:

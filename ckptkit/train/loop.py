@@ -35,7 +35,7 @@ from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state,
 from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
-from ckptkit.train.placement import FSDP2, Placement, SingleDevice, open_source
+from ckptkit.train.placement import FSDP2, Placement, Save, SingleDevice, open_source
 from ckptkit.train.schema import (
     FullFinetuneConfig,
     FullFinetuneDistributedConfig,
@@ -119,7 +119,7 @@ class Recipe:
         self.trainable.prepare(ckpt, self.writer)
         placement.barrier()
         if self.writer:
-            self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb.model_dump(), cfg.model_dump())
+            self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb, cfg.model_dump())
             self.metrics.event(setup=self.describe())
 
     def describe(self) -> dict[str, Any]:
@@ -245,7 +245,7 @@ class Recipe:
         files = self.trainable.model_files(self.model, full, final)
         shapes, tensor = files if files is not None else (None, lambda k: torch.empty(0))
         extra = self.trainable.extra(self.model, full, self.checkpointer)
-        path, logged = self.placement.save(self.checkpointer, name, shapes, tensor, state, extra)
+        path, logged = self.placement.save(self.checkpointer, Save(name, shapes, tensor, state, extra))
         if self.metrics is not None:
             self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
             self.progress.note(f"saved {path}")

@@ -10,6 +10,7 @@ the process group torchrun describes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from ckptkit.checkpoint import Checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.lora import model_config
 from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
 from ckptkit.train.step import DTYPES, Reduce
 
@@ -32,6 +34,20 @@ PROGRESS_KEYS = (
 
 TensorSource = Callable[[str], torch.Tensor]
 """A whole tensor by canonical name (read from a checkpoint, or gathered from shards)."""
+
+
+@dataclass
+class Save:
+    """One checkpoint to write: the model tensors in ``shapes`` (None: no model files), each
+    whole from ``tensor``; ``state`` (``progress``, ``optimizer``, ``lr_scheduler``, ``rng``,
+    maybe ``model``) as the recipe state (None: a final checkpoint); ``extra(folder)`` runs on
+    the writing rank before the folder is published."""
+
+    name: str
+    shapes: dict[str, tuple[int, ...]] | None
+    tensor: TensorSource
+    state: dict[str, Any] | None
+    extra: Callable[[Path], None] | None
 
 
 class Placement:
@@ -77,19 +93,9 @@ class Placement:
     def set_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def save(
-        self,
-        checkpointer: Checkpointer,
-        name: str,
-        shapes: dict[str, tuple[int, ...]] | None,
-        tensor: TensorSource,
-        state: dict[str, Any] | None,
-        extra: Callable[[Path], None] | None,
-    ) -> tuple[Path | None, dict[str, Any]]:
-        """Write checkpoint ``name``: the model tensors in ``shapes`` (None: no model files),
-        ``state`` (``progress``, ``optimizer``, ``lr_scheduler``, ``rng``, maybe ``model``) as the
-        recipe state, ``extra(folder)`` on the writing rank. Returns the folder (on the writing
-        rank) and what to log with the checkpoint event."""
+    def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
+        """Write checkpoint ``save.name``; returns the folder (on the writing rank) and what to
+        log with the checkpoint event."""
         raise NotImplementedError
 
     def after_forward_only(self, model: nn.Module) -> None:
@@ -128,18 +134,11 @@ class SingleDevice(Placement):
     def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
         return {k: self._state[k] for k in template if k in self._state}
 
-    def save(
-        self,
-        checkpointer: Checkpointer,
-        name: str,
-        shapes: dict[str, tuple[int, ...]] | None,
-        tensor: TensorSource,
-        state: dict[str, Any] | None,
-        extra: Callable[[Path], None] | None,
-    ) -> tuple[Path | None, dict[str, Any]]:
-        weights = None if shapes is None else {k: tensor(k) for k in shapes}
+    def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
+        weights = None if save.shapes is None else {k: save.tensor(k) for k in save.shapes}
+        state = save.state
         flat = None if state is None else {**state["progress"], **{k: v for k, v in state.items() if k != "progress"}}
-        return checkpointer.save(name, weights, recipe_state=flat, extra=extra), {}
+        return checkpointer.save(save.name, weights, recipe_state=flat, extra=save.extra), {}
 
 
 class FSDP2(Placement):
@@ -162,7 +161,7 @@ class FSDP2(Placement):
         made = {k: v for k, v in model.state_dict().items() if not v.is_meta}  # e.g. LoRA adapters, on the CPU
         if len({t.data_ptr() for t in made.values()}) < len(made):
             raise CkptkitError(
-                f"LoRA on the fused modules of {model.config.model_type} (one shared A) is not supported by "
+                f"LoRA on the fused modules of {model_config(model).model_type} (one shared A) is not supported by "
                 "lora_finetune_distributed yet; use lora_finetune or other lora.targets"
             )
         model.to("meta")
@@ -203,20 +202,13 @@ class FSDP2(Placement):
 
         set_optimizer_state_dict(model, optimizer, state)
 
-    def save(
-        self,
-        checkpointer: Checkpointer,
-        name: str,
-        shapes: dict[str, tuple[int, ...]] | None,
-        tensor: TensorSource,
-        state: dict[str, Any] | None,
-        extra: Callable[[Path], None] | None,
-    ) -> tuple[Path | None, dict[str, Any]]:
+    def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
         D.reset_peak_rss()
         before = D.rss_mib("VmRSS")
+        state = save.state
         if state is not None:
             state = {**state, "rng": {f"rank_{self.rank}": state["rng"]}}
-        path = D.save_sharded(checkpointer, name, shapes, tensor, state, extra)
+        path = D.save_sharded(checkpointer, save.name, save.shapes, save.tensor, state, save.extra)
         rss = D.gather_objects((round(before), round(D.rss_mib())))  # per rank, MiB
         return path, {"rss_mib_before_save": [r[0] for r in rss], "peak_rss_mib_save": [r[1] for r in rss]}
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptkit.train.data import TokenizedDataset, collate
+from ckptkit.train.lora import decoder_layers
 from ckptkit.train.samples import IGNORE_INDEX, Sample
 from ckptkit.train.schema import OptimizerConfig, SchedulerConfig
 
@@ -141,7 +142,7 @@ def build_optimizer(
     if fused is None:
         fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(
-        params, lr=float(cfg.lr), betas=tuple(cfg.betas), weight_decay=float(cfg.weight_decay), fused=fused
+        params, lr=float(cfg.lr), betas=(cfg.betas[0], cfg.betas[1]), weight_decay=float(cfg.weight_decay), fused=fused
     )
 
 
@@ -162,10 +163,10 @@ def build_scheduler(
 
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` each decoder block in place (parameter names unchanged)."""
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         layer.compile()
 
 
 def compiled_layers(model: nn.Module) -> int:
     """How many decoder blocks run compiled."""
-    return sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in model.layers)
+    return sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(model))
