@@ -87,11 +87,9 @@ class StepClock:
 
 
 def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool) -> tuple[float, StepClock]:
-    import importlib
+    from ckptkit.train.loop import Recipe, run
 
-    module = importlib.import_module(f"ckptkit.train.recipes.{'lora_finetune' if lora else 'full_finetune'}")
-    recipe = module.LoRAFinetuneRecipe if lora else module.FullFinetuneRecipe
-    clock, step = StepClock(), recipe._step
+    clock, step = StepClock(), Recipe._step
 
     def timed_step(self, batches):  # the recipe's own step, clocked like the peers' loops
         clock.start()
@@ -99,8 +97,11 @@ def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool)
         clock.stop(tokens)
         return loss, tokens
 
-    recipe._step = timed_step
-    module.recipe_main(recipe_config(model, out, args, lora))
+    Recipe._step = timed_step  # type: ignore[method-assign]
+    try:
+        run(recipe_config(model, out, args, lora), "lora_finetune" if lora else "full_finetune")
+    finally:
+        Recipe._step = step  # type: ignore[method-assign]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return next(r["loss"] for r in rows if "loss" in r), clock
 

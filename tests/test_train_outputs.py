@@ -127,9 +127,9 @@ def test_plain_log_lines_and_summary_when_not_a_terminal(tmp_path: Path) -> None
 
 
 def test_interrupted_run_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from ckptkit.train.recipes import lora_finetune
+    from ckptkit.train.loop import Recipe
 
-    real_step = lora_finetune.LoRAFinetuneRecipe._step
+    real_step = Recipe._step
     calls = []
 
     def step_then_stop(self, batches):
@@ -138,7 +138,7 @@ def test_interrupted_run_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.
             raise KeyboardInterrupt
         return real_step(self, batches)
 
-    monkeypatch.setattr(lora_finetune.LoRAFinetuneRecipe, "_step", step_then_stop)
+    monkeypatch.setattr(Recipe, "_step", step_then_stop)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=1", "quiet=false",

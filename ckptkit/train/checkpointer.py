@@ -27,9 +27,10 @@ from ckptkit.formats.torch_io import save_torch
 from ckptkit.models import ModelConfig
 from ckptkit.publish import publishing, retire, sweep
 from ckptkit.save_like import write_like
-from ckptkit.train.config import get
-from ckptkit.train.lora import lora_modules
+from ckptkit.train.config import parse_config
+from ckptkit.train.lora import lora_modules, model_config
 from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
+from ckptkit.train.schema import CheckpointerConfig, RecipeConfig
 
 RECIPE_STATE = "recipe_state.pt"
 RECIPE_STATE_DIR = "recipe_state"
@@ -46,17 +47,25 @@ class Checkpointer:
     """Configured by the ``checkpointer:`` section (see docs/training.md) plus
     ``resume_from_checkpoint``."""
 
-    def __init__(self, cfg: dict[str, Any]):
-        self.checkpoint_dir = Path(get(cfg, "checkpointer.checkpoint_dir", required=True))
-        self.checkpoint_files = get(cfg, "checkpointer.checkpoint_files")
-        self.model_type = get(cfg, "checkpointer.model_type")
-        self.output_dir = Path(get(cfg, "checkpointer.output_dir", required=True))
-        self.adapter_checkpoint = get(cfg, "checkpointer.adapter_checkpoint")
-        self.recipe_checkpoint = get(cfg, "checkpointer.recipe_checkpoint")
-        self.resume = bool(get(cfg, "resume_from_checkpoint", False))
-        self.keep_last = get(cfg, "checkpointer.keep_last_n_checkpoints")
-        self.hf_base_dir = get(cfg, "checkpointer.hf_base_dir")
-        self.expect_formats = get(cfg, "checkpointer.expect_formats")
+    def __init__(self, cfg: RecipeConfig | dict[str, Any]):
+        if isinstance(cfg, dict):  # an unvalidated config: its checkpointer section is checked here
+            section = cfg.get("checkpointer")
+            conf = parse_config(section if isinstance(section, dict) else {}, CheckpointerConfig)
+            resume = bool(cfg.get("resume_from_checkpoint", False))
+        else:
+            conf, resume = cfg.checkpointer, cfg.resume_from_checkpoint
+        if conf.output_dir is None:
+            raise CkptkitError("config is missing required key checkpointer.output_dir")
+        self.checkpoint_dir = Path(conf.checkpoint_dir)
+        self.checkpoint_files = conf.checkpoint_files
+        self.model_type = conf.model_type
+        self.output_dir = Path(conf.output_dir)
+        self.adapter_checkpoint = conf.adapter_checkpoint
+        self.recipe_checkpoint = conf.recipe_checkpoint
+        self.resume = resume
+        self.keep_last = conf.keep_last_n_checkpoints
+        self.hf_base_dir = conf.hf_base_dir
+        self.expect_formats = conf.expect_formats
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
         sweep(self.output_dir)  # what killed runs left half-written
         self.loads_in_transformers = False
@@ -87,13 +96,16 @@ class Checkpointer:
             return ckpt.config, {k: v.get() for k, v in ckpt.tensors.items()}
 
     def resume_folder(self) -> Path:
-        """The checkpoint folder that holds the recipe state being resumed."""
-        parent = self.recipe_state_path().parent
-        return parent.parent if parent.name == RECIPE_STATE_DIR else parent
+        """The checkpoint folder that holds the recipe state being resumed (``recipe_checkpoint``
+        names that folder, its ``recipe_state`` folder or the state file in either)."""
+        path = Path(self.recipe_checkpoint or "")
+        if path.is_file():
+            path = path.parent
+        return path.parent if path.name == RECIPE_STATE_DIR else path
 
     def recipe_state_path(self) -> Path:
         """``checkpointer.recipe_checkpoint``: the state file, or a checkpoint folder holding one."""
-        path = Path(self.recipe_checkpoint)
+        path = Path(self.recipe_checkpoint or "")
         if path.is_dir():
             for candidate in (path / RECIPE_STATE_DIR / RECIPE_STATE, path / RECIPE_STATE):
                 if candidate.is_file():
@@ -168,7 +180,7 @@ class Checkpointer:
             folder = folder / ADAPTER_DIR  # the checkpoint folder was given
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
-        adapter = read_lora_weights(folder, model.config)
+        adapter = read_lora_weights(folder, model_config(model))
         modules = lora_modules(model)
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))
@@ -214,7 +226,7 @@ class Checkpointer:
     def save(
         self,
         name: str,
-        model_state: dict[str, torch.Tensor] | None,
+        model_state: dict[str, Any] | None,
         adapter_model: nn.Module | None = None,
         recipe_state: dict[str, Any] | None = None,
         extra: Callable[[Path], None] | None = None,
@@ -230,7 +242,7 @@ class Checkpointer:
             if model_state is not None:
                 write_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
             if adapter_model is not None:
-                save_adapter(adapter_model, tmp / ADAPTER_DIR, base_model_name_or_path=self.peft_base or None)
+                self.write_adapter(adapter_model, tmp)
             if recipe_state is not None:
                 (tmp / RECIPE_STATE_DIR).mkdir(parents=True)
                 save_torch(recipe_state, tmp / RECIPE_STATE_DIR / RECIPE_STATE)
@@ -238,6 +250,10 @@ class Checkpointer:
                 extra(tmp)
         self.saved.append(final)
         return final
+
+    def write_adapter(self, model: nn.Module, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """The model's LoRA adapter (or ``weights``, gathered whole) in PEFT's format in ``folder/adapter``."""
+        save_adapter(model, folder / ADAPTER_DIR, base_model_name_or_path=self.peft_base or None, weights=weights)
 
     def latest_resumable(self) -> Path | None:
         """The newest checkpoint written by this run that holds a recipe state."""

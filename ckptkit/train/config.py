@@ -9,13 +9,12 @@ a top-level ``output_dir`` and ``_component_`` where it names one of ckptkit's p
 
 from __future__ import annotations
 
-import copy
 import difflib
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, TypeVar, Union
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
@@ -119,18 +118,6 @@ def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
     return resolve(cfg, ())
 
 
-def get(cfg: dict[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
-    """A dotted key's value; ``required`` makes a missing key a one-line error naming it."""
-    node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            if required:
-                raise CkptkitError(f"config is missing required key {key}")
-            return default
-        node = node[part]
-    return copy.deepcopy(node)
-
-
 # --- schema ----------------------------------------------------------------------------------
 
 
@@ -177,14 +164,23 @@ class Section(BaseModel):
         return data
 
 
-def validate_config(raw: dict[str, Any], schema: type[BaseModel]) -> dict[str, Any]:
-    """The config checked against ``schema``, defaults filled in, as a plain dict; one-line errors."""
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_config(raw: dict[str, Any], schema: type[M]) -> M:
+    """The config checked against ``schema``, defaults filled in, as the schema's typed object;
+    the first problem as a one-line error naming the key."""
     try:
-        return schema.model_validate(raw).model_dump()
+        return schema.model_validate(raw)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
         raise CkptkitError(describe_error(errors[0], schema) + more) from None
+
+
+def validate_config(raw: dict[str, Any], schema: type[BaseModel]) -> dict[str, Any]:
+    """``parse_config`` as a plain dict (for tools that print or store the validated config)."""
+    return parse_config(raw, schema).model_dump()
 
 
 def describe_error(error: Any, schema: type[BaseModel]) -> str:

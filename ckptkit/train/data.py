@@ -7,7 +7,6 @@ read; the loss mask is then cut at the token where the response starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -17,9 +16,10 @@ from pydantic import Field, Strict, ValidationError, model_validator
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import Bool, Section, Text
 from ckptkit.train.data_sources import Row, hold_out, load_rows, resolve_source
+from ckptkit.train.packing import document_inputs, pack
+from ckptkit.train.samples import IGNORE_INDEX, Sample
 from ckptkit.train.tokenizer import Tokenizer
 
-IGNORE_INDEX = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 ALPACA_INPUT_BLOCK = "### Input:\n{input}\n\n"
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -55,15 +55,6 @@ class DatasetConfig(Section):
         return self
 
 
-@dataclass
-class Sample:
-    """Token ids and labels (``IGNORE_INDEX`` where no loss), unshifted; ``lengths`` of packed documents."""
-
-    ids: list[int]
-    labels: list[int]
-    lengths: list[int] = field(default_factory=list)
-
-
 class TokenizedDataset:
     """A list of samples; ``len`` and indexing as a map-style dataset."""
 
@@ -93,8 +84,6 @@ def build_datasets(
     cfg: dict[str, Any] | DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None, seed: int = 0
 ) -> tuple[TokenizedDataset, TokenizedDataset | None]:
     """(training set, validation set or None) as configured."""
-    from ckptkit.train.packing import pack
-
     conf = dataset_config(cfg)
     tokenize = _tokenizer_for(conf, tokenizer, tokenizer_dir)
     where = resolve_source(conf.source)
@@ -172,7 +161,7 @@ def chat_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
             raise CkptkitError(f"{where}: message {n}: needs a role system/user/assistant and string content")
     if not any(role == "assistant" for role, _ in turns):
         raise CkptkitError(f"{where}: the conversation has no assistant message")
-    return [{"role": role, "content": content} for role, content in turns]
+    return [{"role": str(role), "content": str(content)} for role, content in turns]
 
 
 def _tokenizer_for(conf: DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None) -> Any:
@@ -283,8 +272,6 @@ def collate(batch: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         labels[row, : len(s.labels) - 1] = torch.tensor(s.labels[1:])
     out = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     if any(s.lengths for s in batch):
-        from ckptkit.train.packing import document_inputs
-
         out.update(document_inputs([s.lengths or [len(s.ids)] for s in batch], width))
     return out
 

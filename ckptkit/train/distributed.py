@@ -1,4 +1,4 @@
-"""What the distributed recipes share: the process group from torchrun's environment,
+"""What FSDP2 training needs: the process group from torchrun's environment,
 FSDP2 sharding, loading full tensors one at a time into shards, and saving led by rank 0.
 
 Saving never holds the whole model in one process: rank 0 runs the single-device
@@ -16,6 +16,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,31 +33,26 @@ from torch.utils.checkpoint import checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.lazy import Lazy
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
-from ckptkit.train.config import get
+from ckptkit.train.lora import decoder_layers
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 T = TypeVar("T")
 
 
-def dtype_option(cfg: dict[str, Any], key: str, default: str | None = None) -> torch.dtype | None:
-    """A ``fp32``/``bf16`` config value as a torch dtype (None when unset and no default)."""
-    name = get(cfg, key, default)
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise CkptkitError(f"{key} must be one of {', '.join(DTYPES)}, not {name!r}")
-    return DTYPES[name]
-
-
-def init_distributed(device: str) -> tuple[torch.device, DeviceMesh]:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); without torchrun,
-    a group of one. Returns this rank's device and the 1-D mesh FSDP shards over."""
+def device_type(device: str) -> str:
+    """The ``device`` config value (``cpu``, ``cuda``, ``auto``) as the device type to train on."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise CkptkitError("device is cuda but no CUDA device is available; set device=cpu")
     if device not in ("cpu", "cuda"):
         raise CkptkitError(f"device must be cpu, cuda or auto, not {device!r}")
+    return device
+
+
+def init_distributed(device: str) -> tuple[torch.device, DeviceMesh]:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); without torchrun,
+    a group of one. Returns this rank's device and the 1-D mesh FSDP shards over."""
+    device = device_type(device)
     return_freed_memory()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
@@ -110,7 +106,7 @@ def shard_model(
 ) -> None:
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, norm, output)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         if activation_checkpointing:
             layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -192,7 +188,7 @@ def save_sharded(
         dcp.save(recipe_state, checkpoint_id=folder)
 
     def work(lead: Callable[[str, Any], Any]) -> Path:
-        model = None if shapes is None else {k: Lazy(s, "", lambda k=k: lead("gather", k)) for k, s in shapes.items()}
+        model = None if shapes is None else {k: Lazy(s, "", partial(lead, "gather", k)) for k, s in shapes.items()}
 
         def extra(folder: Path) -> None:
             if adapter is not None:

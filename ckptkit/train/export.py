@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ckptkit.errors import CkptkitError
+from ckptkit.lazy import Lazy
 from ckptkit.train.lora import base_state_dict, merged_weight
-from ckptkit.train.peft_io import check_base_copies, read_lora_weights
+from ckptkit.train.peft_io import AdapterWeights, check_base_copies, read_lora_weights
 
 
 def export_merged(model: nn.Module, base_checkpoint: str | Path, out_dir: str | Path) -> None:
@@ -32,7 +35,7 @@ def merge_adapter_into_checkpoint(
     are read one at a time, as the writer reaches them.
     """
     from ckptkit import save_checkpoint_like
-    from ckptkit.checkpoint import Lazy, open_checkpoint
+    from ckptkit.checkpoint import open_checkpoint
 
     with open_checkpoint(base_checkpoint, model_type=model_type) as ckpt:
         adapter = read_lora_weights(adapter_dir, ckpt.config)
@@ -47,5 +50,9 @@ def merge_adapter_into_checkpoint(
                 raise CkptkitError(
                     f"adapter for {key} has shape {(w.b.shape[0], w.a.shape[1])}, weight is {tuple(base.shape)}"
                 )
-            state[key] = Lazy(base.shape, base.dtype, lambda b=base, w=w: merged_weight(b.get(), w.a, w.b, w.scaling))
+            state[key] = Lazy(base.shape, base.dtype, partial(_merged, base, w))
         save_checkpoint_like(str(base_checkpoint), state, str(out_dir), model_type=model_type)
+
+
+def _merged(base: Lazy, w: AdapterWeights) -> torch.Tensor:
+    return merged_weight(base.get(), w.a, w.b, w.scaling)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptkit.errors import CkptkitError
+from ckptkit.models import ModelConfig
 
 # Short target names -> canonical module leaf names (ckptkit.models.config docstring).
 TARGETS: dict[str, str] = {
@@ -196,6 +197,22 @@ def add_lora(
             LoRALinear.from_linear(module, rank, alpha, dropout, use_rslora, lora_dtype),
         )
     return model
+
+
+def model_config(model: nn.Module) -> ModelConfig:
+    """The :class:`ModelConfig` a native model was built from."""
+    config = model.config
+    if not isinstance(config, ModelConfig):
+        raise CkptkitError(f"{type(model).__name__} is not a ckptkit model (no ModelConfig)")
+    return config
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """A native model's decoder blocks."""
+    layers = model.layers
+    if not isinstance(layers, nn.ModuleList):
+        raise CkptkitError(f"{type(model).__name__} is not a ckptkit model (no decoder layers)")
+    return layers
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
-from ckptkit.train.lora import TARGETS, LoRALinear, lora_modules, resolve_targets
+from ckptkit.train.lora import TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
 
 def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
@@ -68,7 +68,7 @@ def share_fused_lora(model: nn.Module) -> None:
     """Give the adapted parts of each fused module one shared ``lora_a`` (PEFT's single A)."""
     groups: dict[str, list[LoRALinear]] = {}
     for name, m in lora_modules(model).items():
-        where = fused_part(model.config.model_type, name)
+        where = fused_part(model_config(model).model_type, name)
         if where is not None:
             groups.setdefault(where[0], []).append(m)
     for fused, members in groups.items():

@@ -8,11 +8,14 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckptkit.errors import CkptkitError
+
+if TYPE_CHECKING:
+    from ckptkit.train.schema import WandbConfig
 
 
 class MetricLogger:
@@ -20,22 +23,22 @@ class MetricLogger:
     when ``wandb.project`` is set (``wandb`` must then be installed: checked here, in setup)."""
 
     def __init__(
-        self, output_dir: Path, resume: bool, wandb: dict[str, Any] | None = None, run_config: dict | None = None
+        self, output_dir: Path, resume: bool, wandb: WandbConfig | None = None, run_config: dict | None = None
     ) -> None:
         self.wandb = None
-        if wandb and wandb.get("project"):
+        if wandb is not None and wandb.project:
             try:
                 import wandb as wandb_lib
             except ImportError:
                 raise CkptkitError("wandb.project is set but wandb is not installed (pip install wandb)") from None
-            settings = {k: v for k, v in wandb.items() if v is not None}
+            settings = {k: v for k, v in vars(wandb).items() if v is not None}
             self.wandb = wandb_lib.init(dir=str(output_dir), config=run_config, resume="allow", **settings)
         output_dir.mkdir(parents=True, exist_ok=True)
         self.file = (output_dir / "metrics.jsonl").open("a" if resume else "w", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+            self.tb: Any = SummaryWriter(str(output_dir / "tensorboard"))
         except ImportError:
             self.tb = None
 

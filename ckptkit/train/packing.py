@@ -7,18 +7,13 @@ first label of every document is dropped so no document learns to predict the ne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from ckptkit.train.data import Sample
+from ckptkit.train.samples import IGNORE_INDEX, Sample
 
 
 def pack(samples: list[Sample], max_seq_len: int) -> list[Sample]:
     """Samples, in order, greedily filled into packs of at most ``max_seq_len`` tokens."""
-    from ckptkit.train.data import IGNORE_INDEX, Sample
-
     packs: list[Sample] = []
     current = Sample([], [], [])
     for s in samples:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, canonical_shapes
-from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora
+from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -171,7 +171,7 @@ def _peft_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """PEFT's tensors for the model's adapters (or for ``weights``, full tensors by parameter
     name), and each canonical module's HF module name."""
-    model_type = model.config.model_type
+    model_type = model_config(model).model_type
     tensors: dict[str, torch.Tensor] = {}
     hf_names: dict[str, str] = {}
     fused_b: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -349,7 +349,7 @@ def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
     """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
-    adapter = read_lora_weights(adapter_dir, model.config)
+    adapter = read_lora_weights(adapter_dir, model_config(model))
     check_base_copies(adapter, model.state_dict())
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)

@@ -14,7 +14,7 @@ Numerics follow transformers (float32 norms and rope angles) so logits match
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.models import get_family
 from ckptkit.models.config import ModelConfig
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu": F.gelu,
@@ -58,7 +58,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     rope_type = (scaling or {}).get("rope_type", scaling and scaling.get("type")) or "default"
     if rope_type == "default":
         return inv_freq
-    if rope_type != "llama3":
+    if rope_type != "llama3" or scaling is None:
         raise CkptkitError(f"rope scaling type {rope_type!r} is not supported by the native model")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -50,20 +50,17 @@ def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: li
 
     The config (``cfg``, already parsed) and its base checkpoint are checked first, so the
     usual mistakes are one line here rather than one per process."""
-    from ckptkit.train.checkpointer import Checkpointer
-
     if recipe in RECIPES and not recipe.endswith("_distributed"):
         raise CkptkitError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
-    if recipe in RECIPES:  # the recipe's own schema: torchtune spellings, defaults, one-line errors
-        from ckptkit.train import schema
-        from ckptkit.train.config import validate_config
+    from ckptkit.train.checkpointer import Checkpointer
 
-        schemas = {
-            "full_finetune_distributed": schema.FullFinetuneDistributedConfig,
-            "lora_finetune_distributed": schema.LoRAFinetuneDistributedConfig,
-        }
-        cfg = validate_config(cfg, schemas[recipe])
-    Checkpointer(cfg).open_base().close()
+    checked: Any = cfg  # a recipe file's config: its checkpointer section is checked
+    if recipe in RECIPES:  # the recipe's own schema: torchtune spellings, defaults, one-line errors
+        from ckptkit.train.config import parse_config
+        from ckptkit.train.loop import RECIPES as SPECS
+
+        checked = parse_config(cfg, SPECS[recipe][0])
+    Checkpointer(checked).open_base().close()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun

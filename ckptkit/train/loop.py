@@ -1,0 +1,326 @@
+"""The training loop of every recipe: full or LoRA fine-tuning, on one device or FSDP2.
+
+A recipe is this loop plus two strategies: a :class:`~ckptkit.train.trainable.Trainable`
+(what trains and what a save writes: :class:`~ckptkit.train.trainable.FullWeights`,
+:class:`~ckptkit.train.trainable.LoRAAdapters`) and a
+:class:`~ckptkit.train.placement.Placement` (how the model is placed and its state gathered
+and saved: :class:`~ckptkit.train.placement.SingleDevice`,
+:class:`~ckptkit.train.placement.FSDP2`). Everything else -- setup, data, validation split,
+optimizer, schedule, gradient accumulation and clipping, compile, evaluation cadence,
+logging, checkpoint cadence, resuming -- is written once, here.
+
+``batch_size`` is per rank: N ranks with ``batch_size`` b take the same global batches, in
+the same seeded order, as one device with ``batch_size`` N x b, and give the same losses.
+Resuming restores weights (or adapters), optimizer, schedule, RNG and data position, so a
+resumed run ends bitwise where an uninterrupted one does (at the same number of ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ckptkit.errors import CkptkitError
+from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
+from ckptkit.train.config import load_config, parse_config
+from ckptkit.train.data import build_datasets, collate, epoch_batches
+from ckptkit.train.metrics import MetricLogger, Progress
+from ckptkit.train.placement import FSDP2, Placement, Save, SingleDevice, open_source
+from ckptkit.train.schema import (
+    FullFinetuneConfig,
+    FullFinetuneDistributedConfig,
+    LoRAFinetuneConfig,
+    LoRAFinetuneDistributedConfig,
+    RecipeConfig,
+)
+from ckptkit.train.step import (
+    DTYPES,
+    build_optimizer,
+    build_scheduler,
+    compile_layers,
+    compiled_layers,
+    evaluate,
+    forward_backward,
+    label_tokens,
+)
+from ckptkit.train.tokenizer import load_tokenizer
+from ckptkit.train.trainable import FullWeights, LoRAAdapters, Trainable
+from ckptkit.train.transformer import build_model
+
+
+class Recipe:
+    """Setup, train, cleanup: epochs of optimizer steps over global batches, evaluation and
+    checkpoints on their cadence, the same for every trainable and placement."""
+
+    def __init__(self, cfg: RecipeConfig, trainable: Trainable, placement: Placement) -> None:
+        self.cfg, self.trainable, self.placement = cfg, trainable, placement
+        self.device = placement.device
+        self.dtype = DTYPES[cfg.dtype]
+        self.seed = cfg.seed
+        self.global_batch = cfg.batch_size * placement.world_size
+        self.writer = placement.rank == 0  # logs and writes checkpoints
+        self.checkpointer = Checkpointer(cfg)
+        self.metrics: MetricLogger | None = None
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+
+    # --- setup ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Model (and its saved state when resuming), data, optimizer, schedule, logging."""
+        cfg, ckpt, placement = self.cfg, self.checkpointer, self.placement
+        progress = placement.read_progress(ckpt)
+        if progress is not None:
+            self._check_progress(progress)
+        model_cfg = ckpt.model_config()  # format, layout and config checks: no weights read yet
+        self.trainable.check(model_cfg)
+        resumed = ckpt.resume_folder() if ckpt.resume and self.trainable.weights_from_resumed_checkpoint else None
+        with ckpt.open_base() as base, contextlib.ExitStack() as stack:
+            source = base if resumed is None else stack.enter_context(open_source(ckpt, resumed))
+            self.model = build_model(base.config, device="meta", dtype=self.dtype)
+            self.trainable.build(self.model, ckpt)
+            if cfg.enable_activation_checkpointing:
+                for layer in self.model.layers:
+                    layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
+            placement.place(self.model, lambda k: source.tensors[k].get())
+        self.model.train()
+        if cfg.compile:
+            compile_layers(self.model)
+
+        tokenizer_dir = cfg.tokenizer or str(ckpt.checkpoint_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
+        folder = Path(tokenizer_dir) if Path(tokenizer_dir).is_dir() else Path(tokenizer_dir).parent
+        self.dataset, self.val_dataset = build_datasets(cfg.dataset, self.tokenizer, folder, self.seed)
+        self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
+        batches = len(self.dataset) // self.global_batch // cfg.gradient_accumulation_steps
+        if batches == 0:
+            ranks = " x ranks" if placement.world_size > 1 else ""
+            raise CkptkitError(
+                f"dataset has {len(self.dataset)} samples, fewer than batch_size{ranks} x gradient_accumulation_steps"
+            )
+        self.steps_per_epoch = min(batches, cfg.max_steps_per_epoch or batches)
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(trainable, cfg.optimizer, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, self.total_steps)
+        self.epochs_run, self.global_step, self.steps_in_epoch = 0, 0, 0
+        if progress is not None:
+            self._load_state(progress)
+        self.trainable.prepare(ckpt, self.writer)
+        placement.barrier()
+        if self.writer:
+            self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb, cfg.model_dump())
+            self.metrics.event(setup=self.describe())
+
+    def describe(self) -> dict[str, Any]:
+        """How this run was set up, as it took effect (logged once to ``metrics.jsonl``)."""
+        return {
+            "world_size": self.placement.world_size,
+            "device": self.device.type,
+            "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "compiled_layers": compiled_layers(self.model),
+            "optimizer_fused": bool(self.optimizer.defaults.get("fused")),
+            "steps_per_epoch": self.steps_per_epoch,
+            "validation_samples": len(self.val_dataset) if self.val_dataset is not None else 0,
+        }
+
+    def _check_progress(self, progress: dict[str, Any]) -> None:
+        """Refuse a recipe state of another schedule or global batch (the data position counts global batches)."""
+        self.checkpointer.check_state(progress, self.seed, self.cfg.epochs, self.cfg.max_steps_per_epoch)
+        saved = progress.get("global_batch")
+        if saved is not None and saved != self.global_batch:
+            raise CkptkitError(
+                f"{self.checkpointer.recipe_checkpoint}: was written with a global batch of {saved} samples "
+                f"({progress['world_size']} ranks), this run has {self.global_batch} ({self.placement.world_size} "
+                f"ranks x batch_size {self.cfg.batch_size}); set batch_size to keep the global batch"
+            )
+
+    def _recipe_state(self, epochs_run: int) -> dict[str, Any]:
+        """What resuming needs besides the checkpoint's files."""
+        state: dict[str, Any] = {
+            "progress": {
+                "seed": self.seed,
+                "epochs_run": epochs_run,
+                "total_epochs": self.cfg.epochs,
+                "max_steps_per_epoch": self.cfg.max_steps_per_epoch,
+                "global_step": self.global_step,
+                "steps_in_epoch": self.steps_in_epoch,
+                "global_batch": self.global_batch,
+                "world_size": self.placement.world_size,
+            },
+            "optimizer": self.placement.optimizer_state(self.model, self.optimizer),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+        }
+        tensors = self.trainable.state_tensors(self.model)
+        if tensors is not None:
+            state["model"] = self.placement.state_tensors(tensors)
+        return state
+
+    def _load_state(self, progress: dict[str, Any]) -> None:
+        state = self.placement.load_state(self._recipe_state(0))
+        if "model" in state:  # full precision where the checkpoint's dtype rounds
+            self.model.load_state_dict(state["model"])
+        self.placement.set_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        self.epochs_run, self.global_step = progress["epochs_run"], progress["global_step"]
+        self.steps_in_epoch = progress["steps_in_epoch"]
+
+    # --- training ------------------------------------------------------------------------
+    def train(self) -> None:
+        """Epochs of optimizer steps; evaluation every ``eval_every_n_steps`` (else at each
+        epoch end); checkpoints at epoch ends and every ``save_every_n_steps``."""
+        cfg = self.cfg
+        eval_every, save_every, accum = cfg.eval_every_n_steps, cfg.save_every_n_steps, cfg.gradient_accumulation_steps
+        quiet = cfg.quiet or not self.writer
+        self.progress = Progress(self.total_steps, self.global_step, quiet, cfg.log_every_n_steps, str(self.device))
+        with self.progress as progress:
+            for epoch in range(self.epochs_run, cfg.epochs):
+                batches = epoch_batches(len(self.dataset), self.global_batch, self.seed, epoch)
+                while self.steps_in_epoch < self.steps_per_epoch:
+                    start = time.perf_counter()
+                    loss, tokens = self._step(batches[self.steps_in_epoch * accum :][:accum])
+                    self.steps_in_epoch += 1
+                    self.global_step += 1
+                    rate = tokens / (time.perf_counter() - start)
+                    lr = float(self.scheduler.get_last_lr()[0])
+                    progress.update(self.global_step, epoch, loss, lr, rate, tokens)
+                    if self.metrics is not None and self.global_step % cfg.log_every_n_steps == 0:
+                        self.metrics.log(step=self.global_step, epoch=epoch, loss=loss, lr=lr, tokens_per_second=rate)
+                    if eval_every and self.global_step % eval_every == 0:
+                        self._evaluate(epoch)
+                    due = save_every and self.global_step % save_every == 0
+                    if due and self.steps_in_epoch < self.steps_per_epoch:  # an epoch's end saves epoch_N
+                        self._save(checkpoint_name("step", self.global_step, self.total_steps), epoch, final=False)
+                self.epochs_run, self.steps_in_epoch = epoch + 1, 0
+                if not eval_every or self.global_step % eval_every:
+                    self._evaluate(epoch)
+                name = checkpoint_name("epoch", epoch, cfg.epochs - 1)
+                self._save(name, epoch + 1, final=self.epochs_run == cfg.epochs)
+        self.finished = True
+
+    def _step(self, step_batches: list[list[int]]) -> tuple[float, int]:
+        """One optimizer step over ``gradient_accumulation_steps`` global batches, every label
+        token weighted equally; (mean loss per label token, input tokens of the global batches)."""
+        placement = self.placement
+        samples = [self.dataset[i] for indices in step_batches for i in indices]
+        parts = [collate([self.dataset[i] for i in placement.mine(indices)], self.pad_id) for indices in step_batches]
+        stats = forward_backward(
+            self.model, parts, self.device, label_tokens(samples), placement.world_size, placement.reduce
+        )
+        if self.cfg.clip_grad_norm:  # on sharded gradients the norm is reduced over all ranks
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats.loss, sum(len(s.ids) for s in samples)
+
+    def _evaluate(self, epoch: int) -> None:
+        """Mean loss per label token on the validation set, when there is one."""
+        if self.val_dataset is None:
+            return
+        p = self.placement
+        loss = evaluate(
+            self.model, self.val_dataset, self.cfg.batch_size, self.pad_id, self.device, p.rank, p.world_size, p.reduce
+        )
+        p.after_forward_only(self.model)
+        if self.metrics is not None:
+            self.metrics.log(step=self.global_step, epoch=epoch, eval_loss=loss)
+
+    def _save(self, name: str, epochs_run: int, final: bool) -> None:
+        full = self.placement.full
+        state = None if final else self._recipe_state(epochs_run)
+        files = self.trainable.model_files(self.model, full, final)
+        shapes, tensor = files if files is not None else (None, lambda k: torch.empty(0))
+        extra = self.trainable.extra(self.model, full, self.checkpointer)
+        path, logged = self.placement.save(self.checkpointer, Save(name, shapes, tensor, state, extra))
+        if self.metrics is not None:
+            self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
+            self.progress.note(f"saved {path}")
+            for gone in self.checkpointer.prune(self.steps_per_epoch):
+                self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
+        self.placement.barrier()  # pruned before any rank goes on
+
+    def cleanup(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            if hasattr(self, "progress"):  # what was reached, the checkpoints, how to resume a stopped run
+                self.progress.summary(self.global_step, self.checkpointer, getattr(self, "finished", False))
+
+
+# --- the bundled recipes: schema and strategies --------------------------------------------
+def _full(cfg: Any) -> Trainable:
+    return FullWeights()
+
+
+def _lora(cfg: Any) -> Trainable:
+    return LoRAAdapters(cfg.lora)
+
+
+RECIPES: dict[str, tuple[type[RecipeConfig], Callable[[Any], Trainable], type[Placement]]] = {
+    "full_finetune": (FullFinetuneConfig, _full, SingleDevice),
+    "lora_finetune": (LoRAFinetuneConfig, _lora, SingleDevice),
+    "full_finetune_distributed": (FullFinetuneDistributedConfig, _full, FSDP2),
+    "lora_finetune_distributed": (LoRAFinetuneDistributedConfig, _lora, FSDP2),
+}
+"""Each bundled recipe: its config schema, its trainable and its placement."""
+
+
+def run(raw: dict[str, Any], recipe: str) -> None:
+    """Run bundled recipe ``recipe`` on config ``raw`` (validated first: one line per bad key, nothing written)."""
+    schema, trainable, placement = RECIPES[recipe]
+    ok = False
+    try:
+        cfg = parse_config(raw, schema)
+        loop = Recipe(cfg, trainable(cfg), placement(cfg))
+        loop.setup()
+        try:
+            loop.train()
+        finally:
+            loop.cleanup()
+        ok = True
+    finally:
+        placement.close(ok)
+
+
+def entry_point(recipe: str, module: str, doc: str | None) -> Callable[[dict[str, Any]], None]:
+    """``recipe_main(cfg)`` of bundled recipe ``recipe``; when ``module`` is ``__main__`` (``python -m``,
+    torchrun, a copied file run as a script), parse the command line and run it first."""
+
+    def recipe_main(cfg: dict[str, Any]) -> None:
+        run(cfg, recipe)
+
+    if module == "__main__":
+        main(recipe, doc or recipe)
+    return recipe_main
+
+
+def main(recipe: str, doc: str) -> None:
+    """``python -m ckptkit.train.recipes.RECIPE --config CONFIG [key=value ...]`` (or under torchrun)."""
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser.add_argument("--config", required=True)
+    args, overrides = parser.parse_known_args()
+    code = 0
+    try:
+        run(load_config(args.config, overrides), recipe)
+    except CkptkitError as e:
+        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"error: {rank}{e}", file=sys.stderr)
+        code = 1
+    if RECIPES[recipe][2].launched_by_torchrun:
+        from ckptkit.train.distributed import exit_worker
+
+        exit_worker(code)  # a torchrun worker's teardown can abort after a finished run
+    sys.exit(code)

@@ -1,0 +1,236 @@
+"""Where the model lives and how its state is gathered and saved: one device, or FSDP2.
+
+The training loop (:mod:`ckptkit.train.loop`) asks a placement to put the model's weights
+in place, to split each global batch, to sum values over ranks, to gather a tensor whole,
+and to write and read the recipe state. :class:`SingleDevice` is the trivial case (a world
+of one); :class:`FSDP2` shards every decoder layer and the root with ``fully_shard`` over
+the process group torchrun describes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckptkit.checkpoint import Checkpoint
+from ckptkit.errors import CkptkitError
+from ckptkit.train import distributed as D
+from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.lora import model_config
+from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
+from ckptkit.train.step import DTYPES, Reduce
+
+PROGRESS_KEYS = (
+    "seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "global_step", "steps_in_epoch",
+    "global_batch", "world_size",
+)  # fmt: skip
+"""The data position and the schedule it belongs to, saved in every recipe state."""
+
+TensorSource = Callable[[str], torch.Tensor]
+"""A whole tensor by canonical name (read from a checkpoint, or gathered from shards)."""
+
+
+@dataclass
+class Save:
+    """One checkpoint to write: the model tensors in ``shapes`` (None: no model files), each
+    whole from ``tensor``; ``state`` (``progress``, ``optimizer``, ``lr_scheduler``, ``rng``,
+    maybe ``model``) as the recipe state (None: a final checkpoint); ``extra(folder)`` runs on
+    the writing rank before the folder is published."""
+
+    name: str
+    shapes: dict[str, tuple[int, ...]] | None
+    tensor: TensorSource
+    state: dict[str, Any] | None
+    extra: Callable[[Path], None] | None
+
+
+class Placement:
+    """How the model is placed on devices and how its state is gathered and saved."""
+
+    launched_by_torchrun: ClassVar[bool] = False
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    reduce: Reduce | None = None  # sums a tensor over ranks in place; None on one device
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        self.device = torch.device("cpu")
+
+    def place(self, model: nn.Module, source: TensorSource) -> None:
+        """Give every parameter of ``model`` still on the meta device its value from ``source``."""
+        raise NotImplementedError
+
+    def mine(self, indices: list[int]) -> list[int]:
+        """This rank's part of one global batch, strided as ``DistributedSampler`` splits."""
+        return indices[self.rank :: self.world_size]
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor (a collective for a sharded one)."""
+        return tensor
+
+    def state_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model tensors as the recipe state keeps them."""
+        return tensors
+
+    def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
+        """The saved position when resuming (None otherwise); the rest is read by ``load_state``."""
+        raise NotImplementedError
+
+    def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
+        """The saved ``optimizer``, ``lr_scheduler``, ``rng`` (this rank's; absent for a rank the
+        saving run did not have) and ``model`` (when saved) in the shape of ``template``."""
+        raise NotImplementedError
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def set_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
+        """Write checkpoint ``save.name``; returns the folder (on the writing rank) and what to
+        log with the checkpoint event."""
+        raise NotImplementedError
+
+    def after_forward_only(self, model: nn.Module) -> None:
+        """Put the model back as training expects it after forwards without backward (evaluation)."""
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    @staticmethod
+    def close(ok: bool) -> None:
+        """After the run (``ok``: it finished) or a failure."""
+
+
+class SingleDevice(Placement):
+    """One CPU or CUDA device; the recipe state is ``recipe_state/recipe_state.pt``."""
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        self.device = torch.device(D.device_type(cfg.device))
+        self._state: dict[str, Any] = {}
+
+    def place(self, model: nn.Module, source: TensorSource) -> None:
+        missing = {k: source(k).to(v.dtype) for k, v in model.state_dict().items() if v.is_meta}
+        model.load_state_dict(missing, strict=False, assign=True)
+        model.to(self.device)
+
+    def state_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in tensors.items()}
+
+    def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
+        state = checkpointer.load_recipe_state()
+        if state is None:
+            return None
+        self._state = state
+        return {k: state.get(k) for k in PROGRESS_KEYS}  # no global_batch in older states
+
+    def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
+        return {k: self._state[k] for k in template if k in self._state}
+
+    def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
+        weights = None if save.shapes is None else {k: save.tensor(k) for k in save.shapes}
+        state = save.state
+        flat = None if state is None else {**state["progress"], **{k: v for k, v in state.items() if k != "progress"}}
+        return checkpointer.save(save.name, weights, recipe_state=flat, extra=save.extra), {}
+
+
+class FSDP2(Placement):
+    """FSDP2 over the ranks torchrun started (a group of one without torchrun); the recipe
+    state is a DCP checkpoint, ``recipe_state/``, of which every rank writes its shards."""
+
+    launched_by_torchrun = True
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        mixed_precision = getattr(cfg, "mixed_precision", None) or MixedPrecisionConfig()
+        self.device, self.mesh = D.init_distributed(cfg.device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.param_dtype = DTYPES[mixed_precision.param_dtype] if mixed_precision.param_dtype else None
+        self.reduce_dtype = DTYPES[mixed_precision.reduce_dtype] if mixed_precision.reduce_dtype else None
+        self.reduce = dist.all_reduce
+        self._path = Path()
+        self._keys: set[str] = set()
+
+    def place(self, model: nn.Module, source: TensorSource) -> None:
+        made = {k: v for k, v in model.state_dict().items() if not v.is_meta}  # e.g. LoRA adapters, on the CPU
+        if len({t.data_ptr() for t in made.values()}) < len(made):
+            raise CkptkitError(
+                f"LoRA on the fused modules of {model_config(model).model_type} (one shared A) is not supported by "
+                "lora_finetune_distributed yet; use lora_finetune or other lora.targets"
+            )
+        model.to("meta")
+        D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype, activation_checkpointing=False)
+        D.load_full_tensors(model, lambda k: made[k] if k in made else source(k), self.device)
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return D.full_tensor(tensor)
+
+    def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
+        if not checkpointer.resume:
+            return None
+        self._path = path = D.recipe_state_dir(Path(checkpointer.recipe_checkpoint or ""))
+        self._keys = keys = D.recipe_state_keys(path)
+        progress: dict[str, Any] = {k: None for k in PROGRESS_KEYS}
+        if not all(f"progress.{k}" in keys for k in progress):
+            raise CkptkitError(f"{path}: not a ckptkit distributed recipe state; check checkpointer.recipe_checkpoint")
+        D.load_recipe_state(path, {"progress": progress})
+        return progress
+
+    def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
+        state = {k: v for k, v in template.items() if k != "rng" and any(s.startswith(f"{k}.") for s in self._keys)}
+        mine = f"rank_{self.rank}"
+        if f"rng.{mine}.torch" in self._keys:  # absent for ranks the saving run did not have
+            state["rng"] = {mine: template["rng"]}
+        D.load_recipe_state(self._path, state)
+        if "rng" in state:
+            state["rng"] = state["rng"][mine]
+        return state
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer)
+
+    def set_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state)
+
+    def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
+        D.reset_peak_rss()
+        before = D.rss_mib("VmRSS")
+        state = save.state
+        if state is not None:
+            state = {**state, "rng": {f"rank_{self.rank}": state["rng"]}}
+        path = D.save_sharded(checkpointer, save.name, save.shapes, save.tensor, state, save.extra)
+        rss = D.gather_objects((round(before), round(D.rss_mib())))  # per rank, MiB
+        return path, {"rss_mib_before_save": [r[0] for r in rss], "peak_rss_mib_save": [r[1] for r in rss]}
+
+    def after_forward_only(self, model: nn.Module) -> None:
+        # FSDP2 keeps the root's parameters gathered after a forward until its backward; without
+        # one (evaluation) they would stay gathered, and unknown to the optimizer's state dict
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    @staticmethod
+    def close(ok: bool) -> None:
+        D.close_distributed(ok)
+
+
+def open_source(checkpointer: Checkpointer, folder: Path | None) -> Checkpoint:
+    """The checkpoint the weights come from: the base, or ``folder`` (one saved by this recipe)."""
+    from ckptkit.checkpoint import open_checkpoint
+
+    return checkpointer.open_base() if folder is None else open_checkpoint(folder, model_type=checkpointer.model_type)

@@ -1,0 +1,121 @@
+"""What trains and what a checkpoint holds: every weight, or LoRA adapters on a frozen base.
+
+The training loop (:mod:`ckptkit.train.loop`) asks a trainable to adapt the model built on
+the meta device, to say which tensors the recipe state keeps, and which model files and
+extras a checkpoint writes. Tensors are reached through the placement's ``full`` (a gather
+on several ranks), one at a time, so no rank holds the whole model while saving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ckptkit.dtypes import dtype_name
+from ckptkit.models import ModelConfig
+from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.lora import apply_lora, lora_modules, merged_weight
+from ckptkit.train.lora_targets import check_targets
+from ckptkit.train.peft_io import prepare_for_peft
+from ckptkit.train.schema import LoRAConfig
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+ModelFiles = tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]
+"""The model tensors a checkpoint writes: their shapes, and a function giving each whole."""
+
+
+class Trainable:
+    """What trains, where its starting values come from, and what a save writes."""
+
+    weights_from_resumed_checkpoint = False
+    """Resuming starts from the weights of the checkpoint resumed (else from the base)."""
+
+    def check(self, model_cfg: ModelConfig) -> None:
+        """Refuse, before any weight is read, what would fail later."""
+
+    def build(self, model: nn.Module, checkpointer: Checkpointer) -> None:
+        """Adapt ``model`` (on the meta device); tensors made here keep their values."""
+
+    def prepare(self, checkpointer: Checkpointer, writer: bool) -> None:
+        """Last setup before training (``writer``: on the rank that writes checkpoints)."""
+
+    def state_tensors(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Model tensors the recipe state keeps (None: none beyond the checkpoint's files)."""
+        return None
+
+    def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles | None:
+        """The model tensors a checkpoint writes (None: no model files)."""
+        raise NotImplementedError
+
+    def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None] | None:
+        """What else goes into a checkpoint folder (called on every rank; runs on the writer)."""
+        return None
+
+
+class FullWeights(Trainable):
+    """Every weight trains; checkpoints hold the model in the input's format, and the recipe
+    state the full-precision weights when the checkpoint's dtype rounds them."""
+
+    weights_from_resumed_checkpoint = True
+
+    def __init__(self) -> None:
+        self.rounds = False
+
+    def build(self, model: nn.Module, checkpointer: Checkpointer) -> None:
+        stored = checkpointer.dtypes
+        self.rounds = any(stored[k] != dtype_name(v.dtype) for k, v in model.state_dict().items() if k in stored)
+
+    def state_tensors(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        return model.state_dict() if self.rounds else None
+
+    def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles:
+        weights = model.state_dict()
+        return {k: tuple(v.shape) for k, v in weights.items()}, lambda k: full(weights[k]).detach()
+
+
+class LoRAAdapters(Trainable):
+    """LoRA adapters train on the chosen projections, the base stays frozen. Checkpoints hold
+    the adapter in PEFT's format (``adapter/``) and, as ``lora.save_merged`` says, the merged
+    model in the input's format. Resuming reads the adapter of the checkpoint resumed (or
+    ``checkpointer.adapter_checkpoint``)."""
+
+    def __init__(self, cfg: LoRAConfig) -> None:
+        self.cfg = cfg
+
+    def check(self, model_cfg: ModelConfig) -> None:
+        check_targets(list(self.cfg.targets), model_cfg)
+
+    def build(self, model: nn.Module, checkpointer: Checkpointer) -> None:
+        apply_lora(model, targets=self.cfg.targets, rank=self.cfg.rank, alpha=self.cfg.alpha, dropout=self.cfg.dropout)
+        for module in lora_modules(model).values():  # on the CPU in module order: the same draws on any placement
+            module.reset_lora(torch.device("cpu"), module.lora_a.dtype)
+        prepare_for_peft(model)  # fused modules share one A; PEFT names checked now, not at save
+        if checkpointer.resume:
+            checkpointer.load_adapter_into(model)
+
+    def prepare(self, checkpointer: Checkpointer, writer: bool) -> None:
+        if writer:
+            checkpointer.prepare_peft_base()  # an HF base for the adapters' base_model_name_or_path
+
+    def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles | None:
+        when = self.cfg.save_merged
+        if not (when == "every" or (final and when == "final")):
+            return None  # an adapter-only checkpoint
+        weights, modules = model.state_dict(), lora_modules(model)
+
+        def merged(key: str) -> torch.Tensor:
+            name = key.removesuffix(".weight")
+            if name not in modules or not key.endswith(".weight"):
+                return full(weights[key]).detach()
+            w, a, b = (full(weights[f"{name}.{part}"]).detach() for part in ("weight", "lora_a", "lora_b"))
+            return merged_weight(w, a, b, modules[name].scaling)
+
+        return {k: tuple(v.shape) for k, v in weights.items() if not k.endswith((".lora_a", ".lora_b"))}, merged
+
+    def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None]:
+        adapters = {k: full(v).cpu() for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+
+        return lambda folder: checkpointer.write_adapter(model, folder, adapters)
