@@ -54,7 +54,7 @@ def open_tensor_file(path: Path) -> TensorReader:
     """A lazy reader for one safetensors file or torch pickle (headers only; torch is
     imported for a pickle's first tensor read)."""
     reader: Any = SafetensorsReader(path) if is_safetensors(path.name) else torch_reader(path)
-    return reader  # type: ignore[no-any-return]
+    return reader
 
 
 def tensor_file_writer(

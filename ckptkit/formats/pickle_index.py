@@ -17,7 +17,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, cast
 
 from ckptkit.dtypes import ITEMSIZE
 from ckptkit.errors import CkptkitError
@@ -96,11 +96,11 @@ def scan(data: bytes) -> dict[str, TensorMeta]:
             items = pop_mark() if n is None else [stack.pop() for _ in range(n)][::-1]
             stack.append(tuple(items))
         elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(arg)] = stack[-1]
+            memo[int(cast(Any, arg))] = stack[-1]
         elif name == "MEMOIZE":
             memo[len(memo)] = stack[-1]
         elif name in ("BINGET", "LONG_BINGET", "GET"):
-            stack.append(memo[int(arg)])
+            stack.append(memo[int(cast(Any, arg))])
         elif name == "GLOBAL":
             stack.append(_global(str(arg).replace("\n", " ")))
         elif name == "STACK_GLOBAL":
