@@ -80,7 +80,7 @@ class CheckpointFormat:
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
     ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
         """(canonical tensors, native tensors the model does not use), lazily."""
-        from ckptkit.mapping import canonical_view
+        from ckptkit.formats.canonical import canonical_view
 
         return canonical_view(raw, self.layout(family, cfg), cfg)
 
@@ -133,7 +133,7 @@ class CheckpointFormat:
     ) -> tuple[dict[str, Lazy], list[str]]:
         """(native name -> tensor to write, notes) from the canonical tensors and ``pool``,
         the unused tensors this conversion could carry."""
-        from ckptkit.mapping import native_targets
+        from ckptkit.formats.canonical import native_targets
 
         layout = self.write_layout(ckpt)
         targets = native_targets(ckpt.tensors, layout, ckpt.config, with_optional)
