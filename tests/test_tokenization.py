@@ -164,3 +164,66 @@ def test_bad_tokenizer_model_is_one_line_error(content: bytes, message: str, tmp
     assert message in str(err.value) and str(src / "tokenizer.model") in str(err.value)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists() and tree_hashes(src) == before
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".index.json")
+BOOKKEEPING = ("ckptkit-origin.json", "ckptkit.json")
+
+
+def _carried(root: Path) -> dict[str, str]:
+    """Every file of ``root`` but the weights and ckptkit's own records: name -> sha256."""
+    return {k: v for k, v in tree_hashes(root).items() if not k.endswith(WEIGHT_SUFFIXES) and k not in BOOKKEEPING}
+
+
+def _hf_sources(tmp_path: Path) -> list[Path]:
+    """The bundled HF folders, and variants as older or partial repos ship them: no
+    tokenizer.json (only tokenizer.model and its config), no tokenizer files at all, and a
+    stray tokenizer.model one level up."""
+    sources = sorted(p for fmt in ("hf", "hf-bin") for p in (FIXTURES / fmt).iterdir())
+    for family, drop in (("llama2", ("tokenizer.json",)), ("mistral", ("tokenizer.json", "tokenizer_config.json"))):
+        src = tmp_path / f"{family}-no-json"
+        shutil.copytree(FIXTURES / "hf" / family, src)
+        for name in drop:
+            (src / name).unlink()
+        sources.append(src)
+    bare = tmp_path / "llama3-bare"
+    shutil.copytree(FIXTURES / "hf" / "llama3_1", bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (bare / name).unlink()
+    sources.append(bare)
+    nested = tmp_path / "stray" / "llama2"
+    shutil.copytree(FIXTURES / "hf" / "llama2", nested)
+    (nested / "tokenizer.json").unlink()
+    shutil.copy(FIXTURES / "meta" / "llama2" / "tokenizer.model", nested.parent / "tokenizer.model")
+    sources.append(nested)
+    return sources
+
+
+def test_same_format_conversions_carry_every_file_and_add_none(tmp_path: Path) -> None:
+    """HF -> HF / hf-bin / internal -> HF carry the non-weight files byte for byte and add none;
+    HF -> Meta -> HF restores them; every round trip gives back the exact file set."""
+    failures = []
+    rounds = 0
+    for src in _hf_sources(tmp_path):
+        family = src.name.split("-")[0]
+        back = "hf-bin" if src.parent.name == "hf-bin" else "hf"
+        middles = ["hf", "hf-bin", "internal"] + (
+            ["meta"] if family in ("llama2", "llama3", "llama3_1", "mistral") else []
+        )
+        for middle in middles:
+            out = tmp_path / "out" / f"{src.parent.name}-{src.name}-{middle}"
+            convert(src, out / "mid", middle)
+            convert(out / "mid", out / "back", back)
+            rounds += 1
+            want = _carried(src)
+            config = {"config.json"}  # written by each format (internal: ckptkit.json)
+            if middle != "meta" and _carried(out / "mid").keys() - config != want.keys() - config:
+                failures.append(f"{src} -> {middle}: {sorted(set(_carried(out / 'mid')) ^ set(want))}")
+            elif middle != "meta" and any(_carried(out / "mid")[k] != v for k, v in want.items() if k not in config):
+                failures.append(f"{src} -> {middle}: a carried file changed")
+            got = tree_hashes(out / "back")
+            names = {k for k in tree_hashes(src) if k not in BOOKKEEPING}
+            if _carried(out / "back") != want or {k for k in got if k not in BOOKKEEPING} != names:
+                failures.append(f"{src} -> {middle} -> {back}: {sorted(set(got) ^ set(tree_hashes(src)))}")
+    assert not failures, "\n".join(failures)
+    assert rounds == 51

@@ -25,7 +25,7 @@ from ckptkit.formats.base import (
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
+from ckptkit.tokenization import TokenizerPlan, holds_hf_files, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
@@ -165,8 +165,9 @@ class HFFormat(CheckpointFormat):
 
     def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
         cfg = ckpt.config
-        recorded = ckpt.origin.get("tokenizer")
-        return tokenizer_for_hf(ckpt.path, ckpt.family.tokenizer, cfg.vocab_size, cfg.max_position_embeddings, recorded)
+        recorded, from_hf = ckpt.origin.get("tokenizer"), holds_hf_files(ckpt.format, ckpt.origin)
+        spec = ckpt.family.tokenizer
+        return tokenizer_for_hf(ckpt.path, spec, cfg.vocab_size, cfg.max_position_embeddings, recorded, from_hf)
 
     def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -29,7 +29,7 @@ from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
 from ckptkit.formats.torchtune import torchtune_files
-from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
+from ckptkit.tokenization import TokenizerPlan, holds_hf_files, tokenizer_for_meta
 
 if TYPE_CHECKING:
     from ckptkit.checkpoint import Checkpoint
@@ -206,7 +206,7 @@ class MetaFormat(CheckpointFormat):
         return files, split
 
     def tokenizer(self, ckpt: Checkpoint) -> TokenizerPlan:
-        return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer)
+        return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer, holds_hf_files(ckpt.format, ckpt.origin))
 
     def metadata_files(self, ckpt: Checkpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}

@@ -1,9 +1,13 @@
 """Tokenizer files converted with the weights (Meta ``tokenizer.model`` <-> HF tokenizer files).
 
-To HF: the HF files come from, in order, the ones recorded when this checkpoint was
-converted from HF (if its ``tokenizer.model`` is still the one written then), the source's
-own HF files, or a conversion of Meta's ``tokenizer.model``. A tiktoken rank file is not
-carried into an HF folder; a sentencepiece model is, as HF's Llama 2 repos keep it.
+Between layouts of one format (HF -> HF, HF -> hf-bin, HF -> internal -> HF) every
+tokenizer file is carried byte for byte and none is added: files are generated only when
+crossing from Meta to HF.
+
+To HF from Meta: the HF files come from, in order, the ones recorded when this checkpoint
+was converted from HF (if its ``tokenizer.model`` is still the one written then), the
+source's own HF files, or a conversion of Meta's ``tokenizer.model``. A tiktoken rank file is
+not carried into an HF folder; a sentencepiece model is, as HF's Llama 2 repos keep it.
 
 To Meta: ``tokenizer.model`` is the source's own, or (Llama 3.x) rebuilt from
 ``tokenizer.json``. The HF-only files are recorded in the origin file so that converting
@@ -35,7 +39,16 @@ HF_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-__all__ = ["HF_FILES", "MODEL_FILE", "HFTokenizer", "TokenizerPlan", "tokenizer_for_hf", "tokenizer_for_meta"]
+HF_LAYOUTS = ("hf", "hf-bin")
+__all__ = [
+    "HF_FILES",
+    "MODEL_FILE",
+    "HFTokenizer",
+    "TokenizerPlan",
+    "holds_hf_files",
+    "tokenizer_for_hf",
+    "tokenizer_for_meta",
+]
 
 
 @dataclass
@@ -76,11 +89,27 @@ def _model_file(src: Path) -> Path | None:
     return None
 
 
+def holds_hf_files(fmt: str, origin: dict[str, Any]) -> bool:
+    """Whether a checkpoint of format ``fmt`` (with ``origin``, its recorded source layout)
+    holds an HF folder's tokenizer files as they were: an HF layout, or ``internal`` made
+    from one (and not by way of Meta, which keeps the HF files only in its record)."""
+    if fmt in HF_LAYOUTS:
+        return True
+    return fmt == "internal" and origin.get("format") in HF_LAYOUTS and not origin.get("tokenizer")
+
+
 def tokenizer_for_hf(
-    src: Path, spec: TokenizerSpec | None, vocab_size: int, max_positions: int, recorded: dict[str, Any] | None = None
+    src: Path,
+    spec: TokenizerSpec | None,
+    vocab_size: int,
+    max_positions: int,
+    recorded: dict[str, Any] | None = None,
+    from_hf: bool = False,
 ) -> TokenizerPlan:
-    """The tokenizer side of writing the checkpoint in ``src`` as an HF folder (``spec``: its family's)."""
-    if spec is None:
+    """The tokenizer side of writing the checkpoint in ``src`` as an HF folder (``spec``: its
+    family's). ``from_hf``: the source holds HF files as they were (:func:`holds_hf_files`);
+    they are carried byte for byte and nothing is added."""
+    if spec is None or from_hf:
         return TokenizerPlan()
     plan = TokenizerPlan()
     model = src / MODEL_FILE
@@ -108,8 +137,10 @@ def tokenizer_for_hf(
     return plan
 
 
-def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None) -> TokenizerPlan:
-    """The tokenizer side of writing the checkpoint in ``src`` as a Meta folder (``spec``: its family's)."""
+def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None, from_hf: bool = False) -> TokenizerPlan:
+    """The tokenizer side of writing the checkpoint in ``src`` as a Meta folder (``spec``: its
+    family's). ``from_hf``: the source holds HF files as they were; the record then lists them
+    even when there are none, so that converting back adds none."""
     if spec is None:
         return TokenizerPlan()
     kind = spec.kind
@@ -126,7 +157,7 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None) -> TokenizerPlan:
     if data is None and present:
         why = "is not a Llama 3 byte-level BPE" if kind == TIKTOKEN else "cannot be written as sentencepiece"
         plan.notes.append(f"tokenizer.json {why} and the source has no tokenizer.model: the output has none")
-    if present:
+    if present or from_hf:
         plan.record = {
             "model_sha256": _digest(data) if data is not None else None,
             "model_in_hf": model.is_file(),
