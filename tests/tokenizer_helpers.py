@@ -237,6 +237,7 @@ results = []
 for job in json.loads(sys.argv[1]):
     tok = AutoTokenizer.from_pretrained(job["folder"])
     out = {"ids": [tok.encode(t) for t in job["texts"]], "bos": tok.bos_token_id, "eos": tok.eos_token_id}
+    out["plain"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     if job["chat"]:
         ids = tok.apply_chat_template(job["chat"], add_generation_prompt=True, tokenize=True)
         out["chat"] = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -254,7 +255,8 @@ print(json.dumps(results))
 def autotokenizer_without_extras(jobs: list[tuple[Path, list[str], list[dict] | None]]) -> list[dict]:
     """For each (folder, texts, chat): ``AutoTokenizer.from_pretrained(folder)`` in one fresh
     interpreter where tiktoken, protobuf and sentencepiece cannot be imported, with the ids of
-    ``texts`` and of ``chat`` rendered by the chat template."""
+    ``texts`` (``ids``: with special tokens, ``plain``: without) and of ``chat`` rendered by
+    the chat template."""
     spec = [{"folder": str(f), "texts": texts, "chat": chat or []} for f, texts, chat in jobs]
     res = subprocess.run(
         [sys.executable, "-c", _BLOCKED_AUTOTOKENIZER, json.dumps(spec)], capture_output=True, text=True, timeout=300

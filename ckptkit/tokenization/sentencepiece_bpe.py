@@ -32,10 +32,10 @@ def build_tokenizer(model: SpmModel, path: Path, add_bos: bool = True) -> Any:
     # Metaspace pre-tokenizer, which skips the prefix before a leading space.
     steps = [normalizers.Prepend("▁")] if model.add_dummy_prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    decoding: list[Any] = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if model.add_dummy_prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    tok.decoder = decoders.Sequence(steps)
+        decoding.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decoding)
     tok.add_special_tokens([AddedToken(p.text, normalized=False) for p in model.pieces if p.type in (UNKNOWN, CONTROL)])
     tok.add_tokens([AddedToken(p.text, normalized=False) for p in model.pieces if p.type == USER_DEFINED])
     if add_bos and 0 <= model.bos_id < len(model.pieces):
