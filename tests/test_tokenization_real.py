@@ -199,3 +199,22 @@ def test_llama3_hf_folder_gives_llama_cpp_the_official_vocabulary(tmp_path: Path
     assert ours["tokenizer.ggml.pre"].contents() == "llama-bpe"
     for key in ("model", "tokens", "merges", "token_type", "bos_token_id"):
         assert ours[f"tokenizer.ggml.{key}"].contents() == official[f"tokenizer.ggml.{key}"].contents(), key
+
+
+def test_llama2_tokenizer_json_back_to_sentencepiece_gives_official_ids(
+    real_hf: dict[str, Path], tmp_path: Path
+) -> None:
+    """HF -> Meta without a tokenizer.model: the sentencepiece model rebuilt from Llama 2's
+    tokenizer.json gives the official ids on llama.cpp's texts."""
+    from ckptkit.tokenization.sentencepiece_bpe import model_from_tokenizer_json
+    from ckptkit.tokenization.spm_proto import write_spm_model
+
+    folder = real_hf["llama2"]
+    doc = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    model = model_from_tokenizer_json(doc, config)
+    assert model is not None
+    (tmp_path / "tokenizer.model").write_bytes(write_spm_model(model))
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    tests = vocab_tests("llama-spm")
+    assert [sp.encode(t) for t, _ in tests] == [ids for _, ids in tests]

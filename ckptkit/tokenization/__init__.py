@@ -9,9 +9,11 @@ was converted from HF (if its ``tokenizer.model`` is still the one written then)
 source's own HF files, or a conversion of Meta's ``tokenizer.model``. A tiktoken rank file is
 not carried into an HF folder; a sentencepiece model is, as HF's Llama 2 repos keep it.
 
-To Meta: ``tokenizer.model`` is the source's own, or (Llama 3.x) rebuilt from
-``tokenizer.json``. The HF-only files are recorded in the origin file so that converting
-back restores them byte for byte.
+To Meta: ``tokenizer.model`` is the source's own, or rebuilt from ``tokenizer.json``
+(Llama 3.x: the tiktoken rank file; Llama 2 / Mistral: a sentencepiece model with the same
+pieces, merges and settings); a ``tokenizer.json`` neither can stand for exactly gets no
+``tokenizer.model`` (a note says so), never an approximate one. The HF-only files are
+recorded in the origin file so that converting back restores them byte for byte.
 
 Built with the ``tokenizers`` library and a small reader of the sentencepiece format:
 no transformers, tiktoken or protobuf is needed.
@@ -21,14 +23,17 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptkit.errors import CkptkitError
 from ckptkit.models.tokenizer_spec import TIKTOKEN, TokenizerSpec
-from ckptkit.tokenization import tiktoken_bpe
+from ckptkit.tokenization import sentencepiece_bpe, tiktoken_bpe
 from ckptkit.tokenization.hf_files import HFTokenizer, build_hf_tokenizer
+from ckptkit.tokenization.spm_proto import write_spm_model
 
 MODEL_FILE = "tokenizer.model"
 HF_FILES = (
@@ -79,6 +84,19 @@ def _packed(data: bytes) -> str:
 
 def _unpacked(text: str) -> bytes:
     return zlib.decompress(base64.b64decode(text))
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path`` ({} when absent); a one-line error naming it when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CkptkitError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CkptkitError(f"{path}: not a JSON object")
+    return doc
 
 
 def _model_file(src: Path) -> Path | None:
@@ -154,6 +172,12 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None, from_hf: bool = Fa
         ranks = tiktoken_bpe.ranks_from_tokenizer_json(src / "tokenizer.json")
         if ranks is not None:
             data = plan.files[MODEL_FILE] = tiktoken_bpe.ranks_text(ranks)
+    elif (src / "tokenizer.json").is_file():
+        spm = sentencepiece_bpe.model_from_tokenizer_json(
+            _json_file(src / "tokenizer.json"), _json_file(src / "tokenizer_config.json")
+        )
+        if spm is not None:
+            data = plan.files[MODEL_FILE] = write_spm_model(spm)
     if data is None and present:
         why = "is not a Llama 3 byte-level BPE" if kind == TIKTOKEN else "cannot be written as sentencepiece"
         plan.notes.append(f"tokenizer.json {why} and the source has no tokenizer.model: the output has none")
