@@ -25,7 +25,7 @@ from ckptkit.formats.base import (
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.tokenization import TokenizerPlan, holds_hf_files, tokenizer_for_hf
+from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
@@ -107,6 +107,16 @@ def index_text(weight_map: dict[str, str], total_size: int, total_parameters: in
     if total_parameters is not None:
         metadata["total_parameters"] = total_parameters
     return json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
+
+
+def holds_hf_files(fmt: str, origin: dict[str, Any]) -> bool:
+    """Whether a checkpoint of format ``fmt`` (with ``origin``, its recorded source layout)
+    holds an HF folder's tokenizer files as they were: an HF layout, or ``internal`` made
+    from one (and not by way of Meta, which keeps the HF files only in its record). Such
+    files are carried byte for byte between HF layouts; none are generated."""
+    if fmt in ("hf", "hf-bin"):
+        return True
+    return fmt == "internal" and origin.get("format") in ("hf", "hf-bin") and not origin.get("tokenizer")
 
 
 class HFFormat(CheckpointFormat):

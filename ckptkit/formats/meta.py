@@ -25,11 +25,12 @@ from ckptkit.formats.base import (
     torch_reader,
 )
 from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.hf import holds_hf_files
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
 from ckptkit.formats.torchtune import torchtune_files
-from ckptkit.tokenization import TokenizerPlan, holds_hf_files, tokenizer_for_meta
+from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
 
 if TYPE_CHECKING:
     from ckptkit.checkpoint import Checkpoint

@@ -44,13 +44,11 @@ HF_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-HF_LAYOUTS = ("hf", "hf-bin")
 __all__ = [
     "HF_FILES",
     "MODEL_FILE",
     "HFTokenizer",
     "TokenizerPlan",
-    "holds_hf_files",
     "tokenizer_for_hf",
     "tokenizer_for_meta",
 ]
@@ -105,15 +103,6 @@ def _model_file(src: Path) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
-
-
-def holds_hf_files(fmt: str, origin: dict[str, Any]) -> bool:
-    """Whether a checkpoint of format ``fmt`` (with ``origin``, its recorded source layout)
-    holds an HF folder's tokenizer files as they were: an HF layout, or ``internal`` made
-    from one (and not by way of Meta, which keeps the HF files only in its record)."""
-    if fmt in HF_LAYOUTS:
-        return True
-    return fmt == "internal" and origin.get("format") in HF_LAYOUTS and not origin.get("tokenizer")
 
 
 def tokenizer_for_hf(
