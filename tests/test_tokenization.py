@@ -164,3 +164,141 @@ def test_bad_tokenizer_model_is_one_line_error(content: bytes, message: str, tmp
     assert message in str(err.value) and str(src / "tokenizer.model") in str(err.value)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists() and tree_hashes(src) == before
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".index.json")
+BOOKKEEPING = ("ckptkit-origin.json", "ckptkit.json")
+
+
+def _carried(root: Path) -> dict[str, str]:
+    """Every file of ``root`` but the weights and ckptkit's own records: name -> sha256."""
+    return {k: v for k, v in tree_hashes(root).items() if not k.endswith(WEIGHT_SUFFIXES) and k not in BOOKKEEPING}
+
+
+def _hf_sources(tmp_path: Path) -> list[Path]:
+    """The bundled HF folders, and variants as older or partial repos ship them: no
+    tokenizer.json (only tokenizer.model and its config), no tokenizer files at all, and a
+    stray tokenizer.model one level up."""
+    sources = sorted(p for fmt in ("hf", "hf-bin") for p in (FIXTURES / fmt).iterdir())
+    for family, drop in (("llama2", ("tokenizer.json",)), ("mistral", ("tokenizer.json", "tokenizer_config.json"))):
+        src = tmp_path / f"{family}-no-json"
+        shutil.copytree(FIXTURES / "hf" / family, src)
+        for name in drop:
+            (src / name).unlink()
+        sources.append(src)
+    bare = tmp_path / "llama3-bare"
+    shutil.copytree(FIXTURES / "hf" / "llama3_1", bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (bare / name).unlink()
+    sources.append(bare)
+    nested = tmp_path / "stray" / "llama2"
+    shutil.copytree(FIXTURES / "hf" / "llama2", nested)
+    (nested / "tokenizer.json").unlink()
+    shutil.copy(FIXTURES / "meta" / "llama2" / "tokenizer.model", nested.parent / "tokenizer.model")
+    sources.append(nested)
+    return sources
+
+
+def test_same_format_conversions_carry_every_file_and_add_none(tmp_path: Path) -> None:
+    """HF -> HF / hf-bin / internal -> HF carry the non-weight files byte for byte and add none;
+    HF -> Meta -> HF restores them; every round trip gives back the exact file set."""
+    failures = []
+    rounds = 0
+    for src in _hf_sources(tmp_path):
+        family = src.name.split("-")[0]
+        back = "hf-bin" if src.parent.name == "hf-bin" else "hf"
+        middles = ["hf", "hf-bin", "internal"] + (
+            ["meta"] if family in ("llama2", "llama3", "llama3_1", "mistral") else []
+        )
+        for middle in middles:
+            out = tmp_path / "out" / f"{src.parent.name}-{src.name}-{middle}"
+            convert(src, out / "mid", middle)
+            convert(out / "mid", out / "back", back)
+            rounds += 1
+            want = _carried(src)
+            config = {"config.json"}  # written by each format (internal: ckptkit.json)
+            if middle != "meta" and _carried(out / "mid").keys() - config != want.keys() - config:
+                failures.append(f"{src} -> {middle}: {sorted(set(_carried(out / 'mid')) ^ set(want))}")
+            elif middle != "meta" and any(_carried(out / "mid")[k] != v for k, v in want.items() if k not in config):
+                failures.append(f"{src} -> {middle}: a carried file changed")
+            got = tree_hashes(out / "back")
+            names = {k for k in tree_hashes(src) if k not in BOOKKEEPING}
+            if _carried(out / "back") != want or {k for k in got if k not in BOOKKEEPING} != names:
+                failures.append(f"{src} -> {middle} -> {back}: {sorted(set(got) ^ set(tree_hashes(src)))}")
+    assert not failures, "\n".join(failures)
+    assert rounds == 51
+
+
+@pytest.mark.parametrize("family", SPM_FAMILIES)
+def test_hf_without_tokenizer_model_gets_a_sentencepiece_model_for_meta(
+    family: str, spm_hf: dict[str, Path], tmp_path: Path
+) -> None:
+    """HF -> Meta writes tokenizer.model from a Llama-2-layout tokenizer.json when the HF
+    folder has none: a sentencepiece model that encodes as the tokenizer.json does;
+    converting back restores the HF folder's files exactly (and adds no tokenizer.model)."""
+    from tokenizers import Tokenizer
+
+    src = tmp_path / "hf"
+    shutil.copytree(spm_hf[family], src)
+    for name in ("tokenizer.model", "ckptkit-origin.json"):
+        (src / name).unlink()
+    convert(src, tmp_path / "meta", "meta")
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "meta" / "tokenizer.model"))
+    fast = Tokenizer.from_file(str(src / "tokenizer.json"))
+    assert [sp.encode(t) for t in CORPUS] == [fast.encode(t, add_special_tokens=False).ids for t in CORPUS]
+    official = spm.SentencePieceProcessor(model_file=str(FIXTURES / "meta" / family / "tokenizer.model"))
+    assert [sp.encode(t) for t in CORPUS] == [official.encode(t) for t in CORPUS]
+    assert (sp.bos_id(), sp.eos_id(), sp.unk_id()) == (1, 2, 0)
+    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    assert _carried(tmp_path / "back") == _carried(src)
+
+
+def test_metaspace_tokenizer_json_is_not_written_as_sentencepiece(tmp_path: Path) -> None:
+    """transformers 5's Metaspace layout drops sentencepiece's prefix before a leading space,
+    so no sentencepiece model encodes like it: the Meta folder gets none, with a note, and
+    converting back restores the HF files untouched."""
+    from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.tokenization import tokenizer_for_meta
+
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "hf" / "llama2", src)
+    (src / "tokenizer.model").unlink()
+    with open_checkpoint(src) as ckpt:
+        plan = tokenizer_for_meta(src, ckpt.family.tokenizer, from_hf=True)
+    assert "tokenizer.model" not in plan.files and any("tokenizer.json" in n for n in plan.notes)
+    convert(src, tmp_path / "meta", "meta")
+    assert not (tmp_path / "meta" / "tokenizer.model").exists()
+    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    assert _carried(tmp_path / "back") == _carried(src)
+
+
+def test_tokenizer_json_with_an_unknown_pre_tokenizer_is_not_written_as_tokenizer_model(tmp_path: Path) -> None:
+    """A Llama 3 tokenizer.json split by another pattern cannot be Meta's rank file: the Meta
+    folder gets none (with a note), and converting back restores the file untouched."""
+    src = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "hf" / "llama3_1", src)
+    doc = json.loads((src / "tokenizer.json").read_text())
+    text = json.dumps(doc).replace("\\\\p{N}{1,3}", "\\\\p{N}{1,2}")
+    assert text != json.dumps(doc)
+    (src / "tokenizer.json").write_text(text)
+    convert(src, tmp_path / "meta", "meta")
+    assert not (tmp_path / "meta" / "tokenizer.model").exists()
+    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    assert _carried(tmp_path / "back") == _carried(src)
+
+
+def test_sentencepiece_model_that_normalizes_text_is_refused(tmp_path: Path) -> None:
+    """A sentencepiece model whose tokenizer.json would encode differently (here: one that
+    collapses whitespace) is refused with one line naming the file, and nothing is written."""
+    from ckptkit.tokenization.spm_proto import read_spm_model, write_spm_model
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "meta" / "llama2", src)
+    model = read_spm_model(src / "tokenizer.model")
+    model.remove_extra_whitespaces = True
+    (src / "tokenizer.model").write_bytes(write_spm_model(model))
+    with pytest.raises(CkptkitError) as err:
+        convert(src, tmp_path / "out", "hf")
+    message = str(err.value)
+    assert str(src / "tokenizer.model") in message and "whitespace" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()

@@ -1,11 +1,24 @@
-"""Shared by the tokenizer tests: Meta's real Llama 3 tokenizer, a tiny Meta model around it,
-a varied corpus, and AutoTokenizer run where tiktoken, protobuf and sentencepiece cannot load."""
+"""Shared by the tokenizer tests: the real vocabularies (Meta's Llama 3 rank file, llama.cpp's
+Llama 2 / Llama 3 vocabularies and test texts, Mistral's sentencepiece models), a tiny Meta
+model around Llama 3's, a varied corpus, and AutoTokenizer run where tiktoken, protobuf and
+sentencepiece cannot load.
+
+The real vocabularies come the way users get them, from PyPI packages: ``llama-models``
+(installed), the ``llama-cpp-python`` sdist and the ``mistral-common`` wheel (fetched once
+with pip into ``CKPTKIT_TEST_CACHE``, default: the system temp dir). Every file taken from
+them is checked by SHA-256.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
+import tarfile
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -36,6 +49,136 @@ CHAT = [
     {"role": "assistant", "content": "4"},
     {"role": "user", "content": "And in 中文?"},
 ]
+
+
+LLAMA_CPP_PYTHON = "0.3.36"
+# What tests take from llama.cpp (vendor/llama.cpp in the sdist): the converters and gguf-py
+# (test_llama_cpp.py), and the Llama vocabularies with their test texts and official ids.
+LLAMA_CPP_FILES = (
+    "convert_hf_to_gguf.py", "conversion/", "gguf-py/", "convert_lora_to_gguf.py", "examples/convert_legacy_llama.py",
+    "models/ggml-vocab-llama-spm.gguf", "models/ggml-vocab-llama-bpe.gguf",
+)  # fmt: skip
+LLAMA_CPP_SHA256 = {
+    "models/ggml-vocab-llama-spm.gguf": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
+    "models/ggml-vocab-llama-spm.gguf.inp": "be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0",
+    "models/ggml-vocab-llama-spm.gguf.out": "ad6905c925c49c022974fe67e030382e8a4f56eb4489a0b9481dcedb1ec73b29",
+    "models/ggml-vocab-llama-bpe.gguf": "97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e",
+    "models/ggml-vocab-llama-bpe.gguf.inp": "be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0",
+    "models/ggml-vocab-llama-bpe.gguf.out": "118abf2034a197fc5c9dec5204dfdeee7004c7c70952ae577f66b99e212fab9b",
+}
+MISTRAL_COMMON = "1.13.1"
+# Mistral's sentencepiece models: v1 (Mistral 7B v0.1, 32000 pieces) and v3 (v0.3, 32768
+# pieces with 750 control tokens and 20 user-defined ones).
+MISTRAL_SHA256 = {
+    "tokenizer.model.v1": "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055",
+    "mistral_instruct_tokenizer_240323.model.v3": "9addc8bdce5988448ae81b729336f43a81262160ae8da760674badab9d4c7d33",
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CKPTKIT_TEST_CACHE", tempfile.gettempdir()))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checked(root: Path, expected: dict[str, str]) -> Path:
+    for name, digest in expected.items():
+        got = _sha256(root / name)
+        assert got == digest, f"{root / name}: sha256 {got}, expected {digest}"
+    return root
+
+
+def _pip_download(pkg: str, dest: Path, sdist: bool) -> Path:
+    kind = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *kind, "-d", str(dest), pkg]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    name, version = pkg.split("==")
+    stem = f"{name.replace('-', '_')}-{version}"
+    return next(p for p in dest.iterdir() if p.name.startswith(stem) and p.suffix in (".gz", ".whl"))
+
+
+def llama_cpp_dir() -> Path:
+    """llama.cpp as vendored in the llama-cpp-python sdist: ``LLAMA_CPP_FILES`` (and the
+    vocabularies' ``.inp`` / ``.out`` test files), unpacked once into the cache."""
+    cache = cache_dir() / f"llama-cpp-{LLAMA_CPP_PYTHON}"
+    ready = cache / f"llama.cpp-{len(LLAMA_CPP_FILES)}"  # a new name when more files are vendored
+    if not all((ready / name).exists() for name in LLAMA_CPP_FILES):
+        cache.mkdir(parents=True, exist_ok=True)
+        sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", cache, sdist=True)
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        staging = Path(tempfile.mkdtemp(dir=cache))
+        with tarfile.open(sdist) as tar:
+            wanted = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(LLAMA_CPP_FILES)]
+            for m in wanted:
+                m.name = m.name.removeprefix(prefix)
+            tar.extractall(staging, members=wanted, filter="data")
+        sdist.unlink()
+        os.replace(staging, ready)
+    return _checked(ready, LLAMA_CPP_SHA256)
+
+
+def mistral_tokenizer_models() -> dict[str, Path]:
+    """Mistral's v1 and v3 sentencepiece ``tokenizer.model`` files, from the mistral-common wheel."""
+    ready = cache_dir() / f"mistral-common-{MISTRAL_COMMON}"
+    if not all((ready / name).is_file() for name in MISTRAL_SHA256):
+        ready.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=ready.parent))
+        wheel = _pip_download(f"mistral-common=={MISTRAL_COMMON}", staging, sdist=False)
+        with zipfile.ZipFile(wheel) as zf:
+            for name in MISTRAL_SHA256:
+                (staging / name).write_bytes(zf.read(f"mistral_common/data/{name}"))
+        wheel.unlink()
+        os.replace(staging, ready)
+    _checked(ready, MISTRAL_SHA256)
+    return {"v1": ready / "tokenizer.model.v1", "v3": ready / "mistral_instruct_tokenizer_240323.model.v3"}
+
+
+def gguf_reader(path: Path) -> object:
+    """llama.cpp's own ``GGUFReader`` (gguf-py from the same sdist) for ``path``."""
+    gguf_py = str(llama_cpp_dir() / "gguf-py")
+    sys.path.insert(0, gguf_py)
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.remove(gguf_py)
+    return GGUFReader(path)
+
+
+LLAMA2_MODEL_SHA256 = "e402be23ecce98d0833a76ba7a502e2a8bf01f8063f1c7087667e5c1858bd969"
+
+
+def llama2_tokenizer_model() -> Path:
+    """Llama 2's sentencepiece ``tokenizer.model``, rebuilt from llama.cpp's copy of its
+    vocabulary (``ggml-vocab-llama-spm.gguf``: the 32000 pieces with Meta's scores and types)
+    and Llama 2's model settings (BPE, byte fallback, identity normalizer, dummy prefix,
+    whitespace kept; unk 0, bos 1, eos 2, no pad). No PyPI package ships Meta's file itself;
+    this one holds everything sentencepiece encodes with."""
+    from ckptkit.tokenization.spm_proto import BPE, Piece, SpmModel, write_spm_model
+
+    path = cache_dir() / f"llama-cpp-{LLAMA_CPP_PYTHON}" / "llama2-tokenizer.model"
+    if not path.is_file():
+        fields = gguf_reader(llama_cpp_dir() / "models" / "ggml-vocab-llama-spm.gguf").fields  # type: ignore[attr-defined]
+        tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "scores", "token_type"))
+        pieces = [Piece(t, s, k) for t, s, k in zip(tokens, scores, types, strict=True)]
+        model = SpmModel(pieces, BPE, byte_fallback=True, normalizer_name="identity", remove_extra_whitespaces=False)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(write_spm_model(model))
+        os.replace(tmp, path)
+    got = _sha256(path)
+    assert got == LLAMA2_MODEL_SHA256, f"{path}: sha256 {got}, expected {LLAMA2_MODEL_SHA256}"
+    return path
+
+
+def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer test texts for ``ggml-vocab-{name}.gguf`` with the ids the
+    official tokenizer gives them (no BOS), as its test-tokenizer-0 reads them."""
+    models = llama_cpp_dir() / "models"
+    texts = (models / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    assert texts[-1] == "" and lines[-1] == "" and len(texts) == len(lines)
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts[:-1], lines[:-1], strict=True)]
 
 
 def llama3_tokenizer_model() -> Path:
@@ -94,6 +237,7 @@ results = []
 for job in json.loads(sys.argv[1]):
     tok = AutoTokenizer.from_pretrained(job["folder"])
     out = {"ids": [tok.encode(t) for t in job["texts"]], "bos": tok.bos_token_id, "eos": tok.eos_token_id}
+    out["plain"] = [tok.encode(t, add_special_tokens=False) for t in job["texts"]]
     if job["chat"]:
         ids = tok.apply_chat_template(job["chat"], add_generation_prompt=True, tokenize=True)
         out["chat"] = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -111,7 +255,8 @@ print(json.dumps(results))
 def autotokenizer_without_extras(jobs: list[tuple[Path, list[str], list[dict] | None]]) -> list[dict]:
     """For each (folder, texts, chat): ``AutoTokenizer.from_pretrained(folder)`` in one fresh
     interpreter where tiktoken, protobuf and sentencepiece cannot be imported, with the ids of
-    ``texts`` and of ``chat`` rendered by the chat template."""
+    ``texts`` (``ids``: with special tokens, ``plain``: without) and of ``chat`` rendered by
+    the chat template."""
     spec = [{"folder": str(f), "texts": texts, "chat": chat or []} for f, texts, chat in jobs]
     res = subprocess.run(
         [sys.executable, "-c", _BLOCKED_AUTOTOKENIZER, json.dumps(spec)], capture_output=True, text=True, timeout=300

@@ -180,6 +180,11 @@ class CheckpointFormat:
         """Non-weight files to write (config, index): name -> text."""
         return {}
 
+    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
+        """Whether this format's checkpoints (converted from ``origin``) hold an HF folder's
+        non-weight files as they were."""
+        return False
+
     def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
         """What to do with the source's tokenizer files: by default carry them as they are."""
         return TokenizerPlan()

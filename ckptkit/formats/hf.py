@@ -24,7 +24,7 @@ from ckptkit.formats.base import (
 )
 from ckptkit.formats.containers import is_safetensors, open_tensor_file
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
-from ckptkit.formats.registry import register
+from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
@@ -166,10 +166,14 @@ class HFFormat(CheckpointFormat):
         files = size_sharded_files(targets, opts, self.shard_pattern, self.single_name, self.safetensors)
         return files, {}
 
+    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
+        return True
+
     def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
         cfg = ckpt.config
-        recorded = ckpt.origin.get("tokenizer")
-        return tokenizer_for_hf(ckpt.path, ckpt.family.tokenizer, cfg.vocab_size, cfg.max_position_embeddings, recorded)
+        recorded, from_hf = ckpt.origin.get("tokenizer"), holds_hf_files(ckpt)
+        spec = ckpt.family.tokenizer
+        return tokenizer_for_hf(ckpt.path, spec, cfg.vocab_size, cfg.max_position_embeddings, recorded, from_hf)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         out: dict[str, str] = {}

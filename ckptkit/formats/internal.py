@@ -21,7 +21,7 @@ from ckptkit.formats.base import (
     read_json,
 )
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
-from ckptkit.formats.registry import register
+from ckptkit.formats.registry import find_format, register
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.models.fields import check_config_fields
@@ -141,6 +141,11 @@ class InternalFormat(CheckpointFormat):
 
     def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
         return raw.config.get("origin") or {}, raw.root / INTERNAL_FILE
+
+    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
+        """Made from an HF layout (not by way of Meta, which keeps those files only in its record)."""
+        source = find_format(origin.get("format"))
+        return source is not None and source is not self and source.keeps_hf_files({}) and not origin.get("tokenizer")
 
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps

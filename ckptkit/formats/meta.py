@@ -26,7 +26,7 @@ from ckptkit.formats.base import (
 )
 from ckptkit.formats.containers import open_tensor_file
 from ckptkit.formats.format import CheckpointFormat
-from ckptkit.formats.registry import register
+from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
 from ckptkit.formats.torchtune import torchtune_files
@@ -213,7 +213,7 @@ class MetaFormat(CheckpointFormat):
         return files, split
 
     def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
-        return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer)
+        return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer, holds_hf_files(ckpt))
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import ORIGIN_FILE
+from ckptkit.formats.base import ORIGIN_FILE, OpenedCheckpoint
 from ckptkit.formats.containers import holds_weights
 from ckptkit.formats.format import CheckpointFormat
 
@@ -61,6 +61,13 @@ def detect_format(root: Path) -> CheckpointFormat:
         raise CkptkitError(f"{root}: directory is empty")
     names = list(dict.fromkeys(f.expects for f in REGISTRY.values()))
     raise CkptkitError(f"{root}: not a recognised checkpoint (expected {', '.join(names[:-1])}, or {names[-1]})")
+
+
+def holds_hf_files(ckpt: OpenedCheckpoint) -> bool:
+    """Whether ``ckpt`` holds an HF folder's tokenizer files as they were (an HF layout, or
+    one recorded as its origin by a format that keeps them): such files are carried byte
+    for byte between HF layouts and none are generated."""
+    return get_format(ckpt.raw.format).keeps_hf_files(ckpt.origin)
 
 
 def file_format(name: str) -> CheckpointFormat | None:

@@ -1,13 +1,19 @@
 """Tokenizer files converted with the weights (Meta ``tokenizer.model`` <-> HF tokenizer files).
 
-To HF: the HF files come from, in order, the ones recorded when this checkpoint was
-converted from HF (if its ``tokenizer.model`` is still the one written then), the source's
-own HF files, or a conversion of Meta's ``tokenizer.model``. A tiktoken rank file is not
-carried into an HF folder; a sentencepiece model is, as HF's Llama 2 repos keep it.
+Between layouts of one format (HF -> HF, HF -> hf-bin, HF -> internal -> HF) every
+tokenizer file is carried byte for byte and none is added: files are generated only when
+crossing from Meta to HF.
 
-To Meta: ``tokenizer.model`` is the source's own, or (Llama 3.x) rebuilt from
-``tokenizer.json``. The HF-only files are recorded in the origin file so that converting
-back restores them byte for byte.
+To HF from Meta: the HF files come from, in order, the ones recorded when this checkpoint
+was converted from HF (if its ``tokenizer.model`` is still the one written then), the
+source's own HF files, or a conversion of Meta's ``tokenizer.model``. A tiktoken rank file is
+not carried into an HF folder; a sentencepiece model is, as HF's Llama 2 repos keep it.
+
+To Meta: ``tokenizer.model`` is the source's own, or rebuilt from ``tokenizer.json``
+(Llama 3.x: the tiktoken rank file; Llama 2 / Mistral: a sentencepiece model with the same
+pieces, merges and settings); a ``tokenizer.json`` neither can stand for exactly gets no
+``tokenizer.model`` (a note says so), never an approximate one. The HF-only files are
+recorded in the origin file so that converting back restores them byte for byte.
 
 Built with the ``tokenizers`` library and a small reader of the sentencepiece format:
 no transformers, tiktoken or protobuf is needed.
@@ -17,14 +23,17 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptkit.errors import CkptkitError
 from ckptkit.models.tokenizer_spec import TIKTOKEN, TokenizerSpec
-from ckptkit.tokenization import tiktoken_bpe
+from ckptkit.tokenization import sentencepiece_bpe, tiktoken_bpe
 from ckptkit.tokenization.hf_files import HFTokenizer, build_hf_tokenizer
+from ckptkit.tokenization.spm_proto import write_spm_model
 
 MODEL_FILE = "tokenizer.model"
 HF_FILES = (
@@ -35,7 +44,14 @@ HF_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-__all__ = ["HF_FILES", "MODEL_FILE", "HFTokenizer", "TokenizerPlan", "tokenizer_for_hf", "tokenizer_for_meta"]
+__all__ = [
+    "HF_FILES",
+    "MODEL_FILE",
+    "HFTokenizer",
+    "TokenizerPlan",
+    "tokenizer_for_hf",
+    "tokenizer_for_meta",
+]
 
 
 @dataclass
@@ -68,6 +84,19 @@ def _unpacked(text: str) -> bytes:
     return zlib.decompress(base64.b64decode(text))
 
 
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path`` ({} when absent); a one-line error naming it when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CkptkitError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CkptkitError(f"{path}: not a JSON object")
+    return doc
+
+
 def _model_file(src: Path) -> Path | None:
     """Meta's ``tokenizer.model``: in the folder, or beside it as Meta's Llama 2 downloads keep it."""
     for candidate in (src / MODEL_FILE, src.parent / MODEL_FILE):
@@ -77,10 +106,17 @@ def _model_file(src: Path) -> Path | None:
 
 
 def tokenizer_for_hf(
-    src: Path, spec: TokenizerSpec | None, vocab_size: int, max_positions: int, recorded: dict[str, Any] | None = None
+    src: Path,
+    spec: TokenizerSpec | None,
+    vocab_size: int,
+    max_positions: int,
+    recorded: dict[str, Any] | None = None,
+    from_hf: bool = False,
 ) -> TokenizerPlan:
-    """The tokenizer side of writing the checkpoint in ``src`` as an HF folder (``spec``: its family's)."""
-    if spec is None:
+    """The tokenizer side of writing the checkpoint in ``src`` as an HF folder (``spec``: its
+    family's). ``from_hf``: the source holds HF files as they were (:func:`holds_hf_files`);
+    they are carried byte for byte and nothing is added."""
+    if spec is None or from_hf:
         return TokenizerPlan()
     plan = TokenizerPlan()
     model = src / MODEL_FILE
@@ -108,8 +144,10 @@ def tokenizer_for_hf(
     return plan
 
 
-def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None) -> TokenizerPlan:
-    """The tokenizer side of writing the checkpoint in ``src`` as a Meta folder (``spec``: its family's)."""
+def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None, from_hf: bool = False) -> TokenizerPlan:
+    """The tokenizer side of writing the checkpoint in ``src`` as a Meta folder (``spec``: its
+    family's). ``from_hf``: the source holds HF files as they were; the record then lists them
+    even when there are none, so that converting back adds none."""
     if spec is None:
         return TokenizerPlan()
     kind = spec.kind
@@ -123,10 +161,16 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None) -> TokenizerPlan:
         ranks = tiktoken_bpe.ranks_from_tokenizer_json(src / "tokenizer.json")
         if ranks is not None:
             data = plan.files[MODEL_FILE] = tiktoken_bpe.ranks_text(ranks)
+    elif (src / "tokenizer.json").is_file():
+        spm = sentencepiece_bpe.model_from_tokenizer_json(
+            _json_file(src / "tokenizer.json"), _json_file(src / "tokenizer_config.json")
+        )
+        if spm is not None:
+            data = plan.files[MODEL_FILE] = write_spm_model(spm)
     if data is None and present:
         why = "is not a Llama 3 byte-level BPE" if kind == TIKTOKEN else "cannot be written as sentencepiece"
         plan.notes.append(f"tokenizer.json {why} and the source has no tokenizer.model: the output has none")
-    if present:
+    if present or from_hf:
         plan.record = {
             "model_sha256": _digest(data) if data is not None else None,
             "model_in_hf": model.is_file(),

@@ -1,28 +1,46 @@
-"""Pieces shared by the BPE conversions: merges recovered from a ranked vocabulary, the
-byte-level alphabet, and the BOS post-processor."""
+"""Pieces shared by the BPE conversions: merges recovered from a ranked (tiktoken) or scored
+(sentencepiece) vocabulary, the byte-level alphabet, and the BOS post-processor."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 
-def merges_from_vocab(vocab: dict[str, int], skip: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """Every split of a vocabulary entry into two entries, as merges ranked by the id they
-    produce (then by the length and ids of the halves): the order that reproduces
-    rank-based BPE (sentencepiece, tiktoken) with the ``tokenizers`` library."""
-    skipped = set(skip)
-    found = []
-    for token, rank in vocab.items():
-        if token in skipped:
-            continue
-        for i in range(1, len(token)):
-            left, right = token[:i], token[i:]
-            if left in vocab and right in vocab and left not in skipped and right not in skipped:
-                found.append((rank, len(left), len(right), vocab[left], vocab[right], left, right))
-    found.sort()
-    return [(f[5], f[6]) for f in found]
+def _splits(token: str, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of ``token`` into two vocabulary entries, ordered by the halves' ids."""
+    found = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+    return sorted(found, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+
+
+def ranked_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges of a rank-ordered vocabulary (tiktoken): every split of an entry into two
+    entries, ordered by the rank of the entry they make, then by the ranks of the halves.
+
+    This is the order of the official Llama 3 ``tokenizer.json`` (transformers'
+    ``TikTokenConverter``), which llama.cpp copies into GGUF: ranks break ties between
+    pairs that make the same token, so the order is part of the tokenizer."""
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        merges.extend(_splits(token, vocab))
+    return merges
+
+
+def scored_merges(pieces: list[tuple[str, float]]) -> list[tuple[str, str]]:
+    """The merges of a sentencepiece BPE vocabulary (``(piece, score)`` by id): every split of
+    a piece into two pieces, ordered by the score of the piece they make, highest first
+    (sentencepiece merges the best-scored pair first), then by the piece's id, then by the
+    halves' ids.
+
+    This is the order of transformers' ``SentencePieceExtractor`` (the official Llama 2 and
+    Mistral ``tokenizer.json``). Ordering by id instead is wrong: Llama 2 scores some
+    whitespace pieces ``-1e9`` (``"▁▁"`` is id 259), and sentencepiece merges those last."""
+    vocab = {text: i for i, (text, _) in enumerate(pieces)}
+    order = sorted(range(len(pieces)), key=lambda i: -pieces[i][1])  # stable: ties keep id order
+    merges = []
+    for i in order:
+        merges.extend(_splits(pieces[i][0], vocab))
+    return merges
 
 
 @functools.cache

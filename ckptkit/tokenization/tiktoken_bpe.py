@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.tokenization.bpe import bos_template, bytes_to_text, merges_from_vocab, text_to_bytes
+from ckptkit.tokenization.bpe import bos_template, bytes_to_text, ranked_merges, text_to_bytes
 
 # Llama 3's pre-tokenizer split (the ``pat_str`` of Meta's tokenizer).
 LLAMA3_PATTERN = (
@@ -74,7 +74,7 @@ def build_tokenizer(ranks: dict[bytes, int], specials: list[str], bos: str | Non
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {bytes_to_text(tok): rank for tok, rank in ranks.items()}
-    bpe = models.BPE(vocab, merges_from_vocab(vocab), ignore_merges=True)
+    bpe = models.BPE(vocab, ranked_merges(vocab), ignore_merges=True)
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

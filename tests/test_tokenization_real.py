@@ -1,0 +1,220 @@
+"""The converted tokenizers give exactly the official tokenizers' ids on the real vocabularies.
+
+Llama 2 (32000 sentencepiece pieces, rebuilt from llama.cpp's copy with Meta's scores),
+Llama 3 (Meta's tiktoken rank file from ``llama-models``), Mistral v1 and v3 (the
+sentencepiece models in ``mistral-common``'s wheel, v3 with 750 control tokens). The
+references are the official tokenizers run on the same files (sentencepiece, Meta's
+tiktoken tokenizer) and the ids in llama.cpp's own vocabulary tests (``.inp`` / ``.out``,
+made with the official HF tokenizers). The converted ``tokenizer.json`` is read the way
+transformers reads it (``AutoTokenizer`` without tiktoken, protobuf or sentencepiece) on
+llama.cpp's texts, and with the ``tokenizers`` library on hypothesis-generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sentencepiece as spm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, MISTRAL_TOKENIZER
+from ckptkit.tokenization.hf_files import build_hf_tokenizer
+
+from tokenizer_helpers import (
+    CORPUS,
+    autotokenizer_without_extras,
+    gguf_reader,
+    llama2_tokenizer_model,
+    llama3_tokenizer_model,
+    llama_cpp_dir,
+    mistral_tokenizer_models,
+    vocab_tests,
+    write_tiny_meta_llama3,
+)
+
+SPM_VOCABS = ("llama2", "mistral-v1", "mistral-v3")
+
+# Pieces that stress tokenizers: whitespace runs, digits, emoji (with joiners and flags),
+# code, CJK, combining marks, the ▁ sentencepiece uses for spaces, contractions.
+FRAGMENTS = [" ", "  ", "   ", "    ", "\n", "\n\n", "\t", "\r\n", " \n ", "0", "7", "42", "2024", "3.14159",
+             "1e-9", "😀", "🦙", "👨‍👩‍👧‍👦", "🇯🇵", "❤️", "def f(x):\n    return x + 1\n", "{\"a\": [1, 2]}",
+             "if (a && b) { c++; }", "中文", "日本語", "한국어", "ü", "é", "\u0301", "▁", "▁▁", "\u200b", "'s", "'LL",
+             "Hello", " world", "__init__", "<|", "|>", "[", "]", "<", ">", "ÿ", "\x00", "\x7f"]  # fmt: skip
+TEXTS = st.lists(st.one_of(st.text(max_size=10), st.sampled_from(FRAGMENTS)), max_size=14).map("".join)
+
+
+def _spm_models() -> dict[str, Path]:
+    mistral = mistral_tokenizer_models()
+    return {"llama2": llama2_tokenizer_model(), "mistral-v1": mistral["v1"], "mistral-v3": mistral["v3"]}
+
+
+@pytest.fixture(scope="session")
+def real_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Meta -> HF tokenizer folders for each real vocabulary."""
+    root = tmp_path_factory.mktemp("real-tokenizers")
+    # Llama 3 (not 3.1): the special tokens of llama.cpp's ggml-vocab-llama-bpe.gguf.
+    jobs: dict[str, tuple[Any, Path, int]] = {"llama3": (LLAMA3_TOKENIZER, llama3_tokenizer_model(), 128256)}
+    for name, path in _spm_models().items():
+        jobs[name] = (LLAMA2_TOKENIZER if name == "llama2" else MISTRAL_TOKENIZER, path, 32768)
+    out = {}
+    for name, (spec, path, vocab) in jobs.items():
+        folder = root / name
+        folder.mkdir()
+        for file, data in build_hf_tokenizer(spec, path, vocab, 8192).files.items():
+            (folder / file).write_bytes(data)
+        out[name] = folder
+    return out
+
+
+def _fast(folder: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def _meta_llama3() -> Any:
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    return Tokenizer(llama3_tokenizer_model())
+
+
+@pytest.fixture(scope="session")
+def autotokenizer(real_hf: dict[str, Path]) -> dict[str, dict]:
+    """AutoTokenizer's ids (without tiktoken/protobuf/sentencepiece) on llama.cpp's texts and the corpus."""
+    spm_texts = [t for t, _ in vocab_tests("llama-spm")] + CORPUS
+    bpe_texts = [t for t, _ in vocab_tests("llama-bpe")] + CORPUS
+    names = ["llama3", *SPM_VOCABS]
+    jobs = [(real_hf[n], bpe_texts if n == "llama3" else spm_texts, None) for n in names]
+    return dict(zip(names, autotokenizer_without_extras(jobs), strict=True))
+
+
+def test_llama2_gives_llama_cpp_official_ids(autotokenizer: dict[str, dict]) -> None:
+    tests = vocab_tests("llama-spm")
+    sp = spm.SentencePieceProcessor(model_file=str(llama2_tokenizer_model()))
+    assert [sp.encode(t) for t, _ in tests] == [ids for _, ids in tests]  # the rebuilt model is Llama 2's
+    got = autotokenizer["llama2"]
+    assert got["plain"][: len(tests)] == [ids for _, ids in tests]
+    assert got["ids"][: len(tests)] == [[1, *ids] for _, ids in tests]  # BOS, as HF's Llama 2 repos add it
+    assert got["plain"][tests.index((" Hello world", [29871, 15043, 3186]))] == [29871, 15043, 3186]
+
+
+def test_llama3_gives_llama_cpp_official_ids(autotokenizer: dict[str, dict]) -> None:
+    tests = vocab_tests("llama-bpe")
+    meta = _meta_llama3()
+    assert [meta.encode(t, bos=False, eos=False) for t, _ in tests] == [ids for _, ids in tests]
+    got = autotokenizer["llama3"]
+    assert got["plain"][: len(tests)] == [ids for _, ids in tests]
+    assert got["ids"][: len(tests)] == [[128000, *ids] for _, ids in tests]
+
+
+@pytest.mark.parametrize("name", SPM_VOCABS)
+def test_sentencepiece_vocabularies_give_sentencepiece_ids(name: str, autotokenizer: dict[str, dict]) -> None:
+    sp = spm.SentencePieceProcessor(model_file=str(_spm_models()[name]))
+    texts = [t for t, _ in vocab_tests("llama-spm")] + CORPUS
+    got = autotokenizer[name]
+    assert got["plain"] == [sp.encode(t) for t in texts]
+    assert got["ids"] == [[sp.bos_id(), *sp.encode(t)] for t in texts]
+    assert (got["bos"], got["eos"]) == (sp.bos_id(), sp.eos_id())
+
+
+def test_llama3_tokens_and_merges_equal_llama_cpp_vocabulary(real_hf: dict[str, Path]) -> None:
+    """Token list and the 280147 merges, in order, as in llama.cpp's ggml-vocab-llama-bpe.gguf."""
+    fields = gguf_reader(llama_cpp_dir() / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
+    doc = json.loads((real_hf["llama3"] / "tokenizer.json").read_text(encoding="utf-8"))
+    tokens = {**doc["model"]["vocab"], **{t["content"]: t["id"] for t in doc["added_tokens"]}}
+    assert sorted(tokens, key=tokens.__getitem__) == fields["tokenizer.ggml.tokens"].contents()
+    merges = [" ".join(m) if isinstance(m, list) else m for m in doc["model"]["merges"]]
+    assert merges == fields["tokenizer.ggml.merges"].contents()
+
+
+@pytest.mark.parametrize("name", SPM_VOCABS)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_sentencepiece_vocabularies_match_sentencepiece_on_generated_text(
+    name: str, text: str, real_hf: dict[str, Path]
+) -> None:
+    sp, fast = _spm_pair(name, real_hf)
+    want = sp.encode(text)
+    assert fast.encode(text, add_special_tokens=False).ids == want
+    assert fast.encode(text).ids == [sp.bos_id(), *want]
+
+
+_PAIRS: dict[str, Any] = {}
+
+
+def _spm_pair(name: str, real_hf: dict[str, Path]) -> Any:
+    if name not in _PAIRS:
+        sp = spm.SentencePieceProcessor(model_file=str(_spm_models()[name]))
+        _PAIRS[name] = (sp, _fast(real_hf[name]))
+    return _PAIRS[name]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_llama3_matches_meta_tiktoken_tokenizer_on_generated_text(text: str, real_hf: dict[str, Path]) -> None:
+    if "llama3" not in _PAIRS:
+        _PAIRS["llama3"] = (_meta_llama3(), _fast(real_hf["llama3"]))
+    meta, fast = _PAIRS["llama3"]
+    assert fast.encode(text, add_special_tokens=False).ids == meta.encode(text, bos=False, eos=False)
+    assert fast.encode(text).ids == meta.encode(text, bos=True, eos=False)
+
+
+def test_mistral_v3_control_tokens_are_single_ids(real_hf: dict[str, Path]) -> None:
+    """Control tokens written in the text become their ids (as in HF's Mistral repos and
+    mistral-common's instruct encoding); the text between them encodes as sentencepiece does."""
+    sp, fast = _spm_pair("mistral-v3", real_hf)
+    parts = ["Hi there", "[INST]", " What is 2 + 2?", "[/INST]", "4", "[TOOL_CALLS]", " []"]
+    want = [sp.piece_to_id(p) if p.startswith("[") and p.endswith("]") and len(p) > 3 else sp.encode(p) for p in parts]
+    flat = [i for w in want for i in (w if isinstance(w, list) else [w])]
+    assert fast.encode("".join(parts), add_special_tokens=False).ids == flat
+    assert [sp.piece_to_id(p) for p in ("[INST]", "[/INST]", "[TOOL_CALLS]")] == [3, 4, 5]
+
+
+@pytest.mark.slow
+def test_llama3_hf_folder_gives_llama_cpp_the_official_vocabulary(tmp_path: Path) -> None:
+    """llama.cpp's converter recognises the pre-tokenizer (llama-bpe) of what Meta -> HF
+    writes, and its GGUF token list and merges equal llama.cpp's own Llama 3 vocabulary."""
+    from ckptkit.convert import convert
+
+    write_tiny_meta_llama3(tmp_path / "meta")
+    params = json.loads((tmp_path / "meta" / "params.json").read_text())
+    del params["use_scaled_rope"]  # Llama 3 (8B), whose vocabulary llama.cpp ships
+    (tmp_path / "meta" / "params.json").write_text(json.dumps(params))
+    convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    llama_cpp = llama_cpp_dir()
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    out = tmp_path / "vocab.gguf"
+    cmd = [sys.executable, "convert_hf_to_gguf.py", str(tmp_path / "hf"), "--vocab-only", "--outfile", str(out)]
+    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours = gguf_reader(out).fields  # type: ignore[attr-defined]
+    official = gguf_reader(llama_cpp / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
+    assert ours["tokenizer.ggml.pre"].contents() == "llama-bpe"
+    for key in ("model", "tokens", "merges", "token_type", "bos_token_id"):
+        assert ours[f"tokenizer.ggml.{key}"].contents() == official[f"tokenizer.ggml.{key}"].contents(), key
+
+
+def test_llama2_tokenizer_json_back_to_sentencepiece_gives_official_ids(
+    real_hf: dict[str, Path], tmp_path: Path
+) -> None:
+    """HF -> Meta without a tokenizer.model: the sentencepiece model rebuilt from Llama 2's
+    tokenizer.json gives the official ids on llama.cpp's texts."""
+    from ckptkit.tokenization.sentencepiece_bpe import model_from_tokenizer_json
+    from ckptkit.tokenization.spm_proto import write_spm_model
+
+    folder = real_hf["llama2"]
+    doc = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    model = model_from_tokenizer_json(doc, config)
+    assert model is not None
+    (tmp_path / "tokenizer.model").write_bytes(write_spm_model(model))
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    tests = vocab_tests("llama-spm")
+    assert [sp.encode(t) for t, _ in tests] == [ids for _, ids in tests]
