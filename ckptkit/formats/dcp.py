@@ -33,6 +33,7 @@ import math
 import os
 import pickle
 import re
+import struct
 import threading
 import zipfile
 import zlib
@@ -414,15 +415,13 @@ class DcpCheckpoint(RawCheckpoint):
         try:
             window = _Window(fd, chunk.offset, chunk.length)
             try:
-                z = zipfile.ZipFile(window)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError):
-                raise self._bad(entry, chunk, "is not a torch.save archive (truncated file or wrong offsets)") from None
-            with z:
-                prefix, members, offsets = check_members(path, z, window, chunk.length)  # type: ignore[arg-type]
-                try:
+                with zipfile.ZipFile(window) as z:
+                    if any(zi.header_offset < 0 for zi in z.infolist()):  # an archive that starts before the chunk
+                        raise ValueError("member before the start")
+                    prefix, members, offsets = check_members(path, z, window, chunk.length)  # type: ignore[arg-type]
                     data = z.read(members[f"{prefix}/data.pkl"])
-                except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-                    raise self._bad(entry, chunk, f"is a damaged zip archive ({e})") from None
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error):
+                raise self._bad(entry, chunk, "is not a torch.save archive (truncated file or wrong offsets)") from None
         finally:
             os.close(fd)
         try:
