@@ -5,6 +5,7 @@ anything; bad folders refused with one line and nothing written."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -248,9 +249,7 @@ def test_stitching_any_chunk_grid_gives_the_row_major_bytes(tmp_path: Path) -> N
     ]:
         full = torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8)
         blob, pieces, pos = bytearray(), [], 0
-        import itertools
-
-        for box in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+        for box in itertools.product(*[list(zip(c[:-1], c[1:], strict=True)) for c in cuts]):
             part = full[tuple(slice(a, b) for a, b in box)].contiguous()
             data = part.numpy().tobytes()
             chunk = Chunk(tuple(a for a, _ in box), tuple(b - a for a, b in box))
