@@ -79,13 +79,16 @@ class Checkpoint:
         return out
 
 
-def open_checkpoint(path: str | Path, fmt: str | None = None, model_type: str | None = None) -> Checkpoint:
-    """Open a checkpoint directory read-only; nothing but headers is read yet."""
+def open_checkpoint(
+    path: str | Path, fmt: str | None = None, model_type: str | None = None, config: str | Path | None = None
+) -> Checkpoint:
+    """Open a checkpoint directory read-only; nothing but headers is read yet. ``config``:
+    the model config file for a folder without one (``--config``, DCP)."""
     root = Path(path)
     if root.is_dir():
         check_source_folder(root)
     reader = get_format(fmt) if fmt else detect_format(root)
-    raw = reader.open(root)
+    raw = reader.open_with_config(root, None if config is None else Path(config))
     try:
         family = get_family(model_type) if model_type else reader.family(raw)
         cfg = reader.read_config(raw, family)

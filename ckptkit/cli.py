@@ -107,6 +107,9 @@ def main(
     """Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats."""
 
 
+CONFIG_HELP = "Model config (params.json or config.json) for a source without one, such as a DCP folder."
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -121,11 +124,12 @@ def inspect(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory or one weight / index file.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     model_type: Annotated[ModelType | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help=CONFIG_HELP)] = None,
 ) -> None:
     """List format, model type, dtypes and tensors; reads metadata only."""
     from ckptkit.inspection import inspect_path
 
-    info = inspect_path(path, model_type.value if model_type else None)
+    info = inspect_path(path, model_type.value if model_type else None, config)
     if json_out:
         sys.stdout.write(json.dumps(info) + "\n")
         return
@@ -138,6 +142,8 @@ def inspect(
     out.print(f"parameters  {info['num_params']:,}")
     out.print(f"bytes       {info['total_bytes']:,} ({_human(info['total_bytes'])})")
     out.print(f"files       {', '.join(info['files'])}")
+    if info.get("ignored"):
+        out.print(f"not model   {len(info['ignored'])} entries, not converted: {', '.join(info['ignored'][:6])}")
     table = Table(box=None, header_style="bold")
     table.add_column("name", overflow="fold")
     for column in ("shape", "dtype", "file"):
@@ -166,11 +172,14 @@ def convert(
             help=f"Cast floating tensors to {', '.join(DType)} (default: keep every dtype and byte).",
         ),
     ] = None,
-    shards: Annotated[int | None, typer.Option(metavar="N", help="Meta model-parallel ranks to write.")] = None,
+    shards: Annotated[
+        int | None, typer.Option(metavar="N", help="Meta model-parallel ranks, or DCP rank files, to write.")
+    ] = None,
     max_shard_size: Annotated[
         str | None, typer.Option(metavar="SIZE", help='HF shard size limit, e.g. "5GB" (default 5GB).')
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty destination.")] = False,
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help=CONFIG_HELP)] = None,
     verify: Annotated[
         bool, typer.Option("--verify", help="Re-read the output and compare it with SRC, tensor by tensor.")
     ] = False,
@@ -209,6 +218,7 @@ def convert(
         quiet=quiet,
         copy_method=None if copy_method == NO_COPY else copy_method.value,
         allow_lossy_cast=allow_lossy_cast,
+        config=config,
     )
     if quiet:
         return

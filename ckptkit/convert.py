@@ -164,10 +164,12 @@ def convert(
     on_verify: Callable[[Any], None] | None = None,
     copy_method: str | None = AUTO,
     allow_lossy_cast: bool = False,
+    config: str | Path | None = None,
 ) -> Result:
     """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
 
-    ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`).
+    ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`);
+    ``config`` gives the model config of a source without one (``--config``).
     """
     src, dst = Path(src), Path(dst)
     if dtype is not None and dtype not in CAST_TARGETS:
@@ -175,7 +177,7 @@ def convert(
     if shards is not None and shards < 1:
         raise CkptkitError("--shards must be at least 1")
     target_format(to)
-    with open_checkpoint(src, from_format, model_type) as ckpt:
+    with open_checkpoint(src, from_format, model_type, config) as ckpt:
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)

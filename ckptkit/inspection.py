@@ -13,7 +13,7 @@ from ckptkit.formats.single_file import read_single_file
 from ckptkit.formats.tensor_info import TensorInfo
 
 
-def inspect_path(path: str | Path, model_type: str | None = None) -> dict[str, Any]:
+def inspect_path(path: str | Path, model_type: str | None = None, config: str | Path | None = None) -> dict[str, Any]:
     """Describe a checkpoint without reading tensor data.
 
     Returns the object ``ckptkit inspect --json`` prints.
@@ -22,7 +22,7 @@ def inspect_path(path: str | Path, model_type: str | None = None) -> dict[str, A
     if not p.exists():
         raise CkptkitError(f"{p}: no such file or directory")
     if p.is_dir():
-        return _inspect_dir(p, model_type)
+        return _inspect_dir(p, model_type, None if config is None else Path(config))
     single = read_single_file(p)  # a weight file or an index: which ones, the format knows
     return _describe(single.format, None, single.files, single.infos, {i.name: i for i in single.infos})
 
@@ -44,18 +44,24 @@ def _per_file(raw: RawCheckpoint) -> list[TensorInfo]:
     return [raw.readers[f].infos[k] for f, keys in raw.files.items() for k in keys]
 
 
-def _inspect_dir(root: Path, model_type: str | None) -> dict[str, Any]:
+def _inspect_dir(root: Path, model_type: str | None, config: Path | None) -> dict[str, Any]:
     reader = detect_format(root)
     fmt = reader.name
     try:
-        with open_checkpoint(root, fmt, model_type) as ckpt:
+        with open_checkpoint(root, fmt, model_type, config) as ckpt:
             raw = ckpt.raw
-            return _describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos)
+            return _with_ignored(_describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos), raw)
     except CkptkitError as e:
         if "model type" not in str(e) and "model_type" not in str(e) and "which Llama" not in str(e):
             raise
-    raw = reader.open(root)  # an unknown model: still list what is there
+    raw = reader.open_with_config(root, config)  # an unknown model: still list what is there
     try:
-        return _describe(fmt, None, list(raw.files), _per_file(raw), raw.infos)
+        return _with_ignored(_describe(fmt, None, list(raw.files), _per_file(raw), raw.infos), raw)
     finally:
         raw.close()
+
+
+def _with_ignored(info: dict[str, Any], raw: RawCheckpoint) -> dict[str, Any]:
+    """``ignored``: entries besides the model (optimizer, train state) a format lists, if any."""
+    ignored = getattr(raw, "ignored", None)
+    return info | {"ignored": list(ignored)} if ignored else info

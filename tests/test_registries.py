@@ -69,6 +69,7 @@ FORMAT_FIXTURES = {
     "hf": FIXTURES / "hf" / "llama2",
     "hf-bin": FIXTURES / "hf-bin" / "llama2",
     "internal": None,
+    "dcp": FIXTURES / "dcp" / "llama2",
 }
 
 

@@ -61,6 +61,16 @@ class CheckpointFormat:
         """The raw view: config text, files and tensor metadata; tensors stay unread."""
         raise NotImplementedError
 
+    def open_with_config(self, root: Path, config: Path | None) -> RawCheckpoint:
+        """:meth:`open`, with the model config given apart (``--config``): for formats whose
+        folders may lack one (DCP); the others carry their own and refuse it."""
+        if config is not None:
+            raise CkptkitError(
+                f"--config: a {self.name} checkpoint carries its own model config; "
+                "--config is for folders without one, such as DCP checkpoints"
+            )
+        return self.open(root)
+
     def owns_file(self, name: str) -> bool:
         """Whether a single weight or index file of this name belongs to this format."""
         return False

@@ -66,6 +66,27 @@ _PUSH_CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": 
 
 def scan(data: bytes) -> dict[str, TensorMeta]:
     """The tensors of a state-dict pickle, in dict order."""
+    top = _run(data)
+    if not isinstance(top, dict):
+        raise UnsupportedPickle("not a dict")
+    out = {}
+    for key, value in top.items():
+        if not isinstance(key, str) or not isinstance(value, TensorMeta):
+            raise UnsupportedPickle("not a flat dict of tensors")
+        out[key] = value
+    return out
+
+
+def scan_tensor(data: bytes) -> TensorMeta:
+    """The one tensor a ``torch.save(tensor)`` pickle holds (a DCP chunk)."""
+    top = _run(data)
+    if not isinstance(top, TensorMeta):
+        raise UnsupportedPickle("not a tensor")
+    return top
+
+
+def _run(data: bytes) -> object:
+    """The object a pickle builds, within the subset modelled here (tensors as TensorMeta)."""
     stack: list[object] = []
     memo: dict[int, object] = {}
 
@@ -130,14 +151,9 @@ def scan(data: bytes) -> dict[str, TensorMeta]:
             stack.pop()  # state of an OrderedDict/tensor: nothing we list
         else:
             raise UnsupportedPickle(f"opcode {name}")
-    if len(stack) != 1 or not isinstance(stack[0], dict):
-        raise UnsupportedPickle("not a dict")
-    out = {}
-    for key, value in stack[0].items():
-        if not isinstance(key, str) or not isinstance(value, TensorMeta):
-            raise UnsupportedPickle("not a flat dict of tensors")
-        out[key] = value
-    return out
+    if len(stack) != 1:
+        raise UnsupportedPickle("not one object")
+    return stack[0]
 
 
 def _global(name: str) -> Global:
@@ -236,13 +252,15 @@ def _plain_member(name: str) -> bool:
 
 
 def check_members(
-    path: Path, z: zipfile.ZipFile, f: BinaryIO
+    path: Path, z: zipfile.ZipFile, f: BinaryIO, size: int | None = None
 ) -> tuple[str, dict[str, zipfile.ZipInfo], dict[str, int]]:
     """The archive's folder name, members by name and where each member's data starts,
     after checking each member is stored (not compressed), not encrypted, plainly named in
     UTF-8, unique, inside the file, and that its local header agrees with the central
-    directory (what torch's reader checks)."""
-    size = os.fstat(f.fileno()).st_size
+    directory (what torch's reader checks). ``size``: the archive's size, when it is a
+    window of a larger file (a DCP chunk); default the file's."""
+    if size is None:
+        size = os.fstat(f.fileno()).st_size
     members: dict[str, zipfile.ZipInfo] = {}
     offsets: dict[str, int] = {}
     for zi in z.infolist():

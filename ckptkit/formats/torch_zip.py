@@ -156,34 +156,49 @@ def pickle_state_dict(entries: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
     return bytes(p.out)
 
 
+def pickle_tensor(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """``data.pkl`` of ``torch.save(tensor)`` for one contiguous tensor, storage key ``0``."""
+    p = _Pickle()
+    p.tensor("0", dtype, shape)
+    p.out += b"."
+    return bytes(p.out)
+
+
 def write_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[Record]:
     """Write the archive for ``entries`` (name, dtype name, shape) with holes for the tensor
     data; returns every record with its offsets (tensor records are ``data/<i>``)."""
     archive = os.path.splitext(os.path.basename(path))[0]
+    sizes = [TensorInfo(n, tuple(s), d).nbytes for n, d, s in entries]
+    with path.open("wb") as f:
+        return write_archive(f, archive, pickle_state_dict(entries), sizes)
+
+
+def write_archive(f: BinaryIO, archive: str, data_pkl: bytes, sizes: list[int]) -> list[Record]:
+    """Write an archive (folder ``archive``) holding ``data_pkl`` and storage records
+    ``data/0`` ... of ``sizes`` bytes (holes) at ``f``'s position 0; offsets are ``f``'s."""
     contents: list[tuple[str, bytes | int]] = [
-        ("data.pkl", pickle_state_dict(entries)),
+        ("data.pkl", data_pkl),
         (".format_version", b"1"),
         (".storage_alignment", str(ALIGNMENT).encode()),
         ("byteorder", b"little"),
-        *[(f"data/{i}", TensorInfo(n, tuple(s), d).nbytes) for i, (n, d, s) in enumerate(entries)],
+        *[(f"data/{i}", size) for i, size in enumerate(sizes)],
         ("version", b"3\n"),
     ]
     contents.append((".data/serialization_id", _serialization_id(contents)))
     records: list[Record] = []
-    with path.open("wb") as f:
-        for name, content in contents:
-            records.append(_local_record(f, f"{archive}/{name}", content))
-            records[-1].name = name
-        central_start = f.tell()
-        for r in records:
-            r.central_offset = f.tell()
-            f.write(_central_entry(f"{archive}/{r.name}".encode(), r))
-        end = f.tell()
-        n, cd_size = len(records), end - central_start
-        f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, cd_size, central_start))
-        f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-        short = min(n, 0xFFFF)
-        f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, short, short, min(cd_size, U32), min(central_start, U32), 0))
+    for name, content in contents:
+        records.append(_local_record(f, f"{archive}/{name}", content))
+        records[-1].name = name
+    central_start = f.tell()
+    for r in records:
+        r.central_offset = f.tell()
+        f.write(_central_entry(f"{archive}/{r.name}".encode(), r))
+    end = f.tell()
+    n, cd_size = len(records), end - central_start
+    f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, cd_size, central_start))
+    f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+    short = min(n, 0xFFFF)
+    f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, short, short, min(cd_size, U32), min(central_start, U32), 0))
     return records
 
 
