@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
-from ckptkit.formats.containers import Entries, tensor_file_writer
+from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
@@ -108,12 +108,14 @@ class CheckpointFormat:
 
         raw = ckpt.raw
         small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}
+        archives = {name: archive_facts(raw.root / name) for name in raw.files}
         return {
             "format": raw.format,
             "model_type": ckpt.family.name,
             "files": [
                 {"name": name, "keys": keys, "metadata": raw.file_metadata.get(name)}
                 | ({"aliases": raw.file_aliases[name]} if raw.file_aliases.get(name) else {})
+                | ({"archive": archives[name]} if archives[name] else {})
                 for name, keys in raw.files.items()
             ],
             "dtypes": {k: dtype_name(i.dtype) for k, i in raw.infos.items()},
@@ -174,7 +176,7 @@ class CheckpointFormat:
         shard shape) in stored order): by default the container its name says
         (:func:`ckptkit.formats.containers.tensor_file_writer`). A writer has
         ``write`` / ``write_bytes`` / ``write_spans`` / ``close`` / ``discard``."""
-        return tensor_file_writer(path, entries, file.metadata, file.aliases, direct)
+        return tensor_file_writer(path, entries, file.metadata, file.aliases, direct, file.archive)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         """Non-weight files to write (config, index): name -> text."""

@@ -156,10 +156,16 @@ def pickle_state_dict(entries: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
     return bytes(p.out)
 
 
-def write_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[Record]:
+def write_skeleton(
+    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], facts: dict[str, str] | None = None
+) -> list[Record]:
     """Write the archive for ``entries`` (name, dtype name, shape) with holes for the tensor
-    data; returns every record with its offsets (tensor records are ``data/<i>``)."""
-    archive = os.path.splitext(os.path.basename(path))[0]
+    data; returns every record with its offsets (tensor records are ``data/<i>``).
+    ``facts``: the archive folder name and serialization id of the file this one restores
+    (:func:`ckptkit.formats.pickle_index.archive_facts`); by default torch's folder name (the
+    file's base name) and an id derived from the layout."""
+    facts = facts or {}
+    archive = facts.get("archive") or os.path.splitext(os.path.basename(path))[0]
     contents: list[tuple[str, bytes | int]] = [
         ("data.pkl", pickle_state_dict(entries)),
         (".format_version", b"1"),
@@ -168,7 +174,8 @@ def write_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) 
         *[(f"data/{i}", TensorInfo(n, tuple(s), d).nbytes) for i, (n, d, s) in enumerate(entries)],
         ("version", b"3\n"),
     ]
-    contents.append((".data/serialization_id", _serialization_id(contents)))
+    ident = facts.get("serialization_id")
+    contents.append((".data/serialization_id", ident.encode() if ident else _serialization_id(contents)))
     records: list[Record] = []
     with path.open("wb") as f:
         for name, content in contents:
