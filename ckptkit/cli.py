@@ -238,26 +238,53 @@ def verify(
     a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint (any format).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    allow_cast: Annotated[
+        bool,
+        typer.Option(
+            "--allow-cast", help="Accept tensors that are the same values in another dtype, or rounded to it."
+        ),
+    ] = False,
+    logits: Annotated[
+        bool,
+        typer.Option(
+            "--logits", help="Also run both models on fixed prompts: max abs logit difference and KL divergence."
+        ),
+    ] = False,
 ) -> None:
-    """Compare two checkpoints tensor by tensor, bitwise, in canonical names."""
+    """Compare two checkpoints tensor by tensor, bitwise, in each one's own names.
+
+    The first line is the verdict. Exit status: 0 identical (or only casts, with
+    --allow-cast); 3 the only differences are dtype casts; 1 anything else differs or is
+    missing (or an input error).
+    """
     from ckptkit.verify import verify_paths
 
-    report = verify_paths(a, b, quiet=json_out)
+    report = verify_paths(a, b, quiet=json_out, logits=logits)
     if json_out:
-        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+        sys.stdout.write(json.dumps(report.to_json(allow_cast)) + "\n")
     else:
+        out.print(report.verdict(allow_cast), highlight=False, markup=False)
         for name in report.only_in_a:
-            out.print(f"only in {a}: {name}", highlight=False)
+            out.print(f"only in {a}: {name}", highlight=False, markup=False)
         for name in report.only_in_b:
-            out.print(f"only in {b}: {name}", highlight=False)
+            out.print(f"only in {b}: {name}", highlight=False, markup=False)
         for d in report.differences:
-            out.print(f"differs: {d.describe()}", highlight=False)
+            out.print(
+                f"{'cast' if d.kind in ('cast', 'rounded') else 'differs'}: {d.describe()}",
+                highlight=False,
+                markup=False,
+            )
         if report.ignored:
-            out.print(f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False)
-        verdict = "identical" if report.ok else "DIFFERENT"
-        out.print(f"{verdict}: {report.identical} of {report.compared} common tensors bitwise equal", highlight=False)
-    if not report.ok:
-        raise typer.Exit(1)
+            out.print(
+                f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False, markup=False
+            )
+        if report.logits is not None:
+            from ckptkit.logit_check import describe
+
+            out.print(describe(report.logits), highlight=False, markup=False)
+    code = report.exit_code(allow_cast)
+    if code:
+        raise typer.Exit(code)
 
 
 # --- recipes: run, ls, cp --------------------------------------------------------------
