@@ -287,6 +287,21 @@ def verify(
         raise typer.Exit(code)
 
 
+@app.command(cls=Command)
+@user_errors
+def support(json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
+    """Which model types each format reads and writes, and what happens to the tokenizer.
+
+    Made from the format and model registries; docs/support.md is this output.
+    """
+    from ckptkit.support import support_markdown, support_matrix
+
+    if json_out:
+        sys.stdout.write(json.dumps(support_matrix()) + "\n")
+    else:
+        sys.stdout.write(support_markdown())
+
+
 # --- recipes: run, ls, cp --------------------------------------------------------------
 
 

@@ -76,6 +76,22 @@ class CheckpointFormat:
         """The family's native tensor names and transforms in this format."""
         raise NotImplementedError
 
+    def supports(self, family: Family) -> tuple[bool, bool]:
+        """(reads, writes) checkpoints of ``family``: by default, whether the family has a
+        layout in this format (asked with a small probe config)."""
+        from ckptkit.models.config import ModelConfig
+
+        probe = ModelConfig(family.name, 32, 16, 1, 2, 2, 8, 32)
+        try:
+            self.layout(family, probe)
+        except CkptkitError:
+            return False, False
+        return True, True
+
+    def tokenizer_support(self, family: Family) -> str:
+        """What a conversion into this format does with the tokenizer (support matrix)."""
+        return "carried"
+
     def canonical_view(
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
     ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:

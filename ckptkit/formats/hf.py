@@ -160,6 +160,11 @@ class HFFormat(CheckpointFormat):
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.hf_layout(cfg)
 
+    def tokenizer_support(self, family: Family) -> str:
+        if family.tokenizer is None:
+            return "carried"
+        return "tokenizer.json (from a Meta tokenizer.model)"
+
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:

@@ -92,6 +92,9 @@ class InternalFormat(CheckpointFormat):
     def detect(self, root: Path) -> bool:
         return detect(root)
 
+    def supports(self, family: Family) -> tuple[bool, bool]:
+        return True, True  # canonical names: every family
+
     def open(self, root: Path) -> RawCheckpoint:
         return open_raw(root)
 
