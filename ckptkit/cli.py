@@ -181,6 +181,10 @@ def convert(
         ),
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
+    force_model_type: Annotated[
+        bool,
+        typer.Option("--force-model-type", help="Use --model-type even where the files describe another type."),
+    ] = False,
     copy_method: Annotated[
         CopyMethod,
         typer.Option(
@@ -209,6 +213,7 @@ def convert(
         quiet=quiet,
         copy_method=None if copy_method == NO_COPY else copy_method.value,
         allow_lossy_cast=allow_lossy_cast,
+        force_model_type=force_model_type,
     )
     if quiet:
         return

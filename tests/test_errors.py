@@ -643,6 +643,14 @@ def _(tmp: Path) -> Case:
 def _(tmp: Path) -> Case:
     src = copy_fixture("meta/llama2", tmp / "src")
     c = converting(src, tmp, "params.json", "qwen2", "no Meta layout")
+    c.args += ["--model-type", "qwen2", "--force-model-type"]
+    return c
+
+
+@case("meta-model-type-contradicting-params")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("meta/llama2", tmp / "src")
+    c = converting(src, tmp, "params.json", "describes a llama2 model, not qwen2", "--force-model-type")
     c.args += ["--model-type", "qwen2"]
     return c
 

@@ -51,6 +51,9 @@ class CheckpointFormat:
     metadata_names: tuple[str, ...] = ()
     layer_field: str = "layers"
     loads_in_transformers: ClassVar[bool] = False  # ``from_pretrained`` (and PEFT) read the folder as it is
+    # How a fresh layout is split into files: "size" (``--max-shard-size``), "ranks"
+    # (``--shards N`` model-parallel ranks), or None (neither option applies).
+    sharding: ClassVar[str | None] = None
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:

@@ -113,6 +113,7 @@ class HFFormat(CheckpointFormat):
 
     expects = "config.json + model*.safetensors or pytorch_model*.bin"
     detect_order = 30
+    sharding = "size"
     loads_in_transformers = True
     config_file = "config.json"
     index_name: str

@@ -85,6 +85,7 @@ class InternalFormat(CheckpointFormat):
     name = "internal"
     expects = "ckptkit.json"
     detect_order = 10
+    sharding = "size"
     weight_file = FILE_NAME
     metadata_names = (INTERNAL_FILE,)
     layer_field = "config.num_layers"

@@ -145,6 +145,7 @@ class MetaFormat(CheckpointFormat):
     name = "meta"
     expects = "params.json + consolidated.*.pth"
     detect_order = 20
+    sharding = "ranks"
     weight_file = WEIGHT_FILE
     config_file = "params.json"
     metadata_names = ("params.json",)
