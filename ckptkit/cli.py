@@ -8,13 +8,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer._click.exceptions import UsageError
 from typer.core import TyperCommand
 
 from ckptkit import __version__
@@ -24,8 +25,67 @@ from ckptkit.models import MODEL_TYPES
 from ckptkit.rawcopy import AUTO, METHODS
 
 
+class OneLineUsageError(UsageError):
+    """Bad usage told in one line (exit 2), without the usage preamble."""
+
+    def show(self, file: Any = None) -> None:
+        sys.stderr.write(f"error: {self.format_message()}\n")
+
+
+def _choices(param: Any) -> list[str]:
+    """The values an enum-typed option takes ([] for other options)."""
+    import typing
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, Enum):
+            return [str(m.value) for m in t]
+    return []
+
+
+# What users type for a choice, and the choice they mean.
+ALIASES = {
+    "huggingface": "hf", "hugging-face": "hf", "transformers": "hf", "safetensors": "hf",
+    "hf-safetensors": "hf", "bin": "hf-bin", "pytorch": "hf-bin", "hf_bin": "hf-bin",
+    "llama": "meta", "consolidated": "meta", "bf16": "bfloat16", "fp16": "float16",
+    "half": "float16", "fp32": "float32", "float": "float32",
+}  # fmt: skip
+
+
+def check_choices(params: list[Any], args: list[str]) -> None:
+    """An unknown value of a choice option, refused in one line that lists the valid ones
+    and the closest (``--to huggingface``: did you mean 'hf'?)."""
+    import difflib
+
+    for param in params:
+        choices = _choices(param) if getattr(param, "param_type_name", "") == "option" else []
+        if not choices:
+            continue
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag not in param.opts:
+                continue
+            if not eq:
+                if i + 1 >= len(args):
+                    break
+                value = args[i + 1]
+            if value in choices:
+                continue
+            close = [ALIASES[value.lower()]] if ALIASES.get(value.lower()) in choices else []
+            close = close or difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.4)
+            close = close or [c for c in choices if c.startswith(value.lower()[:2])][:1]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise OneLineUsageError(f"{flag} {value}: not one of {', '.join(choices)}{hint}")
+
+
 class Command(TyperCommand):
-    """A command whose usage line names its arguments as the docs do (``SRC DST``)."""
+    """A command whose usage line names its arguments as the docs do (``SRC DST``), and
+    whose unknown choices get one line with a did-you-mean."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if "-h" not in args and "--help" not in args:
+            check_choices(self.get_params(ctx), args)
+        return super().parse_args(ctx, args)  # type: ignore[no-any-return]
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -329,15 +389,21 @@ def run(
     ] = None,
 ) -> None:
     """Run a training recipe with a config and KEY=VALUE overrides."""
-    from ckptkit.train.config import load_config
+    from ckptkit.train.config import load_config, resolve_config
     from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
     entry = recipe_entry(recipe)
     cfg = load_config(config, overrides or [])
-    if nproc_per_node is None:
-        entry(cfg)
-    else:
-        launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
+    try:
+        if nproc_per_node is None:
+            entry(cfg)
+        else:
+            launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
+    except CkptkitError as e:  # "config key x: ...": say which file (and that overrides count)
+        if not str(e).startswith("config"):
+            raise
+        given = " with the KEY=VALUE overrides" if overrides else ""
+        raise CkptkitError(f"{resolve_config(config)}{given}: {e}") from None
 
 
 @app.command(cls=Command, name="ls")

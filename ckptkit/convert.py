@@ -134,6 +134,9 @@ def _write_tensors(
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
+    blocking = next((p for p in dst.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CkptkitError(f"{dst}: {blocking} is a file, not a folder; choose a DST outside it")
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents:
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
