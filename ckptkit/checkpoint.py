@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.errors import CkptkitError
 from ckptkit.formats import CheckpointFormat, detect_format, get_format, is_checkpoint_file, recorded_origin
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.lazy import Lazy, decode_tensor, encode_tensor
@@ -80,10 +81,18 @@ class Checkpoint:
 
 
 def open_checkpoint(
-    path: str | Path, fmt: str | None = None, model_type: str | None = None, config: str | Path | None = None
+    path: str | Path,
+    fmt: str | None = None,
+    model_type: str | None = None,
+    config: str | Path | None = None,
+    check_model_type: bool = False,
 ) -> Checkpoint:
-    """Open a checkpoint directory read-only; nothing but headers is read yet. ``config``:
-    the model config file for a folder without one (``--config``, DCP)."""
+    """Open a checkpoint directory read-only; nothing but headers is read yet.
+
+    ``model_type`` overrides detection; with ``check_model_type`` one that contradicts what
+    the files say (detection is sure of another) is an error. ``config``: the model config
+    file for a folder without one (``--config``, DCP).
+    """
     root = Path(path)
     if root.is_dir():
         check_source_folder(root)
@@ -91,6 +100,8 @@ def open_checkpoint(
     raw = reader.open_with_config(root, None if config is None else Path(config))
     try:
         family = get_family(model_type) if model_type else reader.family(raw)
+        if model_type and check_model_type:
+            _check_model_type(reader, raw, model_type)
         cfg = reader.read_config(raw, family)
         check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, reader.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
@@ -98,6 +109,18 @@ def open_checkpoint(
     except BaseException:
         raw.close()
         raise
+
+
+def _check_model_type(reader: CheckpointFormat, raw: RawCheckpoint, model_type: str) -> None:
+    try:
+        detected = reader.family(raw).name
+    except CkptkitError:
+        return  # detection is unsure: the given type decides
+    if detected != model_type:
+        raise CkptkitError(
+            f"{raw.root / raw.config_name}: describes a {detected} model, not {model_type}; drop --model-type, "
+            f"or pass --force-model-type to read it as {model_type} anyway"
+        )
 
 
 def load_checkpoint(path: str | Path, model_type: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -8,13 +8,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer._click.exceptions import UsageError
 from typer.core import TyperCommand
 
 from ckptkit import __version__
@@ -24,8 +25,67 @@ from ckptkit.models import MODEL_TYPES
 from ckptkit.rawcopy import AUTO, METHODS
 
 
+class OneLineUsageError(UsageError):
+    """Bad usage told in one line (exit 2), without the usage preamble."""
+
+    def show(self, file: Any = None) -> None:
+        sys.stderr.write(f"error: {self.format_message()}\n")
+
+
+def _choices(param: Any) -> list[str]:
+    """The values an enum-typed option takes ([] for other options)."""
+    import typing
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, Enum):
+            return [str(m.value) for m in t]
+    return []
+
+
+# What users type for a choice, and the choice they mean.
+ALIASES = {
+    "huggingface": "hf", "hugging-face": "hf", "transformers": "hf", "safetensors": "hf",
+    "hf-safetensors": "hf", "bin": "hf-bin", "pytorch": "hf-bin", "hf_bin": "hf-bin",
+    "llama": "meta", "consolidated": "meta", "bf16": "bfloat16", "fp16": "float16",
+    "half": "float16", "fp32": "float32", "float": "float32",
+}  # fmt: skip
+
+
+def check_choices(params: list[Any], args: list[str]) -> None:
+    """An unknown value of a choice option, refused in one line that lists the valid ones
+    and the closest (``--to huggingface``: did you mean 'hf'?)."""
+    import difflib
+
+    for param in params:
+        choices = _choices(param) if getattr(param, "param_type_name", "") == "option" else []
+        if not choices:
+            continue
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag not in param.opts:
+                continue
+            if not eq:
+                if i + 1 >= len(args):
+                    break
+                value = args[i + 1]
+            if value in choices:
+                continue
+            close = [ALIASES[value.lower()]] if ALIASES.get(value.lower()) in choices else []
+            close = close or difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.4)
+            close = close or [c for c in choices if c.startswith(value.lower()[:2])][:1]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise OneLineUsageError(f"{flag} {value}: not one of {', '.join(choices)}{hint}")
+
+
 class Command(TyperCommand):
-    """A command whose usage line names its arguments as the docs do (``SRC DST``)."""
+    """A command whose usage line names its arguments as the docs do (``SRC DST``), and
+    whose unknown choices get one line with a did-you-mean."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if "-h" not in args and "--help" not in args:
+            check_choices(self.get_params(ctx), args)
+        return super().parse_args(ctx, args)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -190,6 +250,10 @@ def convert(
         ),
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
+    force_model_type: Annotated[
+        bool,
+        typer.Option("--force-model-type", help="Use --model-type even where the files describe another type."),
+    ] = False,
     copy_method: Annotated[
         CopyMethod,
         typer.Option(
@@ -219,6 +283,7 @@ def convert(
         copy_method=None if copy_method == NO_COPY else copy_method.value,
         allow_lossy_cast=allow_lossy_cast,
         config=config,
+        force_model_type=force_model_type,
     )
     if quiet:
         return
@@ -248,26 +313,68 @@ def verify(
     a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint (any format).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    allow_cast: Annotated[
+        bool,
+        typer.Option(
+            "--allow-cast", help="Accept tensors that are the same values in another dtype, or rounded to it."
+        ),
+    ] = False,
+    logits: Annotated[
+        bool,
+        typer.Option(
+            "--logits", help="Also run both models on fixed prompts: max abs logit difference and KL divergence."
+        ),
+    ] = False,
 ) -> None:
-    """Compare two checkpoints tensor by tensor, bitwise, in canonical names."""
+    """Compare two checkpoints tensor by tensor, bitwise, in each one's own names.
+
+    The first line is the verdict. Exit status: 0 identical (or only casts, with
+    --allow-cast); 3 the only differences are dtype casts; 1 anything else differs or is
+    missing (or an input error).
+    """
     from ckptkit.verify import verify_paths
 
-    report = verify_paths(a, b, quiet=json_out)
+    report = verify_paths(a, b, quiet=json_out, logits=logits)
     if json_out:
-        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+        sys.stdout.write(json.dumps(report.to_json(allow_cast)) + "\n")
     else:
+        out.print(report.verdict(allow_cast), highlight=False, markup=False)
         for name in report.only_in_a:
-            out.print(f"only in {a}: {name}", highlight=False)
+            out.print(f"only in {a}: {name}", highlight=False, markup=False)
         for name in report.only_in_b:
-            out.print(f"only in {b}: {name}", highlight=False)
+            out.print(f"only in {b}: {name}", highlight=False, markup=False)
         for d in report.differences:
-            out.print(f"differs: {d.describe()}", highlight=False)
+            out.print(
+                f"{'cast' if d.kind in ('cast', 'rounded') else 'differs'}: {d.describe()}",
+                highlight=False,
+                markup=False,
+            )
         if report.ignored:
-            out.print(f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False)
-        verdict = "identical" if report.ok else "DIFFERENT"
-        out.print(f"{verdict}: {report.identical} of {report.compared} common tensors bitwise equal", highlight=False)
-    if not report.ok:
-        raise typer.Exit(1)
+            out.print(
+                f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False, markup=False
+            )
+        if report.logits is not None:
+            from ckptkit.logit_check import describe
+
+            out.print(describe(report.logits), highlight=False, markup=False)
+    code = report.exit_code(allow_cast)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(cls=Command)
+@user_errors
+def support(json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
+    """Which model types each format reads and writes, and what happens to the tokenizer.
+
+    Made from the format and model registries; docs/support.md is this output.
+    """
+    from ckptkit.support import support_markdown, support_matrix
+
+    if json_out:
+        sys.stdout.write(json.dumps(support_matrix()) + "\n")
+    else:
+        sys.stdout.write(support_markdown())
 
 
 # --- recipes: run, ls, cp --------------------------------------------------------------
@@ -292,15 +399,21 @@ def run(
     ] = None,
 ) -> None:
     """Run a training recipe with a config and KEY=VALUE overrides."""
-    from ckptkit.train.config import load_config
+    from ckptkit.train.config import load_config, resolve_config
     from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
     entry = recipe_entry(recipe)
     cfg = load_config(config, overrides or [])
-    if nproc_per_node is None:
-        entry(cfg)
-    else:
-        launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
+    try:
+        if nproc_per_node is None:
+            entry(cfg)
+        else:
+            launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
+    except CkptkitError as e:  # "config key x: ...": say which file (and that overrides count)
+        if not str(e).startswith("config"):
+            raise
+        given = " with the KEY=VALUE overrides" if overrides else ""
+        raise CkptkitError(f"{resolve_config(config)}{given}: {e}") from None
 
 
 @app.command(cls=Command, name="ls")

@@ -18,6 +18,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.directio import direct_pays
 from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
 from ckptkit.overlap import Overlap
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
@@ -133,6 +134,9 @@ def _write_tensors(
 
 
 def check_destination(src: Path, dst: Path, force: bool) -> None:
+    blocking = next((p for p in dst.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise CkptkitError(f"{dst}: {blocking} is a file, not a folder; choose a DST outside it")
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents:
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
@@ -147,6 +151,47 @@ class Result:
     notes: list[str]
     bytes_written: int
     bytes_by_method: dict[str, int] = field(default_factory=dict)  # copy method (or COMPUTED) -> bytes
+
+
+SIZE_UNITS = "KB, MB, GB, TB (powers of 1000)"
+
+
+def parse_size(text: str) -> int:
+    """``--max-shard-size``: a number and a unit, as transformers takes it (``5GB``, ``500MB``)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        size = parse_size_to_int(text)
+    except ValueError:
+        raise CkptkitError(
+            f"--max-shard-size {text}: not a size; write a number and one of {SIZE_UNITS}, e.g. 5GB or 500MB"
+        ) from None
+    if size <= 0:
+        raise CkptkitError(f"--max-shard-size {text}: must be more than 0 bytes, e.g. 5GB")
+    return size
+
+
+def check_options(
+    fmt: CheckpointFormat, dtype: str | None, shards: int | None, max_shard_size: str | None, allow_lossy_cast: bool
+) -> None:
+    """Refuse options that contradict each other or the target format, in one line each."""
+    if allow_lossy_cast and dtype is None:
+        raise CkptkitError("--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast")
+    size_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "size")
+    rank_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "ranks")
+    if max_shard_size is not None:
+        if fmt.sharding != "size":
+            instead = "; split it with --shards N" if fmt.sharding == "ranks" else ""
+            raise CkptkitError(
+                f"--max-shard-size applies to --to {size_formats}, not --to {fmt.name} "
+                f"({'model-parallel ranks' if fmt.sharding == 'ranks' else 'one layout'}){instead}"
+            )
+        parse_size(max_shard_size)
+    if shards is not None and fmt.sharding != "ranks":
+        instead = "; limit shard size with --max-shard-size SIZE" if fmt.sharding == "size" else ""
+        raise CkptkitError(
+            f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}"
+        )
 
 
 def convert(
@@ -165,9 +210,11 @@ def convert(
     copy_method: str | None = AUTO,
     allow_lossy_cast: bool = False,
     config: str | Path | None = None,
+    force_model_type: bool = False,
 ) -> Result:
     """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
 
+    ``model_type`` that contradicts what the files say is refused unless ``force_model_type``.
     ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`);
     ``config`` gives the model config of a source without one (``--config``).
     """
@@ -176,8 +223,8 @@ def convert(
         raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {dtype!r}")
     if shards is not None and shards < 1:
         raise CkptkitError("--shards must be at least 1")
-    target_format(to)
-    with open_checkpoint(src, from_format, model_type, config) as ckpt:
+    check_options(target_format(to), dtype, shards, max_shard_size, allow_lossy_cast)
+    with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)

@@ -98,7 +98,9 @@ def _restored_plan(ckpt: Checkpoint, fmt: CheckpointFormat, targets: dict[str, L
     for i, f in enumerate(origin["files"]):
         keys = [k for k in f["keys"] if k in targets]
         aliases = _shared_storage(ckpt, fmt, f.get("aliases") or {}, keys)
-        files.append(FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases))
+        files.append(
+            FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases, archive=f.get("archive"))
+        )
     keep = {k for f in files for k in f.keys}
     split = dict(origin.get("split_dims") or {})
     if n > 1:

@@ -1,4 +1,19 @@
-"""Bitwise, canonical, streaming comparison of two checkpoints in any formats."""
+"""Bitwise, streaming comparison of two checkpoints in any formats, reported in each
+checkpoint's own tensor names.
+
+Both checkpoints are mapped to canonical tensors and compared one tensor at a time. A
+tensor that is not bitwise equal is one of:
+
+- ``cast``: the same values in another dtype (every value of one is exactly the other's);
+- ``rounded``: one is the other cast to its dtype (round to nearest even), values differ
+  by that rounding: what ``convert --dtype`` writes;
+- ``values``: the bytes differ otherwise;
+- ``shape``: the shapes differ.
+
+Exit codes of ``ckptkit verify`` (see :data:`EXIT_IDENTICAL` ...): 0 identical, 3 the only
+differences are casts (``cast`` / ``rounded``; ``--allow-cast`` turns this into 0), 1 any
+other difference, a missing tensor, or an input error.
+"""
 
 from __future__ import annotations
 
@@ -12,35 +27,100 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.dtypes import dtype_name, to_torch
 from ckptkit.progress import byte_progress
 
+EXIT_IDENTICAL, EXIT_DIFFERENT, EXIT_CAST_ONLY = 0, 1, 3
+CAST_KINDS = ("cast", "rounded")
+
 
 @dataclass
 class Difference:
-    name: str
+    name: str  # canonical
     shape_a: tuple[int, ...]
     shape_b: tuple[int, ...]
     dtype_a: str
     dtype_b: str
     max_abs_diff: float | None  # None when shapes differ
+    kind: str = "values"  # cast, rounded, values, shape
+    name_a: str = ""  # the tensor's name in A (native)
+    name_b: str = ""  # in B
+    rounded_to: str = ""  # kind "rounded": the dtype the other tensor equals once rounded to
+
+    def label(self) -> str:
+        a, b = self.name_a or self.name, self.name_b or self.name
+        return a if a == b else f"{a} (A) / {b} (B)"
 
     def describe(self) -> str:
-        if self.shape_a != self.shape_b:
-            return f"{self.name}: shape {list(self.shape_a)} vs {list(self.shape_b)}"
+        where = self.label()
+        if self.kind == "shape":
+            return f"{where}: shape {list(self.shape_a)} vs {list(self.shape_b)}"
+        if self.kind == "cast":
+            return f"{where}: same values, dtype {self.dtype_a} vs {self.dtype_b}"
+        if self.kind == "rounded":
+            return (
+                f"{where}: dtype {self.dtype_a} vs {self.dtype_b}, equal once rounded to {self.rounded_to} "
+                f"(max abs diff {self.max_abs_diff:.6g})"
+            )
         what = f"dtype {self.dtype_a} vs {self.dtype_b}, " if self.dtype_a != self.dtype_b else ""
-        return f"{self.name}: {what}max abs diff {self.max_abs_diff:.6g}"
+        return f"{where}: {what}bytes differ, max abs diff {self.max_abs_diff:.6g}"
 
 
 @dataclass
 class Report:
     compared: int = 0
     identical: int = 0
-    only_in_a: list[str] = field(default_factory=list)
-    only_in_b: list[str] = field(default_factory=list)
+    only_in_a: list[str] = field(default_factory=list)  # A's names
+    only_in_b: list[str] = field(default_factory=list)  # B's names
     differences: list[Difference] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # tensors the model does not use
+    logits: dict[str, Any] | None = None  # verify --logits: the models' outputs compared
 
     @property
     def ok(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.differences)
+
+    @property
+    def casts(self) -> list[Difference]:
+        return [d for d in self.differences if d.kind in CAST_KINDS]
+
+    @property
+    def cast_only(self) -> bool:
+        """Every difference is a cast (same values, or one rounded to the other's dtype)."""
+        return (
+            not (self.only_in_a or self.only_in_b)
+            and bool(self.differences)
+            and len(self.casts) == len(self.differences)
+        )
+
+    def exit_code(self, allow_cast: bool = False) -> int:
+        if self.ok or (self.cast_only and allow_cast):
+            return EXIT_IDENTICAL
+        return EXIT_CAST_ONLY if self.cast_only else EXIT_DIFFERENT
+
+    def verdict(self, allow_cast: bool = False) -> str:
+        """The one summary line, printed first."""
+        n = self.compared
+        if self.ok:
+            return f"IDENTICAL: all {n} tensors bitwise equal"
+        same = sum(d.kind == "cast" for d in self.differences)
+        rounded = sum(d.kind == "rounded" for d in self.differences)
+        cast_parts = []
+        if same:
+            cast_parts.append(f"{same} hold the same values in another dtype")
+        if rounded:
+            cast_parts.append(f"{rounded} equal the other's values rounded to their dtype")
+        if self.cast_only:
+            head = "CAST (accepted: --allow-cast)" if allow_cast else "CAST"
+            hint = "" if allow_cast else "; pass --allow-cast to accept casts"
+            return f"{head}: {self.identical} of {n} tensors bitwise equal, {', '.join(cast_parts)}{hint}"
+        parts = [f"{self.identical} of {n} tensors bitwise equal"]
+        differ = len(self.differences) - same - rounded
+        if differ:
+            parts.append(f"{differ} differ in value or shape")
+        parts += cast_parts
+        if self.only_in_a:
+            parts.append(f"{len(self.only_in_a)} only in A")
+        if self.only_in_b:
+            parts.append(f"{len(self.only_in_b)} only in B")
+        return "DIFFERENT: " + ", ".join(parts)
 
     def summary(self) -> str:
         if self.ok:
@@ -54,16 +134,21 @@ class Report:
             parts.append(f"{len(self.differences)} differ ({self.differences[0].describe()})")
         return "; ".join(parts)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, allow_cast: bool = False) -> dict[str, Any]:
         return {
+            "verdict": self.verdict(allow_cast).split(":")[0].split(" ")[0].lower(),
             "identical": self.ok,
+            "exit_code": self.exit_code(allow_cast),
             "compared": self.compared,
             "identical_tensors": self.identical,
             "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b,
             "differences": [
                 {
-                    "name": d.name,
+                    "name_a": d.name_a or d.name,
+                    "name_b": d.name_b or d.name,
+                    "canonical_name": d.name,
+                    "kind": d.kind,
                     "shape_a": list(d.shape_a),
                     "shape_b": list(d.shape_b),
                     "dtype_a": d.dtype_a,
@@ -73,7 +158,27 @@ class Report:
                 for d in self.differences
             ],
             "ignored_unused": self.ignored,
+            **({"logits": self.logits} if self.logits is not None else {}),
         }
+
+
+def native_names(ckpt: Checkpoint) -> dict[str, str]:
+    """Canonical name -> the name this checkpoint stores it under (a fused tensor's part says
+    which part; a tied copy is never preferred to the tensor itself)."""
+    from ckptkit.transforms import TIED
+
+    try:
+        rules = ckpt.fmt.layout(ckpt.family, ckpt.config).expand(ckpt.config.num_layers)
+    except Exception:  # a layout that cannot be built: canonical names are all there is
+        return {}
+    names: dict[str, str] = {}
+    for rule in sorted(rules, key=lambda r: r.kind is TIED):  # stable: TIED rules last
+        for j, canonical in enumerate(rule.canonical):
+            if len(rule.canonical) == 1 or rule.kind is TIED:
+                names.setdefault(canonical, rule.native)
+            else:
+                names.setdefault(canonical, f"{rule.native} (part {j + 1} of {len(rule.canonical)})")
+    return names
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -82,11 +187,23 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _classify(ta: torch.Tensor, tb: torch.Tensor) -> tuple[str, str]:
+    """What kind of difference two unequal tensors of one shape have: (kind, for "rounded"
+    the dtype one of them equals the other rounded to)."""
+    if ta.dtype == tb.dtype or not (ta.dtype.is_floating_point and tb.dtype.is_floating_point):
+        return "values", ""
+    for x, y in ((ta, tb), (tb, ta)):  # x rounded to y's dtype is y
+        if _bitwise_equal(x.to(y.dtype), y):
+            return ("cast", "") if _bitwise_equal(y.to(x.dtype), x) else ("rounded", dtype_name(y.dtype))
+    return "values", ""
+
+
 def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet: bool = True) -> Report:
     """Compare canonical tensors one at a time; ``cast`` applies to A's floating tensors."""
+    names_a, names_b = native_names(a), native_names(b)
     report = Report()
-    report.only_in_a = [k for k in a.tensors if k not in b.tensors]
-    report.only_in_b = [k for k in b.tensors if k not in a.tensors]
+    report.only_in_a = [names_a.get(k, k) for k in a.tensors if k not in b.tensors]
+    report.only_in_b = [names_b.get(k, k) for k in b.tensors if k not in a.tensors]
     report.ignored = sorted(set(a.unused) | set(b.unused))
     common = [k for k in a.tensors if k in b.tensors]
     total = sum(a.tensors[k].nbytes for k in common)
@@ -99,20 +216,41 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
             if _bitwise_equal(ta, tb):
                 report.identical += 1
             else:
-                diff = None
+                diff, kind, rounded_to = None, "shape", ""
                 if ta.shape == tb.shape:
-                    diff = float((ta.double() - tb.double()).abs().max()) if ta.numel() else 0.0
+                    diff = (
+                        float((ta.double() - tb.double()).abs().nan_to_num(nan=float("inf")).max())
+                        if ta.numel()
+                        else 0.0
+                    )
+                    kind, rounded_to = _classify(ta, tb)
                 report.differences.append(
-                    Difference(name, tuple(ta.shape), tuple(tb.shape), dtype_name(ta.dtype), dtype_name(tb.dtype), diff)
+                    Difference(
+                        name,
+                        tuple(ta.shape),
+                        tuple(tb.shape),
+                        dtype_name(ta.dtype),
+                        dtype_name(tb.dtype),
+                        diff,
+                        kind,
+                        names_a.get(name, name),
+                        names_b.get(name, name),
+                        rounded_to,
+                    )
                 )
             del ta, tb
             bar.advance(a.tensors[name].nbytes)
     return report
 
 
-def verify_paths(a: str | Path, b: str | Path, quiet: bool = True) -> Report:
+def verify_paths(a: str | Path, b: str | Path, quiet: bool = True, logits: bool = False) -> Report:
     with open_checkpoint(a) as ca, open_checkpoint(b, model_type=ca.family.name) as cb:
-        return compare(ca, cb, quiet=quiet)
+        report = compare(ca, cb, quiet=quiet)
+    if logits:
+        from ckptkit.logit_check import compare_logits
+
+        report.logits = compare_logits(a, b, ca.family.name)
+    return report
 
 
 def verify_against(src: Checkpoint, out_dir: Path, dtype: str | None, quiet: bool = True) -> Report:

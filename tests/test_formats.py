@@ -123,9 +123,10 @@ def test_dtype_cast_and_verify(tmp_path: Path) -> None:
         text=True,
     )
     report = json.loads(res.stdout)
-    assert res.returncode == 1 and not report["identical"]
-    assert report["differences"][0]["dtype_a"] == "bfloat16" and report["differences"][0]["dtype_b"] == "float32"
-    assert report["differences"][0]["max_abs_diff"] == 0.0  # widening is exact
+    assert res.returncode == 3 and not report["identical"]  # 3: only casts
+    first = report["differences"][0]
+    assert first["dtype_a"] == "bfloat16" and first["dtype_b"] == "float32" and first["kind"] == "cast"
+    assert first["max_abs_diff"] == 0.0  # widening is exact
 
 
 def test_non_weight_files_are_carried(tmp_path: Path) -> None:

@@ -94,3 +94,29 @@ def test_writer_output_loads_in_torch(dtype: torch.dtype, tmp_path: Path) -> Non
     assert all(torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8)) for k, v in sd.items())
     with zipfile.ZipFile(tmp_path / "m.pth") as z:
         assert z.testzip() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # the second: via torch.save
+@pytest.mark.parametrize("archive", ["m", "renamed_after_save"])
+def test_writer_given_the_source_archive_facts_writes_torch_save_bytes(
+    dtype: torch.dtype, archive: str, tmp_path: Path
+) -> None:
+    """Tensor bytes, CRC-32s (in the data descriptors, as torch writes them: the local
+    headers keep 0), archive folder name and serialization id: the whole file is torch's."""
+    from ckptkit.formats.pickle_index import archive_facts
+
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype), "n": torch.ones(4)}
+    (tmp_path / "t").mkdir()
+    torch.save(sd, tmp_path / "t" / f"{archive}.pth")
+    theirs = tmp_path / "m.pth"
+    (tmp_path / "t" / f"{archive}.pth").rename(theirs)
+    facts = archive_facts(theirs)
+    assert facts is not None and facts["archive"] == archive and len(facts["serialization_id"]) == 40
+    ours = tmp_path / "out" / "m.pth"
+    ours.parent.mkdir()
+    w = TorchPickleWriter(ours, [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()], facts=facts)
+    for k, v in sd.items():
+        w.write(k, v)
+    w.close()
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert sorted(p.name for p in ours.parent.iterdir()) == ["m.pth"]  # no staging folder left

@@ -76,6 +76,14 @@ def _(tmp: Path) -> Case:
     return converting(src, tmp, "ckptkit-origin.json", "index", to="hf")
 
 
+@case("origin-archive-name-path")
+def _(tmp: Path) -> Case:
+    src = tmp / "src"
+    convert(FIXTURES / "hf-bin/qwen2", src, "hf")  # records the .bin's zip folder name and id
+    edit_origin(src, lambda o: o["files"][0].update(archive={"archive": "../pwned", "serialization_id": "1"}))
+    return converting(src, tmp, "ckptkit-origin.json", "archive of pytorch_model.bin", to="hf-bin")
+
+
 @case("internal-origin-config-name")
 def _(tmp: Path) -> Case:
     src = tmp / "src"

@@ -60,6 +60,7 @@ class FilePlan:
     rank: int = 0
     ranks: int = 1
     aliases: dict[str, str] = field(default_factory=dict)  # key stored as another key's storage -> that key
+    archive: dict[str, str] | None = None  # a restored torch pickle's zip folder name and serialization id
 
 
 @dataclass

@@ -63,11 +63,23 @@ def tensor_file_writer(
     metadata: dict[str, str] | None,
     aliases: dict[str, str],
     direct: bool,
+    archive: dict[str, str] | None = None,
 ) -> Any:
     """The writer for one output file, by its name: a safetensors file (with ``metadata``)
-    or a torch pickle (with ``aliases``: tensors stored as another one's storage)."""
+    or a torch pickle (with ``aliases``: tensors stored as another one's storage, and
+    ``archive``: the zip facts of the file it restores, see :func:`archive_facts`)."""
     if is_safetensors(path.name):
         return SafetensorsWriter(path, entries, metadata, direct=direct)
     from ckptkit.formats.torch_io import TorchPickleWriter
 
-    return TorchPickleWriter(path, entries, aliases, direct=direct)
+    return TorchPickleWriter(path, entries, aliases, direct=direct, facts=archive)
+
+
+def archive_facts(path: Path) -> dict[str, str] | None:
+    """For a torch pickle, what its bytes hold that its tensors and layout do not decide
+    (the zip's folder name, its serialization id); None for other containers."""
+    if is_safetensors(path.name) or not is_readable(path.name):
+        return None
+    from ckptkit.formats.pickle_index import archive_facts as zip_facts
+
+    return zip_facts(path)

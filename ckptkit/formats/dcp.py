@@ -826,6 +826,7 @@ class DcpFormat(CheckpointFormat):
     name = "dcp"
     expects = ".metadata + __R_N.distcp (PyTorch DCP)"
     detect_order = 15
+    sharding = "ranks"
     weight_file = DISTCP
     metadata_names = (METADATA,)
     layer_field = "n_layers"

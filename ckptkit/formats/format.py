@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
-from ckptkit.formats.containers import Entries, tensor_file_writer
+from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
@@ -51,6 +51,9 @@ class CheckpointFormat:
     metadata_names: tuple[str, ...] = ()
     layer_field: str = "layers"
     loads_in_transformers: ClassVar[bool] = False  # ``from_pretrained`` (and PEFT) read the folder as it is
+    # How a fresh layout is split into files: "size" (``--max-shard-size``), "ranks"
+    # (``--shards N`` model-parallel ranks), or None (neither option applies).
+    sharding: ClassVar[str | None] = None
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
@@ -86,6 +89,22 @@ class CheckpointFormat:
         """The family's native tensor names and transforms in this format."""
         raise NotImplementedError
 
+    def supports(self, family: Family) -> tuple[bool, bool]:
+        """(reads, writes) checkpoints of ``family``: by default, whether the family has a
+        layout in this format (asked with a small probe config)."""
+        from ckptkit.models.config import ModelConfig
+
+        probe = ModelConfig(family.name, 32, 16, 1, 2, 2, 8, 32)
+        try:
+            self.layout(family, probe)
+        except CkptkitError:
+            return False, False
+        return True, True
+
+    def tokenizer_support(self, family: Family) -> str:
+        """What a conversion into this format does with the tokenizer (support matrix)."""
+        return "carried"
+
     def canonical_view(
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
     ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
@@ -118,12 +137,14 @@ class CheckpointFormat:
 
         raw = ckpt.raw
         small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}
+        archives = {name: archive_facts(raw.root / name) for name in raw.files}
         return {
             "format": raw.format,
             "model_type": ckpt.family.name,
             "files": [
                 {"name": name, "keys": keys, "metadata": raw.file_metadata.get(name)}
                 | ({"aliases": raw.file_aliases[name]} if raw.file_aliases.get(name) else {})
+                | ({"archive": archives[name]} if archives[name] else {})
                 for name, keys in raw.files.items()
             ],
             "dtypes": {k: dtype_name(i.dtype) for k, i in raw.infos.items()},
@@ -184,7 +205,7 @@ class CheckpointFormat:
         shard shape) in stored order): by default the container its name says
         (:func:`ckptkit.formats.containers.tensor_file_writer`). A writer has
         ``write`` / ``write_bytes`` / ``write_spans`` / ``close`` / ``discard``."""
-        return tensor_file_writer(path, entries, file.metadata, file.aliases, direct)
+        return tensor_file_writer(path, entries, file.metadata, file.aliases, direct, file.archive)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         """Non-weight files to write (config, index): name -> text."""

@@ -113,6 +113,7 @@ class HFFormat(CheckpointFormat):
 
     expects = "config.json + model*.safetensors or pytorch_model*.bin"
     detect_order = 30
+    sharding = "size"
     loads_in_transformers = True
     config_file = "config.json"
     index_name: str
@@ -159,6 +160,11 @@ class HFFormat(CheckpointFormat):
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.hf_layout(cfg)
+
+    def tokenizer_support(self, family: Family) -> str:
+        if family.tokenizer is None:
+            return "carried"
+        return "tokenizer.json (from a Meta tokenizer.model)"
 
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options

@@ -85,12 +85,16 @@ class InternalFormat(CheckpointFormat):
     name = "internal"
     expects = "ckptkit.json"
     detect_order = 10
+    sharding = "size"
     weight_file = FILE_NAME
     metadata_names = (INTERNAL_FILE,)
     layer_field = "config.num_layers"
 
     def detect(self, root: Path) -> bool:
         return detect(root)
+
+    def supports(self, family: Family) -> tuple[bool, bool]:
+        return True, True  # canonical names: every family
 
     def open(self, root: Path) -> RawCheckpoint:
         return open_raw(root)

@@ -145,6 +145,7 @@ class MetaFormat(CheckpointFormat):
     name = "meta"
     expects = "params.json + consolidated.*.pth"
     detect_order = 20
+    sharding = "ranks"
     weight_file = WEIGHT_FILE
     config_file = "params.json"
     metadata_names = ("params.json",)
@@ -184,6 +185,11 @@ class MetaFormat(CheckpointFormat):
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.meta_layout(cfg)
+
+    def tokenizer_support(self, family: Family) -> str:
+        if family.tokenizer is None:
+            return "-"
+        return f"tokenizer.model ({family.tokenizer.kind})"
 
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
         return family.meta_extra_tensors(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import pickletools
+import re
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -235,6 +236,29 @@ def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, StoredRecor
             records[name.removeprefix(f"{prefix}/data/")] = StoredRecord(offsets[name], zi.file_size, zi.CRC)
     check_storages(path, tensors, records)
     return tensors, records
+
+
+SERIALIZATION_ID = re.compile(r"[0-9]{1,64}")  # torch writes 40 decimal digits
+ARCHIVE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def archive_facts(path: Path) -> dict[str, str] | None:
+    """What a ``torch.save`` zip holds besides its tensors and pickle that its layout does
+    not determine: the archive's folder name and its ``.data/serialization_id`` (a random
+    or hashed id). Recorded so that converting back writes the same bytes; None for a file
+    that is not such an archive."""
+    try:
+        with open_regular_file(path) as f, zipfile.ZipFile(f) as z:
+            prefix, members, _ = check_members(path, z, f)
+            facts = {"archive": prefix}
+            zi = members.get(f"{prefix}/.data/serialization_id")
+            if zi is not None and zi.file_size <= 64:
+                ident = z.read(zi).decode("ascii", "replace")
+                if SERIALIZATION_ID.fullmatch(ident):
+                    facts["serialization_id"] = ident
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, CkptkitError):
+        return None
+    return facts if ARCHIVE_NAME.fullmatch(prefix) else None
 
 
 # --- zip members: what torch.save writes, nothing else ---------------------------------------

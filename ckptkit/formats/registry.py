@@ -59,6 +59,15 @@ def detect_format(root: Path) -> CheckpointFormat:
             return fmt
     if not any(root.iterdir()):
         raise CkptkitError(f"{root}: directory is empty")
+    present = sorted(p.name for p in root.iterdir())
+    for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
+        weights = [n for n in present if fmt.weight_file.fullmatch(n)]
+        needed = fmt.config_file or next(iter(fmt.metadata_names), None)
+        if weights and needed and needed not in present:
+            raise CkptkitError(
+                f"{root}: holds {fmt.name} weights ({weights[0]}) but no {needed}; copy the {needed} that came "
+                f"with them into the folder (it gives the model's shape)"
+            )
     names = list(dict.fromkeys(f.expects for f in REGISTRY.values()))
     raise CkptkitError(f"{root}: not a recognised checkpoint (expected {', '.join(names[:-1])}, or {names[-1]})")
 

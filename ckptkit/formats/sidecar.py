@@ -18,6 +18,7 @@ from ckptkit.dtypes import ITEMSIZE
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.pickle_index import ARCHIVE_NAME, SERIALIZATION_ID
 from ckptkit.formats.registry import find_format
 from ckptkit.models.fields import check_config_fields
 from ckptkit.untrusted import loads_json, plain_name
@@ -48,6 +49,14 @@ def _strings(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
+def _archive(value: Any) -> bool:
+    """A torch zip's recorded folder name and serialization id (pickle_index.archive_facts)."""
+    if not _strings(value) or set(value) - {"archive", "serialization_id"}:
+        return False
+    ok = ARCHIVE_NAME.fullmatch(value.get("archive", "x")) is not None
+    return ok and SERIALIZATION_ID.fullmatch(value.get("serialization_id", "0")) is not None
+
+
 def check_origin(origin: Any, where: Path) -> dict[str, Any]:
     """``origin`` if it is a well-formed recorded layout; else a one-line error naming ``where``."""
     _need(isinstance(origin, dict), where, "not a JSON object")
@@ -68,6 +77,7 @@ def check_origin(origin: Any, where: Path) -> dict[str, Any]:
         keys = f.get("keys")
         _need(isinstance(keys, list) and all(isinstance(k, str) for k in keys), where, f"keys of {names[-1]}")
         _need(f.get("metadata") is None or _strings(f["metadata"]), where, f"metadata of {names[-1]}")
+        _need(f.get("archive") is None or _archive(f["archive"]), where, f"archive of {names[-1]}")
         placed.update(keys)
     _need(len(set(names)) == len(names), where, "a weight file name appears twice")
     split = origin.get("split_dims") or {}

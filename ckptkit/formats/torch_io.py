@@ -19,7 +19,9 @@ import mmap
 import os
 import pickle
 import re
+import shutil
 import struct
+import tempfile
 import threading
 import warnings
 import zipfile
@@ -291,14 +293,15 @@ class TorchPickleWriter:
         entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
         aliases: dict[str, str] | None = None,
         direct: bool = False,
+        facts: dict[str, str] | None = None,
     ):
         self.path = path
         self.aliases = dict(aliases or {})
         named = [(name, dtype_name(dt), tuple(shape)) for name, dt, shape in entries]
         if torch_zip.supported([dtype for _, dtype, _ in named]) and not self.aliases:
-            records = torch_zip.write_skeleton(path, named)  # what torch.save writes, without torch
+            records = torch_zip.write_skeleton(path, named, facts)  # what torch.save writes, without torch
         else:
-            records = _torch_skeleton(path, named, self.aliases)
+            records = _torch_skeleton(path, named, self.aliases, facts)
         by_name = {r.name: r for r in records}
         # Storage records are numbered in the order the pickler meets them: dict order.
         self._records: dict[str, tuple[int, int, str]] = {}
@@ -354,7 +357,8 @@ class TorchPickleWriter:
                 raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
             for record, crc in self._crcs.items():
                 packed = struct.pack("<I", crc)
-                os.pwrite(self._fd, packed, self._zip[record].header_offset + 14)
+                zrec = self._zip[record]  # torch leaves the local header's CRC 0: it is in the data descriptor
+                os.pwrite(self._fd, packed, zrec.data_offset + zrec.size + 4)
                 os.pwrite(self._fd, packed, self._zip[record].central_offset + 16)
         finally:
             self.discard()
@@ -368,12 +372,27 @@ class TorchPickleWriter:
 
 
 def _torch_skeleton(
-    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], aliases: dict[str, str] | None = None
+    path: Path,
+    entries: list[tuple[str, str, tuple[int, ...]]],
+    aliases: dict[str, str] | None = None,
+    facts: dict[str, str] | None = None,
 ) -> list[torch_zip.Record]:
     """The archive laid out by ``torch.save`` of untouched placeholders (for dtypes
     :mod:`torch_zip` cannot name, and for aliases: one placeholder under two names);
-    every record with its offsets."""
+    every record with its offsets. ``facts``: the archive folder name and serialization id
+    to restore (see :func:`torch_zip.write_skeleton`)."""
     import torch
+
+    archive = (facts or {}).get("archive")
+    if archive and archive != os.path.splitext(path.name)[0]:
+        # torch names the archive folder after the file: save under that name, then move
+        staging = Path(tempfile.mkdtemp(prefix=".ckptkit-zip-", dir=path.parent))
+        try:
+            records = _torch_skeleton(staging / f"{archive}.pt", entries, aliases, {**(facts or {}), "archive": ""})
+            os.replace(staging / f"{archive}.pt", path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return records
 
     # Plain uninitialised tensors: skip_data writes no bytes, so their pages are never
     # touched (address space only), and no FakeTensorMode (it imports torch._dynamo).
@@ -394,4 +413,23 @@ def _torch_skeleton(
             data_offset = reader.get_record_offset(name)
             records.append(torch_zip.Record(name, zi.header_offset, data_offset, zi.file_size, zi.CRC, pos))
             pos += 46 + len(zi.filename.encode()) + len(zi.extra) + len(zi.comment)
+    ident = (facts or {}).get("serialization_id")
+    if ident:
+        _replace_record(path, next(r for r in records if r.name == ".data/serialization_id"), ident.encode())
     return records
+
+
+def _replace_record(path: Path, record: torch_zip.Record, data: bytes) -> None:
+    """Overwrite a small record of the same size with ``data`` and fix its CRC-32s (data
+    descriptor and central directory; torch leaves the local header's 0)."""
+    if len(data) != record.size:
+        return  # a different length would move every later record: keep torch's
+    packed = struct.pack("<I", zlib.crc32(data))
+    with path.open("r+b") as f:
+        f.seek(record.data_offset)
+        f.write(data)
+        f.seek(record.data_offset + record.size + 4)
+        f.write(packed)
+        f.seek(record.central_offset + 16)
+        f.write(packed)
+    record.crc = zlib.crc32(data)

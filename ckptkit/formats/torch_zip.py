@@ -164,18 +164,27 @@ def pickle_tensor(dtype: str, shape: tuple[int, ...]) -> bytes:
     return bytes(p.out)
 
 
-def write_skeleton(path: Path, entries: list[tuple[str, str, tuple[int, ...]]]) -> list[Record]:
+def write_skeleton(
+    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], facts: dict[str, str] | None = None
+) -> list[Record]:
     """Write the archive for ``entries`` (name, dtype name, shape) with holes for the tensor
-    data; returns every record with its offsets (tensor records are ``data/<i>``)."""
-    archive = os.path.splitext(os.path.basename(path))[0]
+    data; returns every record with its offsets (tensor records are ``data/<i>``).
+    ``facts``: the archive folder name and serialization id of the file this one restores
+    (:func:`ckptkit.formats.pickle_index.archive_facts`); by default torch's folder name (the
+    file's base name) and an id derived from the layout."""
+    facts = facts or {}
+    archive = facts.get("archive") or os.path.splitext(os.path.basename(path))[0]
     sizes = [TensorInfo(n, tuple(s), d).nbytes for n, d, s in entries]
     with path.open("wb") as f:
-        return write_archive(f, archive, pickle_state_dict(entries), sizes)
+        return write_archive(f, archive, pickle_state_dict(entries), sizes, facts.get("serialization_id"))
 
 
-def write_archive(f: BinaryIO, archive: str, data_pkl: bytes, sizes: list[int]) -> list[Record]:
+def write_archive(
+    f: BinaryIO, archive: str, data_pkl: bytes, sizes: list[int], serialization_id: str | None = None
+) -> list[Record]:
     """Write an archive (folder ``archive``) holding ``data_pkl`` and storage records
-    ``data/0`` ... of ``sizes`` bytes (holes) at ``f``'s position 0; offsets are ``f``'s."""
+    ``data/0`` ... of ``sizes`` bytes (holes) at ``f``'s position 0; offsets are ``f``'s.
+    ``serialization_id``: the one to record (default: derived from the layout)."""
     contents: list[tuple[str, bytes | int]] = [
         ("data.pkl", data_pkl),
         (".format_version", b"1"),
@@ -184,7 +193,8 @@ def write_archive(f: BinaryIO, archive: str, data_pkl: bytes, sizes: list[int]) 
         *[(f"data/{i}", size) for i, size in enumerate(sizes)],
         ("version", b"3\n"),
     ]
-    contents.append((".data/serialization_id", _serialization_id(contents)))
+    ident = serialization_id.encode() if serialization_id else _serialization_id(contents)
+    contents.append((".data/serialization_id", ident))
     records: list[Record] = []
     for name, content in contents:
         records.append(_local_record(f, f"{archive}/{name}", content))

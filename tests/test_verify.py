@@ -1,0 +1,81 @@
+"""``ckptkit verify``: a verdict line first, each checkpoint's own tensor names, casts told
+apart from changed bytes (exit 3, or 0 with --allow-cast), and --logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_errors import copy_fixture, edit_pickle
+
+from ckptkit.convert import convert
+
+from conftest import FIXTURES
+
+CANONICAL_ONLY = ("layers.0.attn.", "sa_norm", ".scale", "mlp.w1")
+
+
+def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_widening_cast_is_reported_as_same_values_in_hf_names(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf/qwen2", tmp_path / "f32", "hf", dtype="float32")
+    proc = run("verify", FIXTURES / "hf/qwen2", tmp_path / "f32")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert lines[0].startswith("CAST: 0 of 26 tensors bitwise equal, 26 hold the same values in another dtype")
+    assert "cast: model.layers.0.self_attn.q_proj.weight: same values, dtype bfloat16 vs float32" in lines
+    assert not any(c in proc.stdout for c in CANONICAL_ONLY), proc.stdout
+    accepted = run("verify", FIXTURES / "hf/qwen2", tmp_path / "f32", "--allow-cast")
+    assert accepted.returncode == 0 and accepted.stdout.startswith("CAST (accepted: --allow-cast)")
+
+
+def test_a_narrowing_cast_is_reported_as_rounded_not_as_different(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf/llama2", tmp_path / "f16", "hf", dtype="float16", allow_lossy_cast=True)
+    proc = run("verify", FIXTURES / "hf/llama2", tmp_path / "f16", "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 3 and report["verdict"] == "cast" and report["exit_code"] == 3
+    kinds = {d["kind"] for d in report["differences"]}
+    assert "rounded" in kinds and kinds <= {"cast", "rounded"}
+    rounded = next(d for d in report["differences"] if d["kind"] == "rounded")
+    assert rounded["name_a"] == rounded["name_b"] and rounded["name_a"].startswith("model.")
+
+
+def test_changed_bytes_name_the_tensor_in_each_checkpoints_own_layout(tmp_path: Path) -> None:
+    src = copy_fixture("meta/llama2", tmp_path / "meta")
+    convert(FIXTURES / "meta/llama2", tmp_path / "hf", "hf")
+    edit_pickle(src / "consolidated.00.pth", lambda t: t.update({"norm.weight": t["norm.weight"] + 1}))
+    proc = run("verify", src, tmp_path / "hf", "--allow-cast")  # a value change is never a cast
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 1
+    assert lines[0] == "DIFFERENT: 20 of 21 tensors bitwise equal, 1 differ in value or shape"
+    assert lines[1].startswith("differs: norm.weight (A) / model.norm.weight (B): bytes differ, max abs diff")
+
+
+def test_a_fused_tensor_is_named_with_its_part(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf/phi3", tmp_path / "f32", "hf", dtype="float32")
+    proc = run("verify", FIXTURES / "hf/phi3", tmp_path / "f32")
+    assert "cast: model.layers.0.self_attn.qkv_proj.weight (part 1 of 3): same values" in proc.stdout, proc.stdout
+
+
+def test_logits_compare_the_models_outputs(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf/llama2", tmp_path / "f16", "meta", dtype="float16", allow_lossy_cast=True)
+    proc = run("verify", FIXTURES / "hf/llama2", tmp_path / "f16", "--logits", "--json")
+    logits = json.loads(proc.stdout)["logits"]
+    assert logits["prompts"] == 4 and logits["tokens_per_prompt"] == 16
+    assert 0 < logits["max_abs_logit_diff"] < 1e-3 and 0 <= logits["kl_mean"] <= logits["kl_max"] < 1e-6
+    same = run("verify", FIXTURES / "hf/llama2", FIXTURES / "hf/llama2", "--logits")
+    assert same.returncode == 0
+    assert same.stdout.splitlines()[-1].startswith("logits on 4 fixed prompts of 16 tokens: max abs diff 0, KL(A||B)")
+
+
+@pytest.mark.parametrize("fixture", ["hf/llama2", "meta/llama2"])
+def test_identical_checkpoints_print_one_line(fixture: str) -> None:
+    proc = run("verify", FIXTURES / fixture, FIXTURES / fixture)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == "IDENTICAL: all 21 tensors bitwise equal"
