@@ -1,4 +1,4 @@
-"""O_DIRECT writes (ckptkit.directio): the bytes land exactly and their neighbours are
+"""O_DIRECT writes (ckptkit.io.direct): the bytes land exactly and their neighbours are
 untouched, the whole pages bypass the page cache while the partial pages at the ends go
 through it, a refused or short direct write is finished buffered, and a conversion large
 enough to have whole pages writes them direct and still round-trips byte for byte."""
@@ -21,10 +21,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit import directio, streamcopy
+from ckptkit.io import direct as directio
+from ckptkit.io import stream as streamcopy
 from ckptkit.convert import COMPUTED, convert
 from ckptkit.errors import CkptkitError
-from ckptkit.rawcopy import DIRECT, STREAM, Span, transfer
+from ckptkit.io.spans import Span
+from ckptkit.io.transfer import DIRECT, STREAM, transfer
 from ckptkit.verify import verify_paths
 
 from conftest import assert_same_files, direct_supported

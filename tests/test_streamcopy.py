@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit import streamcopy
+from ckptkit.io import stream as streamcopy
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.torch_io import TorchPickleReader
-from ckptkit.rawcopy import Span, take, take_rows, transfer
+from ckptkit.io.spans import Span, take, take_rows
+from ckptkit.io.transfer import transfer
 from ckptkit.transforms import ROPE_Q
 
 
@@ -208,7 +209,7 @@ def test_a_record_shared_by_concurrent_jobs_is_read_once(tmp_path: Path, monkeyp
     record's CRC-32 is computed once, not once per thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptkit import recordcheck
+    from ckptkit.io import records as recordcheck
 
     read: list[int] = []
     real = recordcheck.crc32_range
