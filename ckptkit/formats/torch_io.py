@@ -343,8 +343,8 @@ class TorchPickleWriter:
                 raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
             for record, crc in self._crcs.items():
                 packed = struct.pack("<I", crc)
-                self._out.write(packed, self._zip[record].header_offset + 14)
-                self._out.write(packed, self._zip[record].central_offset + 16)
+                self._out.write(packed, self._zip[record].header_offset + 14, writeback=False)
+                self._out.write(packed, self._zip[record].central_offset + 16, writeback=False)
         finally:
             self.discard()
 

@@ -206,12 +206,14 @@ class OutputFile:
         self._lock = threading.Lock()
         self._direct = directio.DirectFd(path, auto=direct)  # O_DIRECT, opened on first use
 
-    def write(self, data: bytes | memoryview, offset: int) -> None:
-        """Write all of ``data`` at ``offset``."""
+    def write(self, data: bytes | memoryview, offset: int, writeback: bool = True) -> None:
+        """Write all of ``data`` at ``offset``; ``writeback``: start writing it to disk now
+        (not worth it for a few bytes patched into a page written again later)."""
         view = memoryview(data)
         with self._lock:
             stream.write_all(self._fd, view, offset)
-        start_writeback(self._fd, offset, view.nbytes)
+        if writeback:
+            start_writeback(self._fd, offset, view.nbytes)
 
     def copy(self, spans: list[Span], offset: int, method: str = AUTO, want_crc: bool = False) -> Transfer:
         """Copy the concatenation of ``spans`` to ``offset`` file to file (:func:`transfer`);
