@@ -21,10 +21,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.io import direct as directio
-from ckptkit.io import stream as streamcopy
 from ckptkit.convert import COMPUTED, convert
 from ckptkit.errors import CkptkitError
+from ckptkit.io import direct as directio
+from ckptkit.io import stream
 from ckptkit.io.spans import Span
 from ckptkit.io.transfer import DIRECT, STREAM, transfer
 from ckptkit.verify import verify_paths
@@ -88,7 +88,7 @@ def _expected(size: int, offset: int, data: bytes) -> bytes:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_any_range_lands_exactly_and_leaves_its_neighbours(offset: int, lengths: list[int], seed: int) -> None:
-    total = min(sum(lengths), streamcopy.BUFFER)
+    total = min(sum(lengths), stream.BUFFER)
     data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     data = data.numpy().tobytes()
     parts, pos = [], 0
