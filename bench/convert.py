@@ -24,7 +24,11 @@ bf16, random data) and then runs ``--repeat`` interleaved rounds (default 3) of:
   copy of the same bytes;
 * with ``--buffered-too``, meta>hf again with ``--copy-method stream`` (every write
   through the page cache, as ``auto`` does for outputs under the kernel's dirty limit),
-  to compare with ``auto``'s direct writes in the same rounds.
+  to compare with ``auto``'s direct writes in the same rounds;
+* with ``--baseline DIR`` (another checkout of ckptkit, e.g. ``git worktree add
+  /tmp/base COMMIT``), the three conversions (and the buffered one) again with that
+  code (``PYTHONPATH=DIR``), labelled ``(baseline)``, in the same rounds: a before/after
+  comparison under the same conditions, with its own table of per-round ratios.
 
 Every command is its own process under GNU ``time`` (wall, user, sys, peak RSS; a
 launcher is needed because a child started from a big Python parent inherits its
@@ -55,6 +59,7 @@ Run::
 
     python bench/convert.py                              # 4 layers, 3 rounds, in bench/out
     python bench/convert.py --layers 4 32 --json bench/out/results.json
+    python bench/convert.py --baseline /tmp/base --buffered-too --no-torchtune
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ BUFFERED = "convert meta>hf --copy-method stream"
 # every round: the Meta weight file copied with dd, O_DIRECT, fsync: the durable copy (no target)
 DURABLE = "dd meta (direct + fsync)"
 VARIANTS = {BUFFERED: PEERS["convert meta>hf"], DURABLE: PEERS["convert meta>hf"]}
+# with --baseline: each conversion again with the baseline's code (no target)
+BASELINE = " (baseline)"
+VARIANTS |= {label + BASELINE: peers for label, peers in (*PEERS.items(), (BUFFERED, VARIANTS[BUFFERED]))}
 
 
 @dataclass
@@ -186,13 +194,22 @@ def run_child(argv: list[str], log: Path) -> tuple[Run, int]:
 
 class Bench:
     def __init__(
-        self, workdir: Path, repeat: int, cold: bool, mem_limit: int, settle: float = 5.0, buffered_too: bool = False
+        self,
+        workdir: Path,
+        repeat: int,
+        cold: bool,
+        mem_limit: int,
+        settle: float = 5.0,
+        buffered_too: bool = False,
+        baseline: Path | None = None,
     ):
         self.workdir, self.repeat, self.cold, self.mem_limit = workdir, repeat, cold, mem_limit
-        self.settle, self.buffered_too = settle, buffered_too
+        self.settle, self.buffered_too, self.baseline = settle, buffered_too, baseline
         self.results: dict[tuple[int, str], Measurement] = {}
         self.loads: list[float] = []
         self.ckptkit = [sys.executable, "-m", "ckptkit"]
+        # env execs python in the same process, so GNU time still measures python
+        self.ckptkit_baseline = ["env", f"PYTHONPATH={baseline}", *self.ckptkit] if baseline else []
 
     def measure(
         self, layers: int, label: str, argv: list[str], inputs: list[Path], output: Path | None = None, need: int = 0
@@ -294,6 +311,17 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dic
         if bench.buffered_too:
             bench.measure(layers, BUFFERED, [*to_hf[1], "--copy-method", "stream"], [meta], out)
             shutil.rmtree(out)
+        if bench.baseline:
+            b = bench.ckptkit_baseline
+            again = [
+                (to_meta[0], [*b, "convert", str(hf), str(out), "--to", "meta", "--quiet"], [hf]),
+                (to_hf[0], [*b, "convert", str(meta), str(out), "--to", "hf", "--quiet"], [meta]),
+            ]
+            if bench.buffered_too:
+                again.append((BUFFERED, [*again[1][1], "--copy-method", "stream"], [meta]))
+            for label, cmd, inputs in again if cp_first else again[::-1]:
+                bench.measure(layers, label + BASELINE, cmd, inputs, out)
+                shutil.rmtree(out)
         if "meta" in torchtune:
             bench.measure(
                 layers, "torchtune meta load+save", [*tt, "meta", str(meta), str(out)], [meta], out, total // 5
@@ -305,6 +333,10 @@ def bench_size(bench: Bench, layers: int, seed: int, torchtune: set[str]) -> dic
         for label, cmd, output in pair if not cp_first else pair[::-1]:
             bench.measure(layers, label, cmd, [hf], output)
             shutil.rmtree(output)
+        if bench.baseline:
+            cmd = [*bench.ckptkit_baseline, "convert", str(hf), str(out), "--to", "internal", "--quiet"]
+            bench.measure(layers, "convert hf>internal" + BASELINE, cmd, [hf], out)
+            shutil.rmtree(out)
         if "hf" in torchtune:
             bench.measure(layers, "torchtune hf load+save", [*tt, "hf", str(hf), str(out)], [hf], out, total * 11 // 10)
             shutil.rmtree(out, ignore_errors=True)
@@ -431,7 +463,9 @@ def report(bench: Bench, sizes: dict[int, dict], argv: list[str]) -> tuple[str, 
             checks.append((f"{label}: peak RSS the same at every size, within 10 % ({text})", flat))
     lines += ["", "| target | met |", "|---|---|", *(f"| {c} | {'yes' if ok else '**no**'} |" for c, ok in checks)]
     lines += bounds(bench, sizes)
+    lines += against_baseline(bench, sizes)
     raw = {
+        "baseline": str(bench.baseline) if bench.baseline else None,
         "machine": machine(),
         "argv": argv,
         "repeat": bench.repeat,
@@ -441,6 +475,33 @@ def report(bench: Bench, sizes: dict[int, dict], argv: list[str]) -> tuple[str, 
         "targets": dict(checks),
     }
     return "\n".join(lines), raw
+
+
+def against_baseline(bench: Bench, sizes: dict[int, dict]) -> list[str]:
+    """With ``--baseline``: each conversion's time over the baseline's in the same round
+    (below 1: this tree is faster), and both peak RSS."""
+    rows = []
+    for layers in sizes:
+        for label in (*PEERS, BUFFERED):
+            now, then = bench.results.get((layers, label)), bench.results.get((layers, label + BASELINE))
+            if now is None or then is None or not now.done() or not then.done():
+                continue
+            wall = show(ratios(bench, layers, label, label + BASELINE))
+            synced = show(ratios(bench, layers, label, label + BASELINE, synced=True))
+            rss = f"{max(r.peak_rss for r in now.done()) / MB:.0f} / {max(r.peak_rss for r in then.done()) / MB:.0f}"
+            rows.append(
+                f"| {layers}L {label} | {then.median('wall_s'):.2f} | {now.median('wall_s'):.2f} | {wall} "
+                f"| {synced} | {rss} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        f"| this tree against the baseline ({bench.baseline}) | baseline wall s median | this tree wall s median "
+        "| wall / baseline, per round | wall+sync / baseline+sync, per round | peak RSS MB, this / baseline |",
+        "|---|---:|---:|---|---|---:|",
+        *rows,
+    ]
 
 
 def bounds(bench: Bench, sizes: dict[int, dict]) -> list[str]:
@@ -493,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--buffered-too", action="store_true", help="also time meta>hf through the page cache (--copy-method stream)"
     )
+    ap.add_argument(
+        "--baseline", type=Path, help="another ckptkit checkout: time its conversions too, in the same rounds"
+    )
     args = ap.parse_args(argv)
     if args.repeat < 1 or any(n < 1 for n in args.layers):
         raise SystemExit("--repeat and --layers must be positive")
@@ -502,7 +566,13 @@ def main(argv: list[str] | None = None) -> int:
         torchtune = False
     args.workdir.mkdir(parents=True, exist_ok=True)
     bench = Bench(
-        args.workdir.resolve(), args.repeat, args.cold, int(args.mem_limit_gb * GB), args.settle, args.buffered_too
+        args.workdir.resolve(),
+        args.repeat,
+        args.cold,
+        int(args.mem_limit_gb * GB),
+        args.settle,
+        args.buffered_too,
+        args.baseline.resolve() if args.baseline else None,
     )
     print(" | ".join(f"{k} {v}" for k, v in machine().items()), flush=True)
     sizes: dict[int, dict] = {}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -21,8 +23,8 @@ from typer.core import TyperCommand
 from ckptkit import __version__
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import format_names
+from ckptkit.io import AUTO, COPY_METHODS
 from ckptkit.models import MODEL_TYPES
-from ckptkit.rawcopy import AUTO, METHODS
 
 
 class OneLineUsageError(UsageError):
@@ -118,7 +120,9 @@ ModelType = StrEnum("ModelType", {name: name for name in MODEL_TYPES})  # type: 
 
 
 NO_COPY = "off"
-CopyMethod = StrEnum("CopyMethod", {m: m for m in (AUTO, *METHODS, NO_COPY)})  # type: ignore[misc]
+# auto, direct, stream, off: the fallbacks auto picks by itself (gather, copy_file_range...)
+# are not for users to choose; --verbose shows which were used
+CopyMethod = StrEnum("CopyMethod", {m: m for m in (*COPY_METHODS, NO_COPY)})  # type: ignore[misc]
 
 
 _FORMATS = ", ".join(format_names())
@@ -258,33 +262,37 @@ def convert(
         CopyMethod,
         typer.Option(
             metavar="METHOD",
-            help=f"How tensors go file to file: {', '.join(CopyMethod)} (auto: the fastest that works; "
-            "off: through memory).",
+            help=f"How tensors go file to file: {', '.join(CopyMethod)} (auto: direct past the page cache "
+            "for outputs over the kernel's dirty limit, else stream through it; off: through memory).",
         ),
     ] = CopyMethod(AUTO),
+    verbose: Annotated[
+        bool, typer.Option(help="Log how the output is written (ckptkit.io) and the bytes of each copy method.")
+    ] = False,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time."""
     from ckptkit.convert import COMPUTED
     from ckptkit.convert import convert as run_convert
 
     start = time.perf_counter()
-    result = run_convert(
-        src,
-        dst,
-        to.value,
-        from_format=from_.value if from_ else None,
-        model_type=model_type.value if model_type else None,
-        dtype=dtype.value if dtype else None,
-        shards=shards,
-        max_shard_size=max_shard_size,
-        force=force,
-        verify=verify,
-        quiet=quiet,
-        copy_method=None if copy_method == NO_COPY else copy_method.value,
-        allow_lossy_cast=allow_lossy_cast,
-        config=config,
-        force_model_type=force_model_type,
-    )
+    with _logging_to_stderr("ckptkit", logging.INFO if verbose else None):
+        result = run_convert(
+            src,
+            dst,
+            to.value,
+            from_format=from_.value if from_ else None,
+            model_type=model_type.value if model_type else None,
+            dtype=dtype.value if dtype else None,
+            shards=shards,
+            max_shard_size=max_shard_size,
+            force=force,
+            verify=verify,
+            quiet=quiet,
+            copy_method=None if copy_method == NO_COPY else copy_method.value,
+            allow_lossy_cast=allow_lossy_cast,
+            config=config,
+            force_model_type=force_model_type,
+        )
     if quiet:
         return
     for note in result.notes:
@@ -299,6 +307,28 @@ def convert(
         f"in {time.perf_counter() - start:.1f}s" + (f"; {_verified(dtype.value if dtype else None)}" if verify else ""),
         highlight=False,
     )
+    if verbose:
+        ways = ", ".join(f"{method} {_human(n)}" for method, n in sorted(result.bytes_by_method.items()))
+        err.print(f"tensor bytes by method: {ways or 'none'}", highlight=False)
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(name: str, level: int | None) -> Iterator[None]:
+    """While in the block, the records of logger ``name`` at ``level`` and above go to
+    stderr, one line each (nothing changes when ``level`` is None)."""
+    if level is None:
+        yield
+        return
+    logger, handler = logging.getLogger(name), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
 
 
 def _verified(dtype: str | None) -> str:

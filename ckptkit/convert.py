@@ -3,7 +3,7 @@
 For each target tensor it fetches the canonical tensors it needs from the source,
 applies the target format's transform, casts if asked, and writes it into every file
 that holds it (one file for HF shards, every rank for Meta). Output goes to a temporary
-directory beside the destination, put in place at the end by :mod:`ckptkit.publish`.
+directory beside the destination, put in place at the end by :func:`ckptkit.io.publishing`.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.directio import direct_pays
 from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
-from ckptkit.overlap import Overlap
+from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
 from ckptkit.progress import byte_progress
-from ckptkit.publish import check_replaceable, publishing
-from ckptkit.rawcopy import AUTO, total_bytes
 from ckptkit.transforms import RANKS
 from ckptkit.untrusted import copy_regular_file
 
@@ -46,11 +43,12 @@ def write_plan(
 
     A tensor whose bytes the source holds as they are to be written (its lazy has spans:
     unchanged, or rows moved by a transform) is copied file to file on worker threads with
-    ``copy_method`` (``auto``, or one of :data:`~ckptkit.rawcopy.METHODS` forced; None:
-    never), while this thread computes the others (casts, generated tensors: those with
-    ``raw`` bytes, unless split across ranks, without torch). ``auto`` writes whole pages
-    past the page cache when the output is larger than the kernel's dirty limit
-    (:func:`~ckptkit.directio.direct_pays`). Returns the bytes written by each method
+    ``copy_method`` (one of :data:`~ckptkit.io.COPY_METHODS`, or, for tests, a fallback of
+    :data:`ckptkit.io.transfer.METHODS` forced; None: never), while this thread computes the
+    others (casts, generated tensors: those with ``raw`` bytes, unless split across ranks,
+    without torch). ``auto`` writes whole pages past the page cache when the output is
+    larger than the kernel's dirty limit (:func:`~ckptkit.io.direct_pays`). Returns the
+    bytes written by each method
     (:data:`COMPUTED` for those computed in memory).
     """
     where: dict[str, list[FilePlan]] = {}
@@ -219,6 +217,8 @@ def convert(
     ``config`` gives the model config of a source without one (``--config``).
     """
     src, dst = Path(src), Path(dst)
+    if copy_method is not None and copy_method not in COPY_METHODS:
+        raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)} or off, not {copy_method!r}")
     if dtype is not None and dtype not in CAST_TARGETS:
         raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {dtype!r}")
     if shards is not None and shards < 1:

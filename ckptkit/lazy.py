@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
-from ckptkit.rawcopy import Span, read_spans
+from ckptkit.io import Span, read_spans
 
 if TYPE_CHECKING:
     import torch

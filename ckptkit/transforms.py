@@ -8,8 +8,8 @@ bitwise. Adding a kind (a transpose, say) is one subclass used in a family's lay
 :class:`RankShards` is the file-level counterpart: Meta's model-parallel ranks.
 Every transform here only moves bytes, so each also maps byte ranges: ``forward_spans`` and
 ``inverse_spans`` say where the result's bytes lie in the input's (lists of
-:class:`~ckptkit.rawcopy.Span`, concatenated in order), and a conversion copies
-them file to file without reading them into memory (:mod:`ckptkit.rawcopy`).
+:class:`~ckptkit.io.Span`, concatenated in order), and a conversion copies
+them file to file without reading them into memory (:mod:`ckptkit.io`).
 torch is imported inside the methods so that metadata-only work stays torch-free.
 """
 
@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.rawcopy import Span, coalesce, take, take_ranges, take_rows, total_bytes
+from ckptkit.io import Span, coalesce, take, take_ranges, take_rows, total_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -113,7 +113,7 @@ def assert_same_files(a: Path, b: Path) -> None:
 
 def direct_supported(folder: Path) -> bool:
     """Whether files in ``folder`` open with ``O_DIRECT`` (tmpfs before Linux 6.6 refuses)."""
-    from ckptkit.directio import open_direct
+    from ckptkit.io.direct import open_direct
 
     probe = folder / f".direct-probe-{os.getpid()}"
     probe.touch()

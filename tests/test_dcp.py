@@ -28,7 +28,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats import detect_format
 from ckptkit.formats.dcp import Chunk, stitch
 from ckptkit.inspection import inspect_path
-from ckptkit.rawcopy import Span, read_spans
+from ckptkit.io import Span, read_spans
 from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES, assert_same_files

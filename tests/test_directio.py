@@ -1,4 +1,4 @@
-"""O_DIRECT writes (ckptkit.directio): the bytes land exactly and their neighbours are
+"""O_DIRECT writes (ckptkit.io.direct): the bytes land exactly and their neighbours are
 untouched, the whole pages bypass the page cache while the partial pages at the ends go
 through it, a refused or short direct write is finished buffered, and a conversion large
 enough to have whole pages writes them direct and still round-trips byte for byte."""
@@ -21,10 +21,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit import directio, streamcopy
 from ckptkit.convert import COMPUTED, convert
 from ckptkit.errors import CkptkitError
-from ckptkit.rawcopy import DIRECT, STREAM, Span, transfer
+from ckptkit.io import direct as directio
+from ckptkit.io import stream
+from ckptkit.io.spans import Span
+from ckptkit.io.transfer import DIRECT, STREAM, transfer
 from ckptkit.verify import verify_paths
 
 from conftest import assert_same_files, direct_supported
@@ -86,7 +88,7 @@ def _expected(size: int, offset: int, data: bytes) -> bytes:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_any_range_lands_exactly_and_leaves_its_neighbours(offset: int, lengths: list[int], seed: int) -> None:
-    total = min(sum(lengths), streamcopy.BUFFER)
+    total = min(sum(lengths), stream.BUFFER)
     data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     data = data.numpy().tobytes()
     parts, pos = [], 0

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.convert import COMPUTED, convert
-from ckptkit.rawcopy import DIRECT, METHODS, STREAM
+from ckptkit.checkpoint import open_checkpoint
+from ckptkit.convert import COMPUTED, Options, Result, convert, write_checkpoint
+from ckptkit.errors import CkptkitError
+from ckptkit.io import COPY_METHODS
+from ckptkit.io.transfer import DIRECT, GATHER, METHODS, STREAM
 
 from conftest import FIXTURES, assert_same_files
 
@@ -47,11 +50,20 @@ def test_fast_path_writes_the_same_bytes_as_the_slow_path(src: str, to: str, kw:
         assert computed <= 64, fast.bytes_by_method
 
 
+def _forced(src: Path, dst: Path, to: str, method: str) -> Result:
+    """A conversion with ``method`` forced: a user's choice through :func:`convert`, a
+    fallback (gather, copy_file_range...) through the internal :func:`write_checkpoint`."""
+    if method in COPY_METHODS:
+        return convert(src, dst, to, copy_method=method)
+    with open_checkpoint(src) as ckpt:
+        return write_checkpoint(ckpt, dst, Options(to), copy_method=method)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(("src", "to"), [("hf/llama2", "meta"), ("meta/llama2", "hf-bin")])
 def test_each_forced_copy_method_gives_the_same_output(src: str, to: str, method: str, tmp_path: Path) -> None:
     convert(FIXTURES / src, tmp_path / "slow", to, copy_method=None)
-    result = convert(FIXTURES / src, tmp_path / "fast", to, copy_method=method)
+    result = _forced(FIXTURES / src, tmp_path / "fast", to, method)
     # direct writes whole pages past the page cache; these tensors have too few, so they stream
     allowed = {method, STREAM} if method == DIRECT else {method}
     assert set(result.bytes_by_method) <= allowed | {COMPUTED}
@@ -130,10 +142,44 @@ def test_cli_copy_method_is_reported_and_off_goes_through_memory(tmp_path: Path)
 
     runner = CliRunner()
     src = str(FIXTURES / "hf" / "llama3")
-    fast = runner.invoke(app, ["convert", src, str(tmp_path / "a"), "--to", "hf", "--copy-method", "sendfile"])
+    fast = runner.invoke(app, ["convert", src, str(tmp_path / "a"), "--to", "hf", "--copy-method", "stream"])
     slow = runner.invoke(app, ["convert", src, str(tmp_path / "b"), "--to", "hf", "--copy-method", "off"])
     assert fast.exit_code == 0 and "100% of tensor bytes copied file to file" in fast.output
     assert slow.exit_code == 0 and "0% of tensor bytes copied file to file" in slow.output
     assert_same_files(tmp_path / "a", tmp_path / "b")
-    bad = runner.invoke(app, ["convert", src, str(tmp_path / "c"), "--to", "hf", "--copy-method", "splice"])
-    assert bad.exit_code != 0
+    for bad in ("splice", "sendfile", "gather"):  # fallbacks are not a user's choice
+        refused = runner.invoke(app, ["convert", src, str(tmp_path / "c"), "--to", "hf", "--copy-method", bad])
+        assert refused.exit_code == 2 and not (tmp_path / "c").exists(), bad
+
+
+def test_the_copy_method_choices_are_four() -> None:
+    from ckptkit.cli import CopyMethod
+
+    assert [m.value for m in CopyMethod] == ["auto", "direct", "stream", "off"]
+
+
+def test_convert_refuses_a_fallback_as_copy_method(tmp_path: Path) -> None:
+    with pytest.raises(CkptkitError, match="--copy-method must be one of auto, direct, stream or off"):
+        convert(FIXTURES / "hf" / "llama3", tmp_path / "out", "hf", copy_method="sendfile")
+    assert not (tmp_path / "out").exists()
+
+
+def test_verbose_reports_the_fallbacks_auto_chose(tmp_path: Path, monkeypatch) -> None:
+    """Spans that streaming would read too much of (here: all, as if every tensor were a
+    column slice of a large one) are gathered by auto, and --verbose says so (the log of
+    ckptkit.io and the bytes of each method)."""
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+    from ckptkit.io import stream
+
+    monkeypatch.setattr(stream, "sparse", lambda spans: len(spans) > 1)
+    src = str(FIXTURES / "meta" / "llama3-2rank")
+    args = ["convert", src, str(tmp_path / "a"), "--to", "hf", "--verbose"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "ckptkit.io.direct: output of" in result.output  # auto's choice between direct and buffered
+    line = next(x for x in result.output.splitlines() if x.startswith("tensor bytes by method:"))
+    assert f"{GATHER} " in line and f"{STREAM} " in line, line
+    quiet = CliRunner().invoke(app, ["convert", src, str(tmp_path / "b"), "--to", "hf"])
+    assert quiet.exit_code == 0 and "ckptkit.io" not in quiet.output and "by method" not in quiet.output

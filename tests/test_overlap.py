@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ckptkit.overlap import Overlap
+from ckptkit.io import Overlap
 
 
 def test_a_long_copy_does_not_hold_up_the_queue() -> None:

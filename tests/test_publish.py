@@ -203,7 +203,7 @@ def test_trainer_save_survives_sigkill(tmp_path: Path) -> None:
 
 
 def test_second_writer_fails_with_one_line(tmp_path: Path) -> None:
-    from ckptkit.publish import leftovers, lock_path, publishing
+    from ckptkit.io.publish import leftovers, lock_path, publishing
 
     dst = tmp_path / "dst"
     with publishing(dst) as tmp:
@@ -226,7 +226,7 @@ def test_later_writer_never_deletes_finished_output(tmp_path: Path) -> None:
 
 
 def test_stale_leftovers_of_killed_writers_are_removed(tmp_path: Path) -> None:
-    from ckptkit.publish import sweep
+    from ckptkit.io.publish import sweep
 
     dst = tmp_path / "dst"
     stale = [
@@ -246,7 +246,7 @@ def test_stale_leftovers_of_killed_writers_are_removed(tmp_path: Path) -> None:
 def test_set_aside_old_checkpoint_is_restored(tmp_path: Path) -> None:
     """A writer killed between 'old aside' and 'new in' (filesystems without an atomic
     exchange): the next run puts the old checkpoint back before anything else."""
-    from ckptkit.publish import leftovers
+    from ckptkit.io.publish import leftovers
 
     dst = tmp_path / "dst"
     convert(FIXTURES / "hf/llama2", dst, "meta")
@@ -260,8 +260,8 @@ def test_set_aside_old_checkpoint_is_restored(tmp_path: Path) -> None:
 
 
 def test_replace_without_atomic_exchange(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptkit.publish as publish
-    from ckptkit.publish import leftovers
+    import ckptkit.io.publish as publish
+    from ckptkit.io.publish import leftovers
 
     monkeypatch.setattr(publish, "_EXCHANGE", None)
     dst = tmp_path / "dst"
@@ -346,7 +346,7 @@ def test_permission_denied_is_one_line(tmp_path: Path) -> None:
 def test_every_file_and_folder_is_fsynced_before_it_is_put_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptkit.publish as publish
+    import ckptkit.io.publish as publish
 
     events: list[tuple[str, str]] = []
     real = publish._fsync
@@ -385,7 +385,7 @@ ck.prune(steps_per_epoch=10)
 def test_a_pruned_checkpoint_is_never_left_half_deleted(tmp_path: Path) -> None:
     """keep_last_n pruning killed midway: the old checkpoint's name is gone at once (no
     partial step_1 a resume could pick up); the next sweep removes what is left."""
-    from ckptkit.publish import leftovers, sweep
+    from ckptkit.io.publish import leftovers, sweep
 
     out = tmp_path / "out"
     for name in ("step_1", "step_2"):

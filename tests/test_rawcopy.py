@@ -13,23 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptkit import rawcopy
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
-from ckptkit.rawcopy import (
-    DIRECT,
-    METHODS,
-    RANGE_METHODS,
-    STREAM,
-    Span,
-    coalesce,
-    copy_range,
-    copy_spans,
-    crc32_range,
-    spans_crc32,
-    take,
-    take_rows,
-)
+from ckptkit.io import transfer
+from ckptkit.io.spans import Span, coalesce, take, take_rows
+from ckptkit.io.stream import crc32_range
+from ckptkit.io.transfer import DIRECT, METHODS, RANGE_METHODS, STREAM, copy_range, copy_spans, spans_crc32
 from ckptkit.transforms import FUSED, RANKS, ROPE_K, ROPE_Q
 
 from conftest import direct_supported
@@ -37,7 +26,7 @@ from conftest import direct_supported
 
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory) -> tuple[Path, bytes]:
-    data = os.urandom(3 * rawcopy.BUFFER // 2 + 12345)  # the read/write path needs two buffers
+    data = os.urandom(3 * transfer.BUFFER // 2 + 12345)  # the read/write path needs two buffers
     path = tmp_path_factory.mktemp("rawcopy") / "src.bin"
     path.write_bytes(data)
     return path, data

@@ -16,16 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit import streamcopy
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.torch_io import TorchPickleReader
-from ckptkit.rawcopy import Span, take, take_rows, transfer
+from ckptkit.io import stream
+from ckptkit.io.spans import Span, take, take_rows
+from ckptkit.io.transfer import transfer
 from ckptkit.transforms import ROPE_Q
 
 
 @pytest.fixture(scope="module")
 def blob(tmp_path_factory) -> tuple[Path, bytes]:
-    data = os.urandom(3 * streamcopy.BUFFER + 4321)
+    data = os.urandom(3 * stream.BUFFER + 4321)
     path = tmp_path_factory.mktemp("stream") / "src.bin"
     path.write_bytes(data)
     return path, data
@@ -43,8 +44,8 @@ def _copy(spans: list[Span], out: Path, method: str = "stream", want_crc: bool =
 
 def test_a_long_span_is_cut_into_buffer_sized_windows(blob) -> None:
     path, data = blob
-    ws = list(streamcopy.windows([Span(path, 10, len(data) - 10)]))
-    assert [w.hi - w.lo for w in ws[:-1]] == [streamcopy.BUFFER] * (len(ws) - 1)
+    ws = list(stream.windows([Span(path, 10, len(data) - 10)]))
+    assert [w.hi - w.lo for w in ws[:-1]] == [stream.BUFFER] * (len(ws) - 1)
     assert sum(w.held for w in ws) == len(data) - 10 and ws[0].lo == 10
 
 
@@ -56,30 +57,30 @@ def test_rows_permuted_within_a_head_share_one_window(tmp_path: Path) -> None:
     with src.open("wb") as f:
         f.truncate(shape[0] * shape[1] * 2)
     spans = ROPE_Q.forward_spans([Span(src, 0, shape[0] * shape[1] * 2)], shape, cfg, [shape])[0]
-    ws = list(streamcopy.windows(spans))
+    ws = list(stream.windows(spans))
     assert len(spans) > 500 and len(ws) == 1  # 4 heads of 1 MiB fit one 4 MiB window
-    assert not streamcopy.sparse(spans)
+    assert not stream.sparse(spans)
 
 
 def test_a_column_slice_of_every_row_is_sparse(blob) -> None:
     path, _ = blob
     columns = take_rows([Span(path, 0, 64 * 8192)], 1024, list(range(0, 512, 8)))  # 1 KiB of every 8 KiB
-    assert streamcopy.sparse(columns)
+    assert stream.sparse(columns)
     done, _ = _copy(columns, path.parent / "cols.bin", "auto")
     assert done.method == "gather"
 
 
-@pytest.mark.parametrize("chunk", [streamcopy.IO_CHUNK, 1000])
+@pytest.mark.parametrize("chunk", [stream.IO_CHUNK, 1000])
 def test_stream_writes_the_concatenation_and_its_crc(blob, chunk: int, tmp_path: Path, monkeypatch) -> None:
     path, data = blob
-    monkeypatch.setattr(streamcopy, "IO_CHUNK", chunk)
-    monkeypatch.setattr(streamcopy, "IOV_MAX", 7)
+    monkeypatch.setattr(stream, "IO_CHUNK", chunk)
+    monkeypatch.setattr(stream, "IOV_MAX", 7)
     rows = [9, 2, 2, 30, 0, 31] + list(range(40, 3000, 3))
     spans = take_rows([Span(path, 100, 3000 * 1024)], 1024, rows) + take(
-        [Span(path, 0, len(data))], 5, 2 * streamcopy.BUFFER + 77
+        [Span(path, 0, len(data))], 5, 2 * stream.BUFFER + 77
     )
     expected = (
-        b"".join(data[100 + r * 1024 : 100 + (r + 1) * 1024] for r in rows) + data[5 : 5 + 2 * streamcopy.BUFFER + 77]
+        b"".join(data[100 + r * 1024 : 100 + (r + 1) * 1024] for r in rows) + data[5 : 5 + 2 * stream.BUFFER + 77]
     )
     done, written = _copy(spans, tmp_path / "out.bin", want_crc=True)
     assert written == expected
@@ -138,7 +139,7 @@ def test_a_sound_record_is_checked_once_by_the_stream_itself(tmp_path: Path, mon
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_the_buffer_is_not_backed_by_transparent_huge_pages() -> None:
     """Copying out of huge pages made writes 3-6x slower on the development VM."""
-    address = ctypes.addressof(ctypes.c_char.from_buffer(streamcopy.buffer()))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(stream.buffer()))
     entry: dict[str, str] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
@@ -189,7 +190,7 @@ def test_a_storage_that_is_not_a_plain_record_is_refused_not_trusted(corrupt: bo
 
 
 def test_without_preadv_and_pwritev_auto_uses_the_range_methods(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(streamcopy, "AVAILABLE", False)
+    monkeypatch.setattr(stream, "AVAILABLE", False)
     monkeypatch.delattr(os, "preadv")
     monkeypatch.delattr(os, "pwritev")
     t = torch.randn(256, 512).to(torch.bfloat16)
@@ -208,11 +209,11 @@ def test_a_record_shared_by_concurrent_jobs_is_read_once(tmp_path: Path, monkeyp
     record's CRC-32 is computed once, not once per thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptkit import recordcheck
+    from ckptkit.io import records
 
     read: list[int] = []
-    real = recordcheck.crc32_range
-    monkeypatch.setattr(recordcheck, "crc32_range", lambda fd, off, n, *a, **k: read.append(n) or real(fd, off, n))
+    real = records.crc32_range
+    monkeypatch.setattr(records, "crc32_range", lambda fd, off, n, *a, **k: read.append(n) or real(fd, off, n))
     t = torch.randn(2048, 2048).to(torch.bfloat16)  # 8 MiB
     torch.save({"w": t}, tmp_path / "big.pth")
     span = TorchPickleReader(tmp_path / "big.pth").span("w")

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import Span, read_spans, take
 from ckptkit.models.fields import check_config_fields
-from ckptkit.rawcopy import Span, read_spans, take
 from ckptkit.tokenization import TokenizerPlan
 from ckptkit.transforms import RANKS
 from ckptkit.untrusted import loads_json, open_regular_file

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
+from ckptkit.io import Span
 from ckptkit.lazy import Lazy
 from ckptkit.models import ModelConfig, canonical_shapes
 from ckptkit.models.spec import Layout, Rule
-from ckptkit.rawcopy import Span
 
 if TYPE_CHECKING:
     import torch

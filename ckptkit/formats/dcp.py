@@ -34,14 +34,12 @@ import os
 import pickle
 import re
 import struct
-import threading
 import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.directio import DirectFd
 from ckptkit.dtypes import ITEMSIZE, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import (
@@ -65,10 +63,8 @@ from ckptkit.formats.pickle_index import (
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torch_zip import STORAGE_OF, pickle_tensor, write_archive
+from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, coalesce, read_spans, take, total_bytes
 from ckptkit.models.fields import check_config_fields
-from ckptkit.rawcopy import AUTO, Span, coalesce, read_spans, start_writeback, take, total_bytes, transfer
-from ckptkit.recordcheck import RecordCheck, Verifier, verify_checks
-from ckptkit.streamcopy import pread_into, write_all
 from ckptkit.untrusted import open_regular
 
 if TYPE_CHECKING:
@@ -365,9 +361,10 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self._len - self._pos))
-        got = pread_into(self._fd, memoryview(b).cast("B")[:n], self._base + self._pos) if n else 0
-        self._pos += got
-        return got
+        data = os.pread(self._fd, n, self._base + self._pos) if n else b""
+        memoryview(b).cast("B")[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
 
 
 @dataclass
@@ -458,19 +455,10 @@ class DcpCheckpoint(RawCheckpoint):
         span = stored.span
         if span.nbytes == 0:
             return torch.empty(chunk.sizes, dtype=dtype)
-        buf = bytearray(span.nbytes)
-        fd = open_regular(span.path)
         try:
-            got = pread_into(fd, memoryview(buf), span.offset)
-        finally:
-            os.close(fd)
-        if got != span.nbytes:
-            raise self._bad(entry, chunk, "is cut short: the file is truncated")
-        if span.check is not None and not span.check.verifier.verified(span.check.key):
-            if span.crc is not None:
-                span.check.verifier.settle(span.check, zlib.crc32(buf))
-            else:
-                verify_checks([span])
+            buf = bytearray(read_spans([span]))  # its record's CRC-32 checked first
+        except EOFError:
+            raise self._bad(entry, chunk, "is cut short: the file is truncated") from None
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(chunk.sizes)
 
     def _loaded_chunk(self, entry: Entry, chunk: Chunk) -> torch.Tensor:
@@ -671,8 +659,8 @@ def open_dcp(root: Path, config: Path | None) -> DcpCheckpoint:
 class _At:
     """A write-only file positioned from ``base`` of ``fd`` (None: only counts positions)."""
 
-    def __init__(self, fd: int | None, base: int) -> None:
-        self._fd, self._base, self._pos = fd, base, 0
+    def __init__(self, out: OutputFile | None, base: int) -> None:
+        self._out, self._base, self._pos = out, base, 0
 
     def tell(self) -> int:
         return self._pos
@@ -682,8 +670,8 @@ class _At:
         return self._pos
 
     def write(self, data: bytes) -> int:
-        if self._fd is not None:
-            write_all(self._fd, memoryview(data), self._base + self._pos)
+        if self._out is not None:
+            self._out.write(data, self._base + self._pos, writeback=False)
         self._pos += len(data)
         return len(data)
 
@@ -700,14 +688,14 @@ class Place:
     central_offset: int  # its central directory entry
 
 
-def lay_out(fd: int | None, entries: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, Place]:
-    """Write (``fd``) or just compute (None) one archive per tensor, back to back, data
+def lay_out(out: OutputFile | None, entries: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, Place]:
+    """Write (``out``) or just compute (None) one archive per tensor, back to back, data
     left as holes; where each lies."""
     places: dict[str, Place] = {}
     end = 0
     for name, dtype, shape in entries:
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        f = _At(fd, end)
+        f = _At(out, end)
         records = write_archive(f, ARCHIVE, pickle_tensor(dtype, shape), [nbytes])  # type: ignore[arg-type]
         data = next(r for r in records if r.name == "data/0")
         length = f.tell()
@@ -738,11 +726,10 @@ class DistcpWriter:
         if odd:
             raise CkptkitError(f"{path.name}: dtype {odd[0]} cannot be written to a DCP checkpoint")
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        self.places = lay_out(self._fd, named)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+        self._out = OutputFile(path, direct)
+        self.places = lay_out(self._out, named)
         self._crcs: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._direct = DirectFd(path, auto=direct)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -751,19 +738,14 @@ class DistcpWriter:
         place = self.places[name]
         if memoryview(data).nbytes != place.nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {place.nbytes}-byte chunk")
-        write_all(self._fd, memoryview(data), place.data_offset)
-        start_writeback(self._fd, place.data_offset, place.nbytes)
+        self._out.write(data, place.data_offset)
         self._crcs[name] = zlib.crc32(data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         place = self.places[name]
         if total_bytes(spans) != place.nbytes:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {place.nbytes}-byte chunk")
-        fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
-        try:
-            done = transfer(spans, fd, place.data_offset, method, want_crc=True, lock=self._lock, direct=self._direct)
-        finally:
-            os.close(fd)
+        done = self._out.copy(spans, place.data_offset, method, want_crc=True)
         assert done.crc is not None
         self._crcs[name] = done.crc
         return done.method
@@ -775,16 +757,13 @@ class DistcpWriter:
                 raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
             for name, crc in self._crcs.items():
                 raw = crc.to_bytes(4, "little")
-                os.pwrite(self._fd, raw, self.places[name].header_offset + 14)
-                os.pwrite(self._fd, raw, self.places[name].central_offset + 16)
+                self._out.write(raw, self.places[name].header_offset + 14, writeback=False)
+                self._out.write(raw, self.places[name].central_offset + 16, writeback=False)
         finally:
             self.discard()
 
     def discard(self) -> None:
-        self._direct.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._out.close()
 
 
 def metadata_bytes(plan: Plan) -> bytes:

@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.directio import DirectFd
 from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
-from ckptkit.streamcopy import write_all
+from ckptkit.io import AUTO, OutputFile, Span, total_bytes
 from ckptkit.untrusted import loads_json, open_regular_file
 
 if TYPE_CHECKING:
@@ -184,7 +181,7 @@ class SafetensorsWriter:
         entries: (name, dtype, shape) for every tensor, in data order.
         metadata: the ``__metadata__`` strings, or None for none.
         direct: whether ``auto`` copies write whole pages with ``O_DIRECT``
-            (:mod:`ckptkit.directio`; ``direct`` copies always do).
+            (:class:`ckptkit.io.OutputFile`; ``direct`` copies always do).
     """
 
     def __init__(
@@ -213,12 +210,10 @@ class SafetensorsWriter:
         self.path = path
         self._data_start = 8 + len(raw)
         self._pending = set(self._offsets)
-        self._file = path.open("wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._file.truncate(self._data_start + offset)
-        self._file.flush()
-        self._lock = threading.Lock()  # one thread writes to the file at a time
-        self._direct = DirectFd(path, auto=direct)  # O_DIRECT writes of whole pages, opened on first use
+        with path.open("wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(self._data_start + offset)
+        self._out = OutputFile(path, direct)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -228,8 +223,7 @@ class SafetensorsWriter:
         offset, nbytes = self._offsets[name]
         if memoryview(data).nbytes != nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte tensor")
-        write_all(self._file.fileno(), memoryview(data), self._data_start + offset)
-        start_writeback(self._file.fileno(), self._data_start + offset, nbytes)
+        self._out.write(data, self._data_start + offset)
         self._pending.discard(name)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
@@ -238,11 +232,7 @@ class SafetensorsWriter:
         offset, nbytes = self._offsets[name]
         if total_bytes(spans) != nbytes:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
-        fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
-        try:
-            used = transfer(spans, fd, self._data_start + offset, method, lock=self._lock, direct=self._direct).method
-        finally:
-            os.close(fd)
+        used = self._out.copy(spans, self._data_start + offset, method).method
         self._pending.discard(name)
         return used
 
@@ -255,5 +245,4 @@ class SafetensorsWriter:
 
     def discard(self) -> None:
         """Close the file's descriptors without checking it is complete (after a failure)."""
-        self._direct.close()
-        self._file.close()
+        self._out.close()

@@ -22,14 +22,12 @@ import re
 import shutil
 import struct
 import tempfile
-import threading
 import warnings
 import zipfile
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptkit.directio import DirectFd
 from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
@@ -42,9 +40,7 @@ from ckptkit.formats.pickle_index import (
     read_index,
 )
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.rawcopy import AUTO, Span, start_writeback, total_bytes, transfer
-from ckptkit.recordcheck import RecordCheck, Verifier
-from ckptkit.streamcopy import write_all
+from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, total_bytes
 from ckptkit.untrusted import check_regular
 
 if TYPE_CHECKING:
@@ -284,7 +280,7 @@ class TorchPickleWriter:
         aliases: name -> another entry whose storage it shares (as old ``save_pretrained``
             stored tied weights); written once, by that entry.
         direct: whether ``auto`` copies write whole pages with ``O_DIRECT``
-            (:mod:`ckptkit.directio`; ``direct`` copies always do).
+            (:class:`ckptkit.io.OutputFile`; ``direct`` copies always do).
     """
 
     def __init__(
@@ -314,9 +310,7 @@ class TorchPickleWriter:
             self._records[owner] = (record.data_offset, info.nbytes, record.name)
         self._zip = by_name  # record name -> where its local header and directory entry lie
         self._crcs: dict[str, int] = {}
-        self._fd = os.open(path, os.O_RDWR)
-        self._lock = threading.Lock()  # one thread writes to the file at a time
-        self._direct = DirectFd(path, auto=direct)  # O_DIRECT writes of whole pages, opened on first use
+        self._out = OutputFile(path, direct)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_bytes(name, tensor_bytes(tensor))
@@ -328,8 +322,7 @@ class TorchPickleWriter:
         offset, nbytes, record = self._records[name]
         if memoryview(data).nbytes != nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte record")
-        write_all(self._fd, memoryview(data), offset)
-        start_writeback(self._fd, offset, nbytes)
+        self._out.write(data, offset)
         self._crcs[record] = zlib.crc32(data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
@@ -341,11 +334,7 @@ class TorchPickleWriter:
         offset, nbytes, record = self._records[name]
         if total_bytes(spans) != nbytes:
             raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
-        fd = os.open(self.path, os.O_WRONLY)  # its own file position, for sendfile
-        try:
-            done = transfer(spans, fd, offset, method, want_crc=True, lock=self._lock, direct=self._direct)
-        finally:
-            os.close(fd)
+        done = self._out.copy(spans, offset, method, want_crc=True)
         assert done.crc is not None
         self._crcs[record] = done.crc
         return done.method
@@ -358,17 +347,14 @@ class TorchPickleWriter:
             for record, crc in self._crcs.items():
                 packed = struct.pack("<I", crc)
                 zrec = self._zip[record]  # torch leaves the local header's CRC 0: it is in the data descriptor
-                os.pwrite(self._fd, packed, zrec.data_offset + zrec.size + 4)
-                os.pwrite(self._fd, packed, self._zip[record].central_offset + 16)
+                self._out.write(packed, zrec.data_offset + zrec.size + 4, writeback=False)
+                self._out.write(packed, zrec.central_offset + 16, writeback=False)
         finally:
             self.discard()
 
     def discard(self) -> None:
         """Close the file's descriptors without checking it is complete (after a failure)."""
-        self._direct.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._out.close()
 
 
 def _torch_skeleton(

@@ -24,8 +24,8 @@ from torch import nn
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.torch_io import save_torch
+from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
-from ckptkit.publish import publishing, retire, sweep
 from ckptkit.save_like import write_like
 from ckptkit.train.config import parse_config
 from ckptkit.train.lora import lora_modules, model_config

@@ -1,4 +1,5 @@
-"""Recorded CRC-32s of a source's zip records, checked once each before their bytes are used."""
+"""Recorded CRC-32s of a source's zip records, checked once each before their bytes are used,
+and reads of spans into memory that check them first."""
 
 from __future__ import annotations
 
@@ -6,21 +7,18 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
-from ckptkit.streamcopy import crc32_range
+from ckptkit.io.spans import RecordCheck, Span
+from ckptkit.io.stream import crc32_range
 from ckptkit.untrusted import open_regular
-
-if TYPE_CHECKING:
-    from ckptkit.rawcopy import Span
 
 
 class Verifier:
     """The recorded CRC-32s of one file's zip records, each checked once.
 
+    The :class:`~ckptkit.io.spans.RecordVerifier` of :class:`~ckptkit.io.spans.RecordCheck`.
     ``fail(key)`` makes the exception a mismatch raises. A record is checked either by
     :meth:`feed` (the windows a stream copy reads, when they tile it in order) or by
     :meth:`verify` (reading it); :meth:`complete` reads whatever feeding did not cover.
@@ -88,19 +86,22 @@ class Verifier:
             self._progress.pop(check.key, None)
 
 
-@dataclass(frozen=True)
-class RecordCheck:
-    """A zip record whose recorded CRC-32 must hold before bytes of it are used."""
-
-    verifier: Verifier = field(compare=False)
-    key: str
-    offset: int  # where the record's data starts in the file
-    size: int
-    crc: int
-
-
 def verify_checks(spans: Iterable[Span]) -> None:
     """Check every source record these spans draw on (each once per file)."""
     for span in spans:
         if span.check is not None:
             span.check.verifier.verify(span.check)
+
+
+def read_spans(spans: list[Span]) -> bytes:
+    """The bytes of ``spans``, read into memory (for small tensors), their records checked first."""
+    verify_checks(spans)
+    out = bytearray()
+    for span in spans:
+        with span.path.open("rb") as f:
+            f.seek(span.offset)
+            data = f.read(span.nbytes)
+        if len(data) != span.nbytes:
+            raise EOFError(f"{span.path}: ends inside bytes {span.offset}..{span.offset + span.nbytes}")
+        out += data
+    return bytes(out)

@@ -30,17 +30,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 from contextlib import nullcontext
 from pathlib import Path
 
-from ckptkit import streamcopy
+from ckptkit.io import stream
 
 ALIGN = 4096  # offset, length and memory alignment of a direct write (any device's logical block)
 MIN_DIRECT = 64 << 10  # whole-page runs shorter than this go buffered: not worth a device round trip
 AVAILABLE = hasattr(os, "O_DIRECT")
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+log = logging.getLogger(__name__)
 
 _local = threading.local()
 
@@ -66,7 +68,14 @@ def direct_pays(nbytes: int) -> bool:
     """Whether ``auto`` should write an output of ``nbytes`` direct: when it exceeds the
     kernel's dirty limit (see the module docstring)."""
     limit = dirty_limit()
-    return AVAILABLE and limit is not None and nbytes > limit
+    pays = AVAILABLE and limit is not None and nbytes > limit
+    log.info(
+        "output of %d bytes, dirty limit %s: auto writes %s",
+        nbytes,
+        "unknown" if limit is None else f"{limit} bytes",
+        "whole pages direct (O_DIRECT)" if pays else "through the page cache",
+    )
+    return pays
 
 
 def open_direct(path: Path) -> int | None:
@@ -78,23 +87,24 @@ def open_direct(path: Path) -> int | None:
         return os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if e.errno in _REFUSED:
+            log.info("%s: the filesystem refuses O_DIRECT (%s): writing it buffered", path, e.strerror)
             return None
         raise
 
 
 def staging() -> memoryview:
     """This thread's staging buffer: page-aligned, one stream window plus a page
-    (:func:`~ckptkit.streamcopy.anonymous`)."""
+    (:func:`~ckptkit.io.stream.anonymous`)."""
     view = getattr(_local, "view", None)
-    if view is None or len(view) < streamcopy.BUFFER + ALIGN:
-        view = _local.view = streamcopy.anonymous(streamcopy.BUFFER + ALIGN)
+    if view is None or len(view) < stream.BUFFER + ALIGN:
+        view = _local.view = stream.anonymous(stream.BUFFER + ALIGN)
     return view
 
 
 def place(offset: int, nbytes: int) -> memoryview:
     """Where to read ``nbytes`` bound for file ``offset`` so that :func:`write_parts` finds
     them in place and skips its copy into the staging buffer: this thread's buffer, at the
-    offset's position within its page. At most :data:`~ckptkit.streamcopy.BUFFER` bytes."""
+    offset's position within its page. At most :data:`~ckptkit.io.stream.BUFFER` bytes."""
     lead = offset % ALIGN
     return staging()[lead : lead + nbytes]
 
@@ -111,7 +121,7 @@ def write_parts(
 ) -> bool:
     """Write ``parts`` one after another from ``offset``: the whole pages in between with
     ``direct``'s descriptor, the partial pages at the ends with ``fd``, all while holding
-    ``lock``. At most :data:`~ckptkit.streamcopy.BUFFER` bytes. Returns whether any byte
+    ``lock``. At most :data:`~ckptkit.io.stream.BUFFER` bytes. Returns whether any byte
     went direct (False: all buffered, because the run was short or the file refuses).
 
     The lock is the file's (one writer at a time, buffered or direct): a direct write
@@ -123,9 +133,9 @@ def write_parts(
     total = sum(len(p) for p in parts)
     head = min(total, -offset % ALIGN)  # bytes before the first page boundary
     body = (total - head) // ALIGN * ALIGN
-    if body < MIN_DIRECT or total > streamcopy.BUFFER:
+    if body < MIN_DIRECT or total > stream.BUFFER:
         with lock or nullcontext():
-            streamcopy.write_parts(fd, parts, offset)
+            stream.write_parts(fd, parts, offset)
         return False
     stage = staging()  # this thread's: filled before taking the lock
     lead = offset % ALIGN  # the range starts this far into its first page
@@ -139,10 +149,10 @@ def write_parts(
     with lock or nullcontext():
         for data, at in edges:
             if len(data):
-                streamcopy.write_all(fd, data, at)
+                stream.write_all(fd, data, at)
         done = _write_direct(direct, stage[start : start + body], offset + head)
         if done < body:  # refused, or stopped off a page boundary: the rest buffered
-            streamcopy.write_all(fd, stage[start + done : start + body], offset + head + done)
+            stream.write_all(fd, stage[start + done : start + body], offset + head + done)
     return done > 0
 
 
@@ -160,6 +170,7 @@ def _write_direct(direct: DirectFd, data: memoryview, offset: int) -> int:
     except OSError as e:
         if e.errno not in _REFUSED:
             raise
+        log.info("%s: an O_DIRECT write was refused (%s): writing it buffered", direct.path, e.strerror)
         direct.close()  # never tried again: the file goes buffered
     return done
 
@@ -171,7 +182,7 @@ class DirectFd:
     it (:func:`direct_pays` for the whole output); ``direct`` copies always do."""
 
     def __init__(self, path: Path, auto: bool = False) -> None:
-        self._path = path
+        self.path = path
         self.auto = auto
         self._fd: int | None = None
         self._tried = False
@@ -181,7 +192,7 @@ class DirectFd:
         with self._lock:
             if not self._tried:
                 self._tried = True
-                self._fd = open_direct(self._path)
+                self._fd = open_direct(self.path)
             return self._fd
 
     def close(self) -> None:

@@ -1,75 +1,61 @@
-"""File-to-file copies of byte ranges that never become Python objects, and CRC-32 of file ranges.
+"""File-to-file copies of span lists that never become Python objects, and the output file
+they go to.
 
-A tensor whose bytes a conversion only moves is described by a list of :class:`Span`
-(which file, where, how many bytes; concatenated in order): one span when it is stored
-unchanged, row ranges when rows are permuted, split or joined. :func:`transfer` writes
-the list at the offset the writer laid out. By default it streams
-(:mod:`ckptkit.streamcopy`: each window of source bytes read once into a small reused
-buffer, CRC-32s computed or checked there, written out, the whole pages past the page
-cache for a large output: :mod:`ckptkit.directio`); spans so scattered that streaming
-would read more than twice what it writes are gathered with ``pwritev`` from a read-only
-mapping of the source. On request each span goes with ``os.copy_file_range`` (the
-kernel copies, as ``cp`` does), else ``os.sendfile``, else positioned reads and
-writes. Spans of a zip record carry a :class:`RecordCheck`: before its bytes are used,
-the record's recorded CRC-32 is checked once per file (:class:`Verifier`), by the stream
-pass itself where it reads the whole record in order, else by reading the record.
+:func:`transfer` writes the concatenation of a tensor's :class:`~ckptkit.io.spans.Span`
+list at the offset the writer laid out. It streams (:mod:`ckptkit.io.stream`: each window
+of source bytes read once into a small reused buffer, CRC-32s computed or checked there,
+written out), the whole pages past the page cache for a large output or on request
+(:mod:`ckptkit.io.direct`). Users choose among :data:`COPY_METHODS` only; the other
+methods are fallbacks :func:`transfer` picks by itself, logged on the ``ckptkit.io``
+logger: spans so scattered that streaming would read more than twice what it writes are
+gathered with ``pwritev`` from a read-only mapping of the source (``gather``), and where
+``preadv``/``pwritev`` are missing each span goes with ``os.copy_file_range`` (the kernel
+copies, as ``cp`` does), else ``os.sendfile``, else positioned reads and writes. Spans of
+a zip record carry a :class:`~ckptkit.io.spans.RecordCheck`: before its bytes are used,
+the record's recorded CRC-32 is checked once per file
+(:class:`~ckptkit.io.records.Verifier`), by the stream pass itself where it reads the
+whole record in order, else by reading the record.
+
+:class:`OutputFile` is one output file as a format writer sees it: bytes in memory and
+span lists written at offsets, one writer at a time.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
-import itertools
+import logging
 import mmap
 import os
 import sys
 import threading
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptkit import directio, streamcopy
-from ckptkit.recordcheck import RecordCheck, verify_checks
-from ckptkit.streamcopy import crc32_range
+from ckptkit.io import direct as directio
+from ckptkit.io import stream
+from ckptkit.io.records import verify_checks
+from ckptkit.io.spans import Span, coalesce, total_bytes
+from ckptkit.io.stream import crc32_range
 
-RANGE_METHODS = ("copy_file_range", "sendfile", "readwrite")  # for one range, in auto's order
-GATHER = "gather"
-STREAM = "stream"
-DIRECT = "direct"  # stream, the whole pages written past the page cache (ckptkit.directio)
-METHODS = (DIRECT, STREAM, *RANGE_METHODS, GATHER)
+log = logging.getLogger(__name__)
+
 AUTO = "auto"
+DIRECT = "direct"  # stream, the whole pages written past the page cache (ckptkit.io.direct)
+STREAM = "stream"  # stream, every write through the page cache
+COPY_METHODS = (AUTO, DIRECT, STREAM)  # what a user may choose (--copy-method, convert())
+# the fallbacks transfer() picks by itself; tests may force them
+RANGE_METHODS = ("copy_file_range", "sendfile", "readwrite")  # for one range, in fallback order
+GATHER = "gather"
+METHODS = (DIRECT, STREAM, *RANGE_METHODS, GATHER)  # every method transfer() can be forced to use
 GATHER_FROM = 16  # spans_crc32: at least this many spans are read through one mapping
 CHUNK = 1 << 30  # bytes per copy_file_range / sendfile call
-BUFFER = streamcopy.BUFFER  # the read/write fallback's buffer (the stream buffer)
+BUFFER = stream.BUFFER  # the read/write fallback's buffer (the stream buffer)
 # errors that mean "this method does not work for these two files", not "the copy failed"
 _UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM}
-
-
-@dataclass(frozen=True)
-class Span:
-    """``nbytes`` bytes of ``path`` from ``offset``: where one tensor's data lies.
-
-    ``crc`` is the CRC-32 of exactly these bytes when the source file records it (a zip
-    record holding the whole tensor), else None. ``check`` is the zip record the bytes lie
-    in, whose CRC-32 must be checked before they are used (None: nothing to check).
-    """
-
-    path: Path
-    offset: int
-    nbytes: int
-    crc: int | None = None
-    check: RecordCheck | None = None
-
-    def slice(self, start: int, nbytes: int) -> Span:
-        """The sub-span of ``nbytes`` bytes from ``start`` within this one (no CRC unless whole)."""
-        if start < 0 or start + nbytes > self.nbytes:
-            raise ValueError(f"slice {start}+{nbytes} outside a span of {self.nbytes} bytes")
-        if start == 0 and nbytes == self.nbytes:
-            return self
-        return Span(self.path, self.offset + start, nbytes, None, self.check)
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, method: str = AUTO) -> str:
@@ -97,6 +83,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
         except OSError as e:
             if e.errno not in _UNSUPPORTED or i == len(order) - 1:
                 raise
+            log.debug("%s refused for these files (%s): falling back to %s", name, e.strerror, order[i + 1])
     return order[-1]  # nbytes == 0
 
 
@@ -114,77 +101,13 @@ def _sendfile(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count:
 
 
 def _read_write(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
-    view = streamcopy.buffer()[: min(count, BUFFER)]
-    got = streamcopy.pread_into(src_fd, view, src_offset)
-    streamcopy.write_all(dst_fd, view[:got], dst_offset)
+    view = stream.buffer()[: min(count, BUFFER)]
+    got = stream.pread_into(src_fd, view, src_offset)
+    stream.write_all(dst_fd, view[:got], dst_offset)
     return got
 
 
 _STEPS = {"copy_file_range": _copy_file_range, "sendfile": _sendfile, "readwrite": _read_write}
-
-
-def coalesce(spans: list[Span]) -> list[Span]:
-    """The same bytes in as few spans as possible (neighbours in one file merged)."""
-    out: list[Span] = []
-    for span in spans:
-        if span.nbytes == 0:
-            continue
-        last = out[-1] if out else None
-        if (
-            last is not None
-            and last.offset + last.nbytes == span.offset
-            and (last.path is span.path or last.path == span.path)
-            and last.check == span.check
-        ):
-            out[-1] = Span(last.path, last.offset, last.nbytes + span.nbytes, check=last.check)
-        else:
-            out.append(span)
-    return out
-
-
-def take_ranges(spans: list[Span], ranges: Iterable[tuple[int, int]]) -> list[Span]:
-    """The byte ranges ``(start, nbytes)``, in order, of the concatenation of ``spans``."""
-    starts = list(itertools.accumulate((s.nbytes for s in spans), initial=0))
-    out: list[Span] = []
-    for start, nbytes in ranges:
-        end = start + nbytes
-        if start < 0 or end > starts[-1]:
-            raise ValueError(f"bytes {start}..{end} outside spans of {starts[-1]} bytes")
-        i = bisect.bisect_right(starts, start) - 1
-        while start < end:
-            piece = min(end, starts[i + 1]) - start
-            out.append(spans[i].slice(start - starts[i], piece))
-            start += piece
-            i += 1
-    return out
-
-
-def take(spans: list[Span], start: int, nbytes: int) -> list[Span]:
-    """Bytes ``start`` .. ``start + nbytes`` of the concatenation of ``spans``."""
-    return take_ranges(spans, [(start, nbytes)])
-
-
-def take_rows(spans: list[Span], row_bytes: int, rows: list[int]) -> list[Span]:
-    """The rows ``rows`` (in that order) of a row-major tensor whose bytes are ``spans``."""
-    return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in rows)))
-
-
-def read_spans(spans: list[Span]) -> bytes:
-    """The bytes of ``spans``, read into memory (for small tensors)."""
-    verify_checks(spans)
-    out = bytearray()
-    for span in spans:
-        with span.path.open("rb") as f:
-            f.seek(span.offset)
-            data = f.read(span.nbytes)
-        if len(data) != span.nbytes:
-            raise EOFError(f"{span.path}: ends inside bytes {span.offset}..{span.offset + span.nbytes}")
-        out += data
-    return bytes(out)
-
-
-def total_bytes(spans: list[Span]) -> int:
-    return sum(s.nbytes for s in spans)
 
 
 @dataclass(frozen=True)
@@ -205,10 +128,12 @@ def transfer(
     """Write the concatenation of ``spans`` into ``dst_fd`` at ``dst_offset``, checking the
     source records they draw on first (or on the way, for ``stream`` and ``direct``).
 
-    ``auto`` streams (:mod:`ckptkit.streamcopy`), writing whole pages with ``direct``'s
-    ``O_DIRECT`` descriptor (:mod:`ckptkit.directio`) when it is given and ``direct.auto``,
+    ``auto`` streams (:mod:`ckptkit.io.stream`), writing whole pages with ``direct``'s
+    ``O_DIRECT`` descriptor (:mod:`ckptkit.io.direct`) when it is given and ``direct.auto``,
     unless the spans are many scattered pieces (a column slice of every row), which it
-    gathers with ``pwritev`` from a mapping. A forced method applies to every span
+    gathers with ``pwritev`` from a mapping; without ``preadv``/``pwritev``, each span goes
+    with the first of :data:`RANGE_METHODS` the kernel takes. A forced method (any of
+    :data:`METHODS`; users force only ``direct`` or ``stream``) applies to every span
     (``direct`` reports ``stream`` where no window had whole pages to write direct, or the
     file refused). ``want_crc``: also return the CRC-32 of the bytes written. ``lock``:
     held while writing to the file (one writer per file at a time). Writeback of the range
@@ -216,9 +141,13 @@ def transfer(
     """
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
-    if method == AUTO and streamcopy.AVAILABLE:  # else (no preadv/pwritev): the range methods
+    if method == AUTO and stream.AVAILABLE:  # else (no preadv/pwritev): the range methods
         dense = DIRECT if direct is not None and direct.auto else STREAM
-        method = GATHER if streamcopy.sparse(spans) else dense
+        method = GATHER if stream.sparse(spans) else dense
+        if method == GATHER:
+            log.debug("%d bytes in %d scattered spans: gathered from a mapping", nbytes, len(spans))
+    elif method == AUTO:
+        log.debug("no preadv/pwritev here: %d bytes copied range by range", nbytes)
     if method in (STREAM, DIRECT):
         used = STREAM
 
@@ -229,10 +158,10 @@ def transfer(
                     used = DIRECT
                 return
             with lock or nullcontext():
-                streamcopy.write_parts(dst_fd, parts, at)
+                stream.write_parts(dst_fd, parts, at)
 
         place = directio.place if method == DIRECT and direct is not None else None
-        crc = streamcopy.stream_spans(spans, write, dst_offset, want_crc, place)
+        crc = stream.stream_spans(spans, write, dst_offset, want_crc, place)
         start_writeback(dst_fd, dst_offset, nbytes)
         return Transfer(used, crc)
     verify_checks(spans)
@@ -259,6 +188,50 @@ def transfer(
 def copy_spans(spans: list[Span], dst_fd: int, dst_offset: int, method: str = AUTO) -> str:
     """:func:`transfer` without a CRC; returns the method used ("auto" never)."""
     return transfer(spans, dst_fd, dst_offset, method).method
+
+
+class OutputFile:
+    """One output file, created and sized by its format writer, as the writer fills it:
+    bytes in memory (:meth:`write`) and span lists (:meth:`copy`) put at offsets, from any
+    thread, one writer at a time (the file's lock: see :func:`ckptkit.io.direct.write_parts`
+    for why), with writeback started as each range is done.
+
+    ``direct``: whether ``auto`` copies write whole pages past the page cache
+    (:func:`ckptkit.io.direct.direct_pays` for the whole output); ``direct`` copies always do.
+    """
+
+    def __init__(self, path: Path, direct: bool = False) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        self._lock = threading.Lock()
+        self._direct = directio.DirectFd(path, auto=direct)  # O_DIRECT, opened on first use
+
+    def write(self, data: bytes | memoryview, offset: int, writeback: bool = True) -> None:
+        """Write all of ``data`` at ``offset``; ``writeback``: start writing it to disk now
+        (not worth it for a few bytes patched into a page written again later)."""
+        view = memoryview(data)
+        with self._lock:
+            stream.write_all(self._fd, view, offset)
+        if writeback:
+            start_writeback(self._fd, offset, view.nbytes)
+
+    def copy(self, spans: list[Span], offset: int, method: str = AUTO, want_crc: bool = False) -> Transfer:
+        """Copy the concatenation of ``spans`` to ``offset`` file to file (:func:`transfer`);
+        returns the method used and, with ``want_crc``, the CRC-32 of the bytes written."""
+        fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))  # its own file position, for sendfile
+        try:
+            done = transfer(spans, fd, offset, method, want_crc, self._lock, self._direct)
+        finally:
+            os.close(fd)
+        log.debug("%s: %d bytes at %d by %s", self.path.name, total_bytes(spans), offset, done.method)
+        return done
+
+    def close(self) -> None:
+        """Close the file's descriptors (again: a no-op)."""
+        self._direct.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _sync_file_range() -> Callable[..., int] | None:
@@ -340,9 +313,9 @@ def _gather(spans: list[Span], dst_fd: int, dst_offset: int) -> None:
     the page cache to the file, the mapped pages released every ``IOV_MAX`` spans."""
     with _Mapped(spans) as mapped:
         views = mapped.views
-        for i in range(0, len(views), streamcopy.IOV_MAX):
-            batch = views[i : i + streamcopy.IOV_MAX]
-            streamcopy.write_parts(dst_fd, batch, dst_offset)
+        for i in range(0, len(views), stream.IOV_MAX):
+            batch = views[i : i + stream.IOV_MAX]
+            stream.write_parts(dst_fd, batch, dst_offset)
             dst_offset += sum(len(v) for v in batch)
             mapped.release()
 
@@ -359,7 +332,7 @@ def spans_crc32(spans: list[Span]) -> int:
         with _Mapped(spans) as mapped:
             for i, view in enumerate(mapped.views, start=1):
                 crc = zlib.crc32(view, crc)
-                if i % streamcopy.IOV_MAX == 0:
+                if i % stream.IOV_MAX == 0:
                     mapped.release()
         return crc
     for span in spans:

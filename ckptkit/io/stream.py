@@ -1,6 +1,6 @@
 """One pass over the source: read into a small reused buffer, checksum there, write out.
 
-A tensor's spans (see :mod:`ckptkit.rawcopy`) are grouped into *windows*: at most
+A tensor's spans (:mod:`ckptkit.io.spans`) are grouped into *windows*: at most
 :data:`BUFFER` contiguous source bytes, read with one ``preadv`` and written with one
 ``pwritev`` whose pieces follow the destination order (so a row permutation inside a
 window is just the order of the pieces). While the bytes are in the buffer they serve
@@ -23,11 +23,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ckptkit.rawcopy import Span
-    from ckptkit.recordcheck import RecordCheck
+from ckptkit.io.spans import RecordCheck, Span
 
 BUFFER = 4 << 20  # bytes per window: one attention head of a 16k-wide model
 DENSE = 2  # stream only when it reads at most this many times the bytes it writes
@@ -122,10 +119,10 @@ def stream_spans(
     ``write(parts, offset)`` puts each window's pieces (destination order) in place.
     Returns their CRC-32 when ``want_crc``. Source records' CRCs (``Span.check``) are
     checked over the windows that tile them, and any not wholly seen are checked by
-    reading them; a mismatch raises (see :class:`~ckptkit.rawcopy.Verifier`).
+    reading them; a mismatch raises (see :class:`~ckptkit.io.records.Verifier`).
     ``place(offset, nbytes)``: where to read a window that is written as it is read (one
     piece) and bound for ``offset``, instead of this thread's buffer (the direct writer's
-    staging buffer, :func:`~ckptkit.directio.place`, which then needs no copy)."""
+    staging buffer, :func:`~ckptkit.io.direct.place`, which then needs no copy)."""
     buf = buffer()
     crc = 0
     fds: dict[Path, int] = {}

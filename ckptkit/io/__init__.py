@@ -1,0 +1,35 @@
+"""The copy engine: tensor bytes moved file to file, written to disk, published atomically.
+
+The rest of ckptkit imports only the names below. The modules import each other in one
+direction, bottom first (``docs/architecture.md``)::
+
+    spans      Span, RecordCheck and the arithmetic of span lists (no I/O)
+    stream     the reused buffer, positioned reads and writes, the stream pass
+    records    recorded CRC-32s of a source's zip records (Verifier), read_spans
+    direct     O_DIRECT writes of whole pages, direct_pays
+    transfer   transfer() of a span list, its fallbacks, OutputFile
+    overlap    Overlap: copies on worker threads            (imports none of the above)
+    publish    publishing(): temp folder, DST lock, fsync, rename (imports none of the above)
+
+Users choose a copy method among :data:`COPY_METHODS` (``auto``, ``direct``, ``stream``);
+the fallbacks (``gather``, ``copy_file_range``, ``sendfile``, ``readwrite``) are chosen by
+:func:`~ckptkit.io.transfer.transfer` itself and logged on the ``ckptkit.io`` logger.
+"""
+
+from __future__ import annotations
+
+from ckptkit.io.direct import direct_pays
+from ckptkit.io.overlap import Overlap
+from ckptkit.io.publish import check_replaceable, publishing, retire, sweep
+from ckptkit.io.records import Verifier, read_spans
+from ckptkit.io.spans import RecordCheck, Span, coalesce, take, take_ranges, take_rows, total_bytes
+from ckptkit.io.transfer import AUTO, COPY_METHODS, OutputFile
+
+__all__ = [
+    # where a tensor's bytes lie in the source
+    "Span", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes", "read_spans",
+    # writing them
+    "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "direct_pays",
+    # putting the output in place
+    "publishing", "check_replaceable", "retire", "sweep",
+]  # fmt: skip
