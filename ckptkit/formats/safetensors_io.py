@@ -9,6 +9,7 @@ the same tensors, metadata and order.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -126,7 +127,7 @@ class SafetensorsReader:
         self.path = path
         infos, self.metadata, self._data_start, self._offsets = read_layout(path)
         self.infos = {i.name: i for i in infos}
-        self._file = None
+        self._file: io.FileIO | None = None
 
     def read(self, name: str) -> torch.Tensor:
         import torch
@@ -134,12 +135,13 @@ class SafetensorsReader:
         info = self.infos[name]
         if self._file is None:
             self._file = open_regular_file(self.path, buffering=0)
+        f = self._file
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
-        self._file.seek(self._data_start + self._offsets[name])
-        view = memoryview(buf.numpy())
+        f.seek(self._data_start + self._offsets[name])
+        view = buf.numpy().data
         got = 0
         while got < info.nbytes:
-            n = self._file.readinto(view[got:])
+            n = f.readinto(view[got:])
             if not n:
                 raise CkptkitError(f"{self.path}: unexpected end of file reading {name!r}")
             got += n

@@ -26,7 +26,7 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 _PAGE = mmap.PAGESIZE
+_madvise: Any
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _madvise = _libc.madvise
@@ -396,7 +397,7 @@ def _torch_skeleton(
         pos = z.start_dir
         for zi in z.infolist():  # central directory entries, in archive order
             name = zi.filename.split("/", 1)[1]
-            data_offset = reader.get_record_offset(name)
+            data_offset = reader.get_record_offset(name)  # type: ignore[attr-defined]
             records.append(torch_zip.Record(name, zi.header_offset, data_offset, zi.file_size, zi.CRC, pos))
             pos += 46 + len(zi.filename.encode()) + len(zi.extra) + len(zi.comment)
     ident = (facts or {}).get("serialization_id")

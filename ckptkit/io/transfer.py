@@ -242,7 +242,7 @@ def _sync_file_range() -> Callable[..., int] | None:
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
