@@ -18,6 +18,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.directio import direct_pays
 from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import REGISTRY
 from ckptkit.formats.containers import Entries
 from ckptkit.overlap import Overlap
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
@@ -170,12 +171,24 @@ def convert(
     ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`).
     """
     src, dst = Path(src), Path(dst)
-    if dtype is not None and dtype not in CAST_TARGETS:
+    fmt = target_format(to)
+    if dtype is not None and dtype not in CAST_TARGETS + fmt.extra_dtypes:
+        takers = [f.name for f in REGISTRY.values() if dtype in f.extra_dtypes]
+        if takers:
+            raise CkptkitError(f"--dtype {dtype} applies only to --to {' or '.join(takers)}")
         raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {dtype!r}")
     if shards is not None and shards < 1:
         raise CkptkitError("--shards must be at least 1")
-    target_format(to)
     with open_checkpoint(src, from_format, model_type) as ckpt:
+        if fmt.writes_file:  # one output file the format writes and publishes itself
+            if shards is not None or max_shard_size is not None:
+                raise CkptkitError(f"--shards and --max-shard-size do not apply to --to {fmt.name} (one file)")
+            if verify:
+                raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")
+            if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+                raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
+            written = fmt.write_file(ckpt, dst, dtype, quiet, force)
+            return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), list(ckpt.notes), written, {COMPUTED: written})
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)

@@ -6,6 +6,10 @@ import hashlib
 import json
 import os
 import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -124,3 +128,35 @@ def direct_supported(folder: Path) -> bool:
         return fd is not None
     finally:
         probe.unlink()
+
+
+# --- llama.cpp's converters (the llama-cpp-python sdist vendors them with gguf-py) ---
+
+LLAMA_CPP_PYTHON = "0.3.36"
+VENDORED = (
+    "convert_hf_to_gguf.py", "conversion/", "gguf-py/", "convert_lora_to_gguf.py", "examples/convert_legacy_llama.py"
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    """The unpacked llama.cpp converter directory."""
+    cache = Path(os.environ.get("CKPTKIT_TEST_CACHE", tempfile.gettempdir())) / f"llama-cpp-{LLAMA_CPP_PYTHON}"
+    ready = cache / f"llama.cpp-{len(VENDORED)}"  # a new name when more files are vendored
+    if all((ready / name).exists() for name in VENDORED):
+        return ready
+    cache.mkdir(parents=True, exist_ok=True)
+    pkg = f"llama-cpp-python=={LLAMA_CPP_PYTHON}"
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(cache), pkg]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    sdist = next(cache.glob("llama_cpp_python-*.tar.gz"))
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    staging = Path(tempfile.mkdtemp(dir=cache))
+    with tarfile.open(sdist) as tar:
+        wanted = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(VENDORED)]
+        for m in wanted:
+            m.name = m.name.removeprefix(prefix)
+        tar.extractall(staging, members=wanted, filter="data")
+    sdist.unlink()
+    os.replace(staging, ready)
+    return ready

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,36 +18,6 @@ from ckptkit.convert import convert
 
 from conftest import FIXTURES
 from tokenizer_helpers import write_tiny_meta_llama3
-
-LLAMA_CPP_PYTHON = "0.3.36"
-VENDORED = (
-    "convert_hf_to_gguf.py", "conversion/", "gguf-py/", "convert_lora_to_gguf.py", "examples/convert_legacy_llama.py"
-)  # fmt: skip
-
-
-@pytest.fixture(scope="session")
-def llama_cpp() -> Path:
-    """The unpacked llama.cpp converter directory."""
-    cache = Path(os.environ.get("CKPTKIT_TEST_CACHE", tempfile.gettempdir())) / f"llama-cpp-{LLAMA_CPP_PYTHON}"
-    ready = cache / f"llama.cpp-{len(VENDORED)}"  # a new name when more files are vendored
-    if all((ready / name).exists() for name in VENDORED):
-        return ready
-    cache.mkdir(parents=True, exist_ok=True)
-    pkg = f"llama-cpp-python=={LLAMA_CPP_PYTHON}"
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(cache), pkg]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-    sdist = next(cache.glob("llama_cpp_python-*.tar.gz"))
-    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-    staging = Path(tempfile.mkdtemp(dir=cache))
-    with tarfile.open(sdist) as tar:
-        wanted = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(VENDORED)]
-        for m in wanted:
-            m.name = m.name.removeprefix(prefix)
-        tar.extractall(staging, members=wanted, filter="data")
-    sdist.unlink()
-    os.replace(staging, ready)
-    return ready
-
 
 def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:
     """Run the converter; return the tokenizer metadata of the GGUF it wrote."""

@@ -3,7 +3,7 @@
 A format module defines a :class:`~ckptkit.formats.format.CheckpointFormat` subclass and
 registers its object(s) with :func:`~ckptkit.formats.registry.register` when imported;
 importing this package imports the built-in ones (``meta``, ``hf`` / ``hf-bin``,
-``internal``, in the order the CLI lists them). The CLI's ``--to`` / ``--from`` choices,
+``internal``, ``gguf``, in the order the CLI lists them). The CLI's ``--to`` / ``--from`` choices,
 detection and ``inspect`` follow the registry.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from ckptkit.formats import meta  # noqa: F401
 from ckptkit.formats import hf  # noqa: F401
 from ckptkit.formats import internal  # noqa: F401
+from ckptkit.formats import gguf  # noqa: F401
 
 # isort: on
 from ckptkit.formats.format import CheckpointFormat
