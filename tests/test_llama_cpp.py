@@ -19,6 +19,7 @@ from ckptkit.convert import convert
 from conftest import FIXTURES
 from tokenizer_helpers import write_tiny_meta_llama3
 
+
 def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:
     """Run the converter; return the tokenizer metadata of the GGUF it wrote."""
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
