@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ckptkit.formats.base import OpenedCheckpoint
+    from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
     from ckptkit.lazy import Lazy
 
 # family name -> llama.cpp architecture
@@ -663,6 +663,9 @@ class GGUFFormat(CheckpointFormat):
 
     def owns_file(self, name: str) -> bool:
         return name.endswith(".gguf")
+
+    def open(self, root: Path) -> RawCheckpoint:
+        raise CkptkitError(f"{root}: reading GGUF is not supported yet; ckptkit writes GGUF (--to gguf)")
 
     def write_file(self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool) -> int:
         if dtype is not None and dtype not in GGUF_DTYPES:
