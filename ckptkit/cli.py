@@ -133,6 +133,7 @@ class DType(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
+    q8_0 = "q8_0"
 
 
 def user_errors(fn: F) -> F:

@@ -219,12 +219,23 @@ def convert(
     src, dst = Path(src), Path(dst)
     if copy_method is not None and copy_method not in COPY_METHODS:
         raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)} or off, not {copy_method!r}")
-    if dtype is not None and dtype not in CAST_TARGETS:
+    fmt = target_format(to)
+    if dtype is not None and dtype not in CAST_TARGETS + fmt.extra_dtypes:
+        takers = [f.name for f in REGISTRY.values() if dtype in f.extra_dtypes]
+        if takers:
+            raise CkptkitError(f"--dtype {dtype} applies only to --to {' or '.join(takers)}")
         raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {dtype!r}")
     if shards is not None and shards < 1:
         raise CkptkitError("--shards must be at least 1")
-    check_options(target_format(to), dtype, shards, max_shard_size, allow_lossy_cast)
+    check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
+        if fmt.writes_file:  # one output file the format writes and publishes itself
+            if verify:
+                raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")
+            if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+                raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
+            written = fmt.write_file(ckpt, dst, dtype, quiet, force)
+            return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), list(ckpt.notes), written, {COMPUTED: written})
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)

@@ -124,3 +124,14 @@ def direct_supported(folder: Path) -> bool:
         return fd is not None
     finally:
         probe.unlink()
+
+
+# --- llama.cpp's converters (the llama-cpp-python sdist vendors them with gguf-py) ---
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    """The unpacked llama.cpp converter directory (fetched once into the test cache)."""
+    from tokenizer_helpers import llama_cpp_dir
+
+    return llama_cpp_dir()

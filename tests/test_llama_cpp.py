@@ -18,13 +18,7 @@ import pytest
 from ckptkit.convert import convert
 
 from conftest import FIXTURES
-from tokenizer_helpers import llama_cpp_dir, write_tiny_meta_llama3
-
-
-@pytest.fixture(scope="session")
-def llama_cpp() -> Path:
-    """The unpacked llama.cpp converter directory."""
-    return llama_cpp_dir()
+from tokenizer_helpers import write_tiny_meta_llama3
 
 
 def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:

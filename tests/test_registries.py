@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from ckptkit.cli import app
 from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY as FORMAT_REGISTRY
 from ckptkit.formats import containers, detect_format
 from ckptkit.models import REGISTRY as FAMILY_REGISTRY
@@ -73,8 +74,21 @@ FORMAT_FIXTURES = {
 }
 
 
+# Formats ckptkit writes but does not read yet: each converts the HF fixture into one file.
+WRITE_ONLY = {"gguf": "model.gguf"}
+
+
 def test_every_format_has_a_fixture() -> None:
-    assert sorted(FORMAT_FIXTURES) == sorted(FORMAT_REGISTRY)
+    assert sorted([*FORMAT_FIXTURES, *WRITE_ONLY]) == sorted(FORMAT_REGISTRY)
+
+
+@pytest.mark.parametrize("name", list(WRITE_ONLY))
+def test_each_write_only_format_writes_the_hf_fixture_and_refuses_to_read(name: str, tmp_path: Path) -> None:
+    dst = tmp_path / WRITE_ONLY[name]
+    convert(FIXTURES / "hf" / "llama2", dst, name)
+    assert dst.is_file() and FORMAT_REGISTRY[name].detect(dst)
+    with pytest.raises(CkptkitError, match="not supported yet"):
+        convert(dst, tmp_path / "back", "hf", from_format=name)
 
 
 @pytest.mark.parametrize("name", list(FORMAT_FIXTURES))

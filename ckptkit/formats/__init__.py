@@ -3,7 +3,7 @@
 A format module defines a :class:`~ckptkit.formats.format.CheckpointFormat` subclass and
 registers its object(s) with :func:`~ckptkit.formats.registry.register` when imported;
 importing this package imports the built-in ones (``meta``, ``hf`` / ``hf-bin``,
-``internal``, ``dcp``, in the order the CLI lists them). The CLI's ``--to`` / ``--from`` choices,
+``internal``, ``dcp``, ``gguf``, in the order the CLI lists them). The CLI's ``--to`` / ``--from`` choices,
 detection and ``inspect`` follow the registry.
 """
 
@@ -15,6 +15,7 @@ from ckptkit.formats import meta  # noqa: F401
 from ckptkit.formats import hf  # noqa: F401
 from ckptkit.formats import internal  # noqa: F401
 from ckptkit.formats import dcp  # noqa: F401
+from ckptkit.formats import gguf  # noqa: F401
 
 # isort: on
 from ckptkit.formats.format import CheckpointFormat

@@ -54,6 +54,8 @@ class CheckpointFormat:
     # How a fresh layout is split into files: "size" (``--max-shard-size``), "ranks"
     # (``--shards N`` model-parallel ranks), or None (neither option applies).
     sharding: ClassVar[str | None] = None
+    writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
+    extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
@@ -155,6 +157,11 @@ class CheckpointFormat:
         }
 
     # --- writing --------------------------------------------------------------------
+    def write_file(self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool) -> int:
+        """For a format whose DST is one file (``writes_file``): write it, published
+        atomically, streamed; returns its size."""
+        raise NotImplementedError
+
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
         """Tensors this format's own checkpoints carry that the model does not use."""
         return {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ckptkit.io.direct import direct_pays
 from ckptkit.io.overlap import Overlap
-from ckptkit.io.publish import check_replaceable, publishing, retire, sweep
+from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
 from ckptkit.io.records import Verifier, read_spans
 from ckptkit.io.spans import RecordCheck, Span, coalesce, take, take_ranges, take_rows, total_bytes
 from ckptkit.io.transfer import AUTO, COPY_METHODS, OutputFile
@@ -31,5 +31,5 @@ __all__ = [
     # writing them
     "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "direct_pays",
     # putting the output in place
-    "publishing", "check_replaceable", "retire", "sweep",
+    "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
 ]  # fmt: skip

@@ -302,3 +302,43 @@ def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
         error = WriteError(os_error_line(dst, e))
         error.errno, error.strerror, error.filename = e.errno, e.strerror, e.filename
         raise error from None
+
+
+@contextlib.contextmanager
+def publishing_file(dst: str | Path, replace: bool = False) -> Iterator[Path]:
+    """A temporary file path beside ``dst`` to write one file into: fsynced and renamed
+    onto ``dst`` when the block succeeds, under ``dst``'s lock (:func:`publishing` for a
+    file). ``dst`` is then complete, or as it was; nothing is left beside it."""
+    dst = Path(dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with locked(dst):
+            _check_file_replaceable(dst, replace)
+            tmp = tmp_beside(dst)
+            try:
+                yield tmp
+                _audit("fsync", tmp)
+                _fsync(tmp, os.O_RDONLY)
+                _check_file_replaceable(dst, replace)
+                _audit("rename", tmp)
+                os.replace(tmp, dst)
+                _fsync(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+    except CkptkitError:
+        raise
+    except OSError as e:
+        error = WriteError(os_error_line(dst, e))
+        error.errno, error.strerror, error.filename = e.errno, e.strerror, e.filename
+        raise error from None
+
+
+def _check_file_replaceable(dst: Path, replace: bool) -> None:
+    if dst.is_symlink():
+        raise CkptkitError(f"{dst}: is a symbolic link; give a plain file path")
+    if dst.exists():
+        if not dst.is_file():
+            raise CkptkitError(f"{dst}: exists and is not a file")
+        if not replace:
+            raise CkptkitError(f"{dst}: exists (pass --force to replace it)")

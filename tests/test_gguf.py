@@ -1,0 +1,133 @@
+"""GGUF written by ckptkit equals what llama.cpp's own converter writes for the same model.
+
+The reference is ``convert_hf_to_gguf.py`` from the llama-cpp-python sdist (the
+``llama_cpp`` fixture), run on the HF folder; both files are read back with the ``gguf``
+package's GGUFReader and compared: key/value metadata (names, order, types, values; the
+free-text naming keys aside) and tensors (names, order, GGML types, shapes, bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
+
+from conftest import FIXTURES
+from tokenizer_helpers import write_tiny_meta_llama3
+
+OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", None: "auto"}
+NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune", "general.version")
+
+
+def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str) -> Path:
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    cmd = [sys.executable, "convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", outtype]
+    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def contents(path: Path) -> tuple[list[tuple[str, list[int], Any]], list[tuple[str, str, list[int], bytes]]]:
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    kv = [
+        (k, [int(t) for t in f.types], f.contents())
+        for k, f in r.fields.items()
+        if not k.startswith("GGUF.") and k not in NAMING
+    ]
+    tensors = [(t.name, t.tensor_type.name, [int(x) for x in t.shape], t.data.tobytes()) for t in r.tensors]
+    return kv, tensors
+
+
+def assert_same_gguf(ours: Path, theirs: Path) -> None:
+    (kv_a, t_a), (kv_b, t_b) = contents(ours), contents(theirs)
+    assert [k for k, _, _ in kv_a] == [k for k, _, _ in kv_b]
+    for a, b in zip(kv_a, kv_b, strict=True):
+        assert a == b, a[0]
+    assert [t[:3] for t in t_a] == [t[:3] for t in t_b]
+    for a, b in zip(t_a, t_b, strict=True):
+        assert a[3] == b[3], f"{a[0]}: bytes differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma", "phi3"])
+def test_hf_to_gguf_equals_llama_cpp(family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path) -> None:
+    src = FIXTURES / "hf" / family
+    convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype)
+    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", OUTTYPES[dtype])
+    assert_same_gguf(tmp_path / "ours.gguf", theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+@pytest.mark.parametrize("family", ["llama2", "mistral", "llama3_1-real-tokenizer"])
+def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
+    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path
+) -> None:
+    """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
+    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor)."""
+    if family.startswith("llama3_1"):
+        src = tmp_path / "meta"
+        write_tiny_meta_llama3(src)
+    else:
+        src = FIXTURES / "meta" / family
+    convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype)
+    convert(src, tmp_path / "hf", "hf")
+    theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype])
+    assert_same_gguf(tmp_path / "ours.gguf", theirs)
+
+
+def test_two_meta_ranks_give_the_gguf_of_one(tmp_path: Path) -> None:
+    convert(FIXTURES / "meta" / "llama2-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
+    convert(FIXTURES / "meta" / "llama2", tmp_path / "one.gguf", "gguf", dtype="q8_0")
+    a, b = contents(tmp_path / "two.gguf"), contents(tmp_path / "one.gguf")
+    assert a == b
+
+
+def test_q8_0_bytes_are_the_gguf_package_quantization_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    from ckptkit.formats import gguf as fmt
+
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 64 * 4 * 3)  # three rows at a time
+    t = torch.randn(17, 64, generator=torch.Generator().manual_seed(0)) * 3
+    t[4] = 0  # d = 0
+    whole = quants.quantize(t.numpy(), GGMLQuantizationType.Q8_0).tobytes()
+    assert b"".join(fmt.quantized_chunks(t, GGMLQuantizationType.Q8_0)) == whole
+    assert len(whole) == 17 * 2 * 34
+    assert np.frombuffer(whole[:2], np.float16)[0] == np.float16(t[0, :32].abs().max().item() / 127)
+
+
+def test_gguf_output_is_published_atomically_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    dst = tmp_path / "out" / "model.gguf"
+    convert(FIXTURES / "hf" / "llama2", dst, "gguf")
+    before = dst.read_bytes()
+    with pytest.raises(CkptkitError, match="exists"):
+        convert(FIXTURES / "hf" / "llama2", dst, "gguf", dtype="q8_0")
+    assert dst.read_bytes() == before
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["model.gguf"]
+    convert(FIXTURES / "hf" / "llama2", dst, "gguf", dtype="q8_0", force=True)
+    assert dst.read_bytes() != before
+
+
+def test_q8_0_is_refused_for_other_targets(tmp_path: Path) -> None:
+    with pytest.raises(CkptkitError, match="--dtype q8_0 applies only to --to gguf"):
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "x", "hf", dtype="q8_0")
+    assert not (tmp_path / "x").exists()
+
+
+def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
+    with pytest.raises(CkptkitError, match=r"ending in \.gguf"):
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "model.bin", "gguf")
+    assert list(tmp_path.iterdir()) == []
