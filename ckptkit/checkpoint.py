@@ -91,7 +91,7 @@ def open_checkpoint(
     raw = reader.open_with_config(root, None if config is None else Path(config))
     try:
         family = get_family(model_type) if model_type else reader.family(raw)
-        cfg = reader.read_config(raw, family)
+        cfg = family.refine_config(reader.read_config(raw, family), raw.infos)
         check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, reader.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
         return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, recorded_origin(reader, raw))
