@@ -102,7 +102,7 @@ def open_checkpoint(
         family = get_family(model_type) if model_type else reader.family(raw)
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)
-        cfg = reader.read_config(raw, family)
+        cfg = family.refine_config(reader.read_config(raw, family), raw.infos)
         check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, reader.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
         return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, recorded_origin(reader, raw))

@@ -161,6 +161,44 @@ class Fused(Transform):
         return [span for part in parts for span in part]
 
 
+class Stacked(Fused):
+    """Experts stacked on a new dim 0: native [E, k * R, C] holds, expert by expert, its
+    ``k`` canonical [R, C] parts (``gate_up_proj``: gate then up, k = 2; ``down_proj``:
+    k = 1). The canonical parts come in that order (expert 0's parts, expert 1's, ...).
+
+    Only bytes move; nothing is ever transposed. The canonical shapes come from the config,
+    so a native tensor whose last two dims do not match them is an error even when the
+    element count fits (an [E, I, H] ``down_proj`` with H == I cannot be told apart by
+    shape, and is taken as the [E, H, I] that transformers writes).
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.name = f"stacked({k})"
+
+    def part_shapes(self, native: Shape, expected: Sequence[Shape | None]) -> list[Shape]:
+        if len(native) != 3 or any(e is None for e in expected):
+            raise ValueError(f"shape {list(native)}, not the 3-D stack of {len(expected)} expert parts")
+        parts = [e for e in expected if e is not None]
+        want = self.native_shape(parts)
+        if tuple(native) != want or any(p[1:] != parts[0][1:] for p in parts):
+            raise ValueError(f"shape {list(native)} but the config implies {list(want)}")
+        return parts
+
+    def native_shape(self, parts: Sequence[Shape]) -> Shape:
+        n = len(parts) // self.k
+        return (n, sum(p[0] for p in parts[: self.k]), *parts[0][1:])
+
+    def forward(self, native: torch.Tensor, cfg: Any, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        return super().forward(native.reshape(-1, *native.shape[2:]), cfg, shapes)
+
+    def inverse(self, parts: Sequence[torch.Tensor], cfg: Any) -> torch.Tensor:
+        return super().inverse(parts, cfg).reshape(self.native_shape([tuple(p.shape) for p in parts]))
+
+    def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans | None]:
+        return super().forward_spans(native, (shape[0] * shape[1], *shape[2:]), cfg, shapes)
+
+
 class RankShards:
     """Model-parallel ranks: ``forward`` merges rank shards, ``inverse`` splits a tensor
     into ``n`` shards on ``dim`` (None: every rank holds the whole, identical tensor)."""
@@ -213,4 +251,6 @@ TIED = Tied()
 ROPE_Q = RopePermute("num_heads")
 ROPE_K = RopePermute("num_kv_heads")
 FUSED = Fused()
+STACKED_PAIRS = Stacked(2)
+STACKED = Stacked(1)
 RANKS = RankShards()

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
     from ckptkit.lazy import Lazy
+    from ckptkit.models.family import Family
 
 # family name -> llama.cpp architecture
 ARCH = {
@@ -622,6 +623,13 @@ class GGUFFormat(CheckpointFormat):
 
     def open(self, root: Path) -> RawCheckpoint:
         raise CkptkitError(f"{root}: reading GGUF is not supported yet; ckptkit writes GGUF (--to gguf)")
+
+    def supports(self, family: Family) -> tuple[bool, bool]:
+        """Written for the model types llama.cpp's converter takes (its architecture names); not read yet."""
+        return False, family.name in ARCH
+
+    def tokenizer_support(self, family: Family) -> str:
+        return "tokenizer.ggml.* (from the source's tokenizer)"
 
     def write_file(self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool) -> int:
         if dtype is not None and dtype not in GGUF_DTYPES:

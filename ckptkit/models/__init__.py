@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.models import gemma, llama, mistral, phi3, qwen2
+from ckptkit.models import gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3
 from ckptkit.models.config import ModelConfig, canonical_shapes
 from ckptkit.models.family import Family, MetaSource
 
-FAMILY_MODULES = (llama, mistral, qwen2, gemma, phi3)
-META_DETECTION = (mistral, llama)
+FAMILY_MODULES = (llama, mistral, qwen2, gemma, phi3, qwen3, mixtral, gemma2, gemma3, olmo2)
+META_DETECTION = (mixtral, mistral, llama)
 REGISTRY: dict[str, Family] = {f.name: f for mod in FAMILY_MODULES for f in mod.FAMILIES}
 MODEL_TYPES = tuple(REGISTRY)
 

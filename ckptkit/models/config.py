@@ -59,6 +59,35 @@ class ModelConfig:
     embd_pdrop: float | None = None  # Phi-3 config.json
     multiple_of: int | None = None  # Meta params.json FFN spelling (Llama)
     ffn_dim_multiplier: float | None = None  # Meta params.json FFN spelling (Llama)
+    # Norm placement: ``input_norms`` before attention and MLP (sa_norm, mlp_norm);
+    # ``post_norms`` on their outputs (attn_post_norm, mlp_post_norm; Gemma 2/3, OLMo 2).
+    input_norms: bool = True
+    post_norms: bool = False
+    # RMSNorm of queries and keys: "head" (per head, head_dim wide; Qwen3, Gemma 3) or
+    # "proj" (over the whole projection; OLMo 2); None: none.
+    qk_norm: str | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma 2/3)
+    attn_logit_softcapping: float | None = None  # cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
+    # Per-layer attention kind ("sliding_attention" / "full_attention"), when the config lists them.
+    layer_types: list[str] | None = None
+    local_rope_theta: float | None = None  # rope base of sliding-window layers (Gemma 3)
+    # Mixture of experts (0 experts: dense).  Layers in ``dense_layers`` keep a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    router_aux_loss_coef: float = 0.0
+    dense_layers: list[int] | None = None
+    # How experts lie on disk: one tensor per expert ("per-expert") or stacked 3-D ("stacked").
+    experts_layout: str = "per-expert"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in (self.dense_layers or [])
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,11 +112,26 @@ def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if cfg.attention_bias:
                 shapes[f"{p}attn.{name}_proj.bias"] = (rows,)
         shapes[f"{p}attn.output_proj.weight"] = (h, q)
-        shapes[f"{p}mlp.w1.weight"] = (inter, h)
-        shapes[f"{p}mlp.w3.weight"] = (inter, h)
-        shapes[f"{p}mlp.w2.weight"] = (h, inter)
-        shapes[f"{p}sa_norm.scale"] = (h,)
-        shapes[f"{p}mlp_norm.scale"] = (h,)
+        if cfg.qk_norm:
+            shapes[f"{p}attn.q_norm.scale"] = (hd,) if cfg.qk_norm == "head" else (q,)
+            shapes[f"{p}attn.k_norm.scale"] = (hd,) if cfg.qk_norm == "head" else (kv,)
+        if cfg.is_moe_layer(i):
+            e_inter = cfg.expert_size
+            shapes[f"{p}mlp.router.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                shapes[f"{p}mlp.experts.{e}.w1.weight"] = (e_inter, h)
+                shapes[f"{p}mlp.experts.{e}.w3.weight"] = (e_inter, h)
+                shapes[f"{p}mlp.experts.{e}.w2.weight"] = (h, e_inter)
+        else:
+            shapes[f"{p}mlp.w1.weight"] = (inter, h)
+            shapes[f"{p}mlp.w3.weight"] = (inter, h)
+            shapes[f"{p}mlp.w2.weight"] = (h, inter)
+        if cfg.input_norms:
+            shapes[f"{p}sa_norm.scale"] = (h,)
+            shapes[f"{p}mlp_norm.scale"] = (h,)
+        if cfg.post_norms:
+            shapes[f"{p}attn_post_norm.scale"] = (h,)
+            shapes[f"{p}mlp_post_norm.scale"] = (h,)
     shapes["norm.scale"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["output.weight"] = (cfg.vocab_size, h)

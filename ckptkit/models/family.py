@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -78,6 +78,11 @@ class Family:
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
         raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
+
+    def refine_config(self, cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+        """What the tensor names of a checkpoint add to its config (which on-disk layout
+        of the experts it uses, say); the config as read by default."""
+        return cfg
 
     # --- the native model ------------------------------------------------------
     def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:

@@ -49,9 +49,17 @@ def token_ids(v: Any) -> bool:
     return non_negative_int(v) or (isinstance(v, list) and all(non_negative_int(x) for x in v))
 
 
-def rope_scaling(v: Any) -> bool:
+def rope_scaling(v: Any, nested: bool = True) -> bool:
+    """Rope parameters: scalar fields, or (transformers 5, Gemma 3) one such object per layer type."""
     return isinstance(v, dict) and all(
-        isinstance(k, str) and (isinstance(x, str) or positive_float(x) or x is None or isinstance(x, list))
+        isinstance(k, str)
+        and (
+            isinstance(x, str)
+            or positive_float(x)
+            or x is None
+            or isinstance(x, list)
+            or (nested and rope_scaling(x, nested=False))
+        )
         for k, x in v.items()
     )
 

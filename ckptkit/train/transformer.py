@@ -49,12 +49,14 @@ class RMSNorm(nn.Module):
         return self.scale * normed.type_as(x)  # Llama: cast, then x * w
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies (float32), with Llama 3 scaling if configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse rotary frequencies (float32), with Llama 3 scaling if configured; ``local``:
+    those of sliding-window layers with their own base (``local_rope_theta``, unscaled)."""
     dim = int(cfg.head_dim * cfg.partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (cfg.rope_theta**exponents)
-    scaling = cfg.rope_scaling
+    theta = cfg.local_rope_theta if local and cfg.local_rope_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta**exponents)
+    scaling = None if local else cfg.rope_scaling
     rope_type = (scaling or {}).get("rope_type", scaling and scaling.get("type")) or "default"
     if rope_type == "default":
         return inv_freq
@@ -74,10 +76,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for arbitrary (per-row) position ids, computed in float32."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, local: bool = False) -> None:
         super().__init__()
         # A plain attribute, not a buffer: model.to(bfloat16) must not round it.
-        self.inv_freq = rope_inv_freq(cfg)
+        self.inv_freq = rope_inv_freq(cfg, local)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != position_ids.device:
@@ -136,6 +138,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.output_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            head = cfg.qk_norm == "head"
+            q_dim, k_dim = (
+                (cfg.head_dim, cfg.head_dim)
+                if head
+                else (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+            )
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, cfg.norm_plus_one)
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
+        self.softcap = cfg.attn_logit_softcapping
 
     def forward(
         self,
@@ -146,32 +160,107 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "proj":  # OLMo 2: over the whole projection
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # Qwen3, Gemma 3: per head
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        if self.softcap is not None:
+            y = self._eager(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and T > 1,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+                scale=self.scale,
+            )
         return self.output_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention with soft-capped scores (SDPA cannot cap), as transformers' eager path."""
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        assert self.softcap is not None
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        T, S = q.shape[2], k.shape[2]
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
 
 class GatedMLP(nn.Module):
     """SwiGLU / GeGLU feed-forward: ``w2(act(w1 x) * w3 x)``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, size: int | None = None) -> None:
         super().__init__()
         if cfg.hidden_act not in _ACTIVATIONS:
             raise CkptkitError(f"activation {cfg.hidden_act!r} is not supported by the native model")
         self.act = _ACTIVATIONS[cfg.hidden_act]
-        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)  # down
+        size = size or cfg.intermediate_size
+        self.w1 = nn.Linear(cfg.hidden_size, size, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.hidden_size, size, bias=False)  # up
+        self.w2 = nn.Linear(size, cfg.hidden_size, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts, as transformers routes them: softmax in float32, top-k (ties as
+    ``torch.topk`` breaks them), optional renormalisation, experts summed in index order.
+    The router logits of the last forward are kept in ``router_logits`` for the aux loss."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.expert_size) for _ in range(cfg.num_experts))
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.router(flat)
+        self.router_logits = logits
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where((chosen == e).T)
+            if token.numel() == 0:
+                continue
+            y = expert(flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out.reshape(shape)
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as transformers computes it (no padding mask):
+    ``E * sum(fraction of assignments per expert * mean routing probability)`` over all layers."""
+    logits = torch.cat([r.float() for r in router_logits], dim=0)
+    probs = F.softmax(logits, dim=-1)
+    _, chosen = torch.topk(probs, top_k, dim=-1)
+    counts = F.one_hot(chosen, num_experts).float()
+    tokens_per_expert = counts.mean(dim=0)  # (top_k, E)
+    prob_per_expert = probs.mean(dim=0)
+    return (tokens_per_expert * prob_per_expert[None]).sum() * num_experts
 
 
 class Block(nn.Module):
@@ -179,16 +268,25 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.sa_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one)
+        h, eps, plus = cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one
+        self.input_norms, self.post_norms = cfg.input_norms, cfg.post_norms
+        if cfg.input_norms:
+            self.sa_norm = RMSNorm(h, eps, plus)
         self.attn = Attention(cfg, layer_idx)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one)
-        self.mlp = GatedMLP(cfg)
+        if cfg.input_norms:
+            self.mlp_norm = RMSNorm(h, eps, plus)
+        self.mlp: nn.Module = SparseMoE(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg)
+        if cfg.post_norms:  # Gemma 2/3, OLMo 2: norms on the sublayers' outputs
+            self.attn_post_norm = RMSNorm(h, eps, plus)
+            self.mlp_post_norm = RMSNorm(h, eps, plus)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
     ) -> torch.Tensor:
-        x = x + self.attn(self.sa_norm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.sa_norm(x) if self.input_norms else x, cos, sin, mask, cache)
+        x = x + (self.attn_post_norm(a) if self.post_norms else a)
+        m = self.mlp(self.mlp_norm(x) if self.input_norms else x)
+        return x + (self.mlp_post_norm(m) if self.post_norms else m)
 
 
 class Transformer(nn.Module):
@@ -202,6 +300,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
+        self.local_rope = RotaryEmbedding(cfg, local=True) if cfg.local_rope_theta else None
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
 
     def forward(
@@ -231,15 +330,31 @@ class Transformer(nn.Module):
         if self.config.embed_scale:  # Gemma; the normalizer is rounded to the weight dtype like transformers
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rope(position_ids, x.dtype)
+        # Sliding-window layers with their own rope base (Gemma 3) use the local tables.
+        local = self.local_rope(position_ids, x.dtype) if self.local_rope is not None else (cos, sin)
         masks = {w: self._attention_mask(attention_mask, past, T, w, x.device) for w in set(self.windows)}
         for layer, window in zip(self.layers, self.windows, strict=True):
-            x = layer(x, cos, sin, masks[window], cache)
+            c, s = (cos, sin) if window is None else local
+            x = layer(x, c, s, masks[window], cache)
         if cache is not None:
             cache.length += T
         x = self.norm(x)
-        if self.output is None:
-            return F.linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+        logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def router_logits(self) -> list[torch.Tensor]:
+        """The router logits of every MoE layer in the last forward (empty when dense)."""
+        return [m.router_logits for m in self.modules() if isinstance(m, SparseMoE) and m.router_logits is not None]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward, unweighted (None: no experts)."""
+        logits = self.router_logits()
+        if not logits:
+            return None
+        return load_balancing_loss(logits, self.config.num_experts, self.config.num_experts_per_tok)
 
     @staticmethod
     def _attention_mask(

@@ -1,0 +1,149 @@
+"""Newer families (qwen3, qwen3_moe, mixtral, gemma2, gemma3_text, olmo2): detection,
+bitwise round trips in both expert layouts, the expert-layout traps, and logits of the
+native model equal to transformers'."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.checkpoint import open_checkpoint
+from ckptkit.errors import CkptkitError
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+HF = ["qwen3", "qwen3_moe", "qwen3_moe-stacked", "mixtral", "mixtral-stacked", "gemma2", "gemma3_text", "olmo2"]
+TYPES = {"qwen3_moe-stacked": "qwen3_moe", "mixtral-stacked": "mixtral"}
+
+
+def _convert(src: Path, dst: Path, to: str) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    result = CliRunner().invoke(app, ["convert", str(src), str(dst), "--to", to, "--force", "--quiet"])
+    assert result.exit_code == 0, result.output
+
+
+def _weights(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".safetensors", ".json", ".pth")}
+
+
+@pytest.mark.parametrize("name", HF)
+def test_family_is_detected_from_config_json(name: str) -> None:
+    with open_checkpoint(FIXTURES / "hf" / name) as ckpt:
+        assert ckpt.family.name == TYPES.get(name, name)
+
+
+@pytest.mark.parametrize("name", HF)
+def test_hf_to_bin_to_internal_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
+    src = FIXTURES / "hf" / name
+    _convert(src, tmp_path / "bin", "hf-bin")
+    _convert(tmp_path / "bin", tmp_path / "int", "internal")
+    _convert(tmp_path / "int", tmp_path / "hf", "hf")
+    want, got = _weights(src), _weights(tmp_path / "hf")
+    assert {k: v for k, v in got.items() if k in want} == want
+
+
+@pytest.mark.parametrize("meta", ["mixtral", "mixtral-2rank"])
+def test_mixtral_meta_round_trip_keeps_every_tensor(meta: str, tmp_path: Path) -> None:
+    src = FIXTURES / "meta" / meta
+    _convert(src, tmp_path / "hf", "hf")
+    _convert(tmp_path / "hf", tmp_path / "meta", "meta")
+    with open_checkpoint(src) as a, open_checkpoint(tmp_path / "meta") as b:
+        assert a.family.name == "mixtral" and a.config.num_experts == 4
+        assert list(a.tensors) == list(b.tensors)
+        for k in a.tensors:
+            assert torch.equal(a.tensors[k].get(), b.tensors[k].get()), k
+    assert json.loads((tmp_path / "meta" / "params.json").read_text()) == json.loads((src / "params.json").read_text())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_stacked_and_per_expert_layouts_hold_the_same_canonical_tensors(family: str) -> None:
+    with open_checkpoint(FIXTURES / "hf" / family) as a, open_checkpoint(FIXTURES / "hf" / f"{family}-stacked") as b:
+        assert (a.config.experts_layout, b.config.experts_layout) == ("per-expert", "stacked")
+        assert list(a.tensors) == list(b.tensors)
+        for k in a.tensors:
+            assert torch.equal(a.tensors[k].get(), b.tensors[k].get()), k
+
+
+def test_down_proj_with_equal_dims_is_never_transposed() -> None:
+    # qwen3_moe's fixture has moe_intermediate_size == hidden_size: [E, H, I] and [E, I, H]
+    # have the same shape; the stacked down_proj must be read as transformers wrote it.
+    from safetensors import safe_open
+
+    src = FIXTURES / "hf" / "qwen3_moe-stacked"
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    key = "model.layers.0.mlp.experts.down_proj"
+    with safe_open(str(src / index[key]), "pt") as f:
+        stacked = f.get_tensor(key)
+    assert stacked.shape[1] == stacked.shape[2]
+    with open_checkpoint(src) as ckpt:
+        for e in range(stacked.shape[0]):
+            assert torch.equal(ckpt.tensors[f"layers.0.mlp.experts.{e}.w2.weight"].get(), stacked[e])
+
+
+def test_stacked_tensor_that_maps_nowhere_is_an_error(tmp_path: Path) -> None:
+    # A stacked key left in a per-expert checkpoint must not be skipped silently.
+    from safetensors.torch import load_file, save_file
+
+    src = FIXTURES / "hf" / "qwen3_moe"
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"]["model.layers.0.mlp.gate.weight"]
+    tensors = load_file(dst / shard)
+    tensors["model.layers.2.mlp.experts.extra_proj"] = torch.zeros(4, 2, 2, dtype=torch.bfloat16)
+    save_file(tensors, dst / shard, metadata={"format": "pt"})
+    index["weight_map"]["model.layers.2.mlp.experts.extra_proj"] = shard
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CkptkitError, match="unknown tensor"):
+        open_checkpoint(dst)
+
+
+def test_mixed_expert_layouts_are_an_error(tmp_path: Path) -> None:
+    dst = tmp_path / "m"
+    shutil.copytree(FIXTURES / "hf" / "qwen3_moe", dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.experts.gate_up_proj"] = next(iter(index["weight_map"].values()))
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CkptkitError):
+        open_checkpoint(dst)
+
+
+@pytest.mark.parametrize("name", HF)
+def test_native_logits_match_transformers(name: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from ckptkit.train.transformer import load_model
+
+    src = FIXTURES / "hf" / name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    ref.eval()
+    model = load_model(str(src), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 384, (2, 11), generator=gen)
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_aux_loss_matches_transformers(name: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from ckptkit.train.transformer import load_model
+
+    src = FIXTURES / "hf" / name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = load_model(str(src), dtype=torch.float32)
+    ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids, output_router_logits=True).aux_loss
+        model(ids)
+    aux = model.aux_loss()
+    assert aux is not None
+    assert abs(aux.item() - want.item()) <= 1e-6
