@@ -740,7 +740,7 @@ def _(tmp: Path) -> Case:
 
 @case("bad-to")
 def _(tmp: Path) -> Case:
-    return with_flags("meta/llama2", tmp, ("--to", "gguf"), to="gguf", code=2)
+    return with_flags("meta/llama2", tmp, ("--to", "ggml"), to="ggml", code=2)
 
 
 @case("bad-from")

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 
 from ckptkit.convert import convert
+from ckptkit.formats import REGISTRY
 
 from conftest import FIXTURES
+
+RANKED = [name for name, fmt in REGISTRY.items() if fmt.sharding == "ranks"]
 
 CASES = {
     "max-shard-size for meta": (
@@ -21,7 +24,7 @@ CASES = {
     ),
     "shards for hf": (
         ["hf/llama2", "--to", "hf", "--shards", "2"],
-        "--shards (model-parallel ranks) applies to --to meta, dcp, not --to hf; "
+        f"--shards (model-parallel ranks) applies to --to {', '.join(RANKED)}, not --to hf; "
         "limit shard size with --max-shard-size SIZE",
     ),
     "shards for hf-bin": (["hf/llama2", "--to", "hf-bin", "--shards", "2"], "not --to hf-bin"),

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptkit.formats import format_names
+
 from conftest import FIXTURES
 
 
@@ -29,7 +31,7 @@ def one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:
 CHOICES = {
     "--to huggingface": (
         ["--to", "huggingface"],
-        "error: --to huggingface: not one of meta, hf, hf-bin, internal, dcp; did you mean 'hf'?",
+        f"error: --to huggingface: not one of {', '.join(format_names())}; did you mean 'hf'?",
     ),
     "--dtype int8": (["--to", "hf", "--dtype", "int8"], "error: --dtype int8: not one of bfloat16, float16, float32"),
     "--dtype=fp16": (["--to", "hf", "--dtype=fp16"], "did you mean 'float16'?"),

@@ -226,7 +226,7 @@ def test_same_format_conversions_carry_every_file_and_add_none(tmp_path: Path) -
             if _carried(out / "back") != want or {k for k in got if k not in BOOKKEEPING} != names:
                 failures.append(f"{src} -> {middle} -> {back}: {sorted(set(got) ^ set(tree_hashes(src)))}")
     assert not failures, "\n".join(failures)
-    assert rounds == 51
+    assert rounds >= 51  # every bundled HF fixture, in every middle format
 
 
 @pytest.mark.parametrize("family", SPM_FAMILIES)
