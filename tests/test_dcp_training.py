@@ -35,9 +35,12 @@ RECIPE = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4  # 1 vs 2 processes: float sums in another order (test_distributed.py)
 
 
-def torchrun(target: list[str], *args: str, nproc: int = 2, env: dict[str, str] | None = None) -> int:
+def torchrun(
+    target: list[str], *args: str, nproc: int = 2, env: dict[str, str] | None = None, config: str = "tiny_full"
+) -> int:
+    common = COMMON if config == "tiny_full" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target,
-           "--config", "tiny_full_distributed", *COMMON, *args]  # fmt: skip
+           "--config", f"{config}_distributed", *common, *args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if env is None:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -156,3 +159,24 @@ def test_resume_on_another_number_of_ranks(reference: Path, tmp_path: Path) -> N
         assert set(a.entries) == set(b.entries)
         worst = max((a.read(k) - b.read(k)).abs().max().item() for k in a.entries)
         assert 0 < worst < WEIGHT_ATOL, worst
+
+
+@pytest.mark.slow
+def test_lora_resumes_bitwise_from_its_sharded_adapters(tmp_path: Path) -> None:
+    """LoRA with ``async_save``: step checkpoints hold the sharded adapters (and ``adapter/``);
+    a run killed after step_2 and resumed ends byte for byte where an uninterrupted one does."""
+    common = ["epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=2", "quiet=true", "checkpointer.async_save=true"]
+    recipe = ["-m", "ckptkit.train.recipes.lora_finetune_distributed"]
+    torchrun(recipe, *common, f"checkpointer.output_dir={tmp_path / 'whole'}", config="tiny_lora")
+    killed = tmp_path / "killed"
+    rc = torchrun(["tests/dist_kill_after_save.py", "lora_finetune_distributed"], *common,
+                  f"checkpointer.output_dir={killed}", env={"CKPTKIT_KILL_AFTER": "step_2"},
+                  config="tiny_lora")  # fmt: skip
+    assert rc != 0 and not (killed / "epoch_0").exists()
+    assert sorted(p.name for p in (killed / "step_2").iterdir()) == ["adapter", "recipe_state"]
+    keys = set(sharded_model(killed / "step_2" / "recipe_state").entries)
+    assert keys and all(k.endswith((".lora_a", ".lora_b")) for k in keys)  # the frozen base is not copied
+    torchrun(recipe, *common, *resume(killed / "step_2"), f"checkpointer.output_dir={tmp_path / 'resumed'}",
+             config="tiny_lora")  # fmt: skip
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")[2:]
+    assert tree_hashes(tmp_path / "resumed" / "epoch_0") == tree_hashes(tmp_path / "whole" / "epoch_0")

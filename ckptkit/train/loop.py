@@ -170,8 +170,8 @@ class Recipe:
 
     def _load_state(self, progress: dict[str, Any]) -> None:
         state = self.placement.load_state(self._recipe_state(0))
-        if "model" in state:  # full precision where the checkpoint's dtype rounds
-            self.model.load_state_dict(state["model"])
+        if "model" in state:  # full precision where the checkpoint's dtype rounds; FSDP2: what trains
+            self.model.load_state_dict(state["model"], strict=False)  # (LoRA: the adapters only)
         self.placement.set_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         if "rng" in state:

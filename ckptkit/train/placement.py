@@ -244,8 +244,12 @@ class FSDP2(Placement):
         state: dict[str, Any] = {"model": save.sharded()}
         if save.state is not None:
             state = {**save.state, **state, "rng": {f"rank_{self.rank}": save.state["rng"]}}
+        # what needs the model is taken now: the files are written while training goes on
         dtypes = {k: v.dtype for k, v in save.tensors.items()}
-        finish = partial(_finish, checkpointer, save, dtypes)
+        source: dict[str, Gather] = {}
+        files = save.files(lambda k: source["full"](k)) if save.epoch_end else None
+        extra = save.extra(lambda k: source["full"](k))
+        finish = partial(_finish, checkpointer, files, extra, dtypes, source, save.state is not None)
         self._pending = D.save_sharded(checkpointer, save.name, state, finish, self._group)
         blocked = time.perf_counter() - start
         rss = D.gather_objects((round(before), round(D.rss_mib())))  # per rank, MiB
@@ -275,11 +279,19 @@ class FSDP2(Placement):
         D.close_distributed(ok)
 
 
-def _finish(checkpointer: Checkpointer, save: Save, dtypes: dict[str, torch.dtype], folder: Path) -> None:
-    """On rank 0 once every shard of ``folder/recipe_state`` is written: the model files
-    (``epoch_N``), converted by streaming from the shards with ckptkit's DCP reader (a tensor
-    the shards do not hold, e.g. a frozen LoRA base, is read from the input), and the extras
-    (LoRA: the adapter); a final checkpoint keeps no recipe state."""
+def _finish(
+    checkpointer: Checkpointer,
+    files: ModelFiles | None,
+    extra: Callable[[Path], None] | None,
+    dtypes: dict[str, torch.dtype],
+    source: dict[str, Gather],
+    keep_state: bool,
+    folder: Path,
+) -> None:
+    """On rank 0 once every shard of ``folder/recipe_state`` is written: the model files,
+    converted by streaming from the shards with ckptkit's DCP reader (``source["full"]``; a
+    tensor the shards do not hold, e.g. a frozen LoRA base, is read from the input), and the
+    extras (LoRA: the adapter); a final checkpoint (``keep_state`` false) keeps no recipe state."""
     import shutil
 
     from ckptkit.train.checkpointer import RECIPE_STATE_DIR
@@ -296,14 +308,13 @@ def _finish(checkpointer: Checkpointer, save: Save, dtypes: dict[str, torch.dtyp
                 base.append(stack.enter_context(checkpointer.open_base()))
             return base[0].tensors[key].get().to(dtypes[key])
 
-        files = save.files(full) if save.epoch_end else None
+        source["full"] = full
         if files is not None:
             shapes, tensor = files
             checkpointer.write_model(folder, {k: Lazy(s, "", partial(tensor, k)) for k, s in shapes.items()})
-        extra = save.extra(full)
         if extra is not None:
             extra(folder)
-    if save.state is None:
+    if not keep_state:
         shutil.rmtree(shards)
 
 

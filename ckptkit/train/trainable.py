@@ -55,11 +55,13 @@ class Trainable:
         raise NotImplementedError
 
     def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles | None:
-        """The model tensors a checkpoint writes (None: no model files)."""
+        """The model tensors a checkpoint writes (None: no model files). Only ``full`` may be
+        used once this returns: under FSDP2 the files are written while training goes on."""
         raise NotImplementedError
 
     def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None] | None:
-        """What else goes into a checkpoint folder (called on every rank; runs on the writer)."""
+        """What else goes into a checkpoint folder, written by the writing rank (the function
+        returned may use ``full`` and the model's structure, never its tensors)."""
         return None
 
 
@@ -129,6 +131,9 @@ class LoRAAdapters(Trainable):
         return {k: tuple(v.shape) for k, v in weights.items() if not k.endswith((".lora_a", ".lora_b"))}, merged
 
     def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None]:
-        adapters = {k: full(k).cpu() for k in model.state_dict() if k.endswith((".lora_a", ".lora_b"))}
+        names = [k for k in model.state_dict() if k.endswith((".lora_a", ".lora_b"))]
 
-        return lambda folder: checkpointer.write_adapter(model, folder, adapters)
+        def write(folder: Path) -> None:  # reads the adapters when it runs, not the model
+            checkpointer.write_adapter(model, folder, {k: full(k).cpu() for k in names})
+
+        return write
