@@ -1,11 +1,17 @@
-"""Memory while saving: full_finetune_distributed on 2 gloo processes vs full_finetune on one.
+"""Rank-0 memory while saving on 2 gloo processes: sharded DCP saves vs the gathered save.
 
 A Llama of about 300M parameters is written by transformers' ``save_pretrained`` (bf16,
-several safetensors shards) and trained 2 steps in bf16 with AdamW (batch 1 per rank, 32
-tokens); a mid-run checkpoint (model + optimizer state) is written after step 1. The
-distributed recipe records, per rank, RSS just before each save and the peak RSS during it
-(``VmHWM`` reset before the save); each run's whole-process peak comes from ``wait4``
-(for torchrun: its largest worker). Weights + AdamW state = 3 x the bf16 weight bytes.
+several safetensors shards). The model state (bf16 weights + AdamW state, 3 x the weight
+bytes) is then saved on 2 ranks, measuring rank 0's RSS just before and its peak during
+the save (``VmHWM``, reset before the save), in one run:
+
+- ``gathered (torch full state dict)``: the baseline, what FSDP users do to get one file:
+  ``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True,
+  cpu_offload=True``, then ``torch.save`` on rank 0;
+- ``dcp.save`` and ``dcp.async_save`` (until the write completes) of the sharded state, as
+  the trainer calls them (a worker of this script: FSDP2 model, one AdamW step);
+- the trainer itself: ``full_finetune_distributed`` (2 steps, a checkpoint after step 1),
+  synchronous and with ``checkpointer.async_save: true``, from its ``metrics.jsonl``.
 
     python bench/dist_save_memory.py                      # ~300M parameters
     python bench/dist_save_memory.py --hidden 512 --layers 8   # a quick ~60M check
@@ -72,40 +78,111 @@ def run(cmd: list[str]) -> tuple[float, float, float]:
     return time.perf_counter() - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
+def worker(model_dir: Path, out: Path) -> None:
+    """Under torchrun: FSDP2 model + AdamW state, then each save; rank 0 prints one JSON line each."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.train import distributed as D
+    from ckptkit.train.transformer import build_model
+
+    device, mesh = D.init_distributed("cpu")
+    rank = dist.get_rank()
+    with open_checkpoint(model_dir) as ckpt:
+        model = build_model(ckpt.config, device="meta", dtype=torch.bfloat16)
+        D.shard_model(model, mesh, None, None, activation_checkpointing=False)
+        D.load_full_tensors(model, lambda k: ckpt.tensors[k].get(), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # AdamW state: exp_avg, exp_avg_sq
+    optimizer.zero_grad(set_to_none=True)
+    group = dist.new_group(backend="gloo")
+
+    def sharded() -> dict:
+        return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+    def gathered(path: Path) -> None:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"model": get_model_state_dict(model, options=full),
+                 "optimizer": get_optimizer_state_dict(model, optimizer, options=full)}  # fmt: skip
+        if rank == 0:
+            torch.save(state, path / "state.pt")
+
+    def saved_async(path: Path) -> None:
+        dcp.async_save(sharded(), checkpoint_id=path, process_group=group).result()
+
+    saves = {
+        "gathered (torch full state dict, torch.save on rank 0)": gathered,
+        "dcp.save, sharded": lambda path: dcp.save(sharded(), checkpoint_id=path),
+        "dcp.async_save, sharded (until written)": saved_async,
+    }
+    for i, (name, save) in enumerate(saves.items()):
+        path = out / f"save{i}"
+        path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        D.reset_peak_rss()
+        before = D.rss_mib("VmRSS")
+        start = time.perf_counter()
+        save(path)
+        dist.barrier()
+        wall, peak = time.perf_counter() - start, D.rss_mib()
+        if rank == 0:
+            print(json.dumps({"save": name, "before": before, "peak": peak, "wall": wall}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--worker", type=Path, nargs=2, help=argparse.SUPPRESS)  # MODEL OUT, under torchrun
     args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
     with tempfile.TemporaryDirectory(prefix="ckptkit-dist-mem-") as tmp:
         root = Path(tmp)
         params = make_model(root / "model", args.hidden, args.layers)
         weights = params * 2 / 2**20
         rows = []
-        for name, nproc in (("full_finetune (1 process)", 0), ("full_finetune_distributed (2 ranks)", 2)):
-            out = root / f"out{nproc}"
-            cfg_path = root / f"cfg{nproc}.yaml"
-            cfg_path.write_text(yaml.safe_dump(config(root / "model", out, 2 if nproc == 0 else 1)))
-            if nproc == 0:
-                cmd = [sys.executable, "-m", "ckptkit", "run", "full_finetune", "--config", str(cfg_path)]
-            else:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                       "-m", "ckptkit.train.recipes.full_finetune_distributed", "--config", str(cfg_path)]  # fmt: skip
-            wall, cpu, peak = run(cmd)
+        cmd = torchrun(str(Path(__file__).resolve()), "--worker", str(root / "model"), str(root / "worker"))
+        for line in subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                rows.append((r["save"], r["before"], r["peak"], r["wall"]))
+        for name, extra in (("trainer, checkpointer.async_save: false", False),
+                            ("trainer, checkpointer.async_save: true (staging)", True)):  # fmt: skip
+            out = root / f"out{int(extra)}"
+            cfg_path = root / f"cfg{int(extra)}.yaml"
+            cfg = config(root / "model", out, 1)
+            cfg["checkpointer"]["async_save"] = extra
+            cfg_path.write_text(yaml.safe_dump(cfg))
+            run(torchrun("-m", "ckptkit.train.recipes.full_finetune_distributed", "--config", str(cfg_path)))
             saves = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            saves = [s for s in saves if "peak_rss_mib_save" in s]
-            rows.append((name, wall, cpu, peak, saves))
-        print(f"model: {params / 1e6:.0f}M parameters; bf16 weights {weights:.0f} MiB, "
-              f"weights + AdamW state {3 * weights:.0f} MiB\n")  # fmt: skip
-        columns = ["run", "wall s", "user+sys s", "whole-run peak RSS MiB (largest process)",
-                   "per-rank RSS before -> peak during mid-run save, MiB"]  # fmt: skip
-        print("| " + " | ".join(columns) + " |")
-        print("|---|---|---|---|---|")
-        for name, wall, cpu, peak, saves in rows:
-            mid = next((s for s in saves if "step_" in s["checkpoint"]), None)
-            during = (", ".join(f"{b} -> {p}" for b, p in zip(mid["rss_mib_before_save"], mid["peak_rss_mib_save"],
-                                                               strict=True)) if mid else "n/a")  # fmt: skip
-            print(f"| {name} | {wall:.1f} | {cpu:.1f} | {peak:.0f} | {during} |")
+            mid = next(s for s in saves if "step_" in s.get("checkpoint", ""))
+            rows.append((name, mid["rss_mib_before_save"][0], mid["peak_rss_mib_save"][0], mid["save_seconds"]))
+        state = 3 * weights
+        print(f"model: {params / 1e6:.0f}M parameters; bf16 weights {weights:.0f} MiB, weights + AdamW state "
+              f"{state:.0f} MiB (÷ 2 ranks: {state / 2:.0f} MiB)\n")  # fmt: skip
+        print("| save (2 gloo ranks) | rank 0 RSS before, MiB | rank 0 peak during, MiB | growth, MiB "
+              "| growth / (state ÷ 2) | s |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for name, before, peak, wall in rows:
+            growth = peak - before
+            print(f"| {name} | {before:.0f} | {peak:.0f} | {growth:.0f} | {growth / (state / 2):.2f} | {wall:.2f} |")
 
 
 if __name__ == "__main__":

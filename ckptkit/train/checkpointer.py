@@ -12,9 +12,10 @@ checkpoint, ``recipe_state/recipe_state.pt`` (a subfolder, so that tools which t
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class Checkpointer:
         self.keep_last = conf.keep_last_n_checkpoints
         self.hf_base_dir = conf.hf_base_dir
         self.expect_formats = conf.expect_formats
+        self.async_save = conf.async_save
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
         sweep(self.output_dir)  # what killed runs left half-written
         self.loads_in_transformers = False
@@ -238,9 +240,9 @@ class Checkpointer:
         recipes write their sharded recipe state there).
         """
         final = self.output_dir / name
-        with publishing(final, replace=True) as tmp:
+        with self.publishing(name) as tmp:
             if model_state is not None:
-                write_like(self.checkpoint_dir, model_state, tmp, model_type=self.model_type)
+                self.write_model(tmp, model_state)
             if adapter_model is not None:
                 self.write_adapter(adapter_model, tmp)
             if recipe_state is not None:
@@ -248,8 +250,21 @@ class Checkpointer:
                 save_torch(recipe_state, tmp / RECIPE_STATE_DIR / RECIPE_STATE)
             if extra is not None:
                 extra(tmp)
-        self.saved.append(final)
         return final
+
+    @contextlib.contextmanager
+    def publishing(self, name: str) -> Iterator[Path]:
+        """A temporary folder to write checkpoint ``output_dir/name`` into; put in place
+        atomically (replacing one of that name) when the block succeeds, removed if it fails."""
+        final = self.output_dir / name
+        with publishing(final, replace=True) as tmp:
+            yield tmp
+        self.saved.append(final)
+
+    def write_model(self, folder: Path, model_state: dict[str, Any]) -> None:
+        """The model (canonical names -> tensors or :class:`~ckptkit.lazy.Lazy`, read one at a
+        time) in the input's format, file names and shard partition, into ``folder``."""
+        write_like(self.checkpoint_dir, model_state, folder, model_type=self.model_type)
 
     def write_adapter(self, model: nn.Module, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """The model's LoRA adapter (or ``weights``, gathered whole) in PEFT's format in ``folder/adapter``."""

@@ -1,21 +1,25 @@
 """What FSDP2 training needs: the process group from torchrun's environment,
-FSDP2 sharding, loading full tensors one at a time into shards, and saving led by rank 0.
+FSDP2 sharding, loading full tensors one at a time into shards, and sharded saving.
 
-Saving never holds the whole model in one process: rank 0 runs the single-device
-checkpointer (same format, file names, shard partition), and each tensor its writer
-reaches is gathered then (``DTensor.full_tensor()``) while the other ranks follow rank 0's
-lead through the same collectives. The optimizer, schedule, RNG (per rank) and data
-position go into a DCP checkpoint, ``recipe_state/``, of which every rank writes its shards.
+Saving gathers nothing: every rank writes its own shards of the model, optimizer state,
+schedule, RNG (per rank) and data position as one PyTorch Distributed Checkpoint (DCP),
+``recipe_state/``, with ``dcp.save`` or, overlapping the next steps, ``dcp.async_save``.
+When every shard is written, rank 0 converts the model files (the input's format) by
+streaming from those shards with ckptkit's DCP reader, one tensor at a time, and publishes
+the folder atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import os
 import resource
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
-from ckptkit.lazy import Lazy
+from ckptkit.formats.dcp import METADATA, DcpCheckpoint, check_tiling, read_metadata
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.lora import decoder_layers
 
@@ -138,69 +142,101 @@ def mine(indices: list[int]) -> list[int]:
     return indices[dist.get_rank() :: dist.get_world_size()]
 
 
-def led_by_rank_zero(ops: dict[str, Callable[[Any], Any]], work: Callable[[Callable[[str, Any], Any]], T]) -> T | None:
-    """Run ``work(lead)`` on rank 0; each ``lead(op, arg)`` it makes runs ``ops[op](arg)`` on
-    every rank in the same order (ops may be collectives). Other ranks return None."""
-    if dist.get_rank() == 0:
+class Pending:
+    """One checkpoint being written: every rank's shards into the writer's temporary folder,
+    then, on rank 0 once all of them are written, ``finish(folder)`` (the model files converted
+    from the shards, extras) and the folder published under its name. Synchronous saves are
+    done when this is made; ``async_save`` ones finish in a thread of rank 0 while training
+    goes on; :meth:`wait` joins it and raises what failed there."""
 
-        def lead(op: str, arg: Any) -> Any:
-            dist.broadcast_object_list([(op, arg)], src=0)
-            return ops[op](arg)
+    def __init__(self, future: Future[Any] | None, publish: Callable[[], None] | None) -> None:
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._future = future
+        if publish is None:  # not the writing rank: only the write of its shards
+            return
+        if future is None:
+            publish()
+            return
 
-        end: tuple[str, Any] = ("failed", "rank 0 stopped")
-        try:
-            result = work(lead)
-            end = ("done", None)
-            return result
-        except BaseException as e:
-            end = ("failed", str(e) or type(e).__name__)
+        def run() -> None:
+            try:
+                future.result()
+                publish()
+            except BaseException as e:  # re-raised in the main thread by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="ckptkit-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until this rank's part is done (rank 0: published); re-raises a failure of the write."""
+        if self._thread is not None:
+            self._thread.join()
+        elif self._future is not None:
+            self._future.result()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def publish(name: str, stack: contextlib.ExitStack, finish: Callable[[], None]) -> None:
+    """Rank 0, once every rank's shards are written: ``finish()`` then put checkpoint ``name``
+    in place (leaving ``stack``, which holds its publishing); a failure removes the folder."""
+    try:
+        finish()
+    except BaseException:
+        if not stack.__exit__(*sys.exc_info()):
             raise
-        finally:
-            dist.broadcast_object_list([end], src=0)
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        op, arg = box[0]
-        if op == "done":
-            return None
-        if op == "failed":
-            raise CkptkitError(f"saving failed on rank 0: {arg}")
-        ops[op](arg)
+        return
+    stack.close()
 
 
 def save_sharded(
     checkpointer: Checkpointer,
     name: str,
-    shapes: dict[str, tuple[int, ...]] | None,
-    gather: Callable[[str], torch.Tensor],
-    recipe_state: dict[str, Any] | None,
-    adapter: Callable[[Path], None] | None = None,
-) -> Path | None:
-    """Write checkpoint ``name`` like the single-device checkpointer; every rank calls it.
+    state: dict[str, Any],
+    finish: Callable[[Path], None],
+    group: dist.ProcessGroup | None = None,
+) -> Pending:
+    """Write checkpoint ``name``: every rank writes its own shards of ``state`` (DTensors and
+    plain values) as a DCP checkpoint in ``recipe_state/`` of the folder rank 0 publishes,
+    then rank 0 runs ``finish(folder)`` and publishes it. Nothing is gathered. ``group``: write
+    with ``dcp.async_save`` over that process group (the next steps run meanwhile); None:
+    ``dcp.save``. Every rank calls it."""
+    stack = contextlib.ExitStack()
+    box: list[Any] = [None]
+    try:
+        if dist.get_rank() == 0:
+            box[0] = stack.enter_context(checkpointer.publishing(name))
+        dist.broadcast_object_list(box, src=0)
+        folder = Path(box[0])
+        target = folder / RECIPE_STATE_DIR
+        future: Future[Any] | None = None
+        if group is None:
+            dcp.save(state, checkpoint_id=target)
+        else:
+            response: Any = dcp.async_save(state, checkpoint_id=target, process_group=group)
+            future = getattr(response, "upload_completion", response)  # AsyncSaveResponse or a Future
+    except BaseException:
+        if not stack.__exit__(*sys.exc_info()):
+            raise
+        raise
+    if dist.get_rank() != 0:
+        return Pending(future, None)
+    return Pending(future, partial(publish, name, stack, partial(finish, folder)))
 
-    ``gather(key)`` (a collective) gives the full tensor the writer needs next (``shapes`` None:
-    no model files, e.g. an adapter-only LoRA checkpoint); ``recipe_state``
-    (sharded tensors and plain values) becomes ``recipe_state/`` (DCP); ``adapter(folder)``
-    runs on rank 0. Returns the folder on rank 0.
-    """
 
-    def write(folder: Path) -> None:
-        dcp.save(recipe_state, checkpoint_id=folder)
-
-    def work(lead: Callable[[str, Any], Any]) -> Path:
-        model = None if shapes is None else {k: Lazy(s, "", partial(lead, "gather", k)) for k, s in shapes.items()}
-
-        def extra(folder: Path) -> None:
-            if adapter is not None:
-                adapter(folder)
-            if recipe_state is not None:
-                lead("recipe_state", folder / RECIPE_STATE_DIR)
-
-        return checkpointer.save(name, model, extra=extra)
-
-    path = led_by_rank_zero({"gather": gather, "recipe_state": write}, work)
-    dist.barrier()
-    return path
+def sharded_model(folder: Path) -> DcpCheckpoint:
+    """The model tensors (``model.`` keys, canonical names) of a DCP recipe state, read by
+    ckptkit's DCP reader: each tensor stitched from the ranks' chunks when read, one at a time."""
+    path = folder / METADATA
+    md = read_metadata(path)
+    entries = {k.removeprefix("model."): e for k, e in md.tensors.items() if k.startswith("model.")}
+    for entry in entries.values():
+        check_tiling(entry, path)
+    empty: dict[str, Any] = {}
+    return DcpCheckpoint("dcp", folder, empty, empty, empty, "", "", empty, entries=entries)
 
 
 class _PlainValuesPlanner(DefaultLoadPlanner):

@@ -83,7 +83,8 @@ class Recipe:
             self._check_progress(progress)
         model_cfg = ckpt.model_config()  # format, layout and config checks: no weights read yet
         self.trainable.check(model_cfg)
-        resumed = ckpt.resume_folder() if ckpt.resume and self.trainable.weights_from_resumed_checkpoint else None
+        from_folder = self.trainable.weights_from_resumed_checkpoint and not placement.weights_in_state()
+        resumed = ckpt.resume_folder() if ckpt.resume and from_folder else None
         with ckpt.open_base() as base, contextlib.ExitStack() as stack:
             source = base if resumed is None else stack.enter_context(open_source(ckpt, resumed))
             self.model = build_model(base.config, device="meta", dtype=self.dtype)
@@ -162,15 +163,15 @@ class Recipe:
             "lr_scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
         }
-        tensors = self.trainable.state_tensors(self.model)
+        tensors = self.placement.model_state(self.trainable, self.model)
         if tensors is not None:
-            state["model"] = self.placement.state_tensors(tensors)
+            state["model"] = tensors
         return state
 
     def _load_state(self, progress: dict[str, Any]) -> None:
         state = self.placement.load_state(self._recipe_state(0))
-        if "model" in state:  # full precision where the checkpoint's dtype rounds
-            self.model.load_state_dict(state["model"])
+        if "model" in state:  # full precision where the checkpoint's dtype rounds; FSDP2: what trains
+            self.model.load_state_dict(state["model"], strict=False)  # (LoRA: the adapters only)
         self.placement.set_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         if "rng" in state:
@@ -203,7 +204,8 @@ class Recipe:
                         self._evaluate(epoch)
                     due = save_every and self.global_step % save_every == 0
                     if due and self.steps_in_epoch < self.steps_per_epoch:  # an epoch's end saves epoch_N
-                        self._save(checkpoint_name("step", self.global_step, self.total_steps), epoch, final=False)
+                        name = checkpoint_name("step", self.global_step, self.total_steps)
+                        self._save(name, epoch, final=False, epoch_end=False)
                 self.epochs_run, self.steps_in_epoch = epoch + 1, 0
                 if not eval_every or self.global_step % eval_every:
                     self._evaluate(epoch)
@@ -239,17 +241,24 @@ class Recipe:
         if self.metrics is not None:
             self.metrics.log(step=self.global_step, epoch=epoch, eval_loss=loss)
 
-    def _save(self, name: str, epochs_run: int, final: bool) -> None:
-        full = self.placement.full
-        state = None if final else self._recipe_state(epochs_run)
-        files = self.trainable.model_files(self.model, full, final)
-        shapes, tensor = files if files is not None else (None, lambda k: torch.empty(0))
-        extra = self.trainable.extra(self.model, full, self.checkpointer)
-        path, logged = self.placement.save(self.checkpointer, Save(name, shapes, tensor, state, extra))
+    def _save(self, name: str, epochs_run: int, final: bool, epoch_end: bool = True) -> None:
+        model, trainable, ckpt = self.model, self.trainable, self.checkpointer
+        save = Save(
+            name,
+            None if final else self._recipe_state(epochs_run),
+            model.state_dict(),
+            sharded=lambda: trainable.sharded_tensors(model),
+            files=lambda full: trainable.model_files(model, full, final),
+            extra=lambda full: trainable.extra(model, full, ckpt),
+            epoch_end=epoch_end,
+        )
+        path, logged = self.placement.save(ckpt, save)
+        if final:  # the run ends with every checkpoint in place
+            self.placement.wait()
         if self.metrics is not None:
             self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
-            self.progress.note(f"saved {path}")
-            for gone in self.checkpointer.prune(self.steps_per_epoch):
+            self.progress.note(f"saved {path}" if final or not logged.get("async") else f"saving {path}")
+            for gone in ckpt.prune(self.steps_per_epoch):
                 self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
         self.placement.barrier()  # pruned before any rank goes on
 

@@ -9,8 +9,11 @@ the process group torchrun describes.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,11 +23,13 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint
 from ckptkit.errors import CkptkitError
+from ckptkit.lazy import Lazy
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import Checkpointer
 from ckptkit.train.lora import model_config
 from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
 from ckptkit.train.step import DTYPES, Reduce
+from ckptkit.train.trainable import Gather, ModelFiles, Trainable
 
 PROGRESS_KEYS = (
     "seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "global_step", "steps_in_epoch",
@@ -38,16 +43,23 @@ TensorSource = Callable[[str], torch.Tensor]
 
 @dataclass
 class Save:
-    """One checkpoint to write: the model tensors in ``shapes`` (None: no model files), each
-    whole from ``tensor``; ``state`` (``progress``, ``optimizer``, ``lr_scheduler``, ``rng``,
-    maybe ``model``) as the recipe state (None: a final checkpoint); ``extra(folder)`` runs on
-    the writing rank before the folder is published."""
+    """One checkpoint to write.
+
+    ``state``: the recipe state (``progress``, ``optimizer``, ``lr_scheduler``, ``rng``, maybe
+    ``model``; None: a final checkpoint). ``tensors``: the model's state dict as placed;
+    ``sharded()``: the part a sharded checkpoint keeps (``Trainable.sharded_tensors``).
+    ``files(full)`` and ``extra(full)`` are the trainable's model files and extras, given
+    ``full``, a whole tensor by name. ``epoch_end``: an ``epoch_N`` checkpoint (a sharded
+    save converts model files for those only; ``step_N`` ones keep the sharded state).
+    """
 
     name: str
-    shapes: dict[str, tuple[int, ...]] | None
-    tensor: TensorSource
     state: dict[str, Any] | None
-    extra: Callable[[Path], None] | None
+    tensors: dict[str, torch.Tensor]
+    sharded: Callable[[], dict[str, torch.Tensor]]
+    files: Callable[[Gather], ModelFiles | None]
+    extra: Callable[[Gather], Callable[[Path], None] | None]
+    epoch_end: bool = True
 
 
 class Placement:
@@ -70,13 +82,14 @@ class Placement:
         """This rank's part of one global batch, strided as ``DistributedSampler`` splits."""
         return indices[self.rank :: self.world_size]
 
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole tensor (a collective for a sharded one)."""
-        return tensor
+    def model_state(self, trainable: Trainable, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The model tensors the recipe state keeps (None: none beyond the checkpoint's files)."""
+        return trainable.state_tensors(model)
 
-    def state_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Model tensors as the recipe state keeps them."""
-        return tensors
+    def weights_in_state(self) -> bool:
+        """Whether the recipe state being resumed holds the trained weights themselves (then
+        the model starts from the base and takes them from there)."""
+        return False
 
     def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
         """The saved position when resuming (None otherwise); the rest is read by ``load_state``."""
@@ -94,9 +107,12 @@ class Placement:
         optimizer.load_state_dict(state)
 
     def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
-        """Write checkpoint ``save.name``; returns the folder (on the writing rank) and what to
-        log with the checkpoint event."""
+        """Write checkpoint ``save.name`` (asynchronously where configured: :meth:`wait`);
+        returns the folder (on the writing rank) and what to log with the checkpoint event."""
         raise NotImplementedError
+
+    def wait(self) -> None:
+        """Until every checkpoint this rank started is written (and, on the writer, published)."""
 
     def after_forward_only(self, model: nn.Module) -> None:
         """Put the model back as training expects it after forwards without backward (evaluation)."""
@@ -113,6 +129,11 @@ class SingleDevice(Placement):
     """One CPU or CUDA device; the recipe state is ``recipe_state/recipe_state.pt``."""
 
     def __init__(self, cfg: RecipeConfig) -> None:
+        if cfg.checkpointer.async_save:
+            raise CkptkitError(
+                "checkpointer.async_save applies to the sharded checkpoints of the _distributed recipes; "
+                "remove it or run the _distributed recipe"
+            )
         self.device = torch.device(D.device_type(cfg.device))
         self._state: dict[str, Any] = {}
 
@@ -121,8 +142,9 @@ class SingleDevice(Placement):
         model.load_state_dict(missing, strict=False, assign=True)
         model.to(self.device)
 
-    def state_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in tensors.items()}
+    def model_state(self, trainable: Trainable, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        tensors = trainable.state_tensors(model)
+        return None if tensors is None else {k: v.detach().cpu() for k, v in tensors.items()}
 
     def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
         state = checkpointer.load_recipe_state()
@@ -135,15 +157,23 @@ class SingleDevice(Placement):
         return {k: self._state[k] for k in template if k in self._state}
 
     def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
-        weights = None if save.shapes is None else {k: save.tensor(k) for k in save.shapes}
+        full = save.tensors.__getitem__
+        files = save.files(full)
+        weights = None if files is None else {k: files[1](k) for k in files[0]}
         state = save.state
         flat = None if state is None else {**state["progress"], **{k: v for k, v in state.items() if k != "progress"}}
-        return checkpointer.save(save.name, weights, recipe_state=flat, extra=save.extra), {}
+        return checkpointer.save(save.name, weights, recipe_state=flat, extra=save.extra(full)), {}
 
 
 class FSDP2(Placement):
-    """FSDP2 over the ranks torchrun started (a group of one without torchrun); the recipe
-    state is a DCP checkpoint, ``recipe_state/``, of which every rank writes its shards."""
+    """FSDP2 over the ranks torchrun started (a group of one without torchrun).
+
+    A checkpoint is one DCP checkpoint, ``recipe_state/``, of which every rank writes its own
+    shards (the model, optimizer, schedule, data position, RNG); nothing is gathered. Rank 0
+    then converts the model files of ``epoch_N`` checkpoints (the input's format) by streaming
+    from those shards, and publishes the folder. ``checkpointer.async_save``: the shards are
+    written by ``dcp.async_save`` over a process group of their own while training goes on
+    (one save in flight; the next save, and the end of the run, wait for it)."""
 
     launched_by_torchrun = True
 
@@ -156,6 +186,8 @@ class FSDP2(Placement):
         self.reduce = dist.all_reduce
         self._path = Path()
         self._keys: set[str] = set()
+        self._group = dist.new_group(backend="gloo") if cfg.checkpointer.async_save else None
+        self._pending: D.Pending | None = None
 
     def place(self, model: nn.Module, source: TensorSource) -> None:
         made = {k: v for k, v in model.state_dict().items() if not v.is_meta}  # e.g. LoRA adapters, on the CPU
@@ -168,8 +200,11 @@ class FSDP2(Placement):
         D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype, activation_checkpointing=False)
         D.load_full_tensors(model, lambda k: made[k] if k in made else source(k), self.device)
 
-    def full(self, tensor: torch.Tensor) -> torch.Tensor:
-        return D.full_tensor(tensor)
+    def model_state(self, trainable: Trainable, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        return trainable.sharded_tensors(model)
+
+    def weights_in_state(self) -> bool:
+        return any(k.startswith("model.") for k in self._keys)
 
     def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
         if not checkpointer.resume:
@@ -203,14 +238,29 @@ class FSDP2(Placement):
         set_optimizer_state_dict(model, optimizer, state)
 
     def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
+        self.wait()  # one save in flight
         D.reset_peak_rss()
-        before = D.rss_mib("VmRSS")
-        state = save.state
-        if state is not None:
-            state = {**state, "rng": {f"rank_{self.rank}": state["rng"]}}
-        path = D.save_sharded(checkpointer, save.name, save.shapes, save.tensor, state, save.extra)
+        before, start = D.rss_mib("VmRSS"), time.perf_counter()
+        state: dict[str, Any] = {"model": save.sharded()}
+        if save.state is not None:
+            state = {**save.state, **state, "rng": {f"rank_{self.rank}": save.state["rng"]}}
+        # what needs the model is taken now: the files are written while training goes on
+        dtypes = {k: v.dtype for k, v in save.tensors.items()}
+        source: dict[str, Gather] = {}
+        files = save.files(lambda k: source["full"](k)) if save.epoch_end else None
+        extra = save.extra(lambda k: source["full"](k))
+        finish = partial(_finish, checkpointer, files, extra, dtypes, source, save.state is not None)
+        self._pending = D.save_sharded(checkpointer, save.name, state, finish, self._group)
+        blocked = time.perf_counter() - start
         rss = D.gather_objects((round(before), round(D.rss_mib())))  # per rank, MiB
-        return path, {"rss_mib_before_save": [r[0] for r in rss], "peak_rss_mib_save": [r[1] for r in rss]}
+        logged: dict[str, Any] = {"rss_mib_before_save": [r[0] for r in rss], "peak_rss_mib_save": [r[1] for r in rss]}
+        logged |= {"save_seconds": round(blocked, 3), "async": self._group is not None}
+        return (checkpointer.output_dir / save.name if self.rank == 0 else None), logged
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def after_forward_only(self, model: nn.Module) -> None:
         # FSDP2 keeps the root's parameters gathered after a forward until its backward; without
@@ -227,6 +277,45 @@ class FSDP2(Placement):
     @staticmethod
     def close(ok: bool) -> None:
         D.close_distributed(ok)
+
+
+def _finish(
+    checkpointer: Checkpointer,
+    files: ModelFiles | None,
+    extra: Callable[[Path], None] | None,
+    dtypes: dict[str, torch.dtype],
+    source: dict[str, Gather],
+    keep_state: bool,
+    folder: Path,
+) -> None:
+    """On rank 0 once every shard of ``folder/recipe_state`` is written: the model files,
+    converted by streaming from the shards with ckptkit's DCP reader (``source["full"]``; a
+    tensor the shards do not hold, e.g. a frozen LoRA base, is read from the input), and the
+    extras (LoRA: the adapter); a final checkpoint (``keep_state`` false) keeps no recipe state."""
+    import shutil
+
+    from ckptkit.train.checkpointer import RECIPE_STATE_DIR
+
+    shards = folder / RECIPE_STATE_DIR
+    reader = D.sharded_model(shards)
+    with contextlib.ExitStack() as stack:
+        base: list[Checkpoint] = []
+
+        def full(key: str) -> torch.Tensor:
+            if key in reader.entries:
+                return reader.read(key)
+            if not base:
+                base.append(stack.enter_context(checkpointer.open_base()))
+            return base[0].tensors[key].get().to(dtypes[key])
+
+        source["full"] = full
+        if files is not None:
+            shapes, tensor = files
+            checkpointer.write_model(folder, {k: Lazy(s, "", partial(tensor, k)) for k, s in shapes.items()})
+        if extra is not None:
+            extra(folder)
+    if not keep_state:
+        shutil.rmtree(shards)
 
 
 def open_source(checkpointer: Checkpointer, folder: Path | None) -> Checkpoint:

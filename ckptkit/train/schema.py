@@ -73,6 +73,7 @@ class CheckpointerConfig(Section):
     recipe_checkpoint: Text | None = None
     keep_last_n_checkpoints: PositiveInt | None = None
     hf_base_dir: Text | None = None
+    async_save: Bool = False  # the distributed recipes: write checkpoints while the next steps run
     expect_formats: list[Text] | None = None  # set by _component_: the formats that checkpointer reads
 
 

@@ -2,8 +2,9 @@
 
 The training loop (:mod:`ckptkit.train.loop`) asks a trainable to adapt the model built on
 the meta device, to say which tensors the recipe state keeps, and which model files and
-extras a checkpoint writes. Tensors are reached through the placement's ``full`` (a gather
-on several ranks), one at a time, so no rank holds the whole model while saving.
+extras a checkpoint writes. Tensors are reached by name through the placement's ``full``
+(on one device the model's own; under FSDP2 read back from the sharded checkpoint just
+written), one at a time, so no process holds the whole model while saving.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.peft_io import prepare_for_peft
 from ckptkit.train.schema import LoRAConfig
 
-Gather = Callable[[torch.Tensor], torch.Tensor]
+Gather = Callable[[str], torch.Tensor]
+"""A whole tensor of the model's state dict, by name."""
 ModelFiles = tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]
 """The model tensors a checkpoint writes: their shapes, and a function giving each whole."""
 
@@ -46,12 +48,20 @@ class Trainable:
         """Model tensors the recipe state keeps (None: none beyond the checkpoint's files)."""
         return None
 
+    def sharded_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model tensors a sharded (DCP) checkpoint keeps: what trains; resuming reads
+        them back and the model files are converted from them (a frozen base is read from
+        the input)."""
+        raise NotImplementedError
+
     def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles | None:
-        """The model tensors a checkpoint writes (None: no model files)."""
+        """The model tensors a checkpoint writes (None: no model files). Only ``full`` may be
+        used once this returns: under FSDP2 the files are written while training goes on."""
         raise NotImplementedError
 
     def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None] | None:
-        """What else goes into a checkpoint folder (called on every rank; runs on the writer)."""
+        """What else goes into a checkpoint folder, written by the writing rank (the function
+        returned may use ``full`` and the model's structure, never its tensors)."""
         return None
 
 
@@ -71,9 +81,11 @@ class FullWeights(Trainable):
     def state_tensors(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         return model.state_dict() if self.rounds else None
 
+    def sharded_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
     def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles:
-        weights = model.state_dict()
-        return {k: tuple(v.shape) for k, v in weights.items()}, lambda k: full(weights[k]).detach()
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}, lambda k: full(k).detach()
 
 
 class LoRAAdapters(Trainable):
@@ -100,6 +112,9 @@ class LoRAAdapters(Trainable):
         if writer:
             checkpointer.prepare_peft_base()  # an HF base for the adapters' base_model_name_or_path
 
+    def sharded_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+
     def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles | None:
         when = self.cfg.save_merged
         if not (when == "every" or (final and when == "final")):
@@ -109,13 +124,16 @@ class LoRAAdapters(Trainable):
         def merged(key: str) -> torch.Tensor:
             name = key.removesuffix(".weight")
             if name not in modules or not key.endswith(".weight"):
-                return full(weights[key]).detach()
-            w, a, b = (full(weights[f"{name}.{part}"]).detach() for part in ("weight", "lora_a", "lora_b"))
+                return full(key).detach()
+            w, a, b = (full(f"{name}.{part}").detach() for part in ("weight", "lora_a", "lora_b"))
             return merged_weight(w, a, b, modules[name].scaling)
 
         return {k: tuple(v.shape) for k, v in weights.items() if not k.endswith((".lora_a", ".lora_b"))}, merged
 
     def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None]:
-        adapters = {k: full(v).cpu() for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+        names = [k for k in model.state_dict() if k.endswith((".lora_a", ".lora_b"))]
 
-        return lambda folder: checkpointer.write_adapter(model, folder, adapters)
+        def write(folder: Path) -> None:  # reads the adapters when it runs, not the model
+            checkpointer.write_adapter(model, folder, {k: full(k).cpu() for k in names})
+
+        return write
