@@ -8,7 +8,7 @@ the file runs (:func:`read_metadata`). It gives every tensor's dtype, full shape
 (offsets, sizes), and where each chunk lies: (file, offset, length). Each chunk is its own
 ``torch.save`` zip, whose members :mod:`ckptkit.formats.pickle_index` checks and scans
 without torch; a tensor's bytes are then the chunks' data records, stitched in row-major
-order as byte ranges (:class:`~ckptkit.rawcopy.Span`), so a conversion copies them file to
+order as byte ranges (:class:`~ckptkit.io.Span`), so a conversion copies them file to
 file with no tensor in memory, or reads one tensor at a time. Model keys are taken at the
 top level or under ``model.``; optimizer, scheduler and train state beside them are listed
 (``inspect``) and left alone. torchtitan keeps Meta's names and Q/K layout; its 2026
