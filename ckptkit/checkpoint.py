@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import CheckpointFormat, detect_format, get_format, is_checkpoint_file, recorded_origin
 from ckptkit.formats.base import RawCheckpoint
-from ckptkit.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
+from ckptkit.tensors.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.untrusted import check_source_folder
 
 if TYPE_CHECKING:

@@ -333,7 +333,7 @@ def _logging_to_stderr(name: str, level: int | None) -> Iterator[None]:
 
 
 def _verified(dtype: str | None) -> str:
-    from ckptkit.casting import cast_description
+    from ckptkit.tensors.casting import cast_description
 
     return cast_description(dtype) if dtype else "verified bitwise against the source"
 

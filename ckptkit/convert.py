@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
 from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
 from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
 from ckptkit.progress import byte_progress
-from ckptkit.transforms import RANKS
+from ckptkit.tensors.dtypes import CAST_TARGETS, dtype_name
+from ckptkit.tensors.transforms import RANKS
 from ckptkit.untrusted import copy_regular_file
 
 __all__ = [

@@ -6,13 +6,13 @@ only decides between restoring a recorded layout and laying out afresh, and cast
 
 from __future__ import annotations
 
-from ckptkit.casting import checked_cast
 from ckptkit.checkpoint import Checkpoint
-from ckptkit.dtypes import FLOATING, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
-from ckptkit.lazy import Lazy, decoded_lazy
+from ckptkit.tensors.casting import checked_cast
+from ckptkit.tensors.dtypes import FLOATING, to_torch
+from ckptkit.tensors.lazy import Lazy, decoded_lazy
 
 __all__ = ["FilePlan", "Options", "Plan", "plan_conversion", "target_format"]
 
@@ -55,7 +55,7 @@ def _cast(name: str, lazy: Lazy, dtype: str | None, allow_lossy: bool) -> Lazy:
 
 def _plain_copies(ckpt: Checkpoint, fmt: CheckpointFormat) -> dict[str, str]:
     """Native name -> the canonical tensor it is an unchanged copy of (copied or tied)."""
-    from ckptkit.transforms import COPY, TIED
+    from ckptkit.tensors.transforms import COPY, TIED
 
     rules = fmt.write_layout(ckpt).expand(ckpt.config.num_layers)
     return {r.native: r.canonical[0] for r in rules if r.kind in (COPY, TIED) and len(r.canonical) == 1}

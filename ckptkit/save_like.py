@@ -11,8 +11,8 @@ import torch
 
 from ckptkit.checkpoint import Checkpoint, Lazy, open_checkpoint
 from ckptkit.convert import Options, Result, check_destination, plan_conversion, write_checkpoint, write_files
-from ckptkit.dtypes import to_torch
 from ckptkit.errors import CkptkitError
+from ckptkit.tensors.dtypes import to_torch
 
 
 def save_checkpoint_like(

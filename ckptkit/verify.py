@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.dtypes import dtype_name, to_torch
 from ckptkit.progress import byte_progress
+from ckptkit.tensors.dtypes import dtype_name, to_torch
 
 EXIT_IDENTICAL, EXIT_DIFFERENT, EXIT_CAST_ONLY = 0, 1, 3
 CAST_KINDS = ("cast", "rounded")
@@ -165,7 +165,7 @@ class Report:
 def native_names(ckpt: Checkpoint) -> dict[str, str]:
     """Canonical name -> the name this checkpoint stores it under (a fused tensor's part says
     which part; a tied copy is never preferred to the tensor itself)."""
-    from ckptkit.transforms import TIED
+    from ckptkit.tensors.transforms import TIED
 
     try:
         rules = ckpt.fmt.layout(ckpt.family, ckpt.config).expand(ckpt.config.num_layers)

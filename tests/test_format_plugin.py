@@ -20,9 +20,9 @@ from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawC
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from ckptkit.inspection import inspect_path
-from ckptkit.lazy import Lazy
 from ckptkit.models import Family, ModelConfig, canonical_shapes, get_family
 from ckptkit.models.spec import Layout, Rule
+from ckptkit.tensors.lazy import Lazy
 
 from conftest import FIXTURES, assert_same_files, assert_same_layout
 

@@ -19,7 +19,7 @@ from ckptkit.io import transfer
 from ckptkit.io.spans import Span, coalesce, take, take_rows
 from ckptkit.io.stream import crc32_range
 from ckptkit.io.transfer import DIRECT, METHODS, RANGE_METHODS, STREAM, copy_range, copy_spans, spans_crc32
-from ckptkit.transforms import FUSED, RANKS, ROPE_K, ROPE_Q
+from ckptkit.tensors.transforms import FUSED, RANKS, ROPE_K, ROPE_Q
 
 from conftest import direct_supported
 

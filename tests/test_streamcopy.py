@@ -21,7 +21,7 @@ from ckptkit.formats.torch_io import TorchPickleReader
 from ckptkit.io import stream
 from ckptkit.io.spans import Span, take, take_rows
 from ckptkit.io.transfer import transfer
-from ckptkit.transforms import ROPE_Q
+from ckptkit.tensors.transforms import ROPE_Q
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.transforms import COPY, FUSED, RANKS, ROPE_K, ROPE_Q, Transform
+from ckptkit.tensors.transforms import COPY, FUSED, RANKS, ROPE_K, ROPE_Q, Transform
 
 
 def rope_meta_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -11,15 +11,15 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import Span, read_spans, take
 from ckptkit.models.fields import check_config_fields
+from ckptkit.tensors.transforms import RANKS
 from ckptkit.tokenization import TokenizerPlan
-from ckptkit.transforms import RANKS
 from ckptkit.untrusted import loads_json, open_regular_file
 
 if TYPE_CHECKING:
     import torch
 
-    from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
+    from ckptkit.tensors.lazy import Lazy
 
 REPLICA_CHUNK = 16 << 20
 MAX_JSON_BYTES = 256 << 20  # config, index and sidecar files are far smaller

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.io import Span
-from ckptkit.lazy import Lazy
 from ckptkit.models import ModelConfig, canonical_shapes
 from ckptkit.models.spec import Layout, Rule
+from ckptkit.tensors.lazy import Lazy
 
 if TYPE_CHECKING:
     import torch

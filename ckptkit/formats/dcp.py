@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.dtypes import ITEMSIZE, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import (
     FilePlan,
@@ -65,14 +64,15 @@ from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torch_zip import STORAGE_OF, pickle_tensor, write_archive
 from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, coalesce, read_spans, take, total_bytes
 from ckptkit.models.fields import check_config_fields
+from ckptkit.tensors.dtypes import ITEMSIZE, tensor_bytes, to_torch
 from ckptkit.untrusted import open_regular
 
 if TYPE_CHECKING:
     import torch
 
-    from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
+    from ckptkit.tensors.lazy import Lazy
 
 METADATA = ".metadata"
 DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -707,7 +707,7 @@ def lay_out(out: OutputFile | None, entries: list[tuple[str, str, tuple[int, ...
 
 
 def _entries(plan: Plan, file: FilePlan) -> list[tuple[str, str, tuple[int, ...]]]:
-    from ckptkit.transforms import RANKS
+    from ckptkit.tensors.transforms import RANKS
 
     return [
         (k, plan.targets[k].dtype, tuple(RANKS.shard_shape(plan.targets[k].shape, file.ranks, plan.split_dims.get(k))))
@@ -719,7 +719,7 @@ class DistcpWriter:
     """One ``__R_0.distcp`` file: a ``torch.save`` archive per tensor, filled in place."""
 
     def __init__(self, path: Path, entries: list[tuple[str, Any, tuple[int, ...]]], direct: bool = False) -> None:
-        from ckptkit.dtypes import dtype_name
+        from ckptkit.tensors.dtypes import dtype_name
 
         named = [(n, dtype_name(d), tuple(s)) for n, d, s in entries]
         odd = [d for _, d, _ in named if d not in STORAGE_OF]

@@ -21,9 +21,9 @@ from ckptkit.formats.containers import Entries, archive_facts, tensor_file_write
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
-    from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
+    from ckptkit.tensors.lazy import Lazy
 
 
 class CheckpointFormat:
@@ -134,8 +134,8 @@ class CheckpointFormat:
 
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         """This checkpoint's layout, as recorded for converting back to it later."""
-        from ckptkit.dtypes import dtype_name
-        from ckptkit.lazy import encode_lazy
+        from ckptkit.tensors.dtypes import dtype_name
+        from ckptkit.tensors.lazy import encode_lazy
 
         raw = ckpt.raw
         small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}

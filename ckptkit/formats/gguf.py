@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     import torch
 
     from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
-    from ckptkit.lazy import Lazy
     from ckptkit.models.family import Family
+    from ckptkit.tensors.lazy import Lazy
 
 # family name -> llama.cpp architecture
 ARCH = {

@@ -30,9 +30,9 @@ from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
-    from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
+    from ckptkit.tensors.lazy import Lazy
 
 
 def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:

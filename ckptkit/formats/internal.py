@@ -28,8 +28,8 @@ from ckptkit.models.fields import check_config_fields
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
-    from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
+    from ckptkit.tensors.lazy import Lazy
 
 UNUSED_PREFIX = "_unused."  # tensors the model does not use, under their origin names
 SINGLE = "weights.safetensors"
@@ -118,8 +118,8 @@ class InternalFormat(CheckpointFormat):
     def canonical_view(
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
     ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
-        from ckptkit.lazy import Lazy
         from ckptkit.models import canonical_shapes
+        from ckptkit.tensors.lazy import Lazy
 
         root = raw.root
         tensors: dict[str, Lazy] = {}

@@ -33,9 +33,9 @@ from ckptkit.formats.torchtune import torchtune_files
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
 
 if TYPE_CHECKING:
-    from ckptkit.lazy import Lazy
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
+    from ckptkit.tensors.lazy import Lazy
 
 RANK_FILE = re.compile(r"consolidated\.(\d{2})\.pth")
 SAFETENSORS_FILE = "consolidated.safetensors"

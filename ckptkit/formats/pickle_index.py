@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, cast
 
-from ckptkit.dtypes import ITEMSIZE
 from ckptkit.errors import CkptkitError
+from ckptkit.tensors.dtypes import ITEMSIZE
 from ckptkit.untrusted import open_regular_file
 
 STORAGES = {

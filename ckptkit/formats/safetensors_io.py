@@ -16,10 +16,10 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import AUTO, OutputFile, Span, total_bytes
+from ckptkit.tensors.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
 from ckptkit.untrusted import loads_json, open_regular_file
 
 if TYPE_CHECKING:

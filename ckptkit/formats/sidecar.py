@@ -14,13 +14,13 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ckptkit.dtypes import ITEMSIZE
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.pickle_index import ARCHIVE_NAME, SERIALIZATION_ID
 from ckptkit.formats.registry import find_format
 from ckptkit.models.fields import check_config_fields
+from ckptkit.tensors.dtypes import ITEMSIZE
 from ckptkit.untrusted import loads_json, plain_name
 
 MAX_RECORDED_TENSOR = 1 << 16  # own_layout records only small unused tensors

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ckptkit.dtypes import ITEMSIZE
+from ckptkit.tensors.dtypes import ITEMSIZE
 
 
 @dataclass(frozen=True)

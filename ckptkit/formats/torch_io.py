@@ -28,7 +28,6 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import torch_zip
 from ckptkit.formats.pickle_index import (
@@ -41,6 +40,7 @@ from ckptkit.formats.pickle_index import (
 )
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, total_bytes
+from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.untrusted import check_regular
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from ckptkit.models.spec import Layout
 from ckptkit.models.tokenizer_spec import TokenizerSpec
 
 if TYPE_CHECKING:
-    from ckptkit.lazy import Lazy
+    from ckptkit.tensors.lazy import Lazy
 
 
 @dataclass

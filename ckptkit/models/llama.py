@@ -11,14 +11,14 @@ import functools
 from typing import Any, ClassVar
 
 from ckptkit.errors import CkptkitError
-from ckptkit.lazy import Lazy, bytes_lazy
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family, MetaSource
 from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
 from ckptkit.models.rope_freqs import rope_freqs_bytes
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout, rope_parameters
 from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER
-from ckptkit.transforms import COPY, ROPE_K, ROPE_Q, TIED
+from ckptkit.tensors.lazy import Lazy, bytes_lazy
+from ckptkit.tensors.transforms import COPY, ROPE_K, ROPE_Q, TIED
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

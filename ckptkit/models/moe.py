@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.spec import Rule
-from ckptkit.transforms import STACKED, STACKED_PAIRS
+from ckptkit.tensors.transforms import STACKED, STACKED_PAIRS
 
 EXPERTS_LAYOUTS = ("per-expert", "stacked")
 _STACKED_NAME = re.compile(r".*\.experts\.(gate_up_proj|down_proj)")

@@ -8,7 +8,7 @@ from typing import Any
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
-from ckptkit.transforms import FUSED
+from ckptkit.tensors.transforms import FUSED
 
 
 class Phi3(Family):

@@ -60,7 +60,7 @@ def torch_rope_freqs_bytes(head_dim: int, theta: float) -> bytes:
     """Meta's expression, evaluated by torch."""
     import torch
 
-    from ckptkit.dtypes import tensor_bytes
+    from ckptkit.tensors.dtypes import tensor_bytes
 
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
     return bytes(tensor_bytes(freqs.to(torch.bfloat16)))

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptkit.models.config import ModelConfig
-from ckptkit.transforms import COPY, TIED, Transform
+from ckptkit.tensors.transforms import COPY, TIED, Transform
 
 
 @dataclass(frozen=True)
 class Rule:
     """One native tensor and the canonical tensor(s) it holds.
 
-    kind: the :class:`~ckptkit.transforms.Transform` relating them (``COPY``, ``ROPE_Q``,
+    kind: the :class:`~ckptkit.tensors.transforms.Transform` relating them (``COPY``, ``ROPE_Q``,
     ``ROPE_K``, ``FUSED``, ``TIED``); reading calls its ``forward``, writing its ``inverse``.
     """
 

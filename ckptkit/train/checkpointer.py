@@ -262,7 +262,7 @@ class Checkpointer:
         self.saved.append(final)
 
     def write_model(self, folder: Path, model_state: dict[str, Any]) -> None:
-        """The model (canonical names -> tensors or :class:`~ckptkit.lazy.Lazy`, read one at a
+        """The model (canonical names -> tensors or :class:`~ckptkit.tensors.lazy.Lazy`, read one at a
         time) in the input's format, file names and shard partition, into ``folder``."""
         write_like(self.checkpoint_dir, model_state, folder, model_type=self.model_type)
 

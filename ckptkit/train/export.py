@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ckptkit.errors import CkptkitError
-from ckptkit.lazy import Lazy
+from ckptkit.tensors.lazy import Lazy
 from ckptkit.train.lora import base_state_dict, merged_weight
 from ckptkit.train.peft_io import AdapterWeights, check_base_copies, read_lora_weights
 

@@ -20,7 +20,7 @@ from ckptkit.train.lora import TARGETS, LoRALinear, lora_modules, model_config, 
 def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
     """HF module -> the canonical modules it stacks on dim 0, for layer 0 (``{i}`` unset)."""
     from ckptkit.models import get_family
-    from ckptkit.transforms import FUSED
+    from ckptkit.tensors.transforms import FUSED
 
     cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True)
     rules = get_family(model_type).hf_layout(cfg).expand(1)

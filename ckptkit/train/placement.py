@@ -23,7 +23,7 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint
 from ckptkit.errors import CkptkitError
-from ckptkit.lazy import Lazy
+from ckptkit.tensors.lazy import Lazy
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import Checkpointer
 from ckptkit.train.lora import model_config

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ckptkit.dtypes import dtype_name
 from ckptkit.models import ModelConfig
+from ckptkit.tensors.dtypes import dtype_name
 from ckptkit.train.checkpointer import Checkpointer
 from ckptkit.train.lora import apply_lora, lora_modules, merged_weight
 from ckptkit.train.lora_targets import check_targets

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.io import Span, read_spans
+from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 
 if TYPE_CHECKING:
     import torch
