@@ -365,7 +365,11 @@ def verify(
     """
     from ckptkit.verify import verify_paths
 
-    report = verify_paths(a, b, quiet=json_out, logits=logits)
+    report = verify_paths(a, b, quiet=json_out)
+    if logits:  # both through the native decoder
+        from ckptkit.train.logit_check import compare_logits
+
+        report.logits = compare_logits(a, b, report.model_type)
     if json_out:
         sys.stdout.write(json.dumps(report.to_json(allow_cast)) + "\n")
     else:
@@ -385,7 +389,7 @@ def verify(
                 f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False, markup=False
             )
         if report.logits is not None:
-            from ckptkit.logit_check import describe
+            from ckptkit.train.logit_check import describe
 
             out.print(describe(report.logits), highlight=False, markup=False)
     code = report.exit_code(allow_cast)

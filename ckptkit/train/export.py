@@ -20,7 +20,7 @@ def export_merged(model: nn.Module, base_checkpoint: str | Path, out_dir: str | 
     Format, file names, shards and dtype follow the base checkpoint
     (:func:`ckptkit.save_checkpoint_like`); the merge is computed in float32.
     """
-    from ckptkit import save_checkpoint_like
+    from ckptkit.save_like import save_checkpoint_like
 
     save_checkpoint_like(str(base_checkpoint), base_state_dict(model, merged=True), str(out_dir))
 
@@ -34,8 +34,8 @@ def merge_adapter_into_checkpoint(
     rounding to the stored dtype. Every other tensor passes through untouched. Tensors
     are read one at a time, as the writer reaches them.
     """
-    from ckptkit import save_checkpoint_like
     from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.save_like import save_checkpoint_like
 
     with open_checkpoint(base_checkpoint, model_type=model_type) as ckpt:
         adapter = read_lora_weights(adapter_dir, ckpt.config)

@@ -423,7 +423,7 @@ def load_model(
 
     ``dtype`` None keeps the stored dtype of the weights.
     """
-    from ckptkit import load_checkpoint
+    from ckptkit.checkpoint import load_checkpoint
 
     cfg, state_dict = load_checkpoint(path, model_type=model_type)
     if dtype is None:
