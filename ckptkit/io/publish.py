@@ -266,6 +266,13 @@ def os_error_line(dst: Path, e: OSError) -> str:
     return f"{dst}: cannot write: {cause}"
 
 
+def write_error(dst: Path, e: OSError) -> WriteError:
+    """``e`` as one line naming ``dst`` (an OSError too: errno, strerror and filename kept)."""
+    error = WriteError(os_error_line(dst, e))
+    error.errno, error.strerror, error.filename = e.errno, e.strerror, e.filename
+    return error
+
+
 @contextlib.contextmanager
 def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     """A fresh folder to write ``dst`` into; put in place when the block succeeds.
@@ -299,9 +306,7 @@ def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     except CkptkitError:
         raise
     except OSError as e:
-        error = WriteError(os_error_line(dst, e))
-        error.errno, error.strerror, error.filename = e.errno, e.strerror, e.filename
-        raise error from None
+        raise write_error(dst, e) from None
 
 
 @contextlib.contextmanager
@@ -329,9 +334,7 @@ def publishing_file(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     except CkptkitError:
         raise
     except OSError as e:
-        error = WriteError(os_error_line(dst, e))
-        error.errno, error.strerror, error.filename = e.errno, e.strerror, e.filename
-        raise error from None
+        raise write_error(dst, e) from None
 
 
 def _check_file_replaceable(dst: Path, replace: bool) -> None:

@@ -27,7 +27,8 @@ class Qwen2(Family):
         )
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-        out = hf_common_fields(cfg, self.hf_architecture, "qwen2", dtype)
+        out = hf_common_fields(cfg, self.hf_architecture, self.hf_model_types[0], dtype)
+        out.update(self.attention_fields(cfg))
         out.update(
             use_sliding_window=cfg.use_sliding_window,
             sliding_window=cfg.sliding_window,
@@ -35,6 +36,10 @@ class Qwen2(Family):
             initializer_range=0.02,
         )
         return out
+
+    def attention_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+        """config.json fields about attention beyond the common ones (Qwen2 has none)."""
+        return {}
 
     def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
         """Qwen2 slides only with ``use_sliding_window``, and then from ``max_window_layers`` on."""

@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptkit.models.config import ModelConfig
-from ckptkit.models.family import Family
 from ckptkit.models.moe import expert_rules, experts_layout_of
-from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout
+from ckptkit.models.qwen2 import Qwen2
+from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_llama_layout
 
 
 def qk_norm_rules() -> tuple[Rule, ...]:
@@ -22,7 +22,9 @@ def qk_norm_rules() -> tuple[Rule, ...]:
     )
 
 
-class Qwen3(Family):
+class Qwen3(Qwen2):
+    """Qwen2's config and sliding windows; no forced biases, q/k norms per head."""
+
     name = "qwen3"
     hf_model_types = ("qwen3",)
     hf_architecture = "Qwen3ForCausalLM"
@@ -41,23 +43,8 @@ class Qwen3(Family):
             max_window_layers=cfg.get("max_window_layers"),
         )
 
-    def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-        out = hf_common_fields(cfg, self.hf_architecture, self.hf_model_types[0], dtype)
-        out.update(
-            attention_bias=cfg.attention_bias,
-            use_sliding_window=cfg.use_sliding_window,
-            sliding_window=cfg.sliding_window,
-            max_window_layers=cfg.num_layers if cfg.max_window_layers is None else cfg.max_window_layers,
-            initializer_range=0.02,
-        )
-        return out
-
-    def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
-        """As Qwen2: only with ``use_sliding_window``, from ``max_window_layers`` on."""
-        if not cfg.use_sliding_window:
-            return [None] * cfg.num_layers
-        first = 28 if cfg.max_window_layers is None else cfg.max_window_layers
-        return [cfg.sliding_window if i >= first else None for i in range(cfg.num_layers)]
+    def attention_fields(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {"attention_bias": cfg.attention_bias}
 
 
 class Qwen3Moe(Qwen3):
