@@ -79,6 +79,9 @@ def reporting(script: str) -> Iterator[None]:
         saved, sys.stdout = sys.stdout, _Tee(sys.stdout, f)  # type: ignore[assignment]
         try:
             yield
+        except SystemExit as done:  # a benchmark's sys.exit(main()): its verdict, not a crash
+            if done.code not in (0, None):
+                raise
         finally:
             sys.stdout = saved
         f.write("```\n")

@@ -218,7 +218,7 @@ def convert(
     """
     src, dst = Path(src), Path(dst)
     if copy_method is not None and copy_method not in COPY_METHODS:
-        raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)} or off, not {copy_method!r}")
+        raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {copy_method!r}")
     fmt = target_format(to)
     if dtype is not None and dtype not in CAST_TARGETS + fmt.extra_dtypes:
         takers = [f.name for f in REGISTRY.values() if dtype in f.extra_dtypes]

@@ -11,6 +11,8 @@ them is checked by SHA-256.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -19,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -99,40 +102,62 @@ def _pip_download(pkg: str, dest: Path, sdist: bool) -> Path:
     return next(p for p in dest.iterdir() if p.name.startswith(stem) and p.suffix in (".gz", ".whl"))
 
 
+@contextlib.contextmanager
+def _cache_lock() -> Iterator[None]:
+    """One process at a time fills the test cache (pytest-xdist workers share it)."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".ckptkit-test-cache.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def llama_cpp_dir() -> Path:
     """llama.cpp as vendored in the llama-cpp-python sdist: ``LLAMA_CPP_FILES`` (and the
     vocabularies' ``.inp`` / ``.out`` test files), unpacked once into the cache."""
     cache = cache_dir() / f"llama-cpp-{LLAMA_CPP_PYTHON}"
     ready = cache / f"llama.cpp-{len(LLAMA_CPP_FILES)}"  # a new name when more files are vendored
-    if not all((ready / name).exists() for name in LLAMA_CPP_FILES):
-        cache.mkdir(parents=True, exist_ok=True)
-        sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", cache, sdist=True)
-        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-        staging = Path(tempfile.mkdtemp(dir=cache))
-        with tarfile.open(sdist) as tar:
-            wanted = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(LLAMA_CPP_FILES)]
-            for m in wanted:
-                m.name = m.name.removeprefix(prefix)
-            tar.extractall(staging, members=wanted, filter="data")
-        sdist.unlink()
-        os.replace(staging, ready)
+    with _cache_lock():
+        if not all((ready / name).exists() for name in LLAMA_CPP_FILES):
+            _fetch_llama_cpp(cache, ready)
     return _checked(ready, LLAMA_CPP_SHA256)
+
+
+def _fetch_llama_cpp(cache: Path, ready: Path) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", cache, sdist=True)
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    staging = Path(tempfile.mkdtemp(dir=cache))
+    with tarfile.open(sdist) as tar:
+        wanted = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(LLAMA_CPP_FILES)]
+        for m in wanted:
+            m.name = m.name.removeprefix(prefix)
+        tar.extractall(staging, members=wanted, filter="data")
+    sdist.unlink()
+    os.replace(staging, ready)
 
 
 def mistral_tokenizer_models() -> dict[str, Path]:
     """Mistral's v1 and v3 sentencepiece ``tokenizer.model`` files, from the mistral-common wheel."""
     ready = cache_dir() / f"mistral-common-{MISTRAL_COMMON}"
-    if not all((ready / name).is_file() for name in MISTRAL_SHA256):
-        ready.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=ready.parent))
-        wheel = _pip_download(f"mistral-common=={MISTRAL_COMMON}", staging, sdist=False)
-        with zipfile.ZipFile(wheel) as zf:
-            for name in MISTRAL_SHA256:
-                (staging / name).write_bytes(zf.read(f"mistral_common/data/{name}"))
-        wheel.unlink()
-        os.replace(staging, ready)
+    with _cache_lock():
+        if not all((ready / name).is_file() for name in MISTRAL_SHA256):
+            _fetch_mistral(ready)
     _checked(ready, MISTRAL_SHA256)
     return {"v1": ready / "tokenizer.model.v1", "v3": ready / "mistral_instruct_tokenizer_240323.model.v3"}
+
+
+def _fetch_mistral(ready: Path) -> None:
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=ready.parent))
+    wheel = _pip_download(f"mistral-common=={MISTRAL_COMMON}", staging, sdist=False)
+    with zipfile.ZipFile(wheel) as zf:
+        for name in MISTRAL_SHA256:
+            (staging / name).write_bytes(zf.read(f"mistral_common/data/{name}"))
+    wheel.unlink()
+    os.replace(staging, ready)
 
 
 def gguf_reader(path: Path) -> object:
@@ -155,20 +180,27 @@ def llama2_tokenizer_model() -> Path:
     and Llama 2's model settings (BPE, byte fallback, identity normalizer, dummy prefix,
     whitespace kept; unk 0, bos 1, eos 2, no pad). No PyPI package ships Meta's file itself;
     this one holds everything sentencepiece encodes with."""
-    from ckptkit.tokenization.spm_proto import BPE, Piece, SpmModel, write_spm_model
 
     path = cache_dir() / f"llama-cpp-{LLAMA_CPP_PYTHON}" / "llama2-tokenizer.model"
-    if not path.is_file():
-        fields = gguf_reader(llama_cpp_dir() / "models" / "ggml-vocab-llama-spm.gguf").fields  # type: ignore[attr-defined]
-        tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "scores", "token_type"))
-        pieces = [Piece(t, s, k) for t, s, k in zip(tokens, scores, types, strict=True)]
-        model = SpmModel(pieces, BPE, byte_fallback=True, normalizer_name="identity", remove_extra_whitespaces=False)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(write_spm_model(model))
-        os.replace(tmp, path)
+    vocab = llama_cpp_dir() / "models" / "ggml-vocab-llama-spm.gguf"
+    with _cache_lock():
+        if not path.is_file():
+            _write_llama2_model(vocab, path)
     got = _sha256(path)
     assert got == LLAMA2_MODEL_SHA256, f"{path}: sha256 {got}, expected {LLAMA2_MODEL_SHA256}"
     return path
+
+
+def _write_llama2_model(vocab: Path, path: Path) -> None:
+    from ckptkit.tokenization.spm_proto import BPE, Piece, SpmModel, write_spm_model
+
+    fields = gguf_reader(vocab).fields  # type: ignore[attr-defined]
+    tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "scores", "token_type"))
+    pieces = [Piece(t, s, k) for t, s, k in zip(tokens, scores, types, strict=True)]
+    model = SpmModel(pieces, BPE, byte_fallback=True, normalizer_name="identity", remove_extra_whitespaces=False)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(write_spm_model(model))
+    os.replace(tmp, path)
 
 
 def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
