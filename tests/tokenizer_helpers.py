@@ -102,15 +102,27 @@ def _pip_download(pkg: str, dest: Path, sdist: bool) -> Path:
     return next(p for p in dest.iterdir() if p.name.startswith(stem) and p.suffix in (".gz", ".whl"))
 
 
+_LOCK_DEPTH = [0]  # held by this process already: a nested fetch must not wait on itself
+
+
 @contextlib.contextmanager
 def _cache_lock() -> Iterator[None]:
     """One process at a time fills the test cache (pytest-xdist workers share it)."""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / ".ckptkit-test-cache.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    if _LOCK_DEPTH[0]:
+        _LOCK_DEPTH[0] += 1
         try:
             yield
         finally:
+            _LOCK_DEPTH[0] -= 1
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".ckptkit-test-cache.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        _LOCK_DEPTH[0] = 1
+        try:
+            yield
+        finally:
+            _LOCK_DEPTH[0] = 0
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
