@@ -159,7 +159,7 @@ def test_the_copy_method_choices_are_four() -> None:
 
 
 def test_convert_refuses_a_fallback_as_copy_method(tmp_path: Path) -> None:
-    with pytest.raises(CkptkitError, match="--copy-method must be one of auto, direct, stream or off"):
+    with pytest.raises(CkptkitError, match="--copy-method must be one of auto, direct, stream, not 'sendfile'"):
         convert(FIXTURES / "hf" / "llama3", tmp_path / "out", "hf", copy_method="sendfile")
     assert not (tmp_path / "out").exists()
 
