@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.registry import register
 from ckptkit.io import publishing_file
+from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -262,7 +262,7 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
         extra = getattr(ckpt, "extra_files", None)
         for src in extra() if extra is not None else []:
             if src.name not in plan.skip:
-                shutil.copyfile(src, folder / src.name)
+                copy_regular_file(src, folder / src.name)
         for name, data in plan.files.items():
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}

@@ -130,12 +130,6 @@ class Checkpointer:
         self.dtypes = {k: v.dtype for k, v in ckpt.tensors.items()}
         return ckpt
 
-    def load_resume_weights(self) -> dict[str, torch.Tensor]:
-        """The model weights saved beside the recipe state being resumed."""
-        folder = self.resume_folder()
-        with open_checkpoint(folder, model_type=self.model_type) as ckpt:
-            return {k: v.get() for k, v in ckpt.tensors.items()}
-
     def load_recipe_state(self) -> dict[str, Any] | None:
         """The state to resume from, or None when not resuming; one-line errors name the key."""
         if not self.resume:

@@ -132,16 +132,6 @@ def load_full_tensors(model: nn.Module, full: Callable[[str], torch.Tensor], dev
     model.load_state_dict(sharded, strict=True, assign=True)
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (a collective for a sharded one)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def mine(indices: list[int]) -> list[int]:
-    """This rank's part of one global batch, strided as ``DistributedSampler`` splits."""
-    return indices[dist.get_rank() :: dist.get_world_size()]
-
-
 class Pending:
     """One checkpoint being written: every rank's shards into the writer's temporary folder,
     then, on rank 0 once all of them are written, ``finish(folder)`` (the model files converted
