@@ -26,7 +26,8 @@ from ckptkit.cli import app
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import detect_format
-from ckptkit.formats.dcp import Chunk, stitch
+from ckptkit.formats.dcp.metadata import Chunk
+from ckptkit.formats.dcp.reading import stitch
 from ckptkit.inspection import inspect_path
 from ckptkit.io import Span, read_spans
 from ckptkit.verify import verify_paths

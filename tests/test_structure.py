@@ -134,3 +134,14 @@ def test_the_copy_engine_is_used_through_its_public_face() -> None:
         if dst.startswith("ckptkit.io.")
     ]
     assert inside == []
+
+
+def test_the_dcp_format_is_used_through_its_public_face() -> None:
+    inside = [
+        f"{src} imports {dst}"
+        for src, targets in _graph().items()
+        if not src.startswith("ckptkit.formats.dcp")
+        for dst in targets
+        if dst.startswith("ckptkit.formats.dcp.")
+    ]
+    assert inside == []

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.dcp import METADATA, DcpCheckpoint, check_tiling, read_metadata
+from ckptkit.formats.dcp import DcpCheckpoint, holds_checkpoint, open_state, state_keys
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.lora import decoder_layers
 
@@ -220,13 +220,7 @@ def save_sharded(
 def sharded_model(folder: Path) -> DcpCheckpoint:
     """The model tensors (``model.`` keys, canonical names) of a DCP recipe state, read by
     ckptkit's DCP reader: each tensor stitched from the ranks' chunks when read, one at a time."""
-    path = folder / METADATA
-    md = read_metadata(path)
-    entries = {k.removeprefix("model."): e for k, e in md.tensors.items() if k.startswith("model.")}
-    for entry in entries.values():
-        check_tiling(entry, path)
-    empty: dict[str, Any] = {}
-    return DcpCheckpoint("dcp", folder, empty, empty, empty, "", "", empty, entries=entries)
+    return open_state(folder, "model.")
 
 
 class _PlainValuesPlanner(DefaultLoadPlanner):
@@ -243,24 +237,24 @@ class _PlainValuesPlanner(DefaultLoadPlanner):
 
 def recipe_state_dir(path: Path) -> Path:
     """``checkpointer.recipe_checkpoint``: a DCP recipe state folder, or a checkpoint folder holding one."""
-    return path / RECIPE_STATE_DIR if (path / RECIPE_STATE_DIR / ".metadata").is_file() else path
+    return path / RECIPE_STATE_DIR if holds_checkpoint(path / RECIPE_STATE_DIR) else path
 
 
 def recipe_state_keys(path: Path) -> set[str]:
-    """The (flattened) keys stored in a DCP recipe state, or a one-line error."""
-    if not (path / ".metadata").is_file():
+    """The (flattened) keys stored in a DCP recipe state, or a one-line error. Its ``.metadata``
+    is read by ckptkit's restricted reader: one torch's own reader would run code from is refused."""
+    if not holds_checkpoint(path):
         raise CkptkitError(
             f"{path}: no distributed recipe state there; set checkpointer.recipe_checkpoint to a checkpoint's "
             f"{RECIPE_STATE_DIR} folder"
         )
-    try:
-        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except Exception as e:  # any unreadable metadata: the message says which file
-        raise CkptkitError(f"{path}: unreadable recipe state metadata ({type(e).__name__})") from None
+    return state_keys(path)
 
 
 def load_recipe_state(path: Path, state: dict[str, Any]) -> None:
-    """Fill ``state`` (sharded tensors are loaded in place, resharded to this world size)."""
+    """Fill ``state`` (sharded tensors are loaded in place, resharded to this world size).
+    ``dcp.load`` unpickles ``.metadata`` as it is, so the restricted reader checks it first."""
+    recipe_state_keys(path)
     try:
         dcp.load(state, checkpoint_id=path, planner=_PlainValuesPlanner())
     except Exception as e:  # DCP wraps per-rank failures; report the first line
