@@ -24,7 +24,7 @@ from ckptkit import __version__
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import format_names
 from ckptkit.io import AUTO, COPY_METHODS
-from ckptkit.models import MODEL_TYPES
+from ckptkit.models import EXPERTS_LAYOUTS, MODEL_TYPES
 
 
 class OneLineUsageError(UsageError):
@@ -117,6 +117,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Choices come from the registries: a new format or family appears here by itself.
 Format = StrEnum("Format", {name.replace("-", "_"): name for name in format_names()})  # type: ignore[misc]
 ModelType = StrEnum("ModelType", {name: name for name in MODEL_TYPES})  # type: ignore[misc]
+Experts = StrEnum("Experts", {name.replace("-", "_"): name for name in EXPERTS_LAYOUTS})  # type: ignore[misc]
 
 
 NO_COPY = "off"
@@ -270,6 +271,14 @@ def convert(
     verbose: Annotated[
         bool, typer.Option(help="Log how the output is written (ckptkit.io) and the bytes of each copy method.")
     ] = False,
+    experts: Annotated[
+        Experts | None,
+        typer.Option(
+            metavar="LAYOUT",
+            help="Mixture-of-experts models: store experts one tensor each (per-expert) or as 3-D stacks "
+            "(stacked) in DST (default: as in SRC).",
+        ),
+    ] = None,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time."""
     from ckptkit.convert import COMPUTED
@@ -293,6 +302,7 @@ def convert(
             allow_lossy_cast=allow_lossy_cast,
             config=config,
             force_model_type=force_model_type,
+            experts=experts.value if experts else None,
         )
     if quiet:
         return
