@@ -52,6 +52,7 @@ from ckptkit.train.step import (
     evaluate,
     forward_backward,
     label_tokens,
+    router_aux_weight,
 )
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.trainable import FullWeights, LoRAAdapters, Trainable
@@ -83,6 +84,7 @@ class Recipe:
             self._check_progress(progress)
         model_cfg = ckpt.model_config()  # format, layout and config checks: no weights read yet
         self.trainable.check(model_cfg)
+        self.aux_weight = router_aux_weight(cfg.router_aux_loss_coef, model_cfg)
         from_folder = self.trainable.weights_from_resumed_checkpoint and not placement.weights_in_state()
         resumed = ckpt.resume_folder() if ckpt.resume and from_folder else None
         with ckpt.open_base() as base, contextlib.ExitStack() as stack:
@@ -220,7 +222,13 @@ class Recipe:
         samples = [self.dataset[i] for indices in step_batches for i in indices]
         parts = [collate([self.dataset[i] for i in placement.mine(indices)], self.pad_id) for indices in step_batches]
         stats = forward_backward(
-            self.model, parts, self.device, label_tokens(samples), placement.world_size, placement.reduce
+            self.model,
+            parts,
+            self.device,
+            label_tokens(samples),
+            placement.world_size,
+            placement.reduce,
+            aux_weight=self.aux_weight,
         )
         if self.cfg.clip_grad_norm:  # on sharded gradients the norm is reduced over all ranks
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)

@@ -6,7 +6,8 @@ matching ``transformers`` model. Supported: plain LoRA (optionally rsLoRA, per-m
 ranks) on linear layers. Where a family fuses projections into one HF module (Phi-3's
 ``qkv_proj``, ``gate_up_proj``), PEFT adapts the fused module whole: one A, and a B whose
 rows stack the parts; ckptkit's separate q/k/v (w1/w3) adapters then share one ``lora_a``
-and their ``lora_b`` are that B's row blocks. Anything else fails with one line.
+and their ``lora_b`` are that B's row blocks. Experts and routers are PEFT's
+``target_parameters`` (:mod:`ckptkit.train.peft_experts`). Anything else fails with one line.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, canonical_shapes
-from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config
+from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
+from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -136,18 +138,25 @@ def save_adapter(
     if any(m.merged for m in modules.values()):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
-    tensors, hf_names = _peft_tensors(model, weights)
+    tensors, hf_names, target_parameters = _peft_tensors(model, weights)
+    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
+    if target_parameters and (dropouts != {0.0} or any(modules[n].rank != rank for n in modules if n not in hf_names)):
+        raise CkptkitError("LoRA on experts or router takes one rank for every adapter and no dropout in PEFT format")
+    modules = {n: m for n, m in modules.items() if n in hf_names}  # linear modules: target_modules
 
     # Leaf names when every linear with that leaf is adapted, full module names otherwise.
     canonical_leaves = {n.rsplit(".", 1)[-1] for n in modules}
     candidates = [
-        n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n.rsplit(".", 1)[-1] in canonical_leaves
+        n
+        for n, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and targeted(n, canonical_leaves) and n.rsplit(".", 1)[-1] in canonical_leaves
     ]
-    if len(candidates) == len(modules):
+    if not modules:
+        target_modules = None
+    elif len(candidates) == len(modules):
         target_modules = sorted({hf.rsplit(".", 1)[-1] for hf in hf_names.values()})
     else:
         target_modules = sorted(hf_names.values())
-    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
     rank_pattern = {hf_names[n]: m.rank for n, m in modules.items() if m.rank != rank}
 
     config = dict(_PEFT_DEFAULTS)
@@ -158,6 +167,7 @@ def save_adapter(
         r=rank,
         rank_pattern=rank_pattern,
         target_modules=target_modules,
+        target_parameters=target_parameters or None,
         use_rslora=rslora.pop(),
     )
     out = Path(out_dir)
@@ -168,16 +178,23 @@ def save_adapter(
 
 def _peft_tensors(
     model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """PEFT's tensors for the model's adapters (or for ``weights``, full tensors by parameter
-    name), and each canonical module's HF module name."""
-    model_type = model_config(model).model_type
+    name), each adapted linear's HF module name (canonical module -> HF module; experts and
+    routers left out), and the ``target_parameters`` (experts, routers)."""
+    cfg = model_config(model)
+    model_type = cfg.model_type
+    moe_modules = {m for p in moe_params(cfg) for m in p.modules}
     tensors: dict[str, torch.Tensor] = {}
     hf_names: dict[str, str] = {}
+    moe: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     fused_b: dict[str, list[tuple[int, torch.Tensor]]] = {}
     counts: dict[str, int] = {}
     for name, m in lora_modules(model).items():
         a, b = (m.lora_a, m.lora_b) if weights is None else (weights[f"{name}.lora_a"], weights[f"{name}.lora_b"])
+        if name in moe_modules:
+            moe[name] = (a.detach(), b.detach())
+            continue
         hf = hf_names[name] = _hf_module(model_type, name)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
         part = fused_part(model_type, name)
@@ -194,7 +211,9 @@ def _peft_tensors(
         if len(parts) != counts[hf]:
             raise CkptkitError(f"LoRA adapts only some parts of the fused {hf}; PEFT adapts it whole")
         tensors[f"{_PREFIX}{hf}.lora_B.weight"] = torch.cat([b for _, b in sorted(parts, key=lambda p: p[0])])
-    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names
+    moe_tensors, target_parameters, _ = to_peft(cfg, moe)
+    tensors.update({_PREFIX + k: v for k, v in moe_tensors.items()})
+    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -246,7 +265,6 @@ def _check_supported(config: dict[str, Any]) -> None:
         "alpha_pattern": bool(config.get("alpha_pattern")),
         "modules_to_save": bool(config.get("modules_to_save")),
         "layer_replication": bool(config.get("layer_replication")),
-        "target_parameters": bool(config.get("target_parameters")),
         "trainable_token_indices": bool(config.get("trainable_token_indices")),
         "use_qalora": bool(config.get("use_qalora")),
         "alora_invocation_tokens": bool(config.get("alora_invocation_tokens")),
@@ -278,6 +296,13 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
     """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts)."""
     model_type = model.model_type
     config, tensors = read_adapter(adapter_dir)
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise CkptkitError(f"{Path(adapter_dir) / ADAPTER_CONFIG}: target_parameters is not a list of names")
+    bodies = {k.removeprefix(_PREFIX): v for k, v in tensors.items()}
+    moe = from_peft(model, targets, bodies) if targets else {}
+    stacked = {_PREFIX + k for k in moe_keys(model, targets)}
+    tensors = {k: v for k, v in tensors.items() if k not in stacked}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
@@ -295,10 +320,12 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
             base_copies[
                 _canonical_module(model_type, body.removesuffix(".weight").removesuffix(".base_layer")) + ".weight"
             ] = tensor
-    if not pairs:
+    if not pairs and not moe:
         raise CkptkitError(f"adapter in {adapter_dir} has no LoRA weights")
     alpha = float(config.get("lora_alpha", 8))
     lora = {}
+    for module, (a, b) in moe.items():
+        lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(a.shape[0]) if config.get("use_rslora") else a.shape[0]))
     for module, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
             raise CkptkitError(f"adapter has an incomplete LoRA pair for {module}")

@@ -193,8 +193,8 @@ class FSDP2(Placement):
         made = {k: v for k, v in model.state_dict().items() if not v.is_meta}  # e.g. LoRA adapters, on the CPU
         if len({t.data_ptr() for t in made.values()}) < len(made):
             raise CkptkitError(
-                f"LoRA on the fused modules of {model_config(model).model_type} (one shared A) is not supported by "
-                "lora_finetune_distributed yet; use lora_finetune or other lora.targets"
+                f"LoRA on parts that share one A ({model_config(model).model_type}'s fused modules, or experts' gate "
+                "and up) is not supported by lora_finetune_distributed yet; use lora_finetune or other lora.targets"
             )
         model.to("meta")
         D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype, activation_checkpointing=False)

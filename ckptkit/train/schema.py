@@ -134,6 +134,8 @@ class RecipeConfig(Section):
     clip_grad_norm: PositiveFloat | None = None
     enable_activation_checkpointing: Bool = False
     compile: Bool = False
+    # mixture-of-experts models: weight of the router's load-balancing loss (null: config.json's)
+    router_aux_loss_coef: NonNegativeFloat | None = None
     eval_every_n_steps: PositiveInt | None = None
     log_every_n_steps: PositiveInt = 1
     save_every_n_steps: PositiveInt | None = None
