@@ -12,8 +12,18 @@ from ckptkit.errors import CkptkitError
 
 RECIPE_DIR = Path(__file__).parent
 RECIPES: dict[str, list[str]] = {
-    "full_finetune": ["tiny_full", "llama2_7B_full", "llama3_1_8B_full"],
-    "lora_finetune": ["tiny_lora", "llama2_7B_lora", "llama3_1_8B_lora", "mistral_7B_lora", "qwen2_1_5B_lora"],
+    "full_finetune": ["tiny_full", "llama2_7B_full", "llama3_1_8B_full", "olmo2_7B_full"],
+    "lora_finetune": [
+        "tiny_lora",
+        "llama2_7B_lora",
+        "llama3_1_8B_lora",
+        "mistral_7B_lora",
+        "qwen2_1_5B_lora",
+        "qwen3_8B_lora",
+        "qwen3_30B_A3B_lora",
+        "mixtral_8x7B_lora",
+        "gemma2_9B_lora",
+    ],
     "full_finetune_distributed": [
         "tiny_full_distributed",
         "llama2_7B_full_distributed",
@@ -23,6 +33,7 @@ RECIPES: dict[str, list[str]] = {
         "tiny_lora_distributed",
         "llama2_7B_lora_distributed",
         "llama3_1_8B_lora_distributed",
+        "mixtral_8x7B_lora_distributed",
     ],
 }
 
