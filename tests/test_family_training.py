@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from ckptkit.cli import app
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
 
-from conftest import FIXTURES, raw_layout
+from conftest import FIXTURES, raw_layout, tree_hashes
 from train_helpers import TOL, hf_model, native_model
 
 NEW = ["qwen3", "qwen3_moe", "qwen3_moe-stacked", "mixtral", "mixtral-stacked", "gemma2", "gemma3_text", "olmo2"]
@@ -120,6 +122,11 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
         stacked = "model.layers.0.mlp.experts.down_proj"
         start = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()[stacked]
         assert not torch.equal(merged.state_dict()[stacked], start)
+        # `ckptkit merge` of the adapter writes the recipe's merged model byte for byte
+        result = CliRunner().invoke(app, ["merge", str(base), str(out / "adapter"), str(tmp_path / "merged")])
+        assert result.exit_code == 0, result.output
+        recipe = {k: v for k, v in tree_hashes(out).items() if "adapter" not in k}
+        assert tree_hashes(tmp_path / "merged") == recipe
     assert (_logits(merged, ids, hf=True) - want).abs().max().item() <= TOL
 
 
