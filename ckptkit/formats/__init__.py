@@ -27,6 +27,7 @@ from ckptkit.formats.registry import (
     format_names,
     get_format,
     is_checkpoint_file,
+    load_plugins,
     register,
     unregister,
 )
@@ -34,5 +35,5 @@ from ckptkit.formats.sidecar import recorded_origin
 
 __all__ = [
     "REGISTRY", "CheckpointFormat", "detect_format", "file_format", "find_format", "format_names", "get_format",
-    "is_checkpoint_file", "recorded_origin", "register", "unregister",
+    "is_checkpoint_file", "load_plugins", "recorded_origin", "register", "unregister",
 ]  # fmt: skip
