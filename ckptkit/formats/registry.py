@@ -78,6 +78,12 @@ def get_format(name: str) -> CheckpointFormat:
     return found
 
 
+def transformers_format() -> CheckpointFormat:
+    """The format to write for transformers (and PEFT) to load: the first registered one
+    ``from_pretrained`` reads as it is (HF safetensors)."""
+    return next(f for f in REGISTRY.values() if f.loads_in_transformers)
+
+
 def detect_format(root: Path) -> CheckpointFormat:
     """The format of a checkpoint directory, or a one-line error."""
     if not root.exists():
