@@ -206,12 +206,14 @@ def format_spellings(source: str, names: set[str], suffixes: tuple[str, ...]) ->
     family (``meta_container = "pth"``), and torch's ``"meta"`` device."""
     tree = ast.parse(source)
     extensions = {s.lstrip(".") for s in suffixes if s.count(".") == 1}
-    mentions = re.compile(r"\.(%s)\b" % "|".join(sorted(re.escape(e) for e in extensions)))
+    alternatives = "|".join(sorted(re.escape(e) for e in extensions))
+    mentions = re.compile(rf"\.({alternatives})\b")
     skip: set[int] = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            skip.add(id(body[0].value))  # a docstring
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            skip.add(id(first.value))  # a docstring
         if isinstance(node, ast.ClassDef):
             skip |= {id(s.value) for s in node.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)}
         if isinstance(node, ast.keyword) and node.arg == "device":
