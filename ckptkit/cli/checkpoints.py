@@ -187,9 +187,8 @@ def verify(
 ) -> None:
     """Compare two checkpoints tensor by tensor, bitwise, in each one's own names.
 
-    The first line is the verdict. Exit status: 0 identical (or only casts, with
-    --allow-cast); 3 the only differences are dtype casts; 1 anything else differs or is
-    missing (or an input error).
+    The first line is the verdict (IDENTICAL, CAST: only dtypes differ, or DIFFERENT).
+    Exit status: 0 identical (or only casts, with --allow-cast); 1 otherwise.
     """
     from ckptkit.verify import verify_paths
 
