@@ -1,5 +1,5 @@
 """``ckptkit verify``: a verdict line first, each checkpoint's own tensor names, casts told
-apart from changed bytes (exit 3, or 0 with --allow-cast), and --logits."""
+apart from changed bytes (verdict CAST; exit 1 as for any difference, 0 with --allow-cast), and --logits."""
 
 from __future__ import annotations
 
