@@ -27,12 +27,15 @@ from ckptkit.formats.registry import (
     format_names,
     get_format,
     is_checkpoint_file,
+    load_plugins,
     register,
+    transformers_format,
     unregister,
 )
 from ckptkit.formats.sidecar import recorded_origin
 
 __all__ = [
     "REGISTRY", "CheckpointFormat", "detect_format", "file_format", "find_format", "format_names", "get_format",
-    "is_checkpoint_file", "recorded_origin", "register", "unregister",
+    "is_checkpoint_file", "load_plugins", "recorded_origin", "register", "transformers_format",
+    "unregister",
 ]  # fmt: skip
