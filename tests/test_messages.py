@@ -3,6 +3,7 @@ what is wrong and what to do."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -187,3 +188,53 @@ def test_resuming_with_an_adapter_of_another_base_names_the_adapter_and_the_keys
     assert line.startswith(f"error: {adapters['olmo2']}: adapter for another model: it was trained on a model with ")
     assert "hidden size 40; fixtures/hf/llama2 has 64; check checkpointer.adapter_checkpoint, or set " in line
     assert "checkpointer.checkpoint_dir to the model it was trained on" in line
+
+
+# --- notes say whether anything needs doing ---------------------------------------------------
+
+VERDICT = re.compile(r".+; (nothing to do|to [^;]+)")  # "<fact>; nothing to do" or "<fact>; to <goal>, <action>"
+
+
+@pytest.mark.slow
+def test_every_note_of_the_fixture_conversions_says_whether_action_is_needed(tmp_path: Path) -> None:
+    from ckptkit.convert import convert
+    from ckptkit.errors import CkptkitError
+
+    notes: dict[str, str] = {}
+    for src in sorted(p for kind in ("hf", "meta", "hf-bin", "dcp") for p in (FIXTURES / kind).iterdir()):
+        config = FIXTURES / "hf" / "llama2" / "config.json" if src.parent.name == "dcp" else None
+        for to in format_names():
+            for dtype in (None, "bfloat16"):
+                dst = tmp_path / ("o.gguf" if to == "gguf" else "o")
+                try:
+                    result = convert(src, dst, to, dtype=dtype, config=config, force=True)
+                except CkptkitError:  # a pair ckptkit refuses (no Meta layout for qwen2, ...): no notes
+                    continue
+                finally:
+                    if dst.is_dir():
+                        shutil.rmtree(dst)
+                    dst.unlink(missing_ok=True)
+                notes.update({n: f"{src.relative_to(FIXTURES)} --to {to} --dtype {dtype}" for n in result.notes})
+    assert len(notes) >= 4  # tokenizer specials, unused tensors not carried, no tokenizer...
+    assert [f"{where}: {n}" for n, where in notes.items() if not VERDICT.fullmatch(n)] == []
+
+
+def test_every_note_is_made_by_the_function_that_adds_the_verdict() -> None:
+    """Each ``notes.append(...)`` and ``on_note(...)`` in ckptkit passes ``note(...)``."""
+    import ast
+
+    unmade = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "ckptkit").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            adds_note = (isinstance(func, ast.Name) and func.id == "on_note") or (
+                isinstance(func, ast.Attribute)
+                and func.attr == "append"
+                and ast.unparse(func.value).split(".")[-1] == "notes"
+            )
+            made = isinstance(node.args[0], ast.Call) and ast.unparse(node.args[0].func) == "note"
+            if adds_note and not made:
+                unmade.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert unmade == []
