@@ -276,16 +276,18 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
     shapes = canonical_shapes(model)
     # the dimensions that are the hidden size: those that change with it
     wider = canonical_shapes(dataclasses.replace(model, hidden_size=model.hidden_size + 1))
-    weights = {f"{m}.weight": (w.b.shape[0], w.a.shape[1]) for m, w in adapter.lora.items()}
+    weights: dict[str, tuple[int, ...]] = {f"{m}.weight": (w.b.shape[0], w.a.shape[1]) for m, w in adapter.lora.items()}
     weights |= {k: tuple(t.shape) for k, t in adapter.base_copies.items()}
     for key, got in weights.items():
         want = shapes.get(key)
         if want is None or got == want:
             continue
-        for mine, theirs, other in zip(got, want, wider[key], strict=True):
+        for mine, theirs, other in zip(got, want, wider[key], strict=False):  # ndims may differ
             if mine != theirs and theirs != other:
                 return f"it was trained on a model with hidden size {mine}; {base} has {theirs}"
         hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+        if len(got) != 2 or len(want) != 2:
+            return f"{hf} has shape {list(got)} in the adapter, {list(want)} in {base}"
         return f"{hf} maps {got[1]} -> {got[0]} features in the adapter, {want[1]} -> {want[0]} in {base}"
     for key in weights:
         if key not in shapes:
