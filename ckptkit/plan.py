@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ckptkit.checkpoint import Checkpoint
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
 from ckptkit.models import EXPERTS_LAYOUTS
@@ -37,7 +37,7 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
     if opts.dtype is not None:
         kept = [k for k, v in targets.items() if v.dtype not in FLOATING]
         if kept:
-            notes.append(f"not cast (not floating point): {', '.join(kept[:4])}")
+            notes.append(note(f"not cast (not floating point, kept as stored): {', '.join(kept[:4])}"))
     targets = {k: _cast(k, v, opts.dtype, opts.allow_lossy_cast) for k, v in targets.items()}
     plan = _restored_plan(ckpt, fmt, targets, notes) if restore else None
     if plan is None:
@@ -148,11 +148,20 @@ def _restored_plan(ckpt: Checkpoint, fmt: CheckpointFormat, targets: dict[str, L
     required = fmt.required(ckpt)
     missing = [k for k in targets if k not in placed and k in required]
     if missing:
-        notes.append(f"the recorded {fmt.name} layout does not fit this model ({missing[0]}); using the default layout")
+        notes.append(
+            note(
+                f"the recorded {fmt.name} layout does not fit this model ({missing[0]}): written in the default layout"
+            )
+        )
         return None
     absent = sorted({k for k in placed if k not in targets})
     if absent:
-        notes.append(f"not restored (no longer available): {', '.join(absent[:4])}")
+        notes.append(
+            note(
+                f"not restored (no longer available): {', '.join(absent[:4])}",
+                "to keep them, convert from the checkpoint that had them",
+            )
+        )
     n = len(origin["files"])
     files = []
     for i, f in enumerate(origin["files"]):

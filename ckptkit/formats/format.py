@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
 from ckptkit.tokenization import TokenizerPlan
@@ -182,9 +182,8 @@ class CheckpointFormat:
         dropped = [k for k in pool if not layout.is_unused(k)]
         notes = []
         if dropped:
-            notes.append(
-                f"not carried ({self.name} does not hold them, the model does not use them): {', '.join(dropped[:4])}"
-            )
+            why = f"{self.name} does not hold them, the model does not use them"
+            notes.append(note(f"not carried ({why}): {', '.join(dropped[:4])}"))
         return targets, notes
 
     def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:

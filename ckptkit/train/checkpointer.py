@@ -178,7 +178,8 @@ class Checkpointer:
             folder = folder / ADAPTER_DIR  # the checkpoint folder was given
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
-        adapter = read_lora_weights(folder, model_config(model))
+        fix = "check checkpointer.adapter_checkpoint, or set checkpointer.checkpoint_dir to the model"
+        adapter = read_lora_weights(folder, model_config(model), str(self.checkpoint_dir), fix)
         modules = lora_modules(model)
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))

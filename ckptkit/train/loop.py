@@ -137,6 +137,22 @@ class Recipe:
             "validation_samples": len(self.val_dataset) if self.val_dataset is not None else 0,
         }
 
+    def start_summary(self) -> list[str]:
+        """What the run is about to do, printed before its first step."""
+        cfg, info, model_cfg = self.cfg, self.describe(), self.model.config
+        params = sum(p.numel() for p in self.model.parameters())
+        trained = info["trainable_parameters"]
+        valid = f" ({info['validation_samples']} for validation)" if info["validation_samples"] else ""
+        ranks = f" on {info['world_size']} processes" if info["world_size"] > 1 else ""
+        resumed = f", resuming after step {self.global_step}" if self.global_step else ""
+        return [
+            f"model: {model_cfg.model_type} from {self.checkpointer.checkpoint_dir}, {params:,} parameters, "
+            f"{trained:,} trainable ({trained / params:.2%})",
+            f"data: {len(self.dataset)} training samples{valid}, {self.steps_per_epoch} steps per epoch x "
+            f"{cfg.epochs} epochs (0 to {cfg.epochs - 1}) = {self.total_steps} steps of {self.global_batch} samples",
+            f"output: {self.checkpointer.output_dir}; {self.device.type}, {cfg.dtype}{ranks}{resumed}",
+        ]
+
     def _check_progress(self, progress: dict[str, Any]) -> None:
         """Refuse a recipe state of another schedule or global batch (the data position counts global batches)."""
         self.checkpointer.check_state(progress, self.seed, self.cfg.epochs, self.cfg.max_steps_per_epoch)
@@ -190,6 +206,8 @@ class Recipe:
         quiet = cfg.quiet or not self.writer
         self.progress = Progress(self.total_steps, self.global_step, quiet, cfg.log_every_n_steps, str(self.device))
         with self.progress as progress:
+            for line in self.start_summary():
+                progress.note(line)
             for epoch in range(self.epochs_run, cfg.epochs):
                 batches = epoch_batches(len(self.dataset), self.global_batch, self.seed, epoch)
                 while self.steps_in_epoch < self.steps_per_epoch:

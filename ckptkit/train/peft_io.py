@@ -12,6 +12,7 @@ and their ``lora_b`` are that B's row blocks. Experts and routers are PEFT's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -102,18 +103,19 @@ def _hf_module(model_type: str, canonical_module: str) -> str:
     return name.removesuffix(".weight")
 
 
+class NotInBase(CkptkitError):
+    """An adapter names a module that the base model's type does not have."""
+
+
 def _canonical_module(model_type: str, hf_module: str) -> str:
     from ckptkit.models import canonical_key
 
-    fused = ("qkv_proj", "gate_up_proj")
-    if hf_module.rsplit(".", 1)[-1] in fused:
-        raise CkptkitError(
-            f"adapter targets the fused {model_type} module {hf_module}; fused targets are not supported"
-        )
     try:
+        if hf_module.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):  # fused where model_type is not
+            raise KeyError(hf_module)
         name = canonical_key(model_type, f"{hf_module}.weight")
-    except (CkptkitError, KeyError, ValueError) as exc:
-        raise CkptkitError(f"adapter targets {hf_module}, which has no {model_type} counterpart: {exc}") from None
+    except (CkptkitError, KeyError, ValueError):
+        raise NotInBase(f"the adapter targets {hf_module}, which a {model_type} model does not have") from None
     return name.removesuffix(".weight")
 
 
@@ -264,8 +266,61 @@ class Adapter(NamedTuple):
     base_copies: dict[str, torch.Tensor]
 
 
-def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
-    """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts)."""
+def read_lora_weights(
+    adapter_dir: str | Path, model: ModelConfig, base: str = "the model", fix: str = "use it with the model"
+) -> Adapter:
+    """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts).
+
+    An adapter trained on another model (other hidden size, layers or modules than
+    ``model``, the config of ``base``) is refused in one line that names the adapter
+    folder, the mismatch and what to do (``fix`` ... "it was trained on").
+    """
+    try:
+        adapter = _read_lora_weights(adapter_dir, model)
+        misfit = _misfit(adapter, model, base)
+    except NotInBase as exc:
+        misfit = str(exc)
+    if misfit:
+        trained_on = read_adapter_config(Path(adapter_dir)).get("base_model_name_or_path")
+        raise CkptkitError(
+            f"{adapter_dir}: adapter for another model: {misfit}; {fix} it was trained on"
+            + (f" ({trained_on}, adapter_config.json)" if trained_on else "")
+        )
+    return adapter
+
+
+def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
+    """How ``adapter`` does not fit ``model`` (None: it fits), in the adapter's own (HF) names."""
+    shapes = canonical_shapes(model)
+    # the dimensions that are the hidden size: those that change with it
+    wider = canonical_shapes(dataclasses.replace(model, hidden_size=model.hidden_size + 1))
+    weights: dict[str, tuple[int, ...]] = {f"{m}.weight": (w.b.shape[0], w.a.shape[1]) for m, w in adapter.lora.items()}
+    weights |= {k: tuple(t.shape) for k, t in adapter.base_copies.items()}
+    for key, got in weights.items():
+        want = shapes.get(key)
+        if want is None or got == want:
+            continue
+        for mine, theirs, other in zip(got, want, wider[key], strict=False):  # ndims may differ
+            if mine != theirs and theirs != other:
+                return f"it was trained on a model with hidden size {mine}; {base} has {theirs}"
+        hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+        if len(got) != 2 or len(want) != 2:
+            return f"{hf} has shape {list(got)} in the adapter, {list(want)} in {base}"
+        return f"{hf} maps {got[1]} -> {got[0]} features in the adapter, {want[1]} -> {want[0]} in {base}"
+    for key in weights:
+        if key not in shapes:
+            hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+            layer = key.split(".")[1] if key.startswith("layers.") else None
+            why = (
+                f" ({model.num_layers} layers)" if layer is not None and int(layer) >= model.num_layers
+                else " (it ties the output projection to the embeddings)" if key == "output.weight"
+                else ""
+            )  # fmt: skip
+            return f"the adapter has {hf}; {base} does not{why}"
+    return None
+
+
+def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
     model_type = model.model_type
     config, tensors = read_adapter(adapter_dir)
     targets = config.get("target_parameters") or []
@@ -315,7 +370,7 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
         shapes = canonical_shapes(model)
         rows = [shapes[f"{p}.weight"][0] if f"{p}.weight" in shapes else -1 for p in parts]
         if min(rows) < 0 or sum(rows) != b.shape[0]:
-            raise CkptkitError(f"adapter LoRA B for the fused {module} has {b.shape[0]} rows, the model {sum(rows)}")
+            raise NotInBase(f"the adapter's {module} has {b.shape[0]} output rows, the model's {sum(rows)}")
         for part, b_part in zip(parts, torch.split(b, rows), strict=True):
             lora[part] = AdapterWeights(a, b_part, scaling)
     return Adapter(config, lora, base_copies)
@@ -346,9 +401,10 @@ def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
             m.lora_b.copy_(w.b)
 
 
-def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
-    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
-    adapter = read_lora_weights(adapter_dir, model_config(model))
+def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False, base: str = "the model") -> nn.Module:
+    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (read from ``base``, for
+    messages) in place; ``merge`` folds it in."""
+    adapter = read_lora_weights(adapter_dir, model_config(model), base)
     check_base_copies(adapter, model.state_dict())
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)
