@@ -20,7 +20,7 @@ import torch
 
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
-from ckptkit.train.config import load_config, validate_config
+from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
@@ -210,5 +210,5 @@ def test_bundled_distributed_configs_validate() -> None:
                "lora_finetune_distributed": LoRAFinetuneDistributedConfig}  # fmt: skip
     for recipe, schema in schemas.items():
         for name in RECIPES[recipe]:
-            cfg = validate_config(load_config(name), schema)
-            assert cfg["batch_size"] >= 1 and "mixed_precision" in cfg
+            cfg = parse_config(load_config(name), schema)
+            assert cfg.batch_size >= 1 and cfg.mixed_precision.param_dtype in (None, "fp32", "bf16")

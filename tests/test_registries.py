@@ -191,6 +191,26 @@ def test_no_format_name_or_suffix_branches_outside_formats() -> None:
     assert found == []
 
 
+def test_training_spells_no_format_name() -> None:
+    """Which formats a torchtune checkpointer reads, or which format transformers loads, is the
+    formats' to say: no format name is written in ckptkit/train ("meta" only as torch's device)."""
+    names = set(FORMAT_REGISTRY)
+    found = []
+    for path in _sources(PACKAGE / "train"):
+        tree = ast.parse(path.read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        devices = {id(k.value) for c in calls for k in c.keywords if k.arg == "device"}
+        devices |= {
+            id(c.args[0]) for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr == "to" and c.args
+        }
+        found += [
+            f"{path.relative_to(PACKAGE)}:{n.lineno}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value in names and id(n) not in devices
+        ]
+    assert found == []
+
+
 def test_no_family_knowledge_outside_models() -> None:
     assert _matches(r"model_type\s*(==|!=|in\b)", _sources(PACKAGE / "train")) == []
     scaled = [m for m in _matches(r"use_scaled_rope", _sources(PACKAGE)) if not m.startswith("models/llama.py")]

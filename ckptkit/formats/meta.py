@@ -146,6 +146,7 @@ class MetaFormat(CheckpointFormat):
     expects = "params.json + consolidated.*.pth"
     detect_order = 20
     sharding = "ranks"
+    torchtune_checkpointers = ("torchtune.training.FullModelMetaCheckpointer",)
     weight_file = WEIGHT_FILE
     config_file = "params.json"
     metadata_names = ("params.json",)

@@ -48,6 +48,21 @@ def get_format(name: str) -> CheckpointFormat:
     return found
 
 
+def torchtune_checkpointers() -> tuple[str, ...]:
+    """The torchtune checkpointer components that read some registered format."""
+    return tuple(dict.fromkeys(c for f in REGISTRY.values() for c in f.torchtune_checkpointers))
+
+
+def formats_read_by(component: str) -> tuple[str, ...]:
+    """The names of the registered formats torchtune's checkpointer ``component`` reads."""
+    return tuple(f.name for f in REGISTRY.values() if component in f.torchtune_checkpointers)
+
+
+def transformers_format() -> CheckpointFormat:
+    """The format of a folder transformers and PEFT load as it is: the first registered one."""
+    return next(f for f in REGISTRY.values() if f.loads_in_transformers)
+
+
 def detect_format(root: Path) -> CheckpointFormat:
     """The format of a checkpoint directory, or a one-line error."""
     if not root.exists():

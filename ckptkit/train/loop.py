@@ -69,7 +69,7 @@ class Recipe:
         self.seed = cfg.seed
         self.global_batch = cfg.batch_size * placement.world_size
         self.writer = placement.rank == 0  # logs and writes checkpoints
-        self.checkpointer = Checkpointer(cfg)
+        self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint)
         self.metrics: MetricLogger | None = None
         torch.manual_seed(self.seed)
         random.seed(self.seed)

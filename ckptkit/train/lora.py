@@ -86,7 +86,14 @@ class LoRALinear(nn.Linear):
         if lora_dtype is None:
             lora_dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
         lora = cls(
-            linear.in_features, linear.out_features, rank, alpha, dropout, linear.bias is not None, use_rslora, "meta"
+            linear.in_features,
+            linear.out_features,
+            rank,
+            alpha,
+            dropout,
+            linear.bias is not None,
+            use_rslora,
+            device="meta",
         )
         lora.weight = nn.Parameter(w.data, requires_grad=False)
         if linear.bias is not None:
