@@ -326,7 +326,7 @@ def main(recipe: str, doc: str) -> None:
         run(load_config(args.config, overrides), recipe)
     except CkptkitError as e:
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"error: {rank}{e}", file=sys.stderr)
+        sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
         code = 1
     if RECIPES[recipe][2].launched_by_torchrun:
         from ckptkit.train.distributed import exit_worker
