@@ -131,7 +131,9 @@ def _write_tensors(
 # --- the command ---------------------------------------------------------------------
 
 
-def check_destination(src: Path, dst: Path, force: bool) -> None:
+def check_destination(src: Path, dst: Path, force: bool, folder: bool = True) -> None:
+    """A one-line error for a DST under a regular file, the source itself, inside it or
+    holding it, and (a folder DST) one that is not empty without ``force``."""
     blocking = next((p for p in dst.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise CkptkitError(f"{dst}: {blocking} is a file, not a folder; choose a DST outside it")
@@ -140,7 +142,8 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
     if d in s.parents:
         raise CkptkitError(f"{dst}: the destination contains the source; choose another directory")
-    check_replaceable(dst, force)
+    if folder:
+        check_replaceable(dst, force)
 
 
 @dataclass
@@ -232,8 +235,7 @@ def convert(
         if fmt.writes_file:  # one output file the format writes and publishes itself
             if verify:
                 raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")
-            if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-                raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
+            check_destination(src, dst, force, folder=False)
             written = fmt.write_file(ckpt, dst, dtype, quiet, force)
             return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), list(ckpt.notes), written, {COMPUTED: written})
         check_destination(src, dst, force)

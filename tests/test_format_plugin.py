@@ -169,6 +169,52 @@ def test_a_name_is_registered_once(flat: FlatFormat) -> None:
         register(FlatFormat())
 
 
+def test_the_cli_offers_a_format_registered_at_run_time(flat: FlatFormat, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    help_text = " ".join(CliRunner().invoke(app, ["convert", "--help"]).output.split())
+    assert f"gguf, {flat.name}." in help_text
+    args = ["convert", str(FIXTURES / "hf" / "llama2"), str(tmp_path / "f"), "--to", flat.name]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert detect_format(tmp_path / "f") is flat
+
+
+def test_an_installed_plugin_is_a_format_of_the_cli(tmp_path: Path) -> None:
+    """A package that declares a ``ckptkit.formats`` entry point (here: a dist-info on
+    the path, as pip installs one) gives ``ckptkit convert --to`` a new choice, with no
+    code of the plugin's run by the test process itself."""
+    import os
+    import subprocess
+    import sys
+
+    dist = tmp_path / "site" / "flatplugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flatplugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ckptkit.formats]\nflat = test_format_plugin:FlatFormat\n")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(tests)])}
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / "hf" / "llama2"), str(out), "--to", "flat-test"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert (out / WEIGHTS).is_file() and (out / CONFIG).is_file()
+    listed = subprocess.run([*cmd[:4], "--help"], env=env, capture_output=True, text=True, check=False)
+    assert "flat-test" in listed.stdout
+
+    (dist / "entry_points.txt").write_text("[ckptkit.formats]\nbroken = no_such_module:Format\n")
+    failed = subprocess.run(
+        [*cmd[:5], str(tmp_path / "o2"), "--to", "hf"], env=env, capture_output=True, text=True, check=False
+    )
+    # A broken plugin costs one warning line, never the built-in formats.
+    assert failed.returncode == 0, failed.stderr
+    warning = failed.stderr.splitlines()[0]
+    assert warning.startswith("warning: format plugin broken (no_such_module:Format) cannot be loaded"), warning
+    assert "Traceback" not in failed.stderr and (tmp_path / "o2" / "config.json").is_file()
+
+
 class FlatCheckpointerFormat(FlatFormat):
     """The flat format, saying which torchtune-style checkpointer component reads it."""
 

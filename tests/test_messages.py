@@ -52,10 +52,32 @@ def test_a_shard_size_without_a_known_unit_explains_the_units(tmp_path: Path) ->
     assert "--max-shard-size 5gigs: not a size; write a number and one of KB, MB, GB, TB" in line
 
 
-def test_a_destination_under_a_regular_file_names_that_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("to", "name"), [("meta", "sub"), ("gguf", "model.gguf")])
+def test_a_destination_under_a_regular_file_names_that_file(to: str, name: str, tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
-    line = one_line(ckptkit("convert", FIXTURES / "hf/llama2", tmp_path / "afile" / "sub", "--to", "meta"), 1)
+    line = one_line(ckptkit("convert", FIXTURES / "hf/llama2", tmp_path / "afile" / name, "--to", to), 1)
     assert f"{tmp_path / 'afile'} is a file, not a folder; choose a DST outside it" in line
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize("to", ["hf", "meta"])
+def test_a_failed_conversion_leaves_no_folder_it_created(to: str, tmp_path: Path) -> None:
+    """The folders above DST that a conversion creates go again when it fails while
+    writing (here: a value that overflows float16, found when its tensor is cast)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "hf/llama2", src)
+    last = sorted(src.glob("model-*.safetensors"))[-1]
+    with safe_open(last, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(last)
+    tensors[sorted(tensors)[-1]].view(-1)[0] = 1e30
+    save_file(tensors, last, metadata=metadata)
+    line = one_line(ckptkit("convert", src, tmp_path / "new" / "deeper" / "out", "--to", to, "--dtype", "float16"), 1)
+    assert "overflow to inf" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 @pytest.mark.parametrize(("fixture", "config"), [("meta/llama2", "params.json"), ("hf/llama2", "config.json")])

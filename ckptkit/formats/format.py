@@ -58,6 +58,7 @@ class CheckpointFormat:
     sharding: ClassVar[str | None] = None
     writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
     extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
+    aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
     torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
 
     # --- reading --------------------------------------------------------------------

@@ -144,6 +144,7 @@ class MetaFormat(CheckpointFormat):
 
     name = "meta"
     expects = "params.json + consolidated.*.pth"
+    aliases = ("llama", "consolidated")
     detect_order = 20
     sharding = "ranks"
     torchtune_checkpointers = ("torchtune.training.FullModelMetaCheckpointer",)

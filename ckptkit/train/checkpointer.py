@@ -25,12 +25,13 @@ from torch import nn
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import formats_read_by, transformers_format
+from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
 from ckptkit.formats.torch_io import save_torch
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
 from ckptkit.train.lora import lora_modules, model_config
-from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
+from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
 from ckptkit.train.schema import CheckpointerConfig
 
 RECIPE_STATE = "recipe_state.pt"
@@ -209,8 +210,7 @@ class Checkpointer:
         stamp = folder / ".ckptkit-source"
         source = str(self.checkpoint_dir.resolve())
         if not (stamp.is_file() and stamp.read_text() == source):
-            hf = transformers_format().name
-            convert(self.checkpoint_dir, folder, hf, model_type=self.model_type, force=True)
+            convert(self.checkpoint_dir, folder, transformers_format().name, model_type=self.model_type, force=True)
             stamp.write_text(source)
         self.peft_base = str(folder.resolve())
 

@@ -11,7 +11,6 @@ and their ``lora_b`` are that B's row blocks. Anything else fails with one line.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -19,16 +18,18 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.peft_adapter import (
+    read_adapter_config,
+    read_adapter_tensors,
+    write_adapter,
+)
 from ckptkit.models import ModelConfig, canonical_shapes
 from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 _PREFIX = "base_model.model."
 
 # Every field PEFT 0.21 writes for a LoraConfig, at PEFT's defaults.
@@ -160,10 +161,7 @@ def save_adapter(
         target_modules=target_modules,
         use_rslora=rslora.pop(),
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_adapter(Path(out_dir), config, tensors)
 
 
 def _peft_tensors(
@@ -200,35 +198,9 @@ def _peft_tensors(
 def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Validated PEFT adapter config and its tensors (keys as stored)."""
     folder = Path(adapter_dir)
-    cfg_path = folder / ADAPTER_CONFIG
-    if not cfg_path.is_file():
-        raise CkptkitError(f"{folder} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CkptkitError(f"{cfg_path} is not valid JSON: {exc}") from None
+    config = read_adapter_config(folder)
     _check_supported(config)
-    if (folder / ADAPTER_WEIGHTS).is_file():
-        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
-    elif (folder / "adapter_model.bin").is_file():
-        tensors = _load_bin(folder / "adapter_model.bin")
-    else:
-        raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
-    return config, tensors
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A ``.bin`` adapter: a plain dict of tensors, read without running pickled code."""
-    try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickled objects, truncated zips...: the message says which file
-        raise CkptkitError(
-            f"{path}: not a plain file of tensors ({type(exc).__name__}); ckptkit runs no pickled code: "
-            "save the adapter as adapter_model.safetensors"
-        ) from None
-    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-        raise CkptkitError(f"{path}: not a dict of tensors")
-    return tensors
+    return config, read_adapter_tensors(folder)
 
 
 def _check_supported(config: dict[str, Any]) -> None:
