@@ -230,7 +230,8 @@ def test_a_copied_distributed_recipe_runs_under_torchrun(tmp_path: Path) -> None
            f"checkpointer.output_dir={tmp_path / 'o'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.splitlines()) == ["edited step on rank 0"] * 2 + ["edited step on rank 1"] * 2
+    # the ranks print at once: counted, since their lines may interleave in the one pipe
+    assert [proc.stdout.count(f"edited step on rank {r}") for r in (0, 1)] == [2, 2]
     assert (tmp_path / "o" / "epoch_0").is_dir()
 
 
