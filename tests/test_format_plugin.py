@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY, detect_format, is_checkpoint_file, register, unregister
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.format import CheckpointFormat
@@ -212,3 +213,34 @@ def test_an_installed_plugin_is_a_format_of_the_cli(tmp_path: Path) -> None:
     warning = failed.stderr.splitlines()[0]
     assert warning.startswith("warning: format plugin broken (no_such_module:Format) cannot be loaded"), warning
     assert "Traceback" not in failed.stderr and (tmp_path / "o2" / "config.json").is_file()
+
+
+class FlatCheckpointerFormat(FlatFormat):
+    """The flat format, saying which torchtune-style checkpointer component reads it."""
+
+    torchtune_checkpointers = ("acme.training.FlatCheckpointer",)
+
+
+def test_a_format_tells_training_which_torchtune_checkpointer_reads_it(tmp_path: Path) -> None:
+    """``checkpointer._component_`` is accepted and checked against the formats' own declarations:
+    a registered format brings its component; unregistered, the component is refused."""
+    from ckptkit.train.checkpointer import Checkpointer
+    from ckptkit.train.config import parse_config
+    from ckptkit.train.schema import FullFinetuneConfig
+
+    def checkpointer(source: Path) -> Checkpointer:
+        raw = {"checkpointer": {"_component_": "acme.training.FlatCheckpointer", "checkpoint_dir": str(source),
+                                "output_dir": str(tmp_path / "out")}}  # fmt: skip
+        return Checkpointer(parse_config(raw, FullFinetuneConfig).checkpointer)
+
+    fmt = register(FlatCheckpointerFormat())
+    try:
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "flat", fmt.name)
+        assert checkpointer(tmp_path / "flat").model_config().num_layers == 2
+        with pytest.raises(CkptkitError, match="is a hf checkpoint but checkpointer._component_ names torchtune's "
+                                               "checkpointer for flat-test; ckptkit's reads any format"):  # fmt: skip
+            checkpointer(FIXTURES / "hf" / "llama2").model_config()
+    finally:
+        unregister(fmt.name)
+    with pytest.raises(CkptkitError, match="_component_ 'acme.training.FlatCheckpointer' is not a ckptkit component"):
+        checkpointer(tmp_path / "flat")

@@ -74,7 +74,7 @@ def cp(
     import shutil
 
     from ckptkit.train.config import bundled_configs
-    from ckptkit.train.recipes import RECIPE_DIR, RECIPES
+    from ckptkit.train.recipes import RECIPE_DIR, RECIPES, recipe_script
 
     if name in RECIPES:
         src = RECIPE_DIR / f"{name}.py"
@@ -86,7 +86,10 @@ def cp(
     if target.exists() and not force:
         raise CkptkitError(f"{target}: already exists (pass --force to overwrite)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, target)
+    if name in RECIPES:  # one script holding the training loop, to edit
+        target.write_text(recipe_script(name), encoding="utf-8")
+    else:
+        shutil.copyfile(src, target)
     err.print(f"copied {name} to {target}", highlight=False)
 
 

@@ -40,6 +40,8 @@ class CheckpointFormat:
         index_name: its index file (tensor name -> weight file), if it has one.
         metadata_names: the fixed-name files it writes besides weights and index.
         layer_field: the config field that gives the layer count, for error messages.
+        torchtune_checkpointers: the torchtune checkpointer components (``_component_`` of a
+            recipe config's ``checkpointer:``) that read this format.
     """
 
     name: ClassVar[str]
@@ -57,6 +59,7 @@ class CheckpointFormat:
     writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
     extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
     aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
+    torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:

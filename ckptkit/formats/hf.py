@@ -115,6 +115,7 @@ class HFFormat(CheckpointFormat):
     detect_order = 30
     sharding = "size"
     loads_in_transformers = True
+    torchtune_checkpointers = ("torchtune.training.FullModelHFCheckpointer",)
     config_file = "config.json"
     index_name: str
     metadata_names = ("config.json",)

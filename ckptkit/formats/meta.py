@@ -147,6 +147,7 @@ class MetaFormat(CheckpointFormat):
     aliases = ("llama", "consolidated")
     detect_order = 20
     sharding = "ranks"
+    torchtune_checkpointers = ("torchtune.training.FullModelMetaCheckpointer",)
     weight_file = WEIGHT_FILE
     config_file = "params.json"
     metadata_names = ("params.json",)

@@ -78,6 +78,16 @@ def get_format(name: str) -> CheckpointFormat:
     return found
 
 
+def torchtune_checkpointers() -> tuple[str, ...]:
+    """The torchtune checkpointer components that read some registered format."""
+    return tuple(dict.fromkeys(c for f in REGISTRY.values() for c in f.torchtune_checkpointers))
+
+
+def formats_read_by(component: str) -> tuple[str, ...]:
+    """The names of the registered formats torchtune's checkpointer ``component`` reads."""
+    return tuple(f.name for f in REGISTRY.values() if component in f.torchtune_checkpointers)
+
+
 def transformers_format() -> CheckpointFormat:
     """The format to write for transformers (and PEFT) to load: the first registered one
     ``from_pretrained`` reads as it is (HF safetensors)."""

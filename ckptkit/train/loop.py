@@ -70,7 +70,7 @@ class Recipe:
         self.seed = cfg.seed
         self.global_batch = cfg.batch_size * placement.world_size
         self.writer = placement.rank == 0  # logs and writes checkpoints
-        self.checkpointer = Checkpointer(cfg)
+        self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint)
         self.metrics: MetricLogger | None = None
         torch.manual_seed(self.seed)
         random.seed(self.seed)
@@ -119,11 +119,11 @@ class Recipe:
         self.epochs_run, self.global_step, self.steps_in_epoch = 0, 0, 0
         if progress is not None:
             self._load_state(progress)
-        self.trainable.prepare(ckpt, self.writer)
-        placement.barrier()
-        if self.writer:
-            self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb, cfg.model_dump())
-            self.metrics.event(setup=self.describe())
+        with placement.together():  # the writing rank's setup: a failure there stops every rank
+            self.trainable.prepare(ckpt, self.writer)
+            if self.writer:
+                self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb, cfg.model_dump())
+                self.metrics.event(setup=self.describe())
 
     def describe(self) -> dict[str, Any]:
         """How this run was set up, as it took effect (logged once to ``metrics.jsonl``)."""
@@ -279,14 +279,14 @@ class Recipe:
             epoch_end=epoch_end,
         )
         path, logged = self.placement.save(ckpt, save)
-        if final:  # the run ends with every checkpoint in place
-            self.placement.wait()
-        if self.metrics is not None:
-            self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
-            self.progress.note(f"saved {path}" if final or not logged.get("async") else f"saving {path}")
-            for gone in ckpt.prune(self.steps_per_epoch):
-                self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
-        self.placement.barrier()  # pruned before any rank goes on
+        with self.placement.together():  # pruned before any rank goes on; a failure stops every rank
+            if final:  # the run ends with every checkpoint in place
+                self.placement.wait()
+            if self.metrics is not None:
+                self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
+                self.progress.note(f"saved {path}" if final or not logged.get("async") else f"saving {path}")
+                for gone in ckpt.prune(self.steps_per_epoch):
+                    self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
 
     def cleanup(self) -> None:
         if self.metrics is not None:
@@ -352,7 +352,7 @@ def main(recipe: str, doc: str) -> None:
         run(load_config(args.config, overrides), recipe)
     except CkptkitError as e:
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"error: {rank}{e}", file=sys.stderr)
+        sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
         code = 1
     if RECIPES[recipe][2].launched_by_torchrun:
         from ckptkit.train.distributed import exit_worker

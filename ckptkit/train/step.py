@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,17 +158,13 @@ def evaluate(
     return total / max(tokens, 1)
 
 
-def build_optimizer(
-    params: list[nn.Parameter], cfg: OptimizerConfig | dict[str, Any], device: torch.device
-) -> torch.optim.AdamW:
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW from the ``optimizer`` section; the fused kernel by default on CPU and CUDA.
 
     ``optimizer.fused``: null (default) picks fused where torch has it for the device (CPU,
     CUDA); false leaves the choice to torch (for-each on CUDA, the for-loop on CPU, where
     bench/optimizer.py measured for-each slower than it); true forces fused.
     """
-    if isinstance(cfg, dict):
-        cfg = OptimizerConfig.model_validate(cfg)
     fused = cfg.fused
     if fused is None:
         fused = device.type in ("cpu", "cuda")
