@@ -24,7 +24,7 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, MISTRAL_TOKENIZER
+from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER, MISTRAL_TOKENIZER
 from ckptkit.tokenization.hf_files import build_hf_tokenizer
 
 from tokenizer_helpers import (
@@ -40,6 +40,7 @@ from tokenizer_helpers import (
 )
 
 SPM_VOCABS = ("llama2", "mistral-v1", "mistral-v3")
+LLAMA3_SPECS = ("llama3", "llama3_1")  # Llama 3's specials, and Llama 3.1 / 3.2's
 
 # Pieces that stress tokenizers: whitespace runs, digits, emoji (with joiners and flags),
 # code, CJK, combining marks, the ▁ sentencepiece uses for spaces, contractions.
@@ -109,6 +110,7 @@ def real_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("real-tokenizers")
     # Llama 3 (not 3.1): the special tokens of llama.cpp's ggml-vocab-llama-bpe.gguf.
     jobs: dict[str, tuple[Any, Path, int]] = {"llama3": (LLAMA3_TOKENIZER, llama3_tokenizer_model(), 128256)}
+    jobs["llama3_1"] = (LLAMA3_1_TOKENIZER, llama3_tokenizer_model(), 128256)
     for name, path in _spm_models().items():
         jobs[name] = (LLAMA2_TOKENIZER if name == "llama2" else MISTRAL_TOKENIZER, path, 32768)
     out = {}
@@ -138,8 +140,8 @@ def autotokenizer(real_hf: dict[str, Path]) -> dict[str, dict]:
     """AutoTokenizer's ids (without tiktoken/protobuf/sentencepiece) on llama.cpp's texts and the corpus."""
     spm_texts = [t for t, _ in vocab_tests("llama-spm")] + CORPUS + PIECE_TEXTS
     bpe_texts = [t for t, _ in vocab_tests("llama-bpe")] + CORPUS
-    names = ["llama3", *SPM_VOCABS]
-    jobs = [(real_hf[n], bpe_texts if n == "llama3" else spm_texts, None) for n in names]
+    names = [*LLAMA3_SPECS, *SPM_VOCABS]
+    jobs = [(real_hf[n], bpe_texts if n in LLAMA3_SPECS else spm_texts, None) for n in names]
     return dict(zip(names, autotokenizer_without_extras(jobs), strict=True))
 
 
@@ -153,11 +155,12 @@ def test_llama2_gives_llama_cpp_official_ids(autotokenizer: dict[str, dict]) -> 
     assert got["plain"][tests.index((" Hello world", [29871, 15043, 3186]))] == [29871, 15043, 3186]
 
 
-def test_llama3_gives_llama_cpp_official_ids(autotokenizer: dict[str, dict]) -> None:
+@pytest.mark.parametrize("name", LLAMA3_SPECS)
+def test_llama3_gives_llama_cpp_official_ids(name: str, autotokenizer: dict[str, dict]) -> None:
     tests = vocab_tests("llama-bpe")
     meta = _meta_llama3()
     assert [meta.encode(t, bos=False, eos=False) for t, _ in tests] == [ids for _, ids in tests]
-    got = autotokenizer["llama3"]
+    got = autotokenizer[name]
     assert got["plain"][: len(tests)] == [ids for _, ids in tests]
     assert got["ids"][: len(tests)] == [[128000, *ids] for _, ids in tests]
 
@@ -221,12 +224,15 @@ def _spm_pair(name: str, real_hf: dict[str, Path]) -> Any:
     return _PAIRS[name]
 
 
+@pytest.mark.parametrize("name", LLAMA3_SPECS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXTS)
-def test_llama3_matches_meta_tiktoken_tokenizer_on_generated_text(text: str, real_hf: dict[str, Path]) -> None:
-    if "llama3" not in _PAIRS:
-        _PAIRS["llama3"] = (_meta_llama3(), _fast(real_hf["llama3"]))
-    meta, fast = _PAIRS["llama3"]
+def test_llama3_matches_meta_tiktoken_tokenizer_on_generated_text(
+    name: str, text: str, real_hf: dict[str, Path]
+) -> None:
+    if name not in _PAIRS:
+        _PAIRS[name] = (_meta_llama3(), _fast(real_hf[name]))
+    meta, fast = _PAIRS[name]
     assert fast.encode(text, add_special_tokens=False).ids == meta.encode(text, bos=False, eos=False)
     assert fast.encode(text).ids == meta.encode(text, bos=True, eos=False)
 
@@ -271,7 +277,8 @@ def test_tokenizer_json_back_to_sentencepiece_gives_official_ids(
     name: str, real_hf: dict[str, Path], tmp_path: Path
 ) -> None:
     """HF -> Meta without a tokenizer.model: the sentencepiece model rebuilt from the
-    tokenizer.json (Mistral v3: with its user-defined pieces) gives the official ids."""
+    tokenizer.json (Mistral v3: with its user-defined pieces) gives the official ids, and
+    converting it back to HF gives the same files."""
     from ckptkit.tokenization.sentencepiece_bpe import model_from_tokenizer_json
     from ckptkit.tokenization.spm_proto import write_spm_model
 
@@ -285,6 +292,10 @@ def test_tokenizer_json_back_to_sentencepiece_gives_official_ids(
     official = spm.SentencePieceProcessor(model_file=str(_spm_models()[name]))
     texts = [t for t, _ in vocab_tests("llama-spm")] + CORPUS + PIECE_TEXTS
     assert [rebuilt.encode(t) for t in texts] == [official.encode(t) for t in texts]
+    # Back to HF without a record: the same files, byte for byte.
+    spec = LLAMA2_TOKENIZER if name == "llama2" else MISTRAL_TOKENIZER
+    again = build_hf_tokenizer(spec, tmp_path / "tokenizer.model", 32768, 8192).files
+    assert all(again[file] == (folder / file).read_bytes() for file in again)
     if name == "llama2":
         assert [rebuilt.encode(t) for t, _ in vocab_tests("llama-spm")] == [ids for _, ids in vocab_tests("llama-spm")]
 
