@@ -49,6 +49,20 @@ FRAGMENTS = [" ", "  ", "   ", "    ", "\n", "\n\n", "\t", "\r\n", " \n ", "0", 
              "if (a && b) { c++; }", "中文", "日本語", "한국어", "ü", "é", "\u0301", "▁", "▁▁", "\u200b", "'s", "'LL",
              "Hello", " world", "__init__", "<|", "|>", "[", "]", "<", ">", "ÿ", "\x00", "\x7f"]  # fmt: skip
 TEXTS = st.lists(st.one_of(st.text(max_size=10), st.sampled_from(FRAGMENTS)), max_size=14).map("".join)
+# Llama 3's special tokens written in the text (3.1 renamed some of Llama 3's reserved ones).
+LLAMA3_FRAGMENTS = [
+    "<|begin_of_text|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|start_header_id|>",
+    "<|reserved_special_token_2|>",
+    "<|reserved_special_token_3|>",
+    "<|reserved_special_token_250|>",
+]
+LLAMA3_TEXTS = st.lists(
+    st.one_of(st.text(max_size=10), st.sampled_from(FRAGMENTS), st.sampled_from(LLAMA3_FRAGMENTS)), max_size=14
+).map("".join)
 # Mistral v3's user-defined pieces, the text of byte pieces, and control tokens written in
 # the text, around each other and around spaces.
 PIECE_FRAGMENTS = ["[REFERENCE_DOC_0]", "[REFERENCE_DOC_1]", "[REFERENCE_DOC_10]", "[REFERENCE_DOC_19]",
@@ -78,25 +92,43 @@ PIECE_TEXTS = [
 ]
 
 
-def _sp_ids(sp: Any, text: str) -> list[int]:
-    """Sentencepiece's ids for ``text`` with the control and unknown pieces written in it
-    (``[INST]``, ``</s>``) as their ids and the text between them encoded on its own: how
-    HF's Llama 2 / Mistral repos and mistral-common's instruct encoding treat them
-    (sentencepiece alone encodes them as text)."""
-    controls = sorted(
-        (sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)),
-        key=len,
-        reverse=True,
-    )
+def _with_specials(text: str, specials: dict[str, int], encode: Any) -> list[int]:
+    """``encode`` (the official tokenizer) on the text between the special tokens written in
+    ``text`` (leftmost, longest first), each special as its id: how HF's repos, Meta's
+    tokenizer with ``allowed_special="all"`` and mistral-common's instruct encoding treat
+    them (sentencepiece alone encodes them as text)."""
     ids, rest = [], text
     while rest:
-        found = [(rest.find(c), -len(c), c) for c in controls if c in rest]
+        found = [(rest.find(s), -len(s), s) for s in specials if s in rest]
         if not found:
-            return [*ids, *sp.encode(rest)]
-        at, _, control = min(found)
-        ids += [*sp.encode(rest[:at]), sp.piece_to_id(control)]
-        rest = rest[at + len(control) :]
+            return [*ids, *encode(rest)]
+        at, _, special = min(found)
+        ids += [*encode(rest[:at]), specials[special]]
+        rest = rest[at + len(special) :]
     return ids
+
+
+def _sp_ids(sp: Any, text: str) -> list[int]:
+    """Sentencepiece's ids for ``text``, its control and unknown pieces written in the text
+    (``[INST]``, ``</s>``) as their ids."""
+    specials = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+    return _with_specials(text, specials, sp.encode)
+
+
+_LLAMA3_SPECIALS: dict[str, dict[str, int]] = {}
+
+
+def _llama3_specials(name: str) -> dict[str, int]:
+    """Llama 3's special tokens as llama.cpp's ggml-vocab-llama-bpe.gguf names them; Llama
+    3.1 / 3.2's as Meta's tokenizer in llama-models names them."""
+    if name not in _LLAMA3_SPECIALS:
+        if name == "llama3":
+            fields = gguf_reader(llama_cpp_dir() / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
+            tokens = fields["tokenizer.ggml.tokens"].contents()
+            _LLAMA3_SPECIALS[name] = {t: i for i, t in enumerate(tokens) if i >= 128000}
+        else:
+            _LLAMA3_SPECIALS[name] = dict(_meta_llama3().special_tokens)
+    return _LLAMA3_SPECIALS[name]
 
 
 def _spm_models() -> dict[str, Path]:
@@ -226,15 +258,20 @@ def _spm_pair(name: str, real_hf: dict[str, Path]) -> Any:
 
 @pytest.mark.parametrize("name", LLAMA3_SPECS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=TEXTS)
+@given(text=LLAMA3_TEXTS)
 def test_llama3_matches_meta_tiktoken_tokenizer_on_generated_text(
     name: str, text: str, real_hf: dict[str, Path]
 ) -> None:
+    """Meta's tokenizer on the text between special tokens written in it, each special as
+    its id (``allowed_special="all"``, with Llama 3's own names for Llama 3)."""
     if name not in _PAIRS:
         _PAIRS[name] = (_meta_llama3(), _fast(real_hf[name]))
     meta, fast = _PAIRS[name]
-    assert fast.encode(text, add_special_tokens=False).ids == meta.encode(text, bos=False, eos=False)
-    assert fast.encode(text).ids == meta.encode(text, bos=True, eos=False)
+    want = _with_specials(text, _llama3_specials(name), lambda t: meta.encode(t, bos=False, eos=False))
+    assert fast.encode(text, add_special_tokens=False).ids == want
+    assert fast.encode(text).ids == [meta.bos_id, *want]
+    if name == "llama3_1":
+        assert want == meta.encode(text, bos=False, eos=False, allowed_special="all")
 
 
 def test_mistral_v3_control_tokens_are_single_ids(real_hf: dict[str, Path]) -> None:
