@@ -71,6 +71,7 @@ FORMAT_FIXTURES = {
     "hf-bin": FIXTURES / "hf-bin" / "llama2",
     "internal": None,
     "dcp": FIXTURES / "dcp" / "llama2",
+    "dcp-titan": FIXTURES / "dcp-titan" / "llama2",
 }
 
 

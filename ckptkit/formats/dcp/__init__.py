@@ -1,6 +1,6 @@
 """PyTorch Distributed Checkpoints (DCP): a folder with ``.metadata`` and ``__R_N.distcp``
 files, as ``torch.distributed.checkpoint.save`` writes them from one process or N ranks
-(FSDP2, torchtitan), registered as the ``dcp`` format.
+(FSDP2, torchtitan), registered as the ``dcp`` (Meta names) and ``dcp-titan`` (torchtitan 2026 names) formats.
 
 - :mod:`~ckptkit.formats.dcp.metadata`: ``.metadata`` read by a restricted unpickler
   (nothing in it runs), as plain data;
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptkit.formats.dcp import format as _format  # noqa: F401  (registers "dcp")
+from ckptkit.formats.dcp import format as _format  # noqa: F401  (registers "dcp", "dcp-titan")
 from ckptkit.formats.dcp.folder import open_state
 from ckptkit.formats.dcp.metadata import METADATA, read_metadata
 from ckptkit.formats.dcp.reading import DcpCheckpoint

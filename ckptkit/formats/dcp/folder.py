@@ -6,8 +6,10 @@ spelling read as Meta's names) and which are training state beside it (listed, l
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,49 @@ def meta_name(name: str) -> str:
     if name == "lm_head.weight":
         return "output.weight"
     return re.sub(r"\.attention\.qkv_linear\.(w[qkv])\.", r".attention.\1.", name)
+
+
+def titan_name(name: str) -> str:
+    """Meta's spelling (or a layout's ``layers.{i}.`` template of it) -> torchtitan's 2026 one."""
+    if name == "output.weight":
+        return "lm_head.weight"
+    return re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", name)
+
+
+def model_keys(keys: Iterable[str]) -> list[str]:
+    """The model's keys among a DCP folder's tensor keys, without their ``model.`` prefix."""
+    keys = list(keys)
+    prefixed = any(k.startswith(MODEL_PREFIX) for k in keys)
+    return [
+        k.removeprefix(MODEL_PREFIX) if prefixed else k
+        for k in keys
+        if not (prefixed and not k.startswith(MODEL_PREFIX) or k.split(".", 1)[0] in STATE_PREFIXES)
+    ]
+
+
+def spelled_2026(root: Path) -> bool:
+    """Whether the DCP checkpoint of ``root`` names its model tensors in torchtitan's 2026
+    spelling (``qkv_linear.wq``, ``lm_head``); False also where its ``.metadata`` cannot be
+    read (opening it then says why)."""
+    folder = checkpoint_folder(root)
+    if folder is None:
+        return False
+    try:
+        st = os.stat(folder / METADATA)
+    except OSError:
+        return False
+    return _spelled_2026(folder / METADATA, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _spelled_2026(path: Path, mtime_ns: int, size: int) -> bool:
+    """:func:`spelled_2026` of one ``.metadata`` (as of ``mtime_ns``, ``size``): both DCP
+    format objects ask while detecting, the file is read once."""
+    try:
+        keys = read_metadata(path).tensors
+    except CkptkitError:
+        return False
+    return any(meta_name(k) != k for k in model_keys(keys))
 
 
 def checkpoint_folder(root: Path) -> Path | None:
@@ -91,8 +136,8 @@ def check_entry(folder: Path, entry: Entry, sizes: dict[str, int]) -> None:
             raise CkptkitError(f"{folder / c.file}: {why}")
 
 
-def open_dcp(root: Path, config: Path | None) -> DcpCheckpoint:
-    """A DCP checkpoint as a format reads it: the model's tensors by Meta name, a model config."""
+def open_dcp(root: Path, config: Path | None, fmt: str) -> DcpCheckpoint:
+    """A DCP checkpoint as format ``fmt`` reads it: the model's tensors by Meta name, a model config."""
     folder = checkpoint_folder(root)
     if folder is None:
         raise CkptkitError(f"{root}: not a DCP checkpoint (no .metadata, nor step-N folders holding one)")
@@ -127,7 +172,7 @@ def open_dcp(root: Path, config: Path | None) -> DcpCheckpoint:
     files = sorted(per_file, key=natural_key)
     readers: dict[str, TensorReader] = {f: FileInfos(per_file[f]) for f in files}  # type: ignore[misc]
     return DcpCheckpoint(
-        format="dcp",
+        format=fmt,
         root=folder,
         files={f: list(per_file[f]) for f in files},
         infos={n: TensorInfo(n, e.shape, e.dtype, e.chunks[0].file) for n, e in entries.items()},

@@ -1,15 +1,28 @@
-"""The ``dcp`` format: detection, opening, the family and config a DCP folder describes
-(Meta's names and layout, torchtitan's), its fresh file layout and writer."""
+"""The DCP formats: ``dcp`` (Meta's tensor names, as torch's ``dcp.load`` users and
+torchtitan before April 2026 read them) and ``dcp-titan`` (torchtitan's 2026 spelling,
+``attention.qkv_linear.wq`` and ``lm_head``): one class, two registered objects. Either
+reads both spellings; detection picks the one a folder is spelled in, and each writes its own.
+Q/K are in Meta's layout in both. Detection, opening, the family and config a DCP folder
+describes, its fresh file layout and writer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
-from ckptkit.formats.dcp.folder import DISTCP, HF_CONFIG, PARAMS, checkpoint_folder, open_dcp
+from ckptkit.formats.dcp.folder import (
+    DISTCP,
+    HF_CONFIG,
+    PARAMS,
+    checkpoint_folder,
+    open_dcp,
+    spelled_2026,
+    titan_name,
+)
 from ckptkit.formats.dcp.metadata import METADATA
 from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
 from ckptkit.formats.format import CheckpointFormat
@@ -17,16 +30,16 @@ from ckptkit.formats.registry import register
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
-    from ckptkit.models.spec import Layout
+    from ckptkit.models.spec import Layout, Rule
     from ckptkit.tensors.lazy import Lazy
 
 TIE_SAMPLE_BYTES = 4096
 
 
 class DcpFormat(CheckpointFormat):
-    """``.metadata`` + ``__R_N.distcp`` (``step-N`` folders allowed), torchtitan's Meta names."""
+    """``.metadata`` + ``__R_N.distcp`` (``step-N`` folders allowed), model tensors named in
+    Meta's spelling or (``titan``) torchtitan's 2026 one."""
 
-    name = "dcp"
     expects = ".metadata + __R_N.distcp (PyTorch DCP)"
     detect_order = 15
     sharding = "ranks"
@@ -34,14 +47,19 @@ class DcpFormat(CheckpointFormat):
     metadata_names = (METADATA,)
     layer_field = "n_layers"
 
+    def __init__(self, name: str, titan: bool, aliases: tuple[str, ...]) -> None:
+        self.name = name  # type: ignore[misc]
+        self.titan = titan
+        self.aliases = aliases
+
     def detect(self, root: Path) -> bool:
-        return checkpoint_folder(root) is not None
+        return checkpoint_folder(root) is not None and spelled_2026(root) == self.titan
 
     def open(self, root: Path) -> RawCheckpoint:
-        return open_dcp(root, None)
+        return open_dcp(root, None, self.name)
 
     def open_with_config(self, root: Path, config: Path | None) -> RawCheckpoint:
-        return open_dcp(root, config)
+        return open_dcp(root, config, self.name)
 
     def _source(self, raw: RawCheckpoint) -> Any:
         from ckptkit.models import MetaSource
@@ -67,7 +85,17 @@ class DcpFormat(CheckpointFormat):
             raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
-        return family.meta_layout(cfg)
+        return family.meta_layout(cfg)  # as read: opening names tensors in Meta's spelling
+
+    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
+        layout = super().write_layout(ckpt)
+        if not self.titan:
+            return layout
+
+        def renamed(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+            return tuple(dataclasses.replace(r, native=titan_name(r.native)) for r in rules)
+
+        return dataclasses.replace(layout, head=renamed(layout.head), layer=renamed(layout.layer), tail=renamed(layout.tail))
 
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return {}  # a DCP layout (ranks, chunks) is not restored: converting to dcp lays out afresh
@@ -106,4 +134,5 @@ def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:
     return bool(sample("tok_embeddings.weight", TIE_SAMPLE_BYTES) == sample("output.weight", TIE_SAMPLE_BYTES))
 
 
-register(DcpFormat())
+register(DcpFormat("dcp", False, ("dcp-meta", "distcp", "torch-dcp")))
+register(DcpFormat("dcp-titan", True, ("torchtitan", "titan", "dcp-torchtitan", "dcp-2026")))
