@@ -1,6 +1,7 @@
 """PyTorch Distributed Checkpoints (DCP): a folder with ``.metadata`` and ``__R_N.distcp``
 files, as ``torch.distributed.checkpoint.save`` writes them from one process or N ranks
-(FSDP2, torchtitan), registered as the ``dcp`` (Meta names) and ``dcp-titan`` (torchtitan 2026 names) formats.
+(FSDP2, torchtitan), registered as the ``dcp`` (Meta names) and ``dcp-titan``
+(torchtitan 2026 names) formats.
 
 - :mod:`~ckptkit.formats.dcp.metadata`: ``.metadata`` read by a restricted unpickler
   (nothing in it runs), as plain data;

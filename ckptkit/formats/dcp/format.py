@@ -95,7 +95,9 @@ class DcpFormat(CheckpointFormat):
         def renamed(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
             return tuple(dataclasses.replace(r, native=titan_name(r.native)) for r in rules)
 
-        return dataclasses.replace(layout, head=renamed(layout.head), layer=renamed(layout.layer), tail=renamed(layout.tail))
+        return dataclasses.replace(
+            layout, head=renamed(layout.head), layer=renamed(layout.layer), tail=renamed(layout.tail)
+        )
 
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return {}  # a DCP layout (ranks, chunks) is not restored: converting to dcp lays out afresh
