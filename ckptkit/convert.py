@@ -192,6 +192,24 @@ def check_options(
         )
 
 
+def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
+    """Tensors the source holds only approximately (quantized) are read with an explicit
+    --dtype, and the conversion says it is lossy."""
+    lossy = ckpt.raw.lossy
+    if not lossy:
+        return
+    kinds = ", ".join(sorted(set(lossy.values())))
+    if dtype is None:
+        raise CkptkitError(
+            f"{ckpt.path}: {len(lossy)} tensors are quantized ({kinds}); dequantizing them is lossy: "
+            "pass --dtype float32, bfloat16 or float16 to convert them anyway"
+        )
+    ckpt.notes.append(
+        f"lossy: {len(lossy)} quantized tensors ({kinds}) dequantized to {dtype}; these are llama.cpp's "
+        "approximations of the original weights, not the weights themselves"
+    )
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -229,6 +247,7 @@ def convert(
         raise CkptkitError("--shards must be at least 1")
     check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
+        check_lossy(ckpt, dtype)
         if fmt.writes_file:  # one output file the format writes and publishes itself
             if verify:
                 raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")

@@ -98,7 +98,7 @@ def test_q8_0_bytes_are_the_gguf_package_quantization_in_chunks(monkeypatch: pyt
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    from ckptkit.formats import gguf as fmt
+    from ckptkit.formats.gguf import quants as fmt
 
     monkeypatch.setattr(fmt, "CHUNK_BYTES", 64 * 4 * 3)  # three rows at a time
     t = torch.randn(17, 64, generator=torch.Generator().manual_seed(0)) * 3

@@ -28,11 +28,12 @@ from ckptkit.formats.registry import (
     get_format,
     is_checkpoint_file,
     register,
+    source_file_format,
     unregister,
 )
 from ckptkit.formats.sidecar import recorded_origin
 
 __all__ = [
     "REGISTRY", "CheckpointFormat", "detect_format", "file_format", "find_format", "format_names", "get_format",
-    "is_checkpoint_file", "recorded_origin", "register", "unregister",
+    "is_checkpoint_file", "recorded_origin", "register", "source_file_format", "unregister",
 ]  # fmt: skip

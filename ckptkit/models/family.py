@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
+from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.spec import Layout
 from ckptkit.models.tokenizer_spec import TokenizerSpec
 
@@ -45,6 +46,8 @@ class Family:
             rather than on the hidden dim (dim 1).
         tokenizer: how Meta's and HF's releases of the family hold its tokenizer (None:
             the family has no Meta release, its tokenizer files are carried as they are).
+        gguf: how llama.cpp's converter writes it (:mod:`ckptkit.models.gguf_spec`; None:
+            llama.cpp has no model class for it).
     """
 
     name: ClassVar[str]
@@ -53,6 +56,7 @@ class Family:
     meta_container: ClassVar[str | None] = None
     vocab_parallel: ClassVar[bool] = False
     tokenizer: ClassVar[TokenizerSpec | None] = None
+    gguf: ClassVar[GGUFSpec | None] = None
 
     # --- layouts -------------------------------------------------------------
     def hf_layout(self, cfg: ModelConfig) -> Layout:
