@@ -126,9 +126,11 @@ def layout(family: Family, cfg: ModelConfig) -> Layout:
     hf = family.hf_layout(cfg)
     tmap = name_map(spec, max(cfg.num_layers, 1))
 
-    def rename(rule: Rule, per_layer: bool) -> Rule:
+    def rename(rule: Rule, per_layer: bool) -> Rule | None:
         probe = rule.native.format(i=0) if per_layer else rule.native
         name = gguf_name(tmap, probe)
+        if name is None and rule.optional:  # Gemma's lm_head: llama.cpp never writes it
+            return None
         if name is None:
             raise CkptkitError(f"llama.cpp has no GGUF name for {family.name} tensor {probe!r}")
         if per_layer:
@@ -140,10 +142,13 @@ def layout(family: Family, cfg: ModelConfig) -> Layout:
             kind = ROPE_K
         return replace(rule, native=name, kind=kind)
 
+    def renamed(rules: tuple[Rule, ...], per_layer: bool) -> tuple[Rule, ...]:
+        return tuple(r for r in (rename(rule, per_layer) for rule in rules) if r is not None)
+
     return Layout(
-        head=tuple(rename(r, False) for r in hf.head),
-        layer=tuple(rename(r, True) for r in hf.layer),
-        tail=tuple(rename(r, False) for r in hf.tail),
+        head=renamed(hf.head, False),
+        layer=renamed(hf.layer, True),
+        tail=renamed(hf.tail, False),
         unused=(r"rope_freqs\.weight",) if spec.rope_freqs else (),
     )
 

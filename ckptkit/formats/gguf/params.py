@@ -108,7 +108,7 @@ _FIELDS = {  # <arch>.KEY -> config.json field
     "feed_forward_length": "intermediate_size",
     "attention.head_count": "num_attention_heads",
     "attention.head_count_kv": "num_key_value_heads",
-    "attention.layer_norm_rms_eps": "rms_norm_eps",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
 }
