@@ -97,6 +97,7 @@ class GGUFCheckpoint(RawCheckpoint):
     metadata, and its tokenizer files rebuilt (on first use) into a temporary folder."""
 
     header: GGUFHeader
+    unsure: str | None = None  # why the metadata gives no config.json
     _side: Path | None = None
 
     def files_folder(self) -> Path | None:
@@ -144,8 +145,11 @@ class GGUFFormat(CheckpointFormat):
             raise CkptkitError(f"{root}: not a GGUF checkpoint (expected a file ending in .gguf)")
         header = read_header(root)
         tensors = GGUFTensors(header)
+        unsure = None
         try:
             config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
+        except CkptkitError as e:  # inspect still lists the tensors; family() says why
+            config, unsure = {}, str(e)
         except BaseException:
             tensors.close()
             raise
@@ -160,10 +164,13 @@ class GGUFFormat(CheckpointFormat):
             config=config,
             lossy={t.name: t.kind for t in header.tensors if t.kind not in PLAIN},
         )
-        raw.header = header
+        raw.header, raw.unsure = header, unsure
         return raw
 
     def family(self, raw: RawCheckpoint) -> Family:
+        unsure = getattr(raw, "unsure", None)
+        if unsure is not None:
+            raise CkptkitError(f"cannot tell the model type: {unsure}")
         return model.family_of(_header(raw), raw.config)
 
     def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
