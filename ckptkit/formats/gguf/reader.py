@@ -193,6 +193,8 @@ def read_header(path: Path) -> GGUFHeader:
         types: dict[str, str] = {}
         for _ in range(n_kv):
             key = c.string("key", MAX_KEY_BYTES)
+            if not key.isprintable():
+                raise c.error(f"key {key!r} holds control characters")
             if key in metadata:
                 raise c.error(f"key {key!r} appears twice")
             kind = c.scalar(4, f"type of {key}")
@@ -205,6 +207,8 @@ def read_header(path: Path) -> GGUFHeader:
         names: set[str] = set()
         for _ in range(n_tensors):
             name = c.string("tensor name", MAX_KEY_BYTES)
+            if not name.isprintable():
+                raise c.error(f"tensor name {name!r} holds control characters")
             if name in names:
                 raise c.error(f"tensor {name!r} appears twice")
             names.add(name)
