@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -30,8 +31,8 @@ from ckptkit.verify import verify_paths
 from conftest import FIXTURES
 from tokenizer_helpers import CORPUS, llama_cpp_dir, vocab_tests, write_tiny_meta_llama3
 
-# Fields GGUF does not hold (training-only dropout rates).
-NOT_IN_GGUF = {"resid_pdrop", "embd_pdrop"}
+# Fields GGUF does not hold: training-only dropout rates, Qwen2's sliding-window layer count.
+NOT_IN_GGUF = {"resid_pdrop", "embd_pdrop", "max_window_layers"}
 
 
 def cli(*args: object) -> tuple[int, str, str]:
@@ -49,13 +50,19 @@ def encode_all(folder: Path, texts: list[str], bos: bool = True) -> list[list[in
 
 @pytest.mark.slow
 @pytest.mark.parametrize("outtype", ["f32", "bf16", "auto"])
-@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma", "phi3"])
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma", "phi3", "qwen2"])
 def test_llama_cpp_gguf_converts_back_to_the_hf_model_bitwise(
     family: str, outtype: str, llama_cpp: Path, tmp_path: Path
 ) -> None:
     """Q/K permutation undone, Gemma's 1 + w undone exactly; llama.cpp stores norms (and with
-    f32 everything) as float32, so --dtype bfloat16 gives back the bf16 model."""
+    f32 everything) as float32, so --dtype bfloat16 gives back the bf16 model. (The Qwen2
+    fixture's byte-level BPE is no tokenizer llama.cpp knows: it gets Llama 2's fixture
+    sentencepiece model, which llama.cpp's Qwen2 class tries first.)"""
     src = FIXTURES / "hf" / family
+    if family == "qwen2":
+        src = tmp_path / "qwen2"
+        shutil.copytree(FIXTURES / "hf" / "qwen2", src, ignore=shutil.ignore_patterns("tokenizer*"))
+        shutil.copy(FIXTURES / "hf" / "llama2" / "tokenizer.model", src)
     gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", outtype)
     convert(gguf, tmp_path / "hf", "hf", dtype="bfloat16")
     code, out, err = cli("verify", src, tmp_path / "hf")
