@@ -14,6 +14,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.gguf.params import hparams_from_metadata
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
 from ckptkit.formats.gguf.tensors import gguf_name, name_map, rope_freqs
+from ckptkit.models.fields import check_config_fields
 from ckptkit.models.gguf_spec import GGUFSpec, gguf_spec
 from ckptkit.models.spec import Layout, Rule
 from ckptkit.tensors.transforms import COPY, ROPE_K, ROPE_Q
@@ -74,6 +75,7 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     if spec.rope_freqs and ROPE_FREQS in shapes:
         out["rope_parameters"] = _llama3_scaling(h, out, read_rope_freqs())
         out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
+    check_config_fields("config.json", out, f"{h.path} (metadata as config.json)")
     return out
 
 
