@@ -70,6 +70,12 @@ class Family:
         ``raw`` bytes so that writing them needs no torch)."""
         return {}
 
+    def gguf_spec(self) -> GGUFSpec | None:
+        """The llama.cpp model class that converts this family (``gguf``, where its HF
+        architecture is one the spec lists), or None when llama.cpp has none."""
+        spec = self.gguf
+        return spec if spec is not None and self.hf_architecture in spec.hf_architectures else None
+
     # --- configs -------------------------------------------------------------
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError

@@ -4,16 +4,12 @@ not an edit of the format.
 
 llama.cpp picks its model class by the HF ``architectures`` name; a family inherits its
 parent's spec only where its own HF architecture is one the spec lists (Mixtral and Qwen3
-subclass Llama and Qwen2 but are other llama.cpp models).
+subclass Llama and Qwen2 but are other llama.cpp models): :meth:`Family.gguf_spec`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ckptkit.models.family import Family
 
 
 @dataclass(frozen=True)
@@ -96,11 +92,3 @@ PHI3_GGUF = GGUFSpec(
     "phi3",
 )
 QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), _TEXT, "bpe_or_spm")
-
-
-def gguf_spec(family: Family) -> GGUFSpec | None:
-    """The llama.cpp model class that converts ``family``, or None when llama.cpp has none."""
-    spec = family.gguf
-    if spec is None or family.hf_architecture not in spec.hf_architectures:
-        return None
-    return spec

@@ -26,7 +26,6 @@ from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import Span
-from ckptkit.models.gguf_spec import gguf_spec
 from ckptkit.untrusted import open_regular_file
 
 if TYPE_CHECKING:
@@ -208,7 +207,7 @@ class GGUFFormat(CheckpointFormat):
 
     def supports(self, family: Family) -> tuple[bool, bool]:
         """Read and written for the model types llama.cpp's converter takes."""
-        spec = gguf_spec(family)
+        spec = family.gguf_spec()
         return spec is not None, spec is not None
 
     def tokenizer_support(self, family: Family) -> str:

@@ -15,7 +15,7 @@ from ckptkit.formats.gguf.params import hparams_from_metadata
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
 from ckptkit.formats.gguf.tensors import gguf_name, name_map, rope_freqs
 from ckptkit.models.fields import check_config_fields
-from ckptkit.models.gguf_spec import GGUFSpec, gguf_spec
+from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.spec import Layout, Rule
 from ckptkit.tensors.transforms import COPY, ROPE_K, ROPE_Q
 
@@ -33,7 +33,7 @@ def candidates(arch: str) -> list[Family]:
     """The families llama.cpp writes as ``arch``, in registry order."""
     from ckptkit.models import REGISTRY
 
-    return [f for f in REGISTRY.values() if (spec := gguf_spec(f)) is not None and spec.arch == arch]
+    return [f for f in REGISTRY.values() if (spec := f.gguf_spec()) is not None and spec.arch == arch]
 
 
 def architecture(h: GGUFHeader) -> str:
@@ -61,7 +61,7 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     if not families:
         return {}
     family = _hf_model_type(h, families)
-    spec = gguf_spec(family)
+    spec = family.gguf_spec()
     assert spec is not None
     out = hparams_from_metadata(h.metadata, arch)
     shapes = {t.name: t.shape for t in h.tensors}
@@ -100,7 +100,7 @@ def family_of(h: GGUFHeader, config: dict[str, Any]) -> Family:
 
     if not config:
         arch = architecture(h)
-        known = sorted({s.arch for f in _all() if (s := gguf_spec(f)) is not None})
+        known = sorted({s.arch for f in _all() if (s := f.gguf_spec()) is not None})
         raise CkptkitError(
             f"{h.path}: llama.cpp architecture {arch!r} is no model type ckptkit reads ({', '.join(known)}); "
             "pass --model-type to read it as one of them"
@@ -115,7 +115,7 @@ def _all() -> list[Family]:
 
 
 def spec_for(family: Family, where: object) -> GGUFSpec:
-    spec = gguf_spec(family)
+    spec = family.gguf_spec()
     if spec is None:
         raise CkptkitError(f"{where}: llama.cpp has no GGUF architecture for model type {family.name}")
     return spec

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.gguf.params import rope
-from ckptkit.models.gguf_spec import GGUFSpec, gguf_spec
+from ckptkit.models.gguf_spec import GGUFSpec
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ class GGUFTensor:
 
 
 def spec_of(family: Family, where: object) -> GGUFSpec:
-    spec = gguf_spec(family)
+    spec = family.gguf_spec()
     if spec is None:
         raise CkptkitError(f"{where}: llama.cpp has no architecture for model type {family.name}")
     return spec
