@@ -40,7 +40,7 @@ from convert import Run, run_child, warm  # noqa: E402
 from report import reporting  # noqa: E402
 
 # This script is bench/gguf.py: without its folder on the path, ``import gguf`` is the package.
-sys.path.remove(str(Path(__file__).resolve().parent))
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 GB = 1 << 30
 OUTTYPES = {"bf16": "bfloat16", "q8_0": "q8_0"}
