@@ -153,6 +153,7 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="ckptkit-dist-mem-") as tmp:
         root = Path(tmp)
         params = make_model(root / "model", args.hidden, args.layers)
@@ -175,6 +176,8 @@ def main() -> None:
             mid = next(s for s in saves if "step_" in s.get("checkpoint", ""))
             rows.append((name, mid["rss_mib_before_save"][0], mid["peak_rss_mib_save"][0], mid["save_seconds"]))
         state = 3 * weights
+        print(f"1-minute load average: {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
+              f"({os.cpu_count()} CPUs)")  # fmt: skip
         print(f"model: {params / 1e6:.0f}M parameters; bf16 weights {weights:.0f} MiB, weights + AdamW state "
               f"{state:.0f} MiB (÷ 2 ranks: {state / 2:.0f} MiB)\n")  # fmt: skip
         print("| save (2 gloo ranks) | rank 0 RSS before, MiB | rank 0 peak during, MiB | growth, MiB "

@@ -108,10 +108,10 @@ def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, lora: bool)
 
 def bench_batches(model: Path, args: argparse.Namespace) -> list[dict]:
     """The collated batches every peer trains on, in order."""
-    from ckptkit.train.data import build_dataset, collate, epoch_batches
+    from ckptkit.train.data import DatasetConfig, build_dataset, collate, epoch_batches
     from ckptkit.train.tokenizer import load_tokenizer
 
-    cfg = {"type": "text", "source": str(model / "data.txt"), "max_seq_len": args.seq}
+    cfg = DatasetConfig(type="text", source=str(model / "data.txt"), max_seq_len=args.seq)
     data = build_dataset(cfg, load_tokenizer(model))
     return [collate([data[i] for i in b], 0) for b in epoch_batches(len(data), args.batch, 0, 0)[: args.steps]]
 

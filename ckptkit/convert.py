@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
 from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
-from ckptkit.plan import FilePlan, Options, Plan, plan_conversion, target_format
+from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.tensors.transforms import RANKS
@@ -131,7 +131,9 @@ def _write_tensors(
 # --- the command ---------------------------------------------------------------------
 
 
-def check_destination(src: Path, dst: Path, force: bool) -> None:
+def check_destination(src: Path, dst: Path, force: bool, folder: bool = True) -> None:
+    """A one-line error for a DST under a regular file, the source itself, inside it or
+    holding it, and (a folder DST) one that is not empty without ``force``."""
     blocking = next((p for p in dst.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise CkptkitError(f"{dst}: {blocking} is a file, not a folder; choose a DST outside it")
@@ -140,7 +142,8 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
     if d in s.parents:
         raise CkptkitError(f"{dst}: the destination contains the source; choose another directory")
-    check_replaceable(dst, force)
+    if folder:
+        check_replaceable(dst, force)
 
 
 @dataclass
@@ -204,10 +207,11 @@ def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
             f"{ckpt.path}: {len(lossy)} tensors are quantized ({kinds}); dequantizing them is lossy: "
             "pass --dtype float32, bfloat16 or float16 to convert them anyway"
         )
-    ckpt.notes.append(
-        f"lossy: {len(lossy)} quantized tensors ({kinds}) dequantized to {dtype}; these are llama.cpp's "
-        "approximations of the original weights, not the weights themselves"
+    fact = (
+        f"lossy: {len(lossy)} quantized tensors ({kinds}) dequantized to {dtype}, llama.cpp's approximations "
+        "of the original weights, not the weights themselves"
     )
+    ckpt.notes.append(note(fact))
 
 
 def convert(
@@ -227,12 +231,15 @@ def convert(
     allow_lossy_cast: bool = False,
     config: str | Path | None = None,
     force_model_type: bool = False,
+    experts: str | None = None,
 ) -> Result:
     """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
 
     ``model_type`` that contradicts what the files say is refused unless ``force_model_type``.
     ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`);
-    ``config`` gives the model config of a source without one (``--config``).
+    ``config`` gives the model config of a source without one (``--config``); ``experts``
+    (``per-expert`` / ``stacked``) how a mixture-of-experts model's experts are stored in
+    ``dst`` (None: as in the source).
     """
     src, dst = Path(src), Path(dst)
     if copy_method is not None and copy_method not in COPY_METHODS:
@@ -248,15 +255,15 @@ def convert(
     check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
         check_lossy(ckpt, dtype)
+        check_experts_choice(ckpt, fmt, experts)
         if fmt.writes_file:  # one output file the format writes and publishes itself
             if verify:
                 raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")
-            if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-                raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
+            check_destination(src, dst, force, folder=False)
             written = fmt.write_file(ckpt, dst, dtype, quiet, force)
             return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), list(ckpt.notes), written, {COMPUTED: written})
         check_destination(src, dst, force)
-        opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast)
+        opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)
 
 

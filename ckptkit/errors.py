@@ -1,6 +1,15 @@
-"""The one user-facing error type: the CLI prints its message as one line and exits 1."""
+"""The one user-facing error type (the CLI prints its message as one line and exits 1),
+and notes: what the user should know about a result that is not an error."""
 
 from __future__ import annotations
+
+NOTHING_TO_DO = "nothing to do"
+
+
+def note(fact: str, action: str | None = None) -> str:
+    """A note that says whether anything needs doing: ``"<fact>; <action>"``, where
+    ``action`` starts with "to ..." (what to do, and what for), or ``"<fact>; nothing to do"``."""
+    return f"{fact}; {action or NOTHING_TO_DO}"
 
 
 class CkptkitError(Exception):

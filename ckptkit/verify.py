@@ -10,9 +10,10 @@ tensor that is not bitwise equal is one of:
 - ``values``: the bytes differ otherwise;
 - ``shape``: the shapes differ.
 
-Exit codes of ``ckptkit verify`` (see :data:`EXIT_IDENTICAL` ...): 0 identical, 3 the only
-differences are casts (``cast`` / ``rounded``; ``--allow-cast`` turns this into 0), 1 any
-other difference, a missing tensor, or an input error.
+Exit codes of ``ckptkit verify``, as the command-line contract fixes them: 0 identical
+(or, with ``--allow-cast``, the only differences are casts: ``cast`` / ``rounded``), 1
+otherwise, an input error included. The verdict line and ``--json``'s ``verdict`` tell a
+cast from any other difference.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import dtype_name, to_torch
 
-EXIT_IDENTICAL, EXIT_DIFFERENT, EXIT_CAST_ONLY = 0, 1, 3
+EXIT_IDENTICAL, EXIT_DIFFERENT = 0, 1
 CAST_KINDS = ("cast", "rounded")
 
 
@@ -94,7 +95,7 @@ class Report:
     def exit_code(self, allow_cast: bool = False) -> int:
         if self.ok or (self.cast_only and allow_cast):
             return EXIT_IDENTICAL
-        return EXIT_CAST_ONLY if self.cast_only else EXIT_DIFFERENT
+        return EXIT_DIFFERENT
 
     def verdict(self, allow_cast: bool = False) -> str:
         """The one summary line, printed first."""

@@ -3,7 +3,11 @@ name whole, usage lines naming arguments as the docs do."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 from typer.main import get_command
@@ -15,9 +19,14 @@ COMMANDS = sorted(get_command(app).commands)  # type: ignore[attr-defined]
 
 
 def _help(command: list[str]) -> str:
-    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
-    assert result.exit_code == 0, result.output
-    return result.output
+    """The help a user sees in an 80-column terminal (a real process: click sizes its
+    output from the terminal, not from what a test runner passes it)."""
+    env = {**os.environ, "COLUMNS": "80", "LINES": "24"}
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptkit", *command, "--help"], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 @pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]], ids=lambda c: " ".join(c) or "ckptkit")
@@ -30,6 +39,30 @@ def test_help_fits_80_columns_with_every_option_whole(command: list[str]) -> Non
         for param in click_command.params:
             for name in param.opts if param.param_type_name == "option" else []:
                 assert re.search(rf"(^|[\s,]){re.escape(name)}(\s|,|$)", text, re.M), name
+            choices = _offered(command[0], param) if param.param_type_name == "option" else []
+            block = _help_block(text, param.opts[0]) if choices else ""
+            for choice in choices:
+                assert re.search(rf"(^|\s){re.escape(choice)}[,.\s]", block), f"{choice} broken or missing: {block}"
+
+
+def _help_block(text: str, opt: str) -> str:
+    """An option's help entry, its wrapped lines joined by single spaces."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(opt))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("-")), len(lines))
+    return " ".join(line.strip() for line in lines[start:end]) + " "
+
+
+def _offered(command: str, param: Any) -> list[str]:
+    """The values the CLI accepts for an option, read from its refusal of a bogus one
+    ([] for an option that takes any value or none)."""
+    if getattr(param, "is_flag", False) or getattr(param, "count", False):
+        return []
+    opt = param.opts[0]
+    args = {"convert": ["convert", "a", "b", "--to", "hf"], "inspect": ["inspect", "a"]}.get(command, [command])
+    result = CliRunner().invoke(app, [*args, opt, "bogus-value"], env={"COLUMNS": "2000"})
+    found = re.search(r"bogus-value: not one of (.*?)(;|$)", " ".join(result.output.split()))
+    return found.group(1).split(", ") if found else []
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,13 +12,23 @@ import torch
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.chat_template import load_chat_template
-from ckptkit.train.data import IGNORE_INDEX, build_dataset, build_datasets, collate
+from ckptkit.train.config import parse_config
+from ckptkit.train.data import IGNORE_INDEX, DatasetConfig, build_dataset, build_datasets, collate
 from ckptkit.train.data_sources import DATASET_DIR, resolve_source
+from ckptkit.train.schema import FullFinetuneConfig
 from ckptkit.train.tokenizer import load_tokenizer
 
 from conftest import FIXTURES
 
 ALPACA = [json.loads(line) for line in (DATASET_DIR / "tiny_alpaca.jsonl").read_text().splitlines()]
+
+
+def dataset(keys: dict) -> DatasetConfig:
+    """A ``dataset:`` section as a recipe config's validation makes it."""
+    return parse_config({"checkpointer": {"checkpoint_dir": "in", "output_dir": "out"}, "dataset": keys},
+                        FullFinetuneConfig).dataset  # fmt: skip
+
+
 PROMPT = "### Instruction:\n{instruction}\n\n{block}### Response:\n"
 
 # Templates written in the style of the public model cards: Llama 3 (with generation
@@ -73,7 +84,9 @@ def chat_tokenizer_dir(tmp: Path, family: str, template: str, specials: list[str
 def test_instruct_sample_is_the_whole_text_encoding(family: str) -> None:
     """Prompt + response tokenised as one text: no spurious "▁" before the response."""
     tok = hf_tokenizer(family)
-    data = build_dataset({"source": "tiny_alpaca", "max_seq_len": 512}, load_tokenizer(FIXTURES / "hf" / family))
+    data = build_dataset(
+        dataset({"source": "tiny_alpaca", "max_seq_len": 512}), load_tokenizer(FIXTURES / "hf" / family)
+    )
     for row, sample in zip(ALPACA, data.samples, strict=True):
         block = f"### Input:\n{row['input']}\n\n" if row.get("input") else ""
         prompt = PROMPT.format(instruction=row["instruction"], block=block)
@@ -89,7 +102,7 @@ def test_sentencepiece_model_sample_is_the_whole_text_encoding(tmp_path: Path) -
 
     shutil.copy(FIXTURES / "hf" / "llama2" / "tokenizer.model", tmp_path)  # no tokenizer.json: sentencepiece path
     sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
-    data = build_dataset({"source": "tiny_alpaca"}, load_tokenizer(tmp_path))
+    data = build_dataset(dataset({"source": "tiny_alpaca"}), load_tokenizer(tmp_path))
     row, sample = ALPACA[0], data.samples[0]
     text = PROMPT.format(instruction=row["instruction"], block=f"### Input:\n{row['input']}\n\n") + row["output"]
     assert sample.ids == [sp.bos_id(), *sp.encode(text), sp.eos_id()]
@@ -120,7 +133,7 @@ def test_chat_rendering_equals_apply_chat_template(family: str, template: str, s
     rows = [{"messages": m} for m in CONVERSATIONS if template is not MISTRAL or m[0]["role"] != "system"]
     data_file = tmp_path / "chat.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = build_dataset({"type": "chat", "source": str(data_file)}, load_tokenizer(folder), folder)
+    data = build_dataset(dataset({"type": "chat", "source": str(data_file)}), load_tokenizer(folder), folder)
     for row, sample in zip(rows, data.samples, strict=True):
         reference = tok.apply_chat_template(row["messages"], return_dict=True, return_assistant_tokens_mask=True)
         assert sample.ids == reference["input_ids"]
@@ -141,20 +154,23 @@ def test_sharegpt_equals_openai_messages_and_template_sources(tmp_path: Path) ->
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
     (tmp_path / "b.json").write_text(json.dumps(share))
     tokenizer = load_tokenizer(folder)
-    a = build_dataset({"type": "chat", "source": str(tmp_path / "a.jsonl")}, tokenizer, folder)
-    b = build_dataset({"type": "chat", "source": str(tmp_path / "b.json")}, tokenizer, folder)
+    a = build_dataset(dataset({"type": "chat", "source": str(tmp_path / "a.jsonl")}), tokenizer, folder)
+    b = build_dataset(dataset({"type": "chat", "source": str(tmp_path / "b.json")}), tokenizer, folder)
     assert a.samples == b.samples
     # the template embedded in tokenizer_config.json, as older transformers saved it
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3}))
     (folder / "chat_template.jinja").unlink()
-    assert build_dataset({"type": "chat", "source": str(tmp_path / "a.jsonl")}, tokenizer, folder).samples == a.samples
+    assert (
+        build_dataset(dataset({"type": "chat", "source": str(tmp_path / "a.jsonl")}), tokenizer, folder).samples
+        == a.samples
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(CkptkitError, match="has no chat template"):
-        build_dataset({"type": "chat", "source": str(tmp_path / "a.jsonl")}, tokenizer, folder)
+        build_dataset(dataset({"type": "chat", "source": str(tmp_path / "a.jsonl")}), tokenizer, folder)
     (tmp_path / "t.jinja").write_text(LLAMA3)
     cfg = {"type": "chat", "source": str(tmp_path / "a.jsonl"), "chat_template": str(tmp_path / "t.jinja")}
-    assert build_dataset(cfg, tokenizer, folder).samples == a.samples
+    assert build_dataset(dataset(cfg), tokenizer, folder).samples == a.samples
 
 
 def test_every_file_format_gives_the_same_samples(tmp_path: Path) -> None:
@@ -172,47 +188,48 @@ def test_every_file_format_gives_the_same_samples(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(FIXTURES / "hf" / "llama3")
     common = {"column_map": {"output": "a"}, "template": "Q: {q}\nA: "}
     samples = [
-        build_dataset({"source": str(tmp_path / name), **common}, tokenizer).samples
+        build_dataset(dataset({"source": str(tmp_path / name), **common}), tokenizer).samples
         for name in ("d.parquet", "d.csv", "d.jsonl")
     ]
     assert samples[0] == samples[1] == samples[2] and len(samples[0]) == 48
-    train, val = build_datasets(
-        {"source": str(tmp_path / "saved"), "validation_split": "test", **common}, tokenizer
-    )  # fmt: skip
+    saved = dataset({"source": str(tmp_path / "saved"), "validation_split": "test", **common})
+    train, val = build_datasets(saved, tokenizer)
     assert train.samples == samples[0][:40] and val is not None and val.samples == samples[0][40:]
-    head = build_dataset({"source": str(tmp_path / "d.parquet"), "split": "train[:5]", **common}, tokenizer)
+    head = build_dataset(dataset({"source": str(tmp_path / "d.parquet"), "split": "train[:5]", **common}), tokenizer)
     assert head.samples == samples[0][:5]
     expected = tokenizer.encode(f"Q: {rows[0]['q']}\nA: {rows[0]['a']}") + tokenizer.eos_ids[:1]
     assert samples[0][0].ids == expected
     with pytest.raises(CkptkitError, match=r"d.parquet \[train\]: row 1: dataset.column_map: no column 'answer'"):
-        build_dataset({"source": str(tmp_path / "d.parquet"), "column_map": {"output": "answer"}}, tokenizer)
+        build_dataset(dataset({"source": str(tmp_path / "d.parquet"), "column_map": {"output": "answer"}}), tokenizer)
     with pytest.raises(CkptkitError, match=r"dataset.template 'Q: \{question\}'"):
-        build_dataset({"source": str(tmp_path / "d.parquet"), **common, "template": "Q: {question}"}, tokenizer)
+        build_dataset(
+            dataset({"source": str(tmp_path / "d.parquet"), **common, "template": "Q: {question}"}), tokenizer
+        )
 
 
 def test_validation_fraction_holds_rows_out() -> None:
     tokenizer = load_tokenizer(FIXTURES / "hf" / "llama3")
-    full = build_dataset({"source": "tiny_alpaca"}, tokenizer).samples
-    train, val = build_datasets({"source": "tiny_alpaca", "validation_fraction": 0.25}, tokenizer, seed=3)
+    full = build_dataset(dataset({"source": "tiny_alpaca"}), tokenizer).samples
+    train, val = build_datasets(dataset({"source": "tiny_alpaca", "validation_fraction": 0.25}), tokenizer, seed=3)
     assert val is not None and (len(train), len(val)) == (36, 12)
     assert sorted(map(str, train.samples + val.samples)) == sorted(map(str, full))
-    again = build_datasets({"source": "tiny_alpaca", "validation_fraction": 0.25}, tokenizer, seed=3)[1]
+    again = build_datasets(dataset({"source": "tiny_alpaca", "validation_fraction": 0.25}), tokenizer, seed=3)[1]
     assert again is not None and again.samples == val.samples  # seeded
 
 
 def test_data_config_errors_are_one_line() -> None:
     tokenizer = load_tokenizer(FIXTURES / "hf" / "llama3")
     cases = {
-        "dataset.max_seq_len: Input should be greater than or equal to 2": {"max_seq_len": 1},
-        "dataset.packd: Extra inputs are not permitted": {"packd": True},
-        "dataset.validation_fraction: Input should be less than 1": {"validation_fraction": 1.5},
+        "config key dataset.max_seq_len: input should be greater than or equal to 2": {"max_seq_len": 1},
+        "config: unknown key dataset.packd; did you mean dataset.packed?": {"packd": True},
+        "config key dataset.validation_fraction: input should be less than 1": {"validation_fraction": 1.5},
         "set validation_split or validation_fraction, not both": {"validation_split": "a", "validation_fraction": 0.1},
         "dataset.source: /nope/x.jsonl: no such file": {"source": "/nope/x.jsonl"},
         "dataset.max_seq_len=4 leaves no sample a token to train on": {"max_seq_len": 4},  # prompts fill it
     }
     for message, cfg in cases.items():
-        with pytest.raises(CkptkitError, match=message.replace(".", r"\.")):
-            build_dataset(cfg, tokenizer)
+        with pytest.raises(CkptkitError, match=re.escape(message)):
+            build_dataset(dataset(cfg), tokenizer)
     assert resolve_source("tatsu-lab/alpaca") == "tatsu-lab/alpaca"  # not local: a Hub name for load_dataset
 
 
@@ -220,8 +237,8 @@ def test_packed_rows_compute_what_their_documents_compute() -> None:
     from train_helpers import native_model
 
     tokenizer = load_tokenizer(FIXTURES / "hf" / "llama2")
-    plain = build_dataset({"source": "tiny_alpaca"}, tokenizer).samples[:6]
-    packed = build_dataset({"source": "tiny_alpaca", "packed": True, "max_seq_len": 256}, tokenizer).samples
+    plain = build_dataset(dataset({"source": "tiny_alpaca"}), tokenizer).samples[:6]
+    packed = build_dataset(dataset({"source": "tiny_alpaca", "packed": True, "max_seq_len": 256}), tokenizer).samples
     assert all(len(p.ids) <= 256 for p in packed) and sum(len(p.lengths) for p in packed[:2]) >= 6
     model = native_model("llama2")
     batch = collate(packed[:2], pad_id=0)

@@ -26,7 +26,8 @@ from ckptkit.cli import app
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import detect_format
-from ckptkit.formats.dcp import Chunk, stitch
+from ckptkit.formats.dcp.metadata import Chunk
+from ckptkit.formats.dcp.reading import stitch
 from ckptkit.inspection import inspect_path
 from ckptkit.io import Span, read_spans
 from ckptkit.verify import verify_paths
@@ -238,6 +239,31 @@ def test_two_ranks_sharded_tensors_stitch_bitwise(tmp_path: Path) -> None:
     _verified(tmp_path / "meta", META)
     convert(folder, tmp_path / "hf", "hf")
     _verified(tmp_path / "hf", HF)
+
+
+def _with_tokenizer(folder: Path) -> Path:
+    """``folder`` as torchtitan users keep it: params.json and tokenizer.model beside the weights
+    (or beside the ``step-N`` folders)."""
+    for name in ("params.json", "tokenizer.model"):
+        shutil.copy(META / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [None, "q8_0"])
+@pytest.mark.parametrize("source", ["step folders", "two ranks"])
+def test_dcp_to_gguf_is_the_gguf_of_the_same_meta_checkpoint(tmp_path: Path, source: str, dtype: str | None) -> None:
+    """The GGUF of a DCP checkpoint is, byte for byte, the GGUF of the Meta checkpoint holding
+    the same weights (whose GGUF test_gguf.py checks against llama.cpp's converter); both
+    folders are named alike, since GGUF's general.name comes from the folder's name."""
+    folder = tmp_path / "dcp" / "llama2"
+    if source == "step folders":  # torch's single-process save in step-10, with optimizer state
+        shutil.copytree(FIXTURES / "dcp" / "llama2", folder)
+    else:  # two gloo ranks, DTensors sharded on dim 0 and 1 or replicated
+        mp.start_processes(_rank_save, args=(2, _free_port(), str(folder)), nprocs=2, start_method="fork")
+    _with_tokenizer(folder)
+    convert(folder, tmp_path / "dcp.gguf", "gguf", dtype=dtype)
+    convert(META, tmp_path / "meta.gguf", "gguf", dtype=dtype)
+    assert (tmp_path / "dcp.gguf").read_bytes() == (tmp_path / "meta.gguf").read_bytes()
 
 
 def test_stitching_any_chunk_grid_gives_the_row_major_bytes(tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 shards, ``checkpointer.async_save`` overlaps the write with training, a kill before an
 asynchronous save is published keeps the previous checkpoint, resuming is exact (bitwise at
 the same number of ranks; on another number of ranks the float sums of 1 and 2 processes
-differ, see test_distributed.py for tolerances), and epoch outputs come out in the input's
-format (Meta, 2 shards), converted from the shards.
+differ, see test_distributed.py for tolerances), epoch outputs come out in the input's
+format (Meta, 2 shards), converted from the shards, and a recipe state whose ``.metadata``
+would run code is refused before torch's reader sees it.
 
 One module-level run (Meta 2-shard fixture, 2 epochs of 2 steps, a checkpoint every step)
 serves as the uninterrupted reference.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -180,3 +182,26 @@ def test_lora_resumes_bitwise_from_its_sharded_adapters(tmp_path: Path) -> None:
              config="tiny_lora")  # fmt: skip
     assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")[2:]
     assert tree_hashes(tmp_path / "resumed" / "epoch_0") == tree_hashes(tmp_path / "whole" / "epoch_0")
+
+
+class _Boom:
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.target}",))
+
+
+@pytest.mark.slow
+def test_resuming_from_a_hostile_recipe_state_runs_nothing(tmp_path: Path) -> None:
+    """torch's ``dcp.load`` unpickles ``.metadata`` as it is: the recipe reads it with the
+    restricted reader first and stops with one line."""
+    state, target = tmp_path / "recipe_state", tmp_path / "pwned"
+    state.mkdir()
+    (state / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": _Boom(str(target))}))
+    cmd = [sys.executable, "-m", "ckptkit", "run", "full_finetune_distributed", "--config", "tiny_full_distributed",
+           *COMMON, f"checkpointer.output_dir={tmp_path / 'out'}", *resume(state)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    assert "refusing to load" in proc.stderr and "posix.system" in proc.stderr
+    assert not target.exists()

@@ -20,7 +20,7 @@ import torch
 
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
-from ckptkit.train.config import load_config, validate_config
+from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
@@ -210,5 +210,38 @@ def test_bundled_distributed_configs_validate() -> None:
                "lora_finetune_distributed": LoRAFinetuneDistributedConfig}  # fmt: skip
     for recipe, schema in schemas.items():
         for name in RECIPES[recipe]:
-            cfg = validate_config(load_config(name), schema)
-            assert cfg["batch_size"] >= 1 and "mixed_precision" in cfg
+            cfg = parse_config(load_config(name), schema)
+            assert cfg.batch_size >= 1 and cfg.mixed_precision.param_dtype in (None, "fp32", "bf16")
+
+
+@pytest.mark.slow
+def test_a_failure_on_rank_0_stops_every_rank_with_its_line(tmp_path: Path) -> None:
+    """Rank 0 alone takes a checkpoint folder's lock and writes the metrics. When that fails (another
+    writer holds ``epoch_0``; the output folder is a file) every rank exits with rank 0's one line:
+    none is left in a collective waiting for it (the timeout fails the test), none has a traceback."""
+    from ckptkit.io.publish import leftovers, locked
+
+    def launch(out: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "ckptkit", "run", "--nproc-per-node", "2", "full_finetune_distributed",
+               "--config", "tiny_full_distributed", "epochs=1", "max_steps_per_epoch=1", "quiet=true",
+               f"checkpointer.output_dir={out}"]  # fmt: skip
+        # torchrun stops the other workers once one has failed: here, not before 2 s have passed
+        env = {**os.environ, "PET_MONITOR_INTERVAL": "2"}
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with locked(out / "epoch_0"):
+        lines = launch(out)
+    held = f"{out / 'epoch_0'}: another ckptkit process is writing it (pid {os.getpid()})"
+    assert sorted(lines[:2]) == [
+        f"error: [rank {r}] {held}; wait for it to finish or choose another DST" for r in (0, 1)
+    ]
+    assert lines[2:] == ["error: full_finetune_distributed: 2 of 2 processes failed (exit code 1)"]
+    assert not (out / "epoch_0").exists() and leftovers(out) == []  # no checkpoint, nothing half-written
+
+    (tmp_path / "file").write_text("")
+    lines = launch(tmp_path / "file")
+    assert sorted(lines[:2]) == [f"error: [rank {r}] {tmp_path / 'file'}: File exists" for r in (0, 1)]

@@ -152,10 +152,15 @@ def test_cli_copy_method_is_reported_and_off_goes_through_memory(tmp_path: Path)
         assert refused.exit_code == 2 and not (tmp_path / "c").exists(), bad
 
 
-def test_the_copy_method_choices_are_four() -> None:
-    from ckptkit.cli import CopyMethod
+def test_the_copy_method_choices_are_four(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
 
-    assert [m.value for m in CopyMethod] == ["auto", "direct", "stream", "off"]
+    from ckptkit.cli import app
+
+    args = ["convert", str(FIXTURES / "hf" / "llama3"), str(tmp_path / "c"), "--to", "hf", "--copy-method", "x"]
+    refused = CliRunner().invoke(app, args, env={"COLUMNS": "2000"})
+    assert refused.exit_code == 2
+    assert "--copy-method x: not one of auto, direct, stream, off" in refused.output
 
 
 def test_convert_refuses_a_fallback_as_copy_method(tmp_path: Path) -> None:

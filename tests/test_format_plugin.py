@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.convert import convert
+from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY, detect_format, is_checkpoint_file, register, unregister
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.format import CheckpointFormat
@@ -166,3 +167,80 @@ def test_unregistering_removes_the_format(tmp_path: Path) -> None:
 def test_a_name_is_registered_once(flat: FlatFormat) -> None:
     with pytest.raises(ValueError, match="already registered"):
         register(FlatFormat())
+
+
+def test_the_cli_offers_a_format_registered_at_run_time(flat: FlatFormat, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    help_text = " ".join(CliRunner().invoke(app, ["convert", "--help"]).output.split())
+    assert f"gguf, {flat.name}." in help_text
+    args = ["convert", str(FIXTURES / "hf" / "llama2"), str(tmp_path / "f"), "--to", flat.name]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert detect_format(tmp_path / "f") is flat
+
+
+def test_an_installed_plugin_is_a_format_of_the_cli(tmp_path: Path) -> None:
+    """A package that declares a ``ckptkit.formats`` entry point (here: a dist-info on
+    the path, as pip installs one) gives ``ckptkit convert --to`` a new choice, with no
+    code of the plugin's run by the test process itself."""
+    import os
+    import subprocess
+    import sys
+
+    dist = tmp_path / "site" / "flatplugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flatplugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ckptkit.formats]\nflat = test_format_plugin:FlatFormat\n")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(tests)])}
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / "hf" / "llama2"), str(out), "--to", "flat-test"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert (out / WEIGHTS).is_file() and (out / CONFIG).is_file()
+    listed = subprocess.run([*cmd[:4], "--help"], env=env, capture_output=True, text=True, check=False)
+    assert "flat-test" in listed.stdout
+
+    (dist / "entry_points.txt").write_text("[ckptkit.formats]\nbroken = no_such_module:Format\n")
+    failed = subprocess.run(
+        [*cmd[:5], str(tmp_path / "o2"), "--to", "hf"], env=env, capture_output=True, text=True, check=False
+    )
+    # A broken plugin costs one warning line, never the built-in formats.
+    assert failed.returncode == 0, failed.stderr
+    warning = failed.stderr.splitlines()[0]
+    assert warning.startswith("warning: format plugin broken (no_such_module:Format) cannot be loaded"), warning
+    assert "Traceback" not in failed.stderr and (tmp_path / "o2" / "config.json").is_file()
+
+
+class FlatCheckpointerFormat(FlatFormat):
+    """The flat format, saying which torchtune-style checkpointer component reads it."""
+
+    torchtune_checkpointers = ("acme.training.FlatCheckpointer",)
+
+
+def test_a_format_tells_training_which_torchtune_checkpointer_reads_it(tmp_path: Path) -> None:
+    """``checkpointer._component_`` is accepted and checked against the formats' own declarations:
+    a registered format brings its component; unregistered, the component is refused."""
+    from ckptkit.train.checkpointer import Checkpointer
+    from ckptkit.train.config import parse_config
+    from ckptkit.train.schema import FullFinetuneConfig
+
+    def checkpointer(source: Path) -> Checkpointer:
+        raw = {"checkpointer": {"_component_": "acme.training.FlatCheckpointer", "checkpoint_dir": str(source),
+                                "output_dir": str(tmp_path / "out")}}  # fmt: skip
+        return Checkpointer(parse_config(raw, FullFinetuneConfig).checkpointer)
+
+    fmt = register(FlatCheckpointerFormat())
+    try:
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "flat", fmt.name)
+        assert checkpointer(tmp_path / "flat").model_config().num_layers == 2
+        with pytest.raises(CkptkitError, match="is a hf checkpoint but checkpointer._component_ names torchtune's "
+                                               "checkpointer for flat-test; ckptkit's reads any format"):  # fmt: skip
+            checkpointer(FIXTURES / "hf" / "llama2").model_config()
+    finally:
+        unregister(fmt.name)
+    with pytest.raises(CkptkitError, match="_component_ 'acme.training.FlatCheckpointer' is not a ckptkit component"):
+        checkpointer(tmp_path / "flat")

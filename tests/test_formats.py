@@ -123,7 +123,7 @@ def test_dtype_cast_and_verify(tmp_path: Path) -> None:
         text=True,
     )
     report = json.loads(res.stdout)
-    assert res.returncode == 3 and not report["identical"]  # 3: only casts
+    assert res.returncode == 1 and not report["identical"] and report["verdict"] == "cast"
     first = report["differences"][0]
     assert first["dtype_a"] == "bfloat16" and first["dtype_b"] == "float32" and first["kind"] == "cast"
     assert first["max_abs_diff"] == 0.0  # widening is exact

@@ -173,7 +173,7 @@ def test_generate_is_capped_at_the_context_and_streams(tmp_path: Path) -> None:
     room = 12 - prompt_len
     assert result.stderr.strip() == (
         f"note: --max-new-tokens 100000 capped at {room}: the prompt ({prompt_len} tokens) "
-        "plus the completion fill the model's context of 12 tokens"
+        "plus the completion fill the model's context of 12 tokens; nothing to do"
     )
     pieces: list[str] = []
     text = generate_text(str(ckpt), "The quick brown", max_new_tokens=room, on_text=pieces.append)
@@ -228,3 +228,41 @@ def test_chat_prompt_is_transformers_apply_chat_template(family: str, template: 
     assert result.exit_code == 0, result.output
     reply = generate(native_model(family), torch.tensor([ours]), 5, eos_token_id=tokenizer.eos_ids)[0, len(ours) :]
     assert result.stdout == tokenizer.decode(reply.tolist()) + "\n"
+
+
+def test_chat_without_a_template_says_which_file_lacks_it_and_what_to_do() -> None:
+    from ckptkit.cli import app
+
+    result = CliRunner().invoke(app, ["generate", str(hf_dir("llama2")), "--prompt", "hi", "--chat"])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"error: {hf_dir('llama2') / 'tokenizer_config.json'} has no chat template " in result.stderr
+    assert "drop --chat to continue PROMPT as plain text, or save the model's chat template as " in result.stderr
+    assert "dataset.chat_template" not in result.stderr  # a training key, not for generate
+
+
+def test_an_empty_completion_says_why(tmp_path: Path) -> None:
+    """A model whose first new token is end-of-sequence prints the prompt alone and a note
+    saying so (here: the llama2 fixture with its EOS set to the token transformers picks first)."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+
+    from ckptkit.cli import app
+
+    prompt = "The quick"
+    ids = AutoTokenizer.from_pretrained(hf_dir("llama2"))(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        first = int(hf_model("llama2")(ids).logits[0, -1].argmax())
+    ckpt = tmp_path / "llama2"
+    shutil.copytree(hf_dir("llama2"), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": first}))
+    get_peft_model(hf_model("llama2"), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    result = CliRunner().invoke(app, ["generate", str(ckpt), "--prompt", prompt, "--adapter", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == prompt + "\n"
+    assert result.stderr.strip() == (
+        "note: the model produced end-of-sequence as its first token: the completion is empty; "
+        "to get text, change the prompt, sample with --temperature, or use --chat with a chat model"
+    )

@@ -160,7 +160,7 @@ def test_q8_0_gguf_is_dequantized_only_with_an_explicit_dtype(llama_cpp: Path, t
     assert code == 1 and "quantized (Q8_0); dequantizing them is lossy: pass --dtype" in err
     assert not (tmp_path / "no").exists()
     code, _, err = cli("convert", gguf, tmp_path / "hf", "--to", "hf", "--dtype", "float32")
-    assert code == 0 and "lossy: 16 quantized tensors (Q8_0) dequantized to float32" in err
+    assert code == 0 and "lossy: 16 quantized tensors (Q8_0) dequantized to float32, llama.cpp" in err
     from safetensors.numpy import load_file
 
     stored = {t.name: t for t in GGUFReader(gguf).tensors}

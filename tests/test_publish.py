@@ -38,7 +38,8 @@ dst, watch = spec["dst"], os.path.dirname(spec["dst"])
 
 def trainer(src, out, scale):
     from ckptkit.train.checkpointer import Checkpointer
-    ck = Checkpointer({"checkpointer": {"checkpoint_dir": src, "output_dir": out}})
+    from ckptkit.train.schema import CheckpointerConfig
+    ck = Checkpointer(CheckpointerConfig(checkpoint_dir=src, output_dir=out))
     _, sd = ck.load_base()
     ck.save("epoch_0", {k: v * scale for k, v in sd.items()}, recipe_state={"step": torch.tensor([scale])})
 
@@ -189,8 +190,9 @@ def test_trainer_save_survives_sigkill(tmp_path: Path) -> None:
     src = str(FIXTURES / "hf/llama2")
     old = tmp_path / "old"
     from ckptkit.train.checkpointer import Checkpointer
+    from ckptkit.train.schema import CheckpointerConfig
 
-    ck = Checkpointer({"checkpointer": {"checkpoint_dir": src, "output_dir": str(tmp_path)}})
+    ck = Checkpointer(CheckpointerConfig(checkpoint_dir=src, output_dir=str(tmp_path)))
     _, sd = ck.load_base()
     ck.save("old", sd, recipe_state={"step": torch.tensor([1])})
     job = {"kind": "trainer", "args": [src, str(out), 2]}
@@ -369,8 +371,9 @@ def test_every_file_and_folder_is_fsynced_before_it_is_put_in_place(
 PRUNE_CHILD = r"""
 import os, signal, sys
 from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.schema import CheckpointerConfig
 src, out = sys.argv[1], sys.argv[2]
-ck = Checkpointer({"checkpointer": {"checkpoint_dir": src, "output_dir": out, "keep_last_n_checkpoints": 1}})
+ck = Checkpointer(CheckpointerConfig(checkpoint_dir=src, output_dir=out, keep_last_n_checkpoints=1))
 removed = [0]
 def hook(event, args):
     if event == "os.remove":

@@ -189,6 +189,52 @@ def test_ls_and_cp(tmp_path: Path) -> None:
     assert (tmp_path / "o" / "epoch_0" / "adapter" / "adapter_model.safetensors").exists()
 
 
+def copy_and_edit(recipe: str, folder: Path) -> Path:
+    """``ckptkit cp RECIPE``, then two edits in the loop it holds: every optimizer step prints a
+    line, and the loss it reports is doubled."""
+    subprocess.run([sys.executable, "-m", "ckptkit", "cp", recipe, str(folder)], check=True, capture_output=True)
+    path = folder / f"{recipe}.py"
+    text = path.read_text()
+    step, loss = "        self.optimizer.step()\n", "        return stats.loss, sum("
+    assert text.count(step) == text.count(loss) == 1  # the loop itself is in the copy, not an import of it
+    text = text.replace(step, "        print(f'edited step on rank {self.placement.rank}', flush=True)\n" + step)
+    path.write_text(text.replace(loss, "        return 2 * stats.loss, sum("))
+    return path
+
+
+@pytest.mark.slow
+def test_a_copied_recipe_is_the_loop_to_edit(tmp_path: Path) -> None:
+    """``ckptkit cp full_finetune`` writes the training loop as one script: edits to it change what
+    ``ckptkit run ./full_finetune.py`` does; the bundled recipe is untouched by them."""
+    script = copy_and_edit("full_finetune", tmp_path)
+    keys = ["epochs=1", "max_steps_per_epoch=2", "quiet=true"]
+    cmd = [sys.executable, "-m", "ckptkit", "run", str(script), "--config", "tiny_full", *keys]
+    edited = subprocess.run([*cmd, f"checkpointer.output_dir={tmp_path / 'edited'}"], capture_output=True, text=True)
+    assert edited.returncode == 0, edited.stderr[-3000:]
+    assert edited.stdout.splitlines() == ["edited step on rank 0"] * 2
+    run("full_finetune", "tiny_full", *keys, f"checkpointer.output_dir={tmp_path / 'bundled'}")
+    ours, theirs = losses(tmp_path / "edited"), losses(tmp_path / "bundled")
+    assert len(ours) == 2 and ours[0] == 2 * theirs[0]  # step 1 computes the same loss before any update
+    proc = subprocess.run([*cmd[:4], "--nproc-per-node", "2", *cmd[4:]], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: {script}: runs on one device; run it without --nproc-per-node"
+
+
+@pytest.mark.slow
+def test_a_copied_distributed_recipe_runs_under_torchrun(tmp_path: Path) -> None:
+    """``ckptkit cp full_finetune_distributed``: the edited loop runs on every rank of ``ckptkit run
+    --nproc-per-node 2 ./full_finetune_distributed.py``."""
+    script = copy_and_edit("full_finetune_distributed", tmp_path)
+    cmd = [sys.executable, "-m", "ckptkit", "run", "--nproc-per-node", "2", str(script), "--config",
+           "tiny_full_distributed", "epochs=1", "max_steps_per_epoch=2", "quiet=true",
+           f"checkpointer.output_dir={tmp_path / 'o'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the ranks print at once: counted, since their lines may interleave in the one pipe
+    assert [proc.stdout.count(f"edited step on rank {r}") for r in (0, 1)] == [2, 2]
+    assert (tmp_path / "o" / "epoch_0").is_dir()
+
+
 def test_activation_checkpointing_bf16_and_accumulation(tmp_path: Path) -> None:
     one = ["epochs=1", "max_steps_per_epoch=2"]
     run("full_finetune", "tiny_full", *one, f"checkpointer.output_dir={tmp_path / 'plain'}")

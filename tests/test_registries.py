@@ -192,6 +192,75 @@ def test_no_format_name_or_suffix_branches_outside_formats() -> None:
     assert found == []
 
 
+# Spellings outside formats/ that are not about a checkpoint format, and why.
+NOT_FORMATS = {
+    ("train/checkpointer.py", "recipe_state.pt"): "torchtune's recipe-state file name, read by torchtune users",
+}
+TORCH_DEVICE_CALLS = {"to", "device", "to_empty"}
+
+
+def format_spellings(source: str, names: set[str], suffixes: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, text) of every string in ``source`` that spells a format name, a weight-file
+    extension, or a file name with one (``"hf"``, ``"pth"``, ``"x.safetensors"``, in a
+    literal, a list, a dict, an f-string or a message): wherever it ends up being compared,
+    the knowledge belongs to a format. Not counted: docstrings, class-level data in a
+    family (``meta_container = "pth"``), and torch's ``"meta"`` device."""
+    tree = ast.parse(source)
+    extensions = {s.lstrip(".") for s in suffixes if s.count(".") == 1}
+    alternatives = "|".join(sorted(re.escape(e) for e in extensions))
+    mentions = re.compile(rf"\.({alternatives})\b")
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            skip.add(id(first.value))  # a docstring
+        if isinstance(node, ast.ClassDef):
+            skip |= {id(s.value) for s in node.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant)}
+        if isinstance(node, ast.keyword) and node.arg == "device":
+            skip.add(id(node.value))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in TORCH_DEVICE_CALLS:
+            skip |= {id(a) for a in node.args}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            text = node.value
+            if text in names or text in extensions or text.endswith(suffixes) or mentions.search(text):
+                found.append((node.lineno, text))
+    return sorted(found)
+
+
+def test_the_spelling_check_catches_a_format_wherever_it_is_written() -> None:
+    planted = """
+class Family:
+    meta_container = "pth"
+def f(fmt, conf, device, model):
+    \"\"\"Reads model.safetensors (a docstring may say so).\"\"\"
+    expect = {"component": ["hf", "hf-bin"]}
+    wanted = conf.get("formats", ['meta'])
+    name = f"{fmt}.safetensors"
+    ext = "pth"
+    note = "save it as adapter_model.bin instead"
+    model.to("meta")
+    build(device="meta")
+    torch.device("meta")
+    return fmt in wanted
+"""
+    found = format_spellings(planted, set(FORMAT_REGISTRY), WEIGHT_SUFFIXES)
+    assert [line for line, _ in found] == [6, 6, 7, 8, 9, 10], found
+
+
+def test_no_format_spelled_outside_formats() -> None:
+    names = set(FORMAT_REGISTRY)
+    found = [
+        f"{p.relative_to(PACKAGE)}:{line}: {text!r}"
+        for p in _sources(PACKAGE, exclude="formats")
+        for line, text in format_spellings(p.read_text(), names, WEIGHT_SUFFIXES)
+        if (str(p.relative_to(PACKAGE)), text) not in NOT_FORMATS
+    ]
+    assert found == [], "ask the format registry instead (or add the spelling to NOT_FORMATS with why)"
+
+
 def test_no_family_knowledge_outside_models() -> None:
     assert _matches(r"model_type\s*(==|!=|in\b)", _sources(PACKAGE / "train")) == []
     scaled = [m for m in _matches(r"use_scaled_rope", _sources(PACKAGE)) if not m.startswith("models/llama.py")]

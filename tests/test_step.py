@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ckptkit.train.config import load_config
-from ckptkit.train.data import build_dataset, collate
+from ckptkit.train.data import DatasetConfig, build_dataset, collate
 from ckptkit.train.recipes import recipe_entry
+from ckptkit.train.schema import OptimizerConfig
 from ckptkit.train.step import build_optimizer, forward_backward
 from ckptkit.train.tokenizer import load_tokenizer
 
@@ -33,7 +34,7 @@ def gradients(model: torch.nn.Module, batches: list[dict]) -> dict[str, torch.Te
 
 def test_four_micro_batches_of_one_equal_one_batch_of_four() -> None:
     """Samples of different lengths (so padding differs): the accumulated gradient is the big batch's."""
-    data = build_dataset({"source": "tiny_alpaca"}, load_tokenizer(FIXTURES / "hf" / "llama2"))
+    data = build_dataset(DatasetConfig(source="tiny_alpaca"), load_tokenizer(FIXTURES / "hf" / "llama2"))
     samples = [data[i] for i in (0, 8, 20, 40)]
     assert len({len(s.ids) for s in samples}) > 1
     model = native_model("llama2").train()
@@ -74,8 +75,8 @@ def test_losses_equal_the_previous_recipes(case: str, tmp_path: Path) -> None:
 
 def test_fused_adamw_on_cpu_and_cuda() -> None:
     params = [torch.nn.Parameter(torch.zeros(2))]
-    assert build_optimizer(params, {}, torch.device("cpu")).defaults["fused"] is True
-    unfused = build_optimizer(params, {"fused": False}, torch.device("cpu")).defaults
+    assert build_optimizer(params, OptimizerConfig(), torch.device("cpu")).defaults["fused"] is True
+    unfused = build_optimizer(params, OptimizerConfig(fused=False), torch.device("cpu")).defaults
     assert not unfused["fused"] and unfused["foreach"] is None  # torch's choice: for-loop on CPU
 
 
@@ -93,7 +94,9 @@ def test_validation_loss_is_logged(tmp_path: Path) -> None:
 def test_compiled_layers_give_the_same_gradients() -> None:
     from ckptkit.train.step import compile_layers
 
-    batch = collate(build_dataset({"source": "tiny_alpaca"}, load_tokenizer(FIXTURES / "hf" / "llama3")).samples[:2], 0)
+    batch = collate(
+        build_dataset(DatasetConfig(source="tiny_alpaca"), load_tokenizer(FIXTURES / "hf" / "llama3")).samples[:2], 0
+    )
     eager = gradients(native_model("llama3").train(), [batch])
     model = native_model("llama3").train()
     compile_layers(model)

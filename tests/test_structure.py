@@ -27,8 +27,8 @@ LAYERS = [
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -45,9 +45,9 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _graph() -> dict[str, dict[str, int]]:
+def _graph(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
     """module -> {imported ckptkit module: line}, for every module of the package."""
-    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    files = {_module(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, dict[str, int]] = {}
     for name, path in files.items():
         targets: dict[str, int] = {}
@@ -72,14 +72,18 @@ def test_every_top_level_module_and_package_has_a_layer() -> None:
     assert set(LEVEL) - names == set()
 
 
-def test_imports_only_go_down_the_layers() -> None:
-    upward = [
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import of a module from a higher layer than the importer's."""
+    return [
         f"{src} ({_layer(src)}) imports {dst} ({_layer(dst)}) at line {line}"
-        for src, targets in _graph().items()
+        for src, targets in graph.items()
         for dst, line in targets.items()
         if _layer(dst) > _layer(src)
     ]
-    assert upward == []
+
+
+def test_imports_only_go_down_the_layers() -> None:
+    assert upward_imports(_graph()) == []
 
 
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -125,12 +129,84 @@ def test_cycle_finder_finds_a_planted_cycle() -> None:
     assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
 
 
-def test_the_copy_engine_is_used_through_its_public_face() -> None:
-    inside = [
+def private_io_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports of a module inside ``ckptkit.io`` from outside it (the face is ``ckptkit.io``)."""
+    return [
         f"{src} imports {dst}"
-        for src, targets in _graph().items()
+        for src, targets in graph.items()
         if not src.startswith("ckptkit.io")
         for dst in targets
         if dst.startswith("ckptkit.io.")
     ]
-    assert inside == []
+
+
+def test_the_copy_engine_is_used_through_its_public_face() -> None:
+    assert private_io_imports(_graph()) == []
+
+
+def _planted(tmp_path: Path, modules: dict[str, str]) -> Path:
+    """A small ``ckptkit`` package under ``tmp_path`` with these modules (path -> source)."""
+    root = tmp_path / "ckptkit"
+    for name, source in {"__init__.py": "", "io/__init__.py": "", **modules}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source)
+    return root
+
+
+def test_the_layer_check_finds_a_planted_upward_import(tmp_path: Path) -> None:
+    root = _planted(
+        tmp_path,
+        {
+            "tensors/casting.py": "def f():\n    from ckptkit.convert import convert\n",  # lazy, still upward
+            "convert.py": "from ckptkit.tensors import casting\n",  # downward: fine
+            "train/loop.py": "import ckptkit.cli.app\n",
+            "cli/app.py": "",
+        },
+    )
+    found = upward_imports(_graph(root))
+    assert [f.split(" (")[0] + " -> " + f.split(" imports ")[1].split(" (")[0] for f in found] == [
+        "ckptkit.tensors.casting -> ckptkit.convert",
+        "ckptkit.train.loop -> ckptkit.cli.app",
+    ]
+
+
+def test_the_public_face_check_finds_a_planted_reach_inside(tmp_path: Path) -> None:
+    root = _planted(
+        tmp_path,
+        {
+            "io/stream.py": "",
+            "io/publish.py": "from ckptkit.io.stream import x\n",  # inside the package: fine
+            "convert.py": "from ckptkit.io import publishing\nfrom ckptkit.io.stream import copy_spans\n",
+        },
+    )
+    assert private_io_imports(_graph(root)) == ["ckptkit.convert imports ckptkit.io.stream"]
+
+
+def reaches_inside(graph: dict[str, dict[str, int]], package: str) -> list[str]:
+    """Imports of ``package``'s modules from outside it (its ``__init__`` is its public face)."""
+    return [
+        f"{src} imports {dst}"
+        for src, targets in graph.items()
+        if src != package and not src.startswith(package + ".")
+        for dst in targets
+        if dst.startswith(package + ".")
+    ]
+
+
+def test_the_dcp_format_is_used_through_its_public_face() -> None:
+    assert reaches_inside(_graph(), "ckptkit.formats.dcp") == []
+
+
+def test_the_dcp_face_check_finds_a_planted_reach_inside(tmp_path: Path) -> None:
+    root = _planted(
+        tmp_path,
+        {
+            "formats/__init__.py": "",
+            "formats/dcp/__init__.py": "from ckptkit.formats.dcp.folder import open_state\n",  # inside: fine
+            "formats/dcp/folder.py": "",
+            "train/distributed.py": "from ckptkit.formats.dcp import y\nfrom ckptkit.formats.dcp.folder import x\n",
+        },
+    )
+    assert reaches_inside(_graph(root), "ckptkit.formats.dcp") == [
+        "ckptkit.train.distributed imports ckptkit.formats.dcp.folder"
+    ]

@@ -302,3 +302,39 @@ def test_sentencepiece_model_that_normalizes_text_is_refused(tmp_path: Path) -> 
     message = str(err.value)
     assert str(src / "tokenizer.model") in message and "whitespace" in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+def test_sentencepiece_model_whose_user_defined_pieces_need_an_inexact_lookup_is_refused(tmp_path: Path) -> None:
+    """User-defined pieces are written as whole-word lookups (BPE ``ignore_merges``), exact
+    only when every other piece is what sentencepiece's merges make of its own text. Here
+    sentencepiece makes ``a bc d`` of "abcd" (``bc`` merges first), so the model is refused
+    with one line naming the file, and nothing is written; without the user-defined piece it
+    converts and encodes as sentencepiece does."""
+    from tokenizers import Tokenizer
+
+    from ckptkit.tokenization.spm_proto import BPE, CONTROL, UNKNOWN, USER_DEFINED, Piece, SpmModel, write_spm_model
+
+    pieces = [
+        Piece("<unk>", 0, UNKNOWN),
+        Piece("<s>", 0, CONTROL),
+        Piece("</s>", 0, CONTROL),
+        Piece("[U]", 0, USER_DEFINED),
+    ]
+    pieces += [Piece(t, -float(i)) for i, t in enumerate(["bc", "ab", "cd", "abcd", "a", "b", "c", "d"], 1)]
+    model = SpmModel(pieces, BPE, normalizer_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False)
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "meta" / "llama2", src)
+    (src / "tokenizer.model").write_bytes(write_spm_model(model))
+    sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    assert [sp.id_to_piece(i) for i in sp.encode("abcd")] == ["a", "bc", "d"]
+    with pytest.raises(CkptkitError) as err:
+        convert(src, tmp_path / "out", "hf")
+    message = str(err.value)
+    assert str(src / "tokenizer.model") in message and "'abcd'" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+    model.pieces.remove(pieces[3])
+    (src / "tokenizer.model").write_bytes(write_spm_model(model))
+    convert(src, tmp_path / "out", "hf")
+    sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    fast = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert fast.encode("abcd", add_special_tokens=False).ids == sp.encode("abcd")

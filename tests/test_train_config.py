@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ckptkit.cli import app
 from ckptkit.errors import CkptkitError
-from ckptkit.train.config import load_config, validate_config
+from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import recipe_entry
 from ckptkit.train.schema import FullFinetuneConfig, LoRAFinetuneConfig
 
@@ -97,7 +97,7 @@ def test_a_process_error_has_no_traceback(tmp_path: Path) -> None:
 
 
 def test_torchtune_spellings_mean_the_same(tmp_path: Path) -> None:
-    ours = validate_config(load_config("tiny_lora"), LoRAFinetuneConfig)
+    ours = parse_config(load_config("tiny_lora"), LoRAFinetuneConfig)
     text = (REPO / "ckptkit/train/configs/tiny_lora.yaml").read_text()
     cfg = yaml.safe_load(text)
     cfg["output_dir"] = cfg["checkpointer"].pop("output_dir")
@@ -115,18 +115,18 @@ def test_torchtune_spellings_mean_the_same(tmp_path: Path) -> None:
     cfg["save_adapter_weights_only"] = True
     path = tmp_path / "tt.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    theirs = validate_config(load_config(str(path)), LoRAFinetuneConfig)
-    assert theirs["checkpointer"]["output_dir"] == ours["checkpointer"]["output_dir"] == "out/tiny_lora"
-    assert theirs["lr_scheduler"] == ours["lr_scheduler"]
-    assert theirs["checkpointer"]["model_type"] == "llama2" and theirs["tokenizer"] == "fixtures/hf/llama2"
-    assert theirs["lora"]["save_merged"] == "never"
-    assert {k: v for k, v in theirs.items() if k not in ("checkpointer", "tokenizer", "lora")} == {
-        k: v for k, v in ours.items() if k not in ("checkpointer", "tokenizer", "lora")
-    }
+    theirs = parse_config(load_config(str(path)), LoRAFinetuneConfig)
+    assert theirs.checkpointer.output_dir == ours.checkpointer.output_dir == "out/tiny_lora"
+    assert theirs.lr_scheduler == ours.lr_scheduler
+    assert theirs.checkpointer.model_type == "llama2" and theirs.tokenizer == "fixtures/hf/llama2"
+    assert theirs.checkpointer.torchtune_checkpointer == "torchtune.training.FullModelHFCheckpointer"
+    assert theirs.lora.save_merged == "never"
+    rest = {"checkpointer", "tokenizer", "lora"}
+    assert theirs.model_dump(exclude=rest) == ours.model_dump(exclude=rest)
     with pytest.raises(CkptkitError, match=r"optimizer: _component_ 'torch.optim.SGD' is not a ckptkit component"):
-        validate_config(load_config(str(path), ["optimizer._component_=torch.optim.SGD"]), LoRAFinetuneConfig)
+        parse_config(load_config(str(path), ["optimizer._component_=torch.optim.SGD"]), LoRAFinetuneConfig)
     with pytest.raises(CkptkitError, match=r"output_dir \(a\) and checkpointer.output_dir \(b\) differ"):
-        validate_config(load_config("tiny_full", ["output_dir=a", "checkpointer.output_dir=b"]), FullFinetuneConfig)
+        parse_config(load_config("tiny_full", ["output_dir=a", "checkpointer.output_dir=b"]), FullFinetuneConfig)
     with pytest.raises(CkptkitError, match=r"\$\{nope\} refers to a key the config does not have"):
         load_config("tiny_full", ["checkpointer.output_dir=${nope}/x"])
 

@@ -1,33 +1,40 @@
-"""One training loop for every recipe: each config key has the same effect on one device
-and on 2 FSDP2 processes (gloo, CPU), and full and LoRA fine-tuning share it.
+"""One training loop for every recipe: each config key has its effect, the same one, on one
+device and on 2 FSDP2 processes (gloo, CPU), for full and LoRA fine-tuning.
 
-The 2-process runs take ``batch_size`` per rank, so 2 x 2 is the single-device 4. Losses
-and validation losses agree to 1e-5 relative (float sums added in another order, see
-test_distributed.py); step counts, learning rates, checkpoint names and the setup as it took
-effect (compiled layers, fused optimizer, validation samples) are equal.
+Both paths run under ``tests/probe_recipe.py``, which records from the loop's own objects what
+each key did: the blocks compiled, the optimizer's param groups, the samples held out for
+validation, every step's learning rate, global batches and each rank's part of them, and the
+gradient norm clipping saw. The 2-process runs take ``batch_size`` per rank, so 2 x 2 is the
+single-device 4. Losses, validation losses and gradient norms agree to 1e-5 relative (float
+sums added in another order, see test_distributed.py); everything else is equal.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ckptkit.train.config import load_config
+from ckptkit.train.config import load_config, parse_config
+from ckptkit.train.data import build_datasets, epoch_batches
+from ckptkit.train.loop import RECIPES
 from ckptkit.train.recipes import recipe_entry
+from ckptkit.train.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5
-# Every key the distributed recipes once ignored or implemented apart, at a non-default value:
-# seed 7 also draws the validation split, so a split seeded otherwise gives other eval losses.
+# Every key the distributed recipes once ignored or implemented apart, at a value that is not its
+# default (on a CPU the optimizer is fused by default, so false is the value that shows).
 KEYS = [
-    "seed=7", "dataset.validation_fraction=0.25", "eval_every_n_steps=2", "compile=true", "optimizer.fused=true",
-    "gradient_accumulation_steps=2", "clip_grad_norm=0.5", "lr_scheduler.warmup_steps=2",
-    "lr_scheduler.min_lr_ratio=0.2", "epochs=2", "max_steps_per_epoch=3", "save_every_n_steps=2", "quiet=true",
+    "seed=7", "dataset.validation_fraction=0.25", "eval_every_n_steps=2", "compile=true", "optimizer.fused=false",
+    "optimizer.weight_decay=0.1", "optimizer.betas=[0.8,0.95]", "gradient_accumulation_steps=2", "clip_grad_norm=0.5",
+    "lr_scheduler.warmup_steps=2", "lr_scheduler.min_lr_ratio=0.2", "epochs=2", "max_steps_per_epoch=3",
+    "save_every_n_steps=2", "log_every_n_steps=2", "quiet=true",
 ]  # fmt: skip
 NO_DYNAMO = {"TORCH_COMPILE_DISABLE": "1"}  # compile wraps each block; running it compiled is tested below
 
@@ -43,8 +50,25 @@ def torchrun(recipe: str, config: str, *overrides: str, env: dict[str, str] | No
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def probe(launch: list[str], recipe: str, config: str, *overrides: str) -> str:
+    """Run ``recipe`` under tests/probe_recipe.py (``launch``: python, or torchrun); its stderr."""
+    cmd = [*launch, "tests/probe_recipe.py", recipe, "--config", config, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **NO_DYNAMO})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
 def assert_close(a: list[float], b: list[float]) -> None:
     assert len(a) == len(b) and all(abs(x - y) <= RTOL * abs(x) for x, y in zip(a, b, strict=True)), (a, b)
+
+
+def held_out(recipe: str, config: str, seed: int) -> list[list[int]]:
+    """The validation samples (token ids) the data builder holds out of the config's dataset with ``seed``."""
+    cfg = parse_config(load_config(config, ["dataset.validation_fraction=0.25"]), RECIPES[recipe][0])
+    folder = Path(cfg.checkpointer.checkpoint_dir)
+    val = build_datasets(cfg.dataset, load_tokenizer(folder), folder, seed)[1]
+    assert val is not None
+    return [s.ids for s in val.samples]
 
 
 @pytest.mark.slow
@@ -52,33 +76,66 @@ def assert_close(a: list[float], b: list[float]) -> None:
 def test_config_keys_have_the_same_effect_on_one_device_and_two_processes(
     recipe: str, config: str, tmp_path: Path
 ) -> None:
-    import torch._dynamo
-
     single, dist = tmp_path / "single", tmp_path / "dist"
-    with torch._dynamo.config.patch(disable=True):
-        recipe_entry(recipe)(load_config(config, [*KEYS, "batch_size=4", f"checkpointer.output_dir={single}"]))
-    torchrun(f"{recipe}_distributed", f"{config}_distributed", *KEYS, "batch_size=2",
-             f"checkpointer.output_dir={dist}", env=NO_DYNAMO)  # fmt: skip
-    a, b = rows(single), rows(dist)
+    torchrun_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    logs = [
+        probe([sys.executable], recipe, config, *KEYS, "batch_size=4", f"checkpointer.output_dir={single}"),
+        probe(
+            torchrun_2,
+            f"{recipe}_distributed",
+            f"{config}_distributed",
+            *KEYS,
+            "batch_size=2",
+            f"checkpointer.output_dir={dist}",
+        ),  # fmt: skip
+    ]
+    one = json.loads((single / "probe_rank_0.json").read_text())
+    ranks = [json.loads((dist / f"probe_rank_{r}.json").read_text()) for r in (0, 1)]
+    lr = parse_config(load_config(config), RECIPES[recipe][0]).optimizer.lr
 
-    setup_a, setup_b = a[0]["setup"], b[0]["setup"]
-    assert (setup_a.pop("world_size"), setup_b.pop("world_size")) == (1, 2)
-    assert setup_a == setup_b
-    assert setup_a["compiled_layers"] == 2 and setup_a["optimizer_fused"] is True  # compile, optimizer.fused
-    assert setup_a["validation_samples"] == 12  # 25% of 48 rows
-    # 36 training rows / (global batch 4 x accumulation 2) = 4 steps, cut to 3 per epoch, 2 epochs
+    for run in (one, *ranks):
+        assert run["compiled"] == [True, True]  # compile: each of the 2 blocks is a compiled module
+        # optimizer.*: the optimizer's own param groups, fused off (the CPU default is on)
+        assert [(g["initial_lr"], g["betas"], g["weight_decay"], g["fused"]) for g in run["param_groups"]] == [
+            (lr, [0.8, 0.95], 0.1, False)
+        ]
+        # dataset.validation_fraction with seed 7: the same 12 of the 48 samples held out
+        assert run["validation"] == held_out(recipe, config, 7) != held_out(recipe, config, 0)
+        assert len(run["validation"]) == 12 and len(run["training"]) == 36
+        # 36 training rows / (global batch 4 x gradient_accumulation_steps 2) = 4 steps, cut to 3, 2 epochs
+        steps = run["steps"]
+        assert len(steps) == 6 and all([len(b) for b in s["batches"]] == [4, 4] for s in steps)
+        for epoch in (0, 1):  # the global batches, in the order seed 7 draws (seed 0 draws another)
+            order = [b for s in steps[3 * epoch : 3 * epoch + 3] for b in s["batches"]]
+            assert order == epoch_batches(36, 4, 7, epoch)[:6] != epoch_batches(36, 4, 0, epoch)[:6]
+        # clip_grad_norm: clipping to 0.5 saw norms above it
+        assert all(s["clip"][1] == 0.5 for s in steps) and min(s["clip"][0] for s in steps) > 0.5
+        # lr_scheduler: 2 warmup steps up to lr, then cosine down; min_lr_ratio is checked below
+        lrs = [s["lr"] for s in steps]
+        assert lrs[:3] == pytest.approx([lr / 3, 2 * lr / 3, lr]) and lrs[2:] == sorted(lrs[2:], reverse=True)
+        assert lrs[-1] > 0.2 * lr
+    for r, rank in enumerate(ranks):  # the same steps, each rank taking its strided part of every global batch
+        assert [s["batches"] for s in rank["steps"]] == [s["batches"] for s in one["steps"]]
+        assert [s["mine"] for s in rank["steps"]] == [[b[r::2] for b in s["batches"]] for s in one["steps"]]
+        assert [s["lr"] for s in rank["steps"]] == [s["lr"] for s in one["steps"]]
+        assert_close([s["clip"][0] for s in rank["steps"]], [s["clip"][0] for s in one["steps"]])
+
+    a, b = rows(single), rows(dist)
+    # log_every_n_steps: steps 2, 4 and 6 only; the losses agree (seed, accumulation, clipping)
     train_a, train_b = ([r for r in rs if "loss" in r] for rs in (a, b))
-    assert [r["step"] for r in train_a] == [r["step"] for r in train_b] == [1, 2, 3, 4, 5, 6]
-    assert_close([r["loss"] for r in train_a], [r["loss"] for r in train_b])  # accumulation, clipping, seed
-    lrs = [r["lr"] for r in train_a]
-    assert lrs == [r["lr"] for r in train_b]
-    assert lrs[0] < lrs[1] > lrs[-1] == pytest.approx(0.2 * lrs[1])  # 2 warmup steps, cosine down to 20%
-    # every 2 steps, and at the end of epoch 0 (step 3), which no eval_every_n_steps reached
+    assert [r["step"] for r in train_a] == [r["step"] for r in train_b] == [2, 4, 6]
+    assert_close([r["loss"] for r in train_a], [r["loss"] for r in train_b])
+    assert [r["lr"] for r in train_a] == [r["lr"] for r in train_b]
+    assert train_a[-1]["lr"] == pytest.approx(0.2 * lr)  # min_lr_ratio: where the schedule ends
+    # eval_every_n_steps: every 2 steps, and at the end of epoch 0 (step 3), which none of them reached
     evals_a, evals_b = ([(r["step"], r["eval_loss"]) for r in rs if "eval_loss" in r] for rs in (a, b))
     assert [s for s, _ in evals_a] == [s for s, _ in evals_b] == [2, 3, 4, 6]
     assert_close([v for _, v in evals_a], [v for _, v in evals_b])  # the same validation split
+    # save_every_n_steps: step_N between epoch ends
     names = [[Path(r["checkpoint"]).name for r in rs if "checkpoint" in r] for rs in (a, b)]
     assert names[0] == names[1] == ["step_2", "epoch_0", "step_4", "epoch_1"]
+    # quiet: no progress line on either path
+    assert [line for log in logs for line in log.splitlines() if re.search(r"step \d+/\d+|saved ", line)] == []
 
 
 @pytest.mark.slow

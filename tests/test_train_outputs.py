@@ -105,7 +105,7 @@ def test_meta_intermediate_checkpoint_holds_one_model(tmp_path: Path) -> None:
 
 
 LOG_LINE = re.compile(
-    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step (\d+)/3 epoch 1 loss \d+\.\d{4} lr \d\.\d{3}e-\d\d tokens/s \d+ "
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step (\d+)/3 epoch 0 loss \d+\.\d{4} lr \d\.\d{3}e-\d\d tokens/s \d+ "
     r"peak_mem \d+\.\d (MiB|GiB)"
 )
 
@@ -201,3 +201,110 @@ def test_terminal_bar_shows_no_numbers_before_the_first_step(monkeypatch: pytest
     assert "0/4" in shown() and "nan" not in shown() and "tok/s" not in shown()  # was: loss nan 0 tok/s
     progress.update(1, 0, 2.5, 1e-3, 1234.0, 100)
     assert "loss 2.5000  1234 tok/s" in shown()
+
+
+@pytest.mark.slow
+def test_a_start_summary_comes_first_and_epochs_are_numbered_as_the_folders(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from train_helpers import hf_model
+
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=2",
+         "max_steps_per_epoch=2", "save_every_n_steps=1", f"checkpointer.output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = [line[len("2026-01-01 00:00:00 ") :] for line in res.stderr.strip().splitlines()]
+    # PEFT's count for tiny_lora's adapters (rank 16 on every projection and lm_head) on the same base
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    trainable, total = get_peft_model(
+        hf_model("llama2"), LoraConfig(r=16, target_modules=targets)
+    ).get_nb_trainable_parameters()
+    share = trainable / total
+    samples = len((REPO / "ckptkit" / "train" / "datasets" / "tiny_alpaca.jsonl").read_text().splitlines())
+    assert lines[:3] == [
+        f"model: llama2 from fixtures/hf/llama2, {total:,} parameters, {trainable:,} trainable ({share:.2%})",
+        f"data: {samples} training samples, 2 steps per epoch x 2 epochs (0 to 1) = 4 steps of 8 samples",
+        f"output: {out}; cpu, fp32",
+    ]
+    assert lines[3].startswith("step 1/4 ")
+    # each epoch_N folder is saved right after the last step the log counts in epoch N
+    epoch = None
+    saved = {}
+    for line in lines:
+        if m := re.match(r"step \d+/4 epoch (\d+) ", line):
+            epoch = int(m.group(1))
+        elif line.startswith("saved "):
+            saved[Path(line.removeprefix("saved ")).name] = epoch
+    assert saved == {"step_1": 0, "epoch_0": 0, "step_3": 1, "epoch_1": 1}
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = {r["step"]: r["epoch"] for r in rows if "loss" in r}
+    assert {Path(r["checkpoint"]).name: epochs[r["step"]] for r in rows if "checkpoint" in r} == saved
+
+
+# Paths in the bundled configs' comments: the output folder's are made by a run, the others are in the repository.
+COMMENT_PATH = re.compile(r"(?<![\w./-])/?[\w.-]+(?:/[\w.-]+)+")
+NOT_PATHS = {"JSON/JSONL"}
+
+
+def comment_paths(config: Path) -> list[str]:
+    found = []
+    for line in config.read_text().splitlines():
+        found += [p.rstrip(".") for p in COMMENT_PATH.findall(line.partition("#")[2])]  # not a full stop
+    return [p for p in found if p not in NOT_PATHS and not p.startswith("/path/to/")]
+
+
+def under_output(config: Path) -> tuple[str, list[str]]:
+    """The config's output_dir and its comments' paths inside it, relative, ``*_N`` kept."""
+    import yaml
+
+    output = yaml.safe_load(config.read_text())["checkpointer"]["output_dir"]
+    return output, [p.removeprefix(output + "/") for p in comment_paths(config) if p.startswith(output + "/")]
+
+
+TINY = ["tiny_full", "tiny_lora", "tiny_full_distributed", "tiny_lora_distributed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY)
+def test_every_path_in_a_tiny_configs_comments_exists_after_a_run(name: str, tmp_path: Path) -> None:
+    from ckptkit.train.config import bundled_configs
+
+    config = bundled_configs()[name]
+    recipe = {"tiny_full": "full_finetune", "tiny_lora": "lora_finetune"}[name.removesuffix("_distributed")]
+    out = tmp_path / "out"
+    overrides = ["epochs=2", "max_steps_per_epoch=2", "quiet=true", f"checkpointer.output_dir={out}"]
+    if name.endswith("_distributed"):
+        proc = subprocess.run([sys.executable, "-m", "ckptkit", "run", "--nproc-per-node", "2", f"{recipe}_distributed",
+                               "--config", name, *overrides], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        run(recipe, name, *overrides)
+    output, inside = under_output(config)
+    assert inside, "a comment names where the recipe state is"
+    for rel in inside:  # N: the first checkpoint of that kind (epoch_0 keeps its recipe state)
+        kind = re.search(r"(epoch|step)_N", rel)
+        first = min((p.name for p in out.glob(f"{kind.group(1)}_*")), default="none") if kind else ""
+        path = out / (rel.replace(kind.group(0), first) if kind else rel)
+        assert path.exists(), f"{config.name}: # {output}/{rel} -> {path} is missing"
+    for path in comment_paths(config):
+        if not path.startswith(output + "/"):
+            assert (REPO / path).exists(), f"{config.name}: # {path} is missing"
+
+
+def test_paths_in_the_large_configs_comments_are_those_a_tiny_run_makes() -> None:
+    from ckptkit.train.config import bundled_configs
+
+    def shapes(names: list[str]) -> set[str]:
+        return {re.sub(r"(epoch|step)_N", "X_N", rel) for n in names for rel in under_output(bundled_configs()[n])[1]}
+
+    for name, config in bundled_configs().items():
+        if name in TINY:
+            continue
+        distributed = name.endswith("_distributed")
+        made = shapes([t for t in TINY if t.endswith("_distributed") == distributed])
+        assert shapes([name]) <= made, name
+        for path in comment_paths(config):
+            if not path.startswith(under_output(config)[0] + "/"):
+                assert (REPO / path).exists(), f"{config.name}: # {path} is missing"

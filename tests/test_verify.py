@@ -1,5 +1,5 @@
 """``ckptkit verify``: a verdict line first, each checkpoint's own tensor names, casts told
-apart from changed bytes (exit 3, or 0 with --allow-cast), and --logits."""
+apart from changed bytes (verdict CAST; exit 1 as for any difference, 0 with --allow-cast), and --logits."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_a_widening_cast_is_reported_as_same_values_in_hf_names(tmp_path: Path) 
     convert(FIXTURES / "hf/qwen2", tmp_path / "f32", "hf", dtype="float32")
     proc = run("verify", FIXTURES / "hf/qwen2", tmp_path / "f32")
     lines = proc.stdout.splitlines()
-    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the contract: 1 for any difference
     assert lines[0].startswith("CAST: 0 of 26 tensors bitwise equal, 26 hold the same values in another dtype")
     assert "cast: model.layers.0.self_attn.q_proj.weight: same values, dtype bfloat16 vs float32" in lines
     assert not any(c in proc.stdout for c in CANONICAL_ONLY), proc.stdout
@@ -40,7 +40,7 @@ def test_a_narrowing_cast_is_reported_as_rounded_not_as_different(tmp_path: Path
     convert(FIXTURES / "hf/llama2", tmp_path / "f16", "hf", dtype="float16", allow_lossy_cast=True)
     proc = run("verify", FIXTURES / "hf/llama2", tmp_path / "f16", "--json")
     report = json.loads(proc.stdout)
-    assert proc.returncode == 3 and report["verdict"] == "cast" and report["exit_code"] == 3
+    assert proc.returncode == 1 and report["verdict"] == "cast" and report["exit_code"] == 1
     kinds = {d["kind"] for d in report["differences"]}
     assert "rounded" in kinds and kinds <= {"cast", "rounded"}
     rounded = next(d for d in report["differences"] if d["kind"] == "rounded")

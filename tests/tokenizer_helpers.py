@@ -225,11 +225,17 @@ def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
     return [(text, [int(i) for i in line.split()]) for text, line in zip(texts[:-1], lines[:-1], strict=True)]
 
 
+LLAMA3_MODEL_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"  # Meta's file
+
+
 def llama3_tokenizer_model() -> Path:
     """Meta's Llama 3 ``tokenizer.model`` (tiktoken ranks), shipped in the llama-models package."""
     import llama_models
 
-    return Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+    path = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+    got = _sha256(path)
+    assert got == LLAMA3_MODEL_SHA256, f"{path}: sha256 {got}, expected {LLAMA3_MODEL_SHA256}"
+    return path
 
 
 def write_tiny_meta_llama3(root: Path, vocab: int = 128256) -> None:

@@ -25,15 +25,20 @@ from ckptkit.formats.registry import (
     file_format,
     find_format,
     format_names,
+    formats_read_by,
     get_format,
     is_checkpoint_file,
+    load_plugins,
     register,
     source_file_format,
+    torchtune_checkpointers,
+    transformers_format,
     unregister,
 )
 from ckptkit.formats.sidecar import recorded_origin
 
 __all__ = [
-    "REGISTRY", "CheckpointFormat", "detect_format", "file_format", "find_format", "format_names", "get_format",
-    "is_checkpoint_file", "recorded_origin", "register", "source_file_format", "unregister",
+    "REGISTRY", "CheckpointFormat", "detect_format", "file_format", "find_format", "format_names", "formats_read_by",
+    "get_format", "is_checkpoint_file", "load_plugins", "recorded_origin", "register", "source_file_format",
+    "torchtune_checkpointers", "transformers_format", "unregister",
 ]  # fmt: skip

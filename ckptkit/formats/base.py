@@ -48,6 +48,7 @@ class Options:
     shards: int | None = None
     max_shard_size: str | None = None
     allow_lossy_cast: bool = False  # let --dtype overflow to inf or flush to 0
+    experts: str | None = None  # MoE experts on disk: "per-expert" or "stacked" (None: as the source)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
 from ckptkit.tokenization import TokenizerPlan
@@ -40,6 +40,8 @@ class CheckpointFormat:
         index_name: its index file (tensor name -> weight file), if it has one.
         metadata_names: the fixed-name files it writes besides weights and index.
         layer_field: the config field that gives the layer count, for error messages.
+        torchtune_checkpointers: the torchtune checkpointer components (``_component_`` of a
+            recipe config's ``checkpointer:``) that read this format.
     """
 
     name: ClassVar[str]
@@ -57,6 +59,8 @@ class CheckpointFormat:
     writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
     reads_file: ClassVar[bool] = False  # SRC may be one file of this format (``detect`` is asked about files)
     extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
+    aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
+    torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
@@ -187,9 +191,8 @@ class CheckpointFormat:
         dropped = [k for k in pool if not layout.is_unused(k)]
         notes = []
         if dropped:
-            notes.append(
-                f"not carried ({self.name} does not hold them, the model does not use them): {', '.join(dropped[:4])}"
-            )
+            why = f"{self.name} does not hold them, the model does not use them"
+            notes.append(note(f"not carried ({why}): {', '.join(dropped[:4])}"))
         return targets, notes
 
     def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:

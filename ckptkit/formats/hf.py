@@ -115,13 +115,15 @@ class HFFormat(CheckpointFormat):
     detect_order = 30
     sharding = "size"
     loads_in_transformers = True
+    torchtune_checkpointers = ("torchtune.training.FullModelHFCheckpointer",)
     config_file = "config.json"
     index_name: str
     metadata_names = ("config.json",)
     layer_field = "num_hidden_layers"
 
-    def __init__(self, name: str, stem: str, ext: str) -> None:
+    def __init__(self, name: str, stem: str, ext: str, aliases: tuple[str, ...]) -> None:
         self.name = name  # type: ignore[misc]
+        self.aliases = aliases
         self.stem, self.ext = stem, ext
         self.safetensors = is_safetensors(ext)
         self.single_name = stem + ext
@@ -211,5 +213,6 @@ class HFFormat(CheckpointFormat):
         return out
 
 
-register(HFFormat("hf", "model", ".safetensors"))
-register(HFFormat("hf-bin", "pytorch_model", ".bin"))
+HF_ALIASES = ("huggingface", "hugging-face", "transformers", "safetensors", "hf-safetensors")
+register(HFFormat("hf", "model", ".safetensors", HF_ALIASES))
+register(HFFormat("hf-bin", "pytorch_model", ".bin", ("bin", "pytorch", "hf_bin")))

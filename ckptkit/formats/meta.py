@@ -144,8 +144,10 @@ class MetaFormat(CheckpointFormat):
 
     name = "meta"
     expects = "params.json + consolidated.*.pth"
+    aliases = ("llama", "consolidated")
     detect_order = 20
     sharding = "ranks"
+    torchtune_checkpointers = ("torchtune.training.FullModelMetaCheckpointer",)
     weight_file = WEIGHT_FILE
     config_file = "params.json"
     metadata_names = ("params.json",)

@@ -31,6 +31,36 @@ def unregister(name: str) -> None:
     del REGISTRY[name]
 
 
+PLUGIN_GROUP = "ckptkit.formats"
+_plugins_loaded = False
+
+
+def load_plugins() -> list[str]:
+    """Register the formats other packages declare under the ``ckptkit.formats`` entry
+    point group (``myformat = "mypkg.fmt:MyFormat"``): a CheckpointFormat subclass or
+    object is registered; a module is only imported (it registers its own). Runs once
+    per process; returns one line for each plugin that could not be loaded (the built-in
+    formats work without it)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return []
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    failed = []
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            found = ep.load()
+        except Exception as e:  # a broken plugin must not take the built-in formats with it
+            failed.append(f"format plugin {ep.name} ({ep.value}) cannot be loaded and is left out: {e}")
+            continue
+        if isinstance(found, type) and issubclass(found, CheckpointFormat):
+            found = found()
+        if isinstance(found, CheckpointFormat) and found.name not in REGISTRY:
+            register(found)
+    return failed
+
+
 def format_names() -> tuple[str, ...]:
     """The registered names, in registration order."""
     return tuple(REGISTRY)
@@ -46,6 +76,22 @@ def get_format(name: str) -> CheckpointFormat:
     if found is None:
         raise CkptkitError(f"unknown format {name!r}; choose one of {', '.join(REGISTRY)}")
     return found
+
+
+def torchtune_checkpointers() -> tuple[str, ...]:
+    """The torchtune checkpointer components that read some registered format."""
+    return tuple(dict.fromkeys(c for f in REGISTRY.values() for c in f.torchtune_checkpointers))
+
+
+def formats_read_by(component: str) -> tuple[str, ...]:
+    """The names of the registered formats torchtune's checkpointer ``component`` reads."""
+    return tuple(f.name for f in REGISTRY.values() if component in f.torchtune_checkpointers)
+
+
+def transformers_format() -> CheckpointFormat:
+    """The format to write for transformers (and PEFT) to load: the first registered one
+    ``from_pretrained`` reads as it is (HF safetensors)."""
+    return next(f for f in REGISTRY.values() if f.loads_in_transformers)
 
 
 def detect_format(root: Path) -> CheckpointFormat:

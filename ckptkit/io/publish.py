@@ -274,6 +274,21 @@ def write_error(dst: Path, e: OSError) -> WriteError:
 
 
 @contextlib.contextmanager
+def parents_made(dst: Path) -> Iterator[None]:
+    """The missing folders above ``dst`` created for the block, and removed again (when
+    still empty) if it fails: a failed write leaves no trace, not even a parent."""
+    missing = [p for p in dst.absolute().parents if not p.exists()]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
 def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     """A fresh folder to write ``dst`` into; put in place when the block succeeds.
 
@@ -287,8 +302,7 @@ def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     """
     dst = Path(dst)
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with locked(dst):
+        with parents_made(dst), locked(dst):
             check_replaceable(dst, replace)
             tmp = tmp_beside(dst)
             _audit("mkdir", tmp)
@@ -316,8 +330,7 @@ def publishing_file(dst: str | Path, replace: bool = False) -> Iterator[Path]:
     file). ``dst`` is then complete, or as it was; nothing is left beside it."""
     dst = Path(dst)
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with locked(dst):
+        with parents_made(dst), locked(dst):
             _check_file_replaceable(dst, replace)
             tmp = tmp_beside(dst)
             try:

@@ -8,6 +8,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.models import gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3
 from ckptkit.models.config import ModelConfig, canonical_shapes
 from ckptkit.models.family import Family, MetaSource
+from ckptkit.models.moe import EXPERTS_LAYOUTS
 
 FAMILY_MODULES = (llama, mistral, qwen2, gemma, phi3, qwen3, mixtral, gemma2, gemma3, olmo2)
 META_DETECTION = (mixtral, mistral, llama)
@@ -15,6 +16,7 @@ REGISTRY: dict[str, Family] = {f.name: f for mod in FAMILY_MODULES for f in mod.
 MODEL_TYPES = tuple(REGISTRY)
 
 __all__ = [
+    "EXPERTS_LAYOUTS",
     "MODEL_TYPES",
     "REGISTRY",
     "Family",

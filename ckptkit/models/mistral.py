@@ -49,7 +49,7 @@ class Mistral(Llama3):
 
 def detect_meta(src: MetaSource, where: str) -> str | None:
     """Mistral's Meta-style releases: ``consolidated.safetensors``, or params with hidden_dim / head_dim."""
-    if src.container == "safetensors" or "hidden_dim" in src.params or "head_dim" in src.params:
+    if src.container == Mistral.meta_container or "hidden_dim" in src.params or "head_dim" in src.params:
         return "mistral"
     return None
 

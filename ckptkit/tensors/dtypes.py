@@ -30,6 +30,8 @@ ITEMSIZE: dict[str, int] = {
 }  # fmt: skip
 FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 CAST_TARGETS = ("bfloat16", "float16", "float32")
+# What users type for a dtype, and the name they mean (the CLI's did-you-mean).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

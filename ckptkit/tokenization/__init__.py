@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.models.tokenizer_spec import TIKTOKEN, TokenizerSpec
 from ckptkit.tokenization import sentencepiece_bpe, tiktoken_bpe
 from ckptkit.tokenization.hf_files import HFTokenizer, build_hf_tokenizer
 from ckptkit.tokenization.spm_proto import write_spm_model
 
 MODEL_FILE = "tokenizer.model"
+ADD_TOKENIZER = "to have one, put the model's tokenizer.model in the source folder and convert again"
 HF_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -133,7 +134,7 @@ def tokenizer_for_hf(
         return plan
     found = _model_file(src)
     if found is None:
-        plan.notes.append("no tokenizer.model found: the output has no tokenizer")
+        plan.notes.append(note("no tokenizer.model found: the output has no tokenizer", ADD_TOKENIZER))
         return plan
     hf = build_hf_tokenizer(spec, found, vocab_size, max_positions)
     plan.files = {name: data for name, data in hf.files.items() if not (src / name).is_file()}
@@ -169,7 +170,9 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None, from_hf: bool = Fa
             data = plan.files[MODEL_FILE] = write_spm_model(spm)
     if data is None and present:
         why = "is not a Llama 3 byte-level BPE" if kind == TIKTOKEN else "cannot be written as sentencepiece"
-        plan.notes.append(f"tokenizer.json {why} and the source has no tokenizer.model: the output has none")
+        plan.notes.append(
+            note(f"tokenizer.json {why} and the source has no tokenizer.model: the output has none", ADD_TOKENIZER)
+        )
     if present or from_hf:
         plan.record = {
             "model_sha256": _digest(data) if data is not None else None,

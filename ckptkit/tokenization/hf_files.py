@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.models.tokenizer_spec import TIKTOKEN, TokenizerSpec
 from ckptkit.tokenization import sentencepiece_bpe, tiktoken_bpe
 from ckptkit.tokenization.spm_proto import read_spm_model
@@ -45,7 +45,12 @@ def _fast_tokenizer(spec: TokenizerSpec, model_path: Path, vocab_size: int) -> t
             raise CkptkitError(f"{model_path}: {len(ranks)} tokens, more than the model's vocabulary of {vocab_size}")
         specials = list(spec.specials[:room])
         if len(specials) < len(spec.specials):
-            notes.append(f"{model_path.name}: the model has room for {room} of Meta's {len(spec.specials)} specials")
+            notes.append(
+                note(
+                    f"{model_path.name}: the model's vocabulary has room for {room} of Meta's "
+                    f"{len(spec.specials)} special tokens, so the tokenizer has the first {room}"
+                )
+            )
         if spec.bos not in specials:
             raise CkptkitError(f"{model_path}: the model's vocabulary has no room for {spec.bos}")
         return tiktoken_bpe.build_tokenizer(ranks, specials, spec.bos), notes, None

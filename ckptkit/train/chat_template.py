@@ -50,8 +50,11 @@ class TemplateRaised(Exception):
     """``raise_exception(...)`` called by a template (e.g. roles out of order)."""
 
 
-def load_chat_template(folder: Path, override: str | None = None) -> ChatTemplate:
-    """The chat template for the tokenizer in ``folder``; ``override`` is a ``.jinja`` file instead."""
+def load_chat_template(
+    folder: Path, override: str | None = None, missing: str = "set dataset.chat_template to a .jinja file"
+) -> ChatTemplate:
+    """The chat template for the tokenizer in ``folder``; ``override`` is a ``.jinja`` file instead.
+    ``missing`` says what to do when there is none."""
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     special = {}
@@ -73,9 +76,9 @@ def load_chat_template(folder: Path, override: str | None = None) -> ChatTemplat
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not isinstance(template, str):
+        where = config_path if config_path.is_file() else folder
         raise CkptkitError(
-            f"{folder}: the tokenizer has no chat template (tokenizer_config.json chat_template or "
-            "chat_template.jinja); set dataset.chat_template to a .jinja file"
+            f"{where} has no chat template (no chat_template key, no chat_template.jinja beside it); {missing}"
         )
     return ChatTemplate(template, special, str(config_path))
 

@@ -24,14 +24,15 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import formats_read_by, transformers_format
+from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
 from ckptkit.formats.torch_io import save_torch
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
-from ckptkit.train.config import parse_config
 from ckptkit.train.lora import lora_modules, model_config
-from ckptkit.train.peft_io import ADAPTER_WEIGHTS, copy_lora_weights, read_lora_weights, save_adapter
-from ckptkit.train.schema import CheckpointerConfig, RecipeConfig
+from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
+from ckptkit.train.schema import CheckpointerConfig
 
 RECIPE_STATE = "recipe_state.pt"
 RECIPE_STATE_DIR = "recipe_state"
@@ -48,13 +49,7 @@ class Checkpointer:
     """Configured by the ``checkpointer:`` section (see docs/training.md) plus
     ``resume_from_checkpoint``."""
 
-    def __init__(self, cfg: RecipeConfig | dict[str, Any]):
-        if isinstance(cfg, dict):  # an unvalidated config: its checkpointer section is checked here
-            section = cfg.get("checkpointer")
-            conf = parse_config(section if isinstance(section, dict) else {}, CheckpointerConfig)
-            resume = bool(cfg.get("resume_from_checkpoint", False))
-        else:
-            conf, resume = cfg.checkpointer, cfg.resume_from_checkpoint
+    def __init__(self, conf: CheckpointerConfig, resume: bool = False):
         if conf.output_dir is None:
             raise CkptkitError("config is missing required key checkpointer.output_dir")
         self.checkpoint_dir = Path(conf.checkpoint_dir)
@@ -66,7 +61,7 @@ class Checkpointer:
         self.resume = resume
         self.keep_last = conf.keep_last_n_checkpoints
         self.hf_base_dir = conf.hf_base_dir
-        self.expect_formats = conf.expect_formats
+        self.torchtune_checkpointer = conf.torchtune_checkpointer
         self.async_save = conf.async_save
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
         sweep(self.output_dir)  # what killed runs left half-written
@@ -82,11 +77,12 @@ class Checkpointer:
 
         with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
             self.loads_in_transformers = ckpt.fmt.loads_in_transformers
-            if self.expect_formats and ckpt.format not in self.expect_formats:
+            component = self.torchtune_checkpointer
+            if component is not None and component not in ckpt.fmt.torchtune_checkpointers:
                 raise CkptkitError(
                     f"{self.checkpoint_dir}: is a {ckpt.format} checkpoint but checkpointer._component_ names "
-                    f"torchtune's checkpointer for {' or '.join(self.expect_formats)}; ckptkit's reads any format: "
-                    "drop _component_"
+                    f"torchtune's checkpointer for {' or '.join(formats_read_by(component))}; ckptkit's reads any "
+                    "format: drop _component_"
                 )
             plan_conversion(ckpt, Options(ckpt.format))  # the checkpoints' own layout: fails now, not at save
             return ckpt.config
@@ -176,7 +172,8 @@ class Checkpointer:
             folder = folder / ADAPTER_DIR  # the checkpoint folder was given
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
-        adapter = read_lora_weights(folder, model_config(model))
+        fix = "check checkpointer.adapter_checkpoint, or set checkpointer.checkpoint_dir to the model"
+        adapter = read_lora_weights(folder, model_config(model), str(self.checkpoint_dir), fix)
         modules = lora_modules(model)
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))
@@ -214,7 +211,7 @@ class Checkpointer:
         stamp = folder / ".ckptkit-source"
         source = str(self.checkpoint_dir.resolve())
         if not (stamp.is_file() and stamp.read_text() == source):
-            convert(self.checkpoint_dir, folder, "hf", model_type=self.model_type, force=True)
+            convert(self.checkpoint_dir, folder, transformers_format().name, model_type=self.model_type, force=True)
             stamp.write_text(source)
         self.peft_base = str(folder.resolve())
 

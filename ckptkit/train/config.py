@@ -1,8 +1,9 @@
 """Recipe configs: YAML files with ``key.sub=value`` overrides, validated by a pydantic schema.
 
-Every recipe declares a schema (:mod:`ckptkit.train.schema`); :func:`validate_config`
+Every recipe declares a schema (:mod:`ckptkit.train.schema`); :func:`parse_config`
 checks the whole config against it before any work: unknown keys (with the nearest
-valid key suggested), types and ranges, each reported as one line naming the key.
+valid key suggested), types and ranges, each reported as one line naming the key. It
+returns the schema's typed object, which is what the recipe's code reads from then on.
 torchtune spellings that mean the same thing are accepted: ``${key}`` interpolation,
 a top-level ``output_dir`` and ``_component_`` where it names one of ckptkit's parts.
 """
@@ -149,6 +150,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
     components: ClassVar[dict[str, dict[str, Any]]] = {}
 
+    @classmethod
+    def component_keys(cls, name: str) -> dict[str, Any] | None:
+        """The key values ``_component_: name`` implies; None: not a component of this section."""
+        return cls.components.get(name)
+
+    @classmethod
+    def accepted_components(cls) -> list[str]:
+        return list(cls.components)
+
     @model_validator(mode="before")
     @classmethod
     def _component(cls, data: Any) -> Any:
@@ -156,10 +166,11 @@ class Section(BaseModel):
             return data
         data = dict(data)
         name = data.pop("_component_")
-        if name not in cls.components:
-            accepted = ", ".join(cls.components) or "none: leave _component_ out"
+        keys = cls.component_keys(name) if isinstance(name, str) else None
+        if keys is None:
+            accepted = ", ".join(cls.accepted_components()) or "none: leave _component_ out"
             raise ValueError(f"_component_ {name!r} is not a ckptkit component for this section (accepted: {accepted})")
-        for key, value in cls.components[name].items():
+        for key, value in keys.items():
             data.setdefault(key, value)
         return data
 
@@ -176,11 +187,6 @@ def parse_config(raw: dict[str, Any], schema: type[M]) -> M:
         errors = e.errors(include_url=False)
         more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
         raise CkptkitError(describe_error(errors[0], schema) + more) from None
-
-
-def validate_config(raw: dict[str, Any], schema: type[BaseModel]) -> dict[str, Any]:
-    """``parse_config`` as a plain dict (for tools that print or store the validated config)."""
-    return parse_config(raw, schema).model_dump()
 
 
 def describe_error(error: Any, schema: type[BaseModel]) -> str:
@@ -228,7 +234,7 @@ def _keys_at(schema: type[BaseModel], path: list[str]) -> list[str]:
     names = []
     for name, field in model.model_fields.items():
         names.append(field.alias or name)
-    return names + (["_component_"] if issubclass(model, Section) and model.components else [])
+    return names + (["_component_"] if issubclass(model, Section) and model.accepted_components() else [])
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

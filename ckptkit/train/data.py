@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, Strict, ValidationError, model_validator
+from pydantic import Field, Strict, model_validator
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import Bool, Section, Text
@@ -68,23 +68,10 @@ class TokenizedDataset:
         return self.samples[i]
 
 
-def dataset_config(cfg: dict[str, Any] | DatasetConfig) -> DatasetConfig:
-    """``cfg`` validated; the first problem as a one-line error naming the key."""
-    if isinstance(cfg, DatasetConfig):
-        return cfg
-    try:
-        return DatasetConfig.model_validate(cfg)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(["dataset", *(str(p) for p in err["loc"])])
-        raise CkptkitError(f"{key}: {err['msg']}") from None
-
-
 def build_datasets(
-    cfg: dict[str, Any] | DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None, seed: int = 0
+    conf: DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None, seed: int = 0
 ) -> tuple[TokenizedDataset, TokenizedDataset | None]:
-    """(training set, validation set or None) as configured."""
-    conf = dataset_config(cfg)
+    """(training set, validation set or None) as the validated ``dataset:`` section says."""
     tokenize = _tokenizer_for(conf, tokenizer, tokenizer_dir)
     where = resolve_source(conf.source)
     if conf.type == "text" and isinstance(where, Path) and where.suffix == ".txt":
@@ -112,11 +99,9 @@ def build_datasets(
     return make(rows), (make(val_rows) if val_rows is not None else None)
 
 
-def build_dataset(
-    cfg: dict[str, Any] | DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None
-) -> TokenizedDataset:
+def build_dataset(conf: DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Path | None = None) -> TokenizedDataset:
     """The training set alone (see ``build_datasets``)."""
-    return build_datasets(cfg, tokenizer, tokenizer_dir)[0]
+    return build_datasets(conf, tokenizer, tokenizer_dir)[0]
 
 
 def encode_segments(tokenizer: Tokenizer, segments: list[tuple[str, bool]], add_bos: bool = True) -> Sample:

@@ -18,7 +18,7 @@ import os
 import resource
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.dcp import METADATA, DcpCheckpoint, check_tiling, read_metadata
+from ckptkit.formats.dcp import DcpCheckpoint, holds_checkpoint, open_state, state_keys
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.lora import decoder_layers
 
@@ -196,9 +196,10 @@ def save_sharded(
     ``dcp.save``. Every rank calls it."""
     stack = contextlib.ExitStack()
     box: list[Any] = [None]
-    try:
+    with failing_together():  # rank 0 refused the folder (its lock held, not writable): every rank stops
         if dist.get_rank() == 0:
             box[0] = stack.enter_context(checkpointer.publishing(name))
+    try:
         dist.broadcast_object_list(box, src=0)
         folder = Path(box[0])
         target = folder / RECIPE_STATE_DIR
@@ -212,21 +213,14 @@ def save_sharded(
         if not stack.__exit__(*sys.exc_info()):
             raise
         raise
-    if dist.get_rank() != 0:
-        return Pending(future, None)
-    return Pending(future, partial(publish, name, stack, partial(finish, folder)))
+    with failing_together():  # a synchronous save publishes here: its failure on rank 0 stops every rank
+        return Pending(future, partial(publish, name, stack, partial(finish, folder)) if dist.get_rank() == 0 else None)
 
 
 def sharded_model(folder: Path) -> DcpCheckpoint:
     """The model tensors (``model.`` keys, canonical names) of a DCP recipe state, read by
     ckptkit's DCP reader: each tensor stitched from the ranks' chunks when read, one at a time."""
-    path = folder / METADATA
-    md = read_metadata(path)
-    entries = {k.removeprefix("model."): e for k, e in md.tensors.items() if k.startswith("model.")}
-    for entry in entries.values():
-        check_tiling(entry, path)
-    empty: dict[str, Any] = {}
-    return DcpCheckpoint("dcp", folder, empty, empty, empty, "", "", empty, entries=entries)
+    return open_state(folder, "model.")
 
 
 class _PlainValuesPlanner(DefaultLoadPlanner):
@@ -243,29 +237,61 @@ class _PlainValuesPlanner(DefaultLoadPlanner):
 
 def recipe_state_dir(path: Path) -> Path:
     """``checkpointer.recipe_checkpoint``: a DCP recipe state folder, or a checkpoint folder holding one."""
-    return path / RECIPE_STATE_DIR if (path / RECIPE_STATE_DIR / ".metadata").is_file() else path
+    return path / RECIPE_STATE_DIR if holds_checkpoint(path / RECIPE_STATE_DIR) else path
 
 
 def recipe_state_keys(path: Path) -> set[str]:
-    """The (flattened) keys stored in a DCP recipe state, or a one-line error."""
-    if not (path / ".metadata").is_file():
+    """The (flattened) keys stored in a DCP recipe state, or a one-line error. Its ``.metadata``
+    is read by ckptkit's restricted reader: one torch's own reader would run code from is refused."""
+    if not holds_checkpoint(path):
         raise CkptkitError(
             f"{path}: no distributed recipe state there; set checkpointer.recipe_checkpoint to a checkpoint's "
             f"{RECIPE_STATE_DIR} folder"
         )
-    try:
-        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except Exception as e:  # any unreadable metadata: the message says which file
-        raise CkptkitError(f"{path}: unreadable recipe state metadata ({type(e).__name__})") from None
+    return state_keys(path)
 
 
 def load_recipe_state(path: Path, state: dict[str, Any]) -> None:
-    """Fill ``state`` (sharded tensors are loaded in place, resharded to this world size)."""
+    """Fill ``state`` (sharded tensors are loaded in place, resharded to this world size).
+    ``dcp.load`` unpickles ``.metadata`` as it is, so the restricted reader checks it first."""
+    recipe_state_keys(path)
     try:
         dcp.load(state, checkpoint_id=path, planner=_PlainValuesPlanner())
     except Exception as e:  # DCP wraps per-rank failures; report the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CkptkitError(f"{path}: cannot load the recipe state ({first})") from None
+
+
+def one_line(error: BaseException) -> str:
+    """What a failed rank tells the others: a CkptkitError's line, an OS error's file and
+    reason, else the exception's type and first line."""
+    if isinstance(error, CkptkitError):
+        return str(error)
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    first = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
+
+
+@contextlib.contextmanager
+def failing_together() -> Iterator[None]:
+    """Every rank runs the block, then they compare outcomes (one collective): when it failed on
+    some rank it fails on all, so that no rank waits in a later collective for one that left.
+    A rank where it failed raises its error (an OS error as its one line); the others raise
+    that rank's one line as a :class:`CkptkitError`."""
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as e:  # shared with the other ranks below, then raised
+        error = e
+    lines = gather_objects(None if error is None else one_line(error))
+    if isinstance(error, OSError):
+        raise CkptkitError(one_line(error)) from None
+    if error is not None:
+        raise error
+    failed = next((line for line in lines if line is not None), None)
+    if failed is not None:
+        raise CkptkitError(failed)
 
 
 def gather_objects(value: T) -> list[T]:

@@ -38,7 +38,7 @@ def merge_adapter_into_checkpoint(
     from ckptkit.save_like import save_checkpoint_like
 
     with open_checkpoint(base_checkpoint, model_type=model_type) as ckpt:
-        adapter = read_lora_weights(adapter_dir, ckpt.config)
+        adapter = read_lora_weights(adapter_dir, ckpt.config, str(base_checkpoint), "merge it into the model")
         check_base_copies(adapter, {k: ckpt.tensors[k].get() for k in adapter.base_copies if k in ckpt.tensors})
         state: dict[str, Lazy] = dict(ckpt.tensors)
         for module, w in adapter.lora.items():

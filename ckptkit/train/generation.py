@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.train.tokenizer import Tokenizer
 from ckptkit.train.transformer import KVCache, Transformer
 
@@ -103,7 +103,7 @@ def generate_text(
     eos = model.config.eos_token_id
     eos_ids = sorted(set(tokenizer.eos_ids) | set([eos] if isinstance(eos, int) else eos or []))
     if adapter is not None:
-        load_adapter(model, adapter, merge=True)
+        load_adapter(model, adapter, merge=True, base=checkpoint)
     prompt_ids = chat_prompt_ids(checkpoint, prompt, tokenizer) if chat else tokenizer.encode(prompt)
     if not prompt_ids:
         raise CkptkitError("the prompt encodes to no tokens")
@@ -128,9 +128,23 @@ def generate_text(
         generator=generator,
         on_token=on_token,
     )
-    text = tokenizer.decode(out[0, start:].tolist())
+    new_ids = out[0, len(prompt_ids) :].tolist()
+    new_ids = new_ids[: next((i for i, t in enumerate(new_ids) if t in eos_ids), len(new_ids))]  # up to EOS
+    text = tokenizer.decode([*prompt_ids[start:], *new_ids])
     stream.finish(text)
+    why = empty_completion(new_ids, len(new_ids) < out.shape[1] - len(prompt_ids), tokenizer.decode)
+    if why and on_note is not None:
+        on_note(note(why, "to get text, change the prompt, sample with --temperature, or use --chat with a chat model"))
     return text
+
+
+def empty_completion(new_ids: list[int], ended: bool, decode: Callable[[list[int]], str]) -> str | None:
+    """Why the completion ``new_ids`` (``ended``: by end-of-sequence) shows no text; None when it shows some."""
+    if not new_ids and ended:
+        return "the model produced end-of-sequence as its first token: the completion is empty"
+    if not decode(new_ids).strip():
+        return f"the model produced {len(new_ids)} tokens that decode to no visible text"
+    return None
 
 
 def chat_prompt_ids(checkpoint: str, prompt: str, tokenizer: Tokenizer) -> list[int]:
@@ -139,7 +153,10 @@ def chat_prompt_ids(checkpoint: str, prompt: str, tokenizer: Tokenizer) -> list[
     from ckptkit.train.chat_template import load_chat_template
 
     folder = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
-    text = load_chat_template(folder).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    jinja = folder / "chat_template.jinja"
+    missing = f"drop --chat to continue PROMPT as plain text, or save the model's chat template as {jinja}"
+    template = load_chat_template(folder, missing=missing)
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tokenizer.encode(text, add_bos=False)
 
 
@@ -151,8 +168,10 @@ def fit_context(prompt_len: int, max_new_tokens: int, context: int, on_note: Cal
     if max_new_tokens > room:
         if on_note is not None:
             on_note(
-                f"--max-new-tokens {max_new_tokens} capped at {room}: the prompt ({prompt_len} tokens) "
-                f"plus the completion fill the model's context of {context} tokens"
+                note(
+                    f"--max-new-tokens {max_new_tokens} capped at {room}: the prompt ({prompt_len} tokens) "
+                    f"plus the completion fill the model's context of {context} tokens"
+                )
             )
         return room
     return max_new_tokens

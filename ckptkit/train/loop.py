@@ -52,6 +52,7 @@ from ckptkit.train.step import (
     evaluate,
     forward_backward,
     label_tokens,
+    router_aux_weight,
 )
 from ckptkit.train.tokenizer import load_tokenizer
 from ckptkit.train.trainable import FullWeights, LoRAAdapters, Trainable
@@ -69,7 +70,7 @@ class Recipe:
         self.seed = cfg.seed
         self.global_batch = cfg.batch_size * placement.world_size
         self.writer = placement.rank == 0  # logs and writes checkpoints
-        self.checkpointer = Checkpointer(cfg)
+        self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint)
         self.metrics: MetricLogger | None = None
         torch.manual_seed(self.seed)
         random.seed(self.seed)
@@ -83,6 +84,7 @@ class Recipe:
             self._check_progress(progress)
         model_cfg = ckpt.model_config()  # format, layout and config checks: no weights read yet
         self.trainable.check(model_cfg)
+        self.aux_weight = router_aux_weight(cfg.router_aux_loss_coef, model_cfg)
         from_folder = self.trainable.weights_from_resumed_checkpoint and not placement.weights_in_state()
         resumed = ckpt.resume_folder() if ckpt.resume and from_folder else None
         with ckpt.open_base() as base, contextlib.ExitStack() as stack:
@@ -117,11 +119,11 @@ class Recipe:
         self.epochs_run, self.global_step, self.steps_in_epoch = 0, 0, 0
         if progress is not None:
             self._load_state(progress)
-        self.trainable.prepare(ckpt, self.writer)
-        placement.barrier()
-        if self.writer:
-            self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb, cfg.model_dump())
-            self.metrics.event(setup=self.describe())
+        with placement.together():  # the writing rank's setup: a failure there stops every rank
+            self.trainable.prepare(ckpt, self.writer)
+            if self.writer:
+                self.metrics = MetricLogger(ckpt.output_dir, progress is not None, cfg.wandb, cfg.model_dump())
+                self.metrics.event(setup=self.describe())
 
     def describe(self) -> dict[str, Any]:
         """How this run was set up, as it took effect (logged once to ``metrics.jsonl``)."""
@@ -134,6 +136,22 @@ class Recipe:
             "steps_per_epoch": self.steps_per_epoch,
             "validation_samples": len(self.val_dataset) if self.val_dataset is not None else 0,
         }
+
+    def start_summary(self) -> list[str]:
+        """What the run is about to do, printed before its first step."""
+        cfg, info, model_cfg = self.cfg, self.describe(), self.model.config
+        params = sum(p.numel() for p in self.model.parameters())
+        trained = info["trainable_parameters"]
+        valid = f" ({info['validation_samples']} for validation)" if info["validation_samples"] else ""
+        ranks = f" on {info['world_size']} processes" if info["world_size"] > 1 else ""
+        resumed = f", resuming after step {self.global_step}" if self.global_step else ""
+        return [
+            f"model: {model_cfg.model_type} from {self.checkpointer.checkpoint_dir}, {params:,} parameters, "
+            f"{trained:,} trainable ({trained / params:.2%})",
+            f"data: {len(self.dataset)} training samples{valid}, {self.steps_per_epoch} steps per epoch x "
+            f"{cfg.epochs} epochs (0 to {cfg.epochs - 1}) = {self.total_steps} steps of {self.global_batch} samples",
+            f"output: {self.checkpointer.output_dir}; {self.device.type}, {cfg.dtype}{ranks}{resumed}",
+        ]
 
     def _check_progress(self, progress: dict[str, Any]) -> None:
         """Refuse a recipe state of another schedule or global batch (the data position counts global batches)."""
@@ -188,6 +206,8 @@ class Recipe:
         quiet = cfg.quiet or not self.writer
         self.progress = Progress(self.total_steps, self.global_step, quiet, cfg.log_every_n_steps, str(self.device))
         with self.progress as progress:
+            for line in self.start_summary():
+                progress.note(line)
             for epoch in range(self.epochs_run, cfg.epochs):
                 batches = epoch_batches(len(self.dataset), self.global_batch, self.seed, epoch)
                 while self.steps_in_epoch < self.steps_per_epoch:
@@ -220,7 +240,13 @@ class Recipe:
         samples = [self.dataset[i] for indices in step_batches for i in indices]
         parts = [collate([self.dataset[i] for i in placement.mine(indices)], self.pad_id) for indices in step_batches]
         stats = forward_backward(
-            self.model, parts, self.device, label_tokens(samples), placement.world_size, placement.reduce
+            self.model,
+            parts,
+            self.device,
+            label_tokens(samples),
+            placement.world_size,
+            placement.reduce,
+            aux_weight=self.aux_weight,
         )
         if self.cfg.clip_grad_norm:  # on sharded gradients the norm is reduced over all ranks
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
@@ -253,14 +279,14 @@ class Recipe:
             epoch_end=epoch_end,
         )
         path, logged = self.placement.save(ckpt, save)
-        if final:  # the run ends with every checkpoint in place
-            self.placement.wait()
-        if self.metrics is not None:
-            self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
-            self.progress.note(f"saved {path}" if final or not logged.get("async") else f"saving {path}")
-            for gone in ckpt.prune(self.steps_per_epoch):
-                self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
-        self.placement.barrier()  # pruned before any rank goes on
+        with self.placement.together():  # pruned before any rank goes on; a failure stops every rank
+            if final:  # the run ends with every checkpoint in place
+                self.placement.wait()
+            if self.metrics is not None:
+                self.metrics.event(checkpoint=str(path), step=self.global_step, **logged)
+                self.progress.note(f"saved {path}" if final or not logged.get("async") else f"saving {path}")
+                for gone in ckpt.prune(self.steps_per_epoch):
+                    self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
 
     def cleanup(self) -> None:
         if self.metrics is not None:
@@ -326,7 +352,7 @@ def main(recipe: str, doc: str) -> None:
         run(load_config(args.config, overrides), recipe)
     except CkptkitError as e:
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"error: {rank}{e}", file=sys.stderr)
+        sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
         code = 1
     if RECIPES[recipe][2].launched_by_torchrun:
         from ckptkit.train.distributed import exit_worker

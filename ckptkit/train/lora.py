@@ -19,6 +19,8 @@ from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
 
 # Short target names -> canonical module leaf names (ckptkit.models.config docstring).
+# gate/up/down are the dense MLPs' projections; ``experts`` every expert's three (a
+# mixture-of-experts layer's ``mlp.experts.E.w1/w3/w2``), ``router`` the experts' router.
 TARGETS: dict[str, str] = {
     "q": "q_proj",
     "k": "k_proj",
@@ -28,7 +30,10 @@ TARGETS: dict[str, str] = {
     "up": "w3",
     "down": "w2",
     "output": "output",
+    "experts": "experts",
+    "router": "router",
 }
+EXPERTS = "experts"
 
 
 class LoRALinear(nn.Linear):
@@ -86,7 +91,14 @@ class LoRALinear(nn.Linear):
         if lora_dtype is None:
             lora_dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
         lora = cls(
-            linear.in_features, linear.out_features, rank, alpha, dropout, linear.bias is not None, use_rslora, "meta"
+            linear.in_features,
+            linear.out_features,
+            rank,
+            alpha,
+            dropout,
+            linear.bias is not None,
+            use_rslora,
+            device="meta",
         )
         lora.weight = nn.Parameter(w.data, requires_grad=False)
         if linear.bias is not None:
@@ -137,6 +149,15 @@ def resolve_targets(targets: Iterable[str]) -> set[str]:
     return leaves
 
 
+def targeted(name: str, leaves: set[str]) -> bool:
+    """Whether module ``name`` is one of ``leaves`` (:func:`resolve_targets`): an expert's
+    projection (``layers.N.mlp.experts.E.w1``) only with ``experts``, any other by its leaf."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[-3] == EXPERTS:
+        return EXPERTS in leaves
+    return parts[-1] in leaves
+
+
 def apply_lora(
     model: nn.Module,
     targets: Iterable[str] = ("q", "v"),
@@ -160,7 +181,7 @@ def apply_lora(
     keep = set(layers) if layers is not None else None
     names = []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in leaves or not isinstance(module, nn.Linear):
+        if not targeted(name, leaves) or not isinstance(module, nn.Linear):
             continue
         if keep is not None and name.startswith("layers.") and int(name.split(".")[1]) not in keep:
             continue

@@ -14,7 +14,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
-from ckptkit.train.lora import TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
+from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
 
 def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
@@ -43,11 +43,29 @@ def fused_part(model_type: str, canonical_module: str) -> tuple[str, int, int] |
     return None
 
 
-def check_targets(targets: list[str], cfg: ModelConfig) -> None:
+def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) -> None:
     """``lora.targets`` checked against the model before any weight is read: tied output,
-    and fused modules (targeted whole or not at all, as PEFT adapts them)."""
+    fused modules (targeted whole or not at all, as PEFT adapts them), experts and router
+    (a model with experts; no dropout, which PEFT's adapters of stacked tensors lack)."""
     leaves = resolve_targets(targets)
     short = {leaf: name for name, leaf in TARGETS.items()}
+    moe = sorted(leaves & {EXPERTS, "router"})
+    if moe and not cfg.num_experts:
+        raise CkptkitError(
+            f"lora.targets: {cfg.model_type} has no experts; remove {' and '.join(moe)} from lora.targets"
+        )
+    dense_mlp = sorted(leaves & {"w1", "w2", "w3"})
+    if dense_mlp and cfg.num_experts and not cfg.dense_layers:
+        names = " ".join(short.get(leaf, leaf) for leaf in dense_mlp)
+        raise CkptkitError(
+            f"lora.targets: {names} adapt dense MLPs and every {cfg.model_type} layer has experts instead: "
+            "use experts (and router)"
+        )
+    if moe and dropout:
+        raise CkptkitError(
+            f"lora.dropout: PEFT adapts {' and '.join(moe)} as stacked tensors, without dropout; "
+            f"set lora.dropout to 0 or remove {' and '.join(moe)} from lora.targets"
+        )
     if "output" in leaves and cfg.tie_word_embeddings:
         raise CkptkitError(
             f"lora.targets: {cfg.model_type} ties the output projection to the embeddings, so it has no weight "
@@ -64,10 +82,18 @@ def check_targets(targets: list[str], cfg: ModelConfig) -> None:
             )
 
 
+EXPERT_MODULE = re.compile(r"(layers\.\d+\.mlp\.experts\.\d+)\.(w1|w3|w2)")
+
+
 def share_fused_lora(model: nn.Module) -> None:
-    """Give the adapted parts of each fused module one shared ``lora_a`` (PEFT's single A)."""
+    """Give the adapted parts of each fused module one shared ``lora_a`` (PEFT's single A);
+    an expert's gate and up are such parts (of transformers' stacked ``gate_up_proj``)."""
     groups: dict[str, list[LoRALinear]] = {}
     for name, m in lora_modules(model).items():
+        expert = EXPERT_MODULE.fullmatch(name)
+        if expert is not None and expert.group(2) != "w2":
+            groups.setdefault(expert.group(1) + ".gate_up", []).append(m)
+            continue
         where = fused_part(model_config(model).model_type, name)
         if where is not None:
             groups.setdefault(where[0], []).append(m)

@@ -103,14 +103,15 @@ class Progress:
         return self
 
     def update(self, step: int, epoch: int, loss: float, lr: float, rate: float, tokens: int) -> None:
-        """After optimizer step ``step`` (1-based) of epoch ``epoch`` (0-based)."""
+        """After optimizer step ``step`` (1-based) of epoch ``epoch`` (0-based, as in ``metrics.jsonl``
+        and the ``epoch_N`` folders)."""
         self.tokens += tokens
         if self.bar is not None:
             self.bar.update(self.task, completed=step, stats=f"loss {loss:.4f}  {rate:.0f} tok/s")
         elif not self.quiet and (step % self.log_every == 0 or step == self.total):
             memory = human_bytes(peak_memory(self.device))
             self.note(
-                f"step {step}/{self.total} epoch {epoch + 1} loss {loss:.4f} lr {lr:.3e} "
+                f"step {step}/{self.total} epoch {epoch} loss {loss:.4f} lr {lr:.3e} "
                 f"tokens/s {rate:.0f} peak_mem {memory}"
             )
 

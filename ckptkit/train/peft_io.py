@@ -6,12 +6,13 @@ matching ``transformers`` model. Supported: plain LoRA (optionally rsLoRA, per-m
 ranks) on linear layers. Where a family fuses projections into one HF module (Phi-3's
 ``qkv_proj``, ``gate_up_proj``), PEFT adapts the fused module whole: one A, and a B whose
 rows stack the parts; ckptkit's separate q/k/v (w1/w3) adapters then share one ``lora_a``
-and their ``lora_b`` are that B's row blocks. Anything else fails with one line.
+and their ``lora_b`` are that B's row blocks. Experts and routers are PEFT's
+``target_parameters`` (:mod:`ckptkit.train.peft_experts`). Anything else fails with one line.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -19,16 +20,19 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.peft_adapter import (
+    read_adapter_config,
+    read_adapter_tensors,
+    write_adapter,
+)
 from ckptkit.models import ModelConfig, canonical_shapes
-from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config
+from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
+from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 _PREFIX = "base_model.model."
 
 # Every field PEFT 0.21 writes for a LoraConfig, at PEFT's defaults.
@@ -99,18 +103,19 @@ def _hf_module(model_type: str, canonical_module: str) -> str:
     return name.removesuffix(".weight")
 
 
+class NotInBase(CkptkitError):
+    """An adapter names a module that the base model's type does not have."""
+
+
 def _canonical_module(model_type: str, hf_module: str) -> str:
     from ckptkit.models import canonical_key
 
-    fused = ("qkv_proj", "gate_up_proj")
-    if hf_module.rsplit(".", 1)[-1] in fused:
-        raise CkptkitError(
-            f"adapter targets the fused {model_type} module {hf_module}; fused targets are not supported"
-        )
     try:
+        if hf_module.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):  # fused where model_type is not
+            raise KeyError(hf_module)
         name = canonical_key(model_type, f"{hf_module}.weight")
-    except (CkptkitError, KeyError, ValueError) as exc:
-        raise CkptkitError(f"adapter targets {hf_module}, which has no {model_type} counterpart: {exc}") from None
+    except (CkptkitError, KeyError, ValueError):
+        raise NotInBase(f"the adapter targets {hf_module}, which a {model_type} model does not have") from None
     return name.removesuffix(".weight")
 
 
@@ -136,18 +141,25 @@ def save_adapter(
     if any(m.merged for m in modules.values()):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
-    tensors, hf_names = _peft_tensors(model, weights)
+    tensors, hf_names, target_parameters = _peft_tensors(model, weights)
+    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
+    if target_parameters and (dropouts != {0.0} or any(modules[n].rank != rank for n in modules if n not in hf_names)):
+        raise CkptkitError("LoRA on experts or router takes one rank for every adapter and no dropout in PEFT format")
+    modules = {n: m for n, m in modules.items() if n in hf_names}  # linear modules: target_modules
 
     # Leaf names when every linear with that leaf is adapted, full module names otherwise.
     canonical_leaves = {n.rsplit(".", 1)[-1] for n in modules}
     candidates = [
-        n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and n.rsplit(".", 1)[-1] in canonical_leaves
+        n
+        for n, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and targeted(n, canonical_leaves) and n.rsplit(".", 1)[-1] in canonical_leaves
     ]
-    if len(candidates) == len(modules):
+    if not modules:
+        target_modules = None
+    elif len(candidates) == len(modules):
         target_modules = sorted({hf.rsplit(".", 1)[-1] for hf in hf_names.values()})
     else:
         target_modules = sorted(hf_names.values())
-    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
     rank_pattern = {hf_names[n]: m.rank for n, m in modules.items() if m.rank != rank}
 
     config = dict(_PEFT_DEFAULTS)
@@ -158,26 +170,31 @@ def save_adapter(
         r=rank,
         rank_pattern=rank_pattern,
         target_modules=target_modules,
+        target_parameters=target_parameters or None,
         use_rslora=rslora.pop(),
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_adapter(Path(out_dir), config, tensors)
 
 
 def _peft_tensors(
     model: nn.Module, weights: Mapping[str, torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """PEFT's tensors for the model's adapters (or for ``weights``, full tensors by parameter
-    name), and each canonical module's HF module name."""
-    model_type = model_config(model).model_type
+    name), each adapted linear's HF module name (canonical module -> HF module; experts and
+    routers left out), and the ``target_parameters`` (experts, routers)."""
+    cfg = model_config(model)
+    model_type = cfg.model_type
+    moe_modules = {m for p in moe_params(cfg) for m in p.modules}
     tensors: dict[str, torch.Tensor] = {}
     hf_names: dict[str, str] = {}
+    moe: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     fused_b: dict[str, list[tuple[int, torch.Tensor]]] = {}
     counts: dict[str, int] = {}
     for name, m in lora_modules(model).items():
         a, b = (m.lora_a, m.lora_b) if weights is None else (weights[f"{name}.lora_a"], weights[f"{name}.lora_b"])
+        if name in moe_modules:
+            moe[name] = (a.detach(), b.detach())
+            continue
         hf = hf_names[name] = _hf_module(model_type, name)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
         part = fused_part(model_type, name)
@@ -194,41 +211,17 @@ def _peft_tensors(
         if len(parts) != counts[hf]:
             raise CkptkitError(f"LoRA adapts only some parts of the fused {hf}; PEFT adapts it whole")
         tensors[f"{_PREFIX}{hf}.lora_B.weight"] = torch.cat([b for _, b in sorted(parts, key=lambda p: p[0])])
-    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names
+    moe_tensors, target_parameters, _ = to_peft(cfg, moe)
+    tensors.update({_PREFIX + k: v for k, v in moe_tensors.items()})
+    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Validated PEFT adapter config and its tensors (keys as stored)."""
     folder = Path(adapter_dir)
-    cfg_path = folder / ADAPTER_CONFIG
-    if not cfg_path.is_file():
-        raise CkptkitError(f"{folder} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CkptkitError(f"{cfg_path} is not valid JSON: {exc}") from None
+    config = read_adapter_config(folder)
     _check_supported(config)
-    if (folder / ADAPTER_WEIGHTS).is_file():
-        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
-    elif (folder / "adapter_model.bin").is_file():
-        tensors = _load_bin(folder / "adapter_model.bin")
-    else:
-        raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
-    return config, tensors
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A ``.bin`` adapter: a plain dict of tensors, read without running pickled code."""
-    try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickled objects, truncated zips...: the message says which file
-        raise CkptkitError(
-            f"{path}: not a plain file of tensors ({type(exc).__name__}); ckptkit runs no pickled code: "
-            "save the adapter as adapter_model.safetensors"
-        ) from None
-    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-        raise CkptkitError(f"{path}: not a dict of tensors")
-    return tensors
+    return config, read_adapter_tensors(folder)
 
 
 def _check_supported(config: dict[str, Any]) -> None:
@@ -246,7 +239,6 @@ def _check_supported(config: dict[str, Any]) -> None:
         "alpha_pattern": bool(config.get("alpha_pattern")),
         "modules_to_save": bool(config.get("modules_to_save")),
         "layer_replication": bool(config.get("layer_replication")),
-        "target_parameters": bool(config.get("target_parameters")),
         "trainable_token_indices": bool(config.get("trainable_token_indices")),
         "use_qalora": bool(config.get("use_qalora")),
         "alora_invocation_tokens": bool(config.get("alora_invocation_tokens")),
@@ -274,10 +266,70 @@ class Adapter(NamedTuple):
     base_copies: dict[str, torch.Tensor]
 
 
-def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
-    """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts)."""
+def read_lora_weights(
+    adapter_dir: str | Path, model: ModelConfig, base: str = "the model", fix: str = "use it with the model"
+) -> Adapter:
+    """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts).
+
+    An adapter trained on another model (other hidden size, layers or modules than
+    ``model``, the config of ``base``) is refused in one line that names the adapter
+    folder, the mismatch and what to do (``fix`` ... "it was trained on").
+    """
+    try:
+        adapter = _read_lora_weights(adapter_dir, model)
+        misfit = _misfit(adapter, model, base)
+    except NotInBase as exc:
+        misfit = str(exc)
+    if misfit:
+        trained_on = read_adapter_config(Path(adapter_dir)).get("base_model_name_or_path")
+        raise CkptkitError(
+            f"{adapter_dir}: adapter for another model: {misfit}; {fix} it was trained on"
+            + (f" ({trained_on}, adapter_config.json)" if trained_on else "")
+        )
+    return adapter
+
+
+def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
+    """How ``adapter`` does not fit ``model`` (None: it fits), in the adapter's own (HF) names."""
+    shapes = canonical_shapes(model)
+    # the dimensions that are the hidden size: those that change with it
+    wider = canonical_shapes(dataclasses.replace(model, hidden_size=model.hidden_size + 1))
+    weights: dict[str, tuple[int, ...]] = {f"{m}.weight": (w.b.shape[0], w.a.shape[1]) for m, w in adapter.lora.items()}
+    weights |= {k: tuple(t.shape) for k, t in adapter.base_copies.items()}
+    for key, got in weights.items():
+        want = shapes.get(key)
+        if want is None or got == want:
+            continue
+        for mine, theirs, other in zip(got, want, wider[key], strict=False):  # ndims may differ
+            if mine != theirs and theirs != other:
+                return f"it was trained on a model with hidden size {mine}; {base} has {theirs}"
+        hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+        if len(got) != 2 or len(want) != 2:
+            return f"{hf} has shape {list(got)} in the adapter, {list(want)} in {base}"
+        return f"{hf} maps {got[1]} -> {got[0]} features in the adapter, {want[1]} -> {want[0]} in {base}"
+    for key in weights:
+        if key not in shapes:
+            hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+            layer = key.split(".")[1] if key.startswith("layers.") else None
+            why = (
+                f" ({model.num_layers} layers)" if layer is not None and int(layer) >= model.num_layers
+                else " (it ties the output projection to the embeddings)" if key == "output.weight"
+                else ""
+            )  # fmt: skip
+            return f"the adapter has {hf}; {base} does not{why}"
+    return None
+
+
+def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
     model_type = model.model_type
     config, tensors = read_adapter(adapter_dir)
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise CkptkitError(f"{adapter_dir}: the adapter config's target_parameters is not a list of names")
+    bodies = {k.removeprefix(_PREFIX): v for k, v in tensors.items()}
+    moe = from_peft(model, targets, bodies) if targets else {}
+    stacked = {_PREFIX + k for k in moe_keys(model, targets)}
+    tensors = {k: v for k, v in tensors.items() if k not in stacked}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     base_copies: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
@@ -295,10 +347,12 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
             base_copies[
                 _canonical_module(model_type, body.removesuffix(".weight").removesuffix(".base_layer")) + ".weight"
             ] = tensor
-    if not pairs:
+    if not pairs and not moe:
         raise CkptkitError(f"adapter in {adapter_dir} has no LoRA weights")
     alpha = float(config.get("lora_alpha", 8))
     lora = {}
+    for module, (a, b) in moe.items():
+        lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(a.shape[0]) if config.get("use_rslora") else a.shape[0]))
     for module, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
             raise CkptkitError(f"adapter has an incomplete LoRA pair for {module}")
@@ -316,7 +370,7 @@ def read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
         shapes = canonical_shapes(model)
         rows = [shapes[f"{p}.weight"][0] if f"{p}.weight" in shapes else -1 for p in parts]
         if min(rows) < 0 or sum(rows) != b.shape[0]:
-            raise CkptkitError(f"adapter LoRA B for the fused {module} has {b.shape[0]} rows, the model {sum(rows)}")
+            raise NotInBase(f"the adapter's {module} has {b.shape[0]} output rows, the model's {sum(rows)}")
         for part, b_part in zip(parts, torch.split(b, rows), strict=True):
             lora[part] = AdapterWeights(a, b_part, scaling)
     return Adapter(config, lora, base_copies)
@@ -347,9 +401,10 @@ def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
             m.lora_b.copy_(w.b)
 
 
-def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False) -> nn.Module:
-    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (in place); ``merge`` folds it in."""
-    adapter = read_lora_weights(adapter_dir, model_config(model))
+def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False, base: str = "the model") -> nn.Module:
+    """Add the PEFT LoRA adapter in ``adapter_dir`` to ``model`` (read from ``base``, for
+    messages) in place; ``merge`` folds it in."""
+    adapter = read_lora_weights(adapter_dir, model_config(model), base)
     check_base_copies(adapter, model.state_dict())
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)

@@ -117,8 +117,10 @@ class Placement:
     def after_forward_only(self, model: nn.Module) -> None:
         """Put the model back as training expects it after forwards without backward (evaluation)."""
 
-    def barrier(self) -> None:
-        """Wait for every rank."""
+    def together(self) -> contextlib.AbstractContextManager[None]:
+        """A block every rank runs (e.g. what only the writing rank does in it), leaving it
+        together: when it fails on one rank it fails on all, with that rank's one line."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def close(ok: bool) -> None:
@@ -193,8 +195,8 @@ class FSDP2(Placement):
         made = {k: v for k, v in model.state_dict().items() if not v.is_meta}  # e.g. LoRA adapters, on the CPU
         if len({t.data_ptr() for t in made.values()}) < len(made):
             raise CkptkitError(
-                f"LoRA on the fused modules of {model_config(model).model_type} (one shared A) is not supported by "
-                "lora_finetune_distributed yet; use lora_finetune or other lora.targets"
+                f"LoRA on parts that share one A ({model_config(model).model_type}'s fused modules, or experts' gate "
+                "and up) is not supported by lora_finetune_distributed yet; use lora_finetune or other lora.targets"
             )
         model.to("meta")
         D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype, activation_checkpointing=False)
@@ -238,7 +240,8 @@ class FSDP2(Placement):
         set_optimizer_state_dict(model, optimizer, state)
 
     def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
-        self.wait()  # one save in flight
+        with self.together():  # one save in flight; its publishing failed on rank 0: every rank stops
+            self.wait()
         D.reset_peak_rss()
         before, start = D.rss_mib("VmRSS"), time.perf_counter()
         state: dict[str, Any] = {"model": save.sharded()}
@@ -271,8 +274,8 @@ class FSDP2(Placement):
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def barrier(self) -> None:
-        dist.barrier()
+    def together(self) -> contextlib.AbstractContextManager[None]:
+        return D.failing_together()
 
     @staticmethod
     def close(ok: bool) -> None:

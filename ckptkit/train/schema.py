@@ -1,15 +1,17 @@
 """The config schema of each recipe: every key, its type, range and default.
 
-``validate_config(raw, FullFinetuneConfig)`` (or ``LoRAFinetuneConfig``) runs before any
-work; see :mod:`ckptkit.train.config` for the error format and torchtune spellings.
+``parse_config(raw, FullFinetuneConfig)`` (or ``LoRAFinetuneConfig``) runs before any
+work and gives the typed config the recipe reads; see :mod:`ckptkit.train.config` for
+the error format and torchtune spellings.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
+from ckptkit.formats import torchtune_checkpointers
 from ckptkit.models import MODEL_TYPES
 from ckptkit.train.config import (
     Bool,
@@ -49,6 +51,12 @@ def _tokenizer(value: Any) -> Any:
     return value
 
 
+def _torchtune_checkpointer(value: str | None) -> str | None:
+    if value is not None and value not in torchtune_checkpointers():
+        raise ValueError(f"{value!r} is no torchtune checkpointer of a format ckptkit reads")
+    return value
+
+
 Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 if TYPE_CHECKING:
@@ -58,13 +66,13 @@ else:  # the short names and the canonical ones, checked by pydantic
 
 
 class CheckpointerConfig(Section):
-    """Where the base model is read and checkpoints are written (see docs/training.md)."""
+    """Where the base model is read and checkpoints are written (see docs/training.md).
 
-    components: ClassVar[dict[str, dict[str, Any]]] = {
-        "torchtune.training.FullModelHFCheckpointer": {"expect_formats": ["hf", "hf-bin"]},
-        "torchtune.training.FullModelMetaCheckpointer": {"expect_formats": ["meta"]},
-        "ckptkit.train.checkpointer.Checkpointer": {},
-    }
+    ``_component_`` may name ckptkit's checkpointer (any format) or a torchtune checkpointer
+    that some format declares it is read by (``CheckpointFormat.torchtune_checkpointers``):
+    the base must then be in a format that checkpointer reads."""
+
+    OWN: ClassVar[str] = "ckptkit.train.checkpointer.Checkpointer"
     checkpoint_dir: Text
     checkpoint_files: list[Text] | None = None
     model_type: Annotated[str | None, BeforeValidator(_model_type)] = None
@@ -74,7 +82,17 @@ class CheckpointerConfig(Section):
     keep_last_n_checkpoints: PositiveInt | None = None
     hf_base_dir: Text | None = None
     async_save: Bool = False  # the distributed recipes: write checkpoints while the next steps run
-    expect_formats: list[Text] | None = None  # set by _component_: the formats that checkpointer reads
+    torchtune_checkpointer: Annotated[Text | None, AfterValidator(_torchtune_checkpointer)] = None  # by _component_
+
+    @classmethod
+    def component_keys(cls, name: str) -> dict[str, Any] | None:
+        if name == cls.OWN:
+            return {}
+        return {"torchtune_checkpointer": name} if name in torchtune_checkpointers() else None
+
+    @classmethod
+    def accepted_components(cls) -> list[str]:
+        return [*torchtune_checkpointers(), cls.OWN]
 
 
 class OptimizerConfig(Section):
@@ -134,6 +152,8 @@ class RecipeConfig(Section):
     clip_grad_norm: PositiveFloat | None = None
     enable_activation_checkpointing: Bool = False
     compile: Bool = False
+    # mixture-of-experts models: weight of the router's load-balancing loss (null: config.json's)
+    router_aux_loss_coef: NonNegativeFloat | None = None
     eval_every_n_steps: PositiveInt | None = None
     log_every_n_steps: PositiveInt = 1
     save_every_n_steps: PositiveInt | None = None

@@ -7,6 +7,10 @@ however the tokens are spread over the micro-batches and their padding. On sever
 each rank sums the token losses of its part of every global batch and divides by the
 global batch's token count (times the ranks FSDP averages gradients over), which gives the
 single-device gradient.
+
+A mixture-of-experts model adds the router's load-balancing loss of each global batch
+(over every rank's tokens, padding left out, as transformers computes it), times
+``router_aux_loss_coef``, averaged over the step's global batches.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckptkit.errors import CkptkitError
+from ckptkit.models import ModelConfig
 from ckptkit.train.data import TokenizedDataset, collate
 from ckptkit.train.lora import decoder_layers
 from ckptkit.train.samples import IGNORE_INDEX, Sample
@@ -34,11 +39,26 @@ Reduce = Callable[[torch.Tensor], None]
 
 @dataclass
 class StepStats:
-    """One step's mean loss per label token, its label tokens and input tokens (padding excluded)."""
+    """One step's loss (mean per label token, plus the weighted aux loss of a model with
+    experts), its label tokens and input tokens (padding excluded), and the unweighted aux
+    loss (mean over the step's global batches; None without one)."""
 
     loss: float
     label_tokens: int
     input_tokens: int
+    aux_loss: float | None = None
+
+
+def router_aux_weight(coef: float | None, model: ModelConfig) -> float:
+    """The weight of the router's load-balancing loss: ``coef`` (the recipe's
+    ``router_aux_loss_coef``), else the model's own (``config.json``); 0 without experts."""
+    if not model.num_experts:
+        if coef:
+            raise CkptkitError(
+                f"router_aux_loss_coef applies to mixture-of-experts models; {model.model_type} has no experts"
+            )
+        return 0.0
+    return model.router_aux_loss_coef if coef is None else coef
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
@@ -67,27 +87,38 @@ def forward_backward(
     step_tokens: int | None = None,
     world_size: int = 1,
     reduce: Reduce | None = None,
+    aux_weight: float = 0.0,
 ) -> StepStats:
     """Accumulate the gradient of the step's token-mean loss over ``batches`` (no optimizer step).
 
     On several ranks ``batches`` are this rank's parts of the step's global batches,
     ``step_tokens`` the label tokens of the whole global batches and ``reduce`` sums over
-    ranks; the loss returned is the global one.
+    ranks; the loss returned is the global one. ``aux_weight``: the weight of the router's
+    load-balancing loss (:func:`router_aux_weight`).
     """
     if step_tokens is None:
         step_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     count = max(step_tokens, 1)
     total = torch.zeros((), device=device)
+    aux_total: torch.Tensor | None = None
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         loss = summed_loss(model, batch)
         scaled = loss / count
+        if aux_weight:  # the same value on every rank, each rank's share of the gradient
+            aux = model.aux_loss(batch["attention_mask"], reduce)  # type: ignore[operator]
+            if aux is not None:
+                scaled = scaled + aux * (aux_weight / len(batches))
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
         (scaled * world_size if world_size != 1 else scaled).backward()  # FSDP averages gradients over ranks
         total += loss.detach()
     if reduce is not None:
         reduce(total)
     input_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    return StepStats((total / count).item(), step_tokens, input_tokens)
+    if aux_total is None:
+        return StepStats((total / count).item(), step_tokens, input_tokens)
+    aux_mean = (aux_total / len(batches)).item()
+    return StepStats((total / count).item() + aux_weight * aux_mean, step_tokens, input_tokens, aux_mean)
 
 
 @torch.no_grad()
@@ -127,17 +158,13 @@ def evaluate(
     return total / max(tokens, 1)
 
 
-def build_optimizer(
-    params: list[nn.Parameter], cfg: OptimizerConfig | dict[str, Any], device: torch.device
-) -> torch.optim.AdamW:
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW from the ``optimizer`` section; the fused kernel by default on CPU and CUDA.
 
     ``optimizer.fused``: null (default) picks fused where torch has it for the device (CPU,
     CUDA); false leaves the choice to torch (for-each on CUDA, the for-loop on CPU, where
     bench/optimizer.py measured for-each slower than it); true forces fused.
     """
-    if isinstance(cfg, dict):
-        cfg = OptimizerConfig.model_validate(cfg)
     fused = cfg.fused
     if fused is None:
         fused = device.type in ("cpu", "cuda")

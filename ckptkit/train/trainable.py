@@ -98,7 +98,7 @@ class LoRAAdapters(Trainable):
         self.cfg = cfg
 
     def check(self, model_cfg: ModelConfig) -> None:
-        check_targets(list(self.cfg.targets), model_cfg)
+        check_targets(list(self.cfg.targets), model_cfg, self.cfg.dropout)
 
     def build(self, model: nn.Module, checkpointer: Checkpointer) -> None:
         apply_lora(model, targets=self.cfg.targets, rank=self.cfg.rank, alpha=self.cfg.alpha, dropout=self.cfg.dropout)

@@ -23,6 +23,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models import get_family
 from ckptkit.models.config import ModelConfig
+from ckptkit.train.moe_loss import load_balancing_loss
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -242,25 +243,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(logits.dtype)
         out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            slot, token = torch.where((chosen == e).T)
-            if token.numel() == 0:
-                continue
+        for e, expert in enumerate(self.experts):  # also on no tokens: every expert gets a
+            slot, token = torch.where((chosen == e).T)  # gradient (zero), as FSDP reduces them together
             y = expert(flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out.reshape(shape)
-
-
-def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss as transformers computes it (no padding mask):
-    ``E * sum(fraction of assignments per expert * mean routing probability)`` over all layers."""
-    logits = torch.cat([r.float() for r in router_logits], dim=0)
-    probs = F.softmax(logits, dim=-1)
-    _, chosen = torch.topk(probs, top_k, dim=-1)
-    counts = F.one_hot(chosen, num_experts).float()
-    tokens_per_expert = counts.mean(dim=0)  # (top_k, E)
-    prob_per_expert = probs.mean(dim=0)
-    return (tokens_per_expert * prob_per_expert[None]).sum() * num_experts
 
 
 class Block(nn.Module):
@@ -349,12 +336,16 @@ class Transformer(nn.Module):
         """The router logits of every MoE layer in the last forward (empty when dense)."""
         return [m.router_logits for m in self.modules() if isinstance(m, SparseMoE) and m.router_logits is not None]
 
-    def aux_loss(self) -> torch.Tensor | None:
-        """The load-balancing loss of the last forward, unweighted (None: no experts)."""
+    def aux_loss(
+        self, attention_mask: torch.Tensor | None = None, reduce: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward, unweighted (None: no experts); see
+        :func:`load_balancing_loss` for ``attention_mask`` (B, T) and ``reduce``."""
         logits = self.router_logits()
         if not logits:
             return None
-        return load_balancing_loss(logits, self.config.num_experts, self.config.num_experts_per_tok)
+        cfg = self.config
+        return load_balancing_loss(logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask, reduce)
 
     @staticmethod
     def _attention_mask(

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_bool, meta_int, meta_list, meta_str
 from ckptkit.tokenization import spm_proto as spm
 from ckptkit.tokenization.bpe import bos_template
@@ -30,6 +30,7 @@ PRE_TOKENIZERS = {"llama-bpe": (LLAMA3_PATTERN, True), "qwen2": (QWEN2_PATTERN, 
 # general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
 SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
 _PAD = re.compile(r"\[PAD\d+\]")
+NO_TOKENIZER = "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
 
 
 def _json(doc: dict[str, Any]) -> bytes:
@@ -111,9 +112,10 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
     tokenizer or one ckptkit cannot rebuild exactly."""
     kind = meta_str(h, "tokenizer.ggml.model")
     if kind is None or kind == "none":
-        return {}, ["the GGUF holds no tokenizer: the output has none"]
+        return {}, [note("the GGUF holds no tokenizer: the output has none", NO_TOKENIZER)]
     if kind not in ("llama", "gpt2"):
-        return {}, [f"tokenizer.ggml.model {kind!r} is not one ckptkit rebuilds (llama, gpt2): the output has none"]
+        fact = f"tokenizer.ggml.model {kind!r} is not one ckptkit rebuilds (llama, gpt2): the output has none"
+        return {}, [note(fact, NO_TOKENIZER)]
     tokens, _ = _tokens(h)
     ids = {what: _special(h, tokens, what) for what in ("bos", "eos", "unknown", "padding")}
     add_bos = meta_bool(h, "tokenizer.ggml.add_bos_token")
@@ -125,7 +127,8 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
         model = sentencepiece_model(h)
         why = unconvertible(model)
         if why is not None:
-            return {}, [f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({why})"]
+            fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({why})"
+            return {}, [note(fact, NO_TOKENIZER)]
         add_bos = add_bos is not False
         files["tokenizer.model"] = spm.write_spm_model(model)
         tok = build_tokenizer(model, h.path, add_bos=add_bos)

@@ -1,0 +1,248 @@
+"""The commands that read and write checkpoints: ``inspect``, ``convert``, ``verify``, ``support``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptkit.cli.app import (
+    CHOICES_MARK,
+    CONFIG_HELP,
+    DEFAULT_COPY_METHOD,
+    MODEL_TYPE_HELP,
+    NO_COPY,
+    Command,
+    app,
+    err,
+    human,
+    logging_to_stderr,
+    out,
+    user_errors,
+)
+
+
+@app.command(cls=Command)
+@user_errors
+def inspect(
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory or one weight / index file.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    model_type: Annotated[str | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help=CONFIG_HELP)] = None,
+) -> None:
+    """List format, model type, dtypes and tensors; reads metadata only."""
+    from ckptkit.inspection import inspect_path
+
+    info = inspect_path(path, model_type, config)
+    if json_out:
+        sys.stdout.write(json.dumps(info) + "\n")
+        return
+    dtypes = Counter(t["dtype"] for t in info["tensors"])
+    out.print(f"[bold]{path}[/bold]")
+    out.print(f"format      {info['format']}")
+    out.print(f"model type  {info['model_type'] or 'unknown'}")
+    out.print(f"dtypes      {', '.join(f'{d} ({n})' for d, n in dtypes.most_common())}")
+    out.print(f"tensors     {len(info['tensors'])}")
+    out.print(f"parameters  {info['num_params']:,}")
+    out.print(f"bytes       {info['total_bytes']:,} ({human(info['total_bytes'])})")
+    out.print(f"files       {', '.join(info['files'])}")
+    if info.get("ignored"):
+        out.print(f"not model   {len(info['ignored'])} entries, not converted: {', '.join(info['ignored'][:6])}")
+    table = Table(box=None, header_style="bold")
+    table.add_column("name", overflow="fold")
+    for column in ("shape", "dtype", "file"):
+        table.add_column(column, no_wrap=True)
+    if not out.is_terminal:  # piped: full names on one line each, for grep and friends
+        out.width = 1000
+    for t in info["tensors"]:
+        table.add_row(t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"])
+    out.print(table)
+
+
+@app.command(cls=Command)
+@user_errors
+def convert(
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (never modified).")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination directory (must not exist or be empty).")],
+    to: Annotated[str, typer.Option("--to", metavar="FORMAT", help=f"Target format: {CHOICES_MARK}.")],
+    from_: Annotated[
+        str | None,
+        typer.Option("--from", metavar="FORMAT", help=f"Source format (default: detected): {CHOICES_MARK}."),
+    ] = None,
+    model_type: Annotated[str | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DTYPE",
+            help=f"Cast floating tensors to {CHOICES_MARK} (default: keep every dtype and byte).",
+        ),
+    ] = None,
+    shards: Annotated[
+        int | None, typer.Option(metavar="N", help="Meta model-parallel ranks, or DCP rank files, to write.")
+    ] = None,
+    max_shard_size: Annotated[
+        str | None, typer.Option(metavar="SIZE", help='HF shard size limit, e.g. "5GB" (default 5GB).')
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty destination.")] = False,
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help=CONFIG_HELP)] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Re-read the output and compare it with SRC, tensor by tensor.")
+    ] = False,
+    allow_lossy_cast: Annotated[
+        bool,
+        typer.Option(
+            "--allow-lossy-cast", help="Let --dtype overflow values to inf or flush them to 0 (an error otherwise)."
+        ),
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
+    force_model_type: Annotated[
+        bool,
+        typer.Option("--force-model-type", help="Use --model-type even where the files describe another type."),
+    ] = False,
+    copy_method: Annotated[
+        str,
+        typer.Option(
+            metavar="METHOD",
+            help=f"How tensors go file to file: {CHOICES_MARK} (auto: direct past the page cache "
+            "for outputs over the kernel's dirty limit, else stream through it; off: through memory).",
+        ),
+    ] = DEFAULT_COPY_METHOD,
+    verbose: Annotated[
+        bool, typer.Option(help="Log how the output is written (ckptkit.io) and the bytes of each copy method.")
+    ] = False,
+    experts: Annotated[
+        str | None,
+        typer.Option(
+            metavar="LAYOUT",
+            help=f"Mixture-of-experts models: store experts one tensor each or as 3-D stacks in DST: {CHOICES_MARK} "
+            "(default: as in SRC).",
+        ),
+    ] = None,
+) -> None:
+    """Convert SRC to DST in another format, streaming one tensor at a time."""
+    from ckptkit.convert import COMPUTED
+    from ckptkit.convert import convert as run_convert
+
+    start = time.perf_counter()
+    with logging_to_stderr("ckptkit", logging.INFO if verbose else None):
+        result = run_convert(
+            src,
+            dst,
+            to,
+            from_format=from_,
+            model_type=model_type,
+            dtype=dtype,
+            shards=shards,
+            max_shard_size=max_shard_size,
+            force=force,
+            verify=verify,
+            quiet=quiet,
+            copy_method=None if copy_method == NO_COPY else copy_method,
+            allow_lossy_cast=allow_lossy_cast,
+            config=config,
+            force_model_type=force_model_type,
+            experts=experts,
+        )
+    if quiet:
+        return
+    for note in result.notes:
+        err.print(f"note: {note}", highlight=False)
+    files = len(result.plan.files)
+    layout = "restored the source layout" if result.plan.restored else f"{files} weight file{'s' * (files != 1)}"
+    tensor_bytes = sum(result.bytes_by_method.values())
+    copied = tensor_bytes - result.bytes_by_method.get(COMPUTED, 0)
+    share = f", {copied / tensor_bytes:.0%} of tensor bytes copied file to file" if tensor_bytes else ""
+    err.print(
+        f"wrote {dst} ({to}, {layout}, {human(result.bytes_written)}{share}) "
+        f"in {time.perf_counter() - start:.1f}s" + (f"; {_verified(dtype)}" if verify else ""),
+        highlight=False,
+    )
+    if verbose:
+        ways = ", ".join(f"{method} {human(n)}" for method, n in sorted(result.bytes_by_method.items()))
+        err.print(f"tensor bytes by method: {ways or 'none'}", highlight=False)
+
+
+def _verified(dtype: str | None) -> str:
+    from ckptkit.tensors.casting import cast_description
+
+    return cast_description(dtype) if dtype else "verified bitwise against the source"
+
+
+@app.command(cls=Command)
+@user_errors
+def verify(
+    a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint (any format).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    allow_cast: Annotated[
+        bool,
+        typer.Option(
+            "--allow-cast", help="Accept tensors that are the same values in another dtype, or rounded to it."
+        ),
+    ] = False,
+    logits: Annotated[
+        bool,
+        typer.Option(
+            "--logits", help="Also run both models on fixed prompts: max abs logit difference and KL divergence."
+        ),
+    ] = False,
+) -> None:
+    """Compare two checkpoints tensor by tensor, bitwise, in each one's own names.
+
+    The first line is the verdict (IDENTICAL, CAST: only dtypes differ, or DIFFERENT).
+    Exit status: 0 identical (or only casts, with --allow-cast); 1 otherwise.
+    """
+    from ckptkit.verify import verify_paths
+
+    report = verify_paths(a, b, quiet=json_out)
+    if logits:  # both through the native decoder
+        from ckptkit.train.logit_check import compare_logits
+
+        report.logits = compare_logits(a, b, report.model_type)
+    if json_out:
+        sys.stdout.write(json.dumps(report.to_json(allow_cast)) + "\n")
+    else:
+        out.print(report.verdict(allow_cast), highlight=False, markup=False)
+        for name in report.only_in_a:
+            out.print(f"only in {a}: {name}", highlight=False, markup=False)
+        for name in report.only_in_b:
+            out.print(f"only in {b}: {name}", highlight=False, markup=False)
+        for d in report.differences:
+            out.print(
+                f"{'cast' if d.kind in ('cast', 'rounded') else 'differs'}: {d.describe()}",
+                highlight=False,
+                markup=False,
+            )
+        if report.ignored:
+            out.print(
+                f"not compared (unused by the model): {', '.join(report.ignored[:4])}", highlight=False, markup=False
+            )
+        if report.logits is not None:
+            from ckptkit.train.logit_check import describe
+
+            out.print(describe(report.logits), highlight=False, markup=False)
+    code = report.exit_code(allow_cast)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(cls=Command)
+@user_errors
+def support(json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
+    """Which model types each format reads and writes, and what happens to the tokenizer.
+
+    Made from the format and model registries; docs/support.md is this output.
+    """
+    from ckptkit.support import support_markdown, support_matrix
+
+    if json_out:
+        sys.stdout.write(json.dumps(support_matrix()) + "\n")
+    else:
+        sys.stdout.write(support_markdown())

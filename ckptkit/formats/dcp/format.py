@@ -1,0 +1,109 @@
+"""The ``dcp`` format: detection, opening, the family and config a DCP folder describes
+(Meta's names and layout, torchtitan's), its fresh file layout and writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
+from ckptkit.formats.dcp.folder import DISTCP, HF_CONFIG, PARAMS, checkpoint_folder, open_dcp
+from ckptkit.formats.dcp.metadata import METADATA
+from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
+from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.registry import register
+
+if TYPE_CHECKING:
+    from ckptkit.models import Family, ModelConfig
+    from ckptkit.models.spec import Layout
+    from ckptkit.tensors.lazy import Lazy
+
+TIE_SAMPLE_BYTES = 4096
+
+
+class DcpFormat(CheckpointFormat):
+    """``.metadata`` + ``__R_N.distcp`` (``step-N`` folders allowed), torchtitan's Meta names."""
+
+    name = "dcp"
+    expects = ".metadata + __R_N.distcp (PyTorch DCP)"
+    detect_order = 15
+    sharding = "ranks"
+    weight_file = DISTCP
+    metadata_names = (METADATA,)
+    layer_field = "n_layers"
+
+    def detect(self, root: Path) -> bool:
+        return checkpoint_folder(root) is not None
+
+    def open(self, root: Path) -> RawCheckpoint:
+        return open_dcp(root, None)
+
+    def open_with_config(self, root: Path, config: Path | None) -> RawCheckpoint:
+        return open_dcp(root, config)
+
+    def _source(self, raw: RawCheckpoint) -> Any:
+        from ckptkit.models import MetaSource
+
+        return MetaSource(
+            raw.config, {k: i.shape for k, i in raw.infos.items()}, "pth", lambda: _output_repeats_embeddings(raw)
+        )
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        from ckptkit.models import detect_from_hf, detect_from_meta
+
+        where = str(raw.root / raw.config_name)
+        if getattr(raw, "config_kind", PARAMS) == HF_CONFIG:
+            return detect_from_hf(raw.config, where)
+        return detect_from_meta(self._source(raw), where)
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        try:
+            if getattr(raw, "config_kind", PARAMS) == HF_CONFIG:
+                return family.config_from_hf(raw.config)
+            return family.config_from_meta(self._source(raw))
+        except CkptkitError as e:
+            raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return family.meta_layout(cfg)
+
+    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
+        return {}  # a DCP layout (ranks, chunks) is not restored: converting to dcp lays out afresh
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        if opts.max_shard_size is not None:
+            raise CkptkitError("--max-shard-size applies to HF formats; use --shards N for DCP ranks")
+        n = opts.shards or 1
+        split: dict[str, int | None] = {}
+        for k, t in targets.items():
+            split[k] = 0 if n > 1 and t.shape and t.shape[0] % n == 0 and t.shape[0] >= n else None
+        files = [
+            FilePlan(rank_file(r), [k for k in targets if r == 0 or split[k] is not None], rank=r, ranks=n)
+            for r in range(n)
+        ]
+        return files, split if n > 1 else {}
+
+    def writer(self, path: Path, file: FilePlan, entries: Any, direct: bool) -> Any:
+        return DistcpWriter(path, entries, direct)
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+
+    def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
+        (out_dir / METADATA).write_bytes(metadata_bytes(plan))
+        super().finish(ckpt, plan, out_dir)
+
+
+def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:
+    emb, out = raw.infos.get("tok_embeddings.weight"), raw.infos.get("output.weight")
+    if emb is None or out is None or emb.shape != out.shape or emb.dtype != out.dtype:
+        return False
+    sample = getattr(raw, "sample")  # noqa: B009 (DcpCheckpoint's)
+    return bool(sample("tok_embeddings.weight", TIE_SAMPLE_BYTES) == sample("output.weight", TIE_SAMPLE_BYTES))
+
+
+register(DcpFormat())

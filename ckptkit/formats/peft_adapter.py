@@ -1,0 +1,78 @@
+"""PEFT's adapter folder on disk: ``adapter_config.json`` + ``adapter_model.safetensors``
+(or an older ``adapter_model.bin``), read and written with tensors as stored. What the
+keys and config mean for a model is :mod:`ckptkit.train.peft_io`'s business."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+
+if TYPE_CHECKING:
+    import torch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a PEFT adapter (its config file; weights are checked on read)."""
+    return (folder / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_config(folder: Path) -> dict[str, Any]:
+    """The adapter's ``adapter_config.json``, or a one-line error naming the folder."""
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CkptkitError(f"{folder} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CkptkitError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CkptkitError(f"{path}: expected a JSON object")
+    return config
+
+
+def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, keys as stored; a ``.bin`` one without running pickled code."""
+    from safetensors.torch import load_file
+
+    if (folder / ADAPTER_WEIGHTS).is_file():
+        return load_file(str(folder / ADAPTER_WEIGHTS))
+    if (folder / ADAPTER_WEIGHTS_BIN).is_file():
+        return _load_bin(folder / ADAPTER_WEIGHTS_BIN)
+    raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
+
+
+def adapter_weights_file(folder: Path) -> Path:
+    """Where an adapter folder's weights are (or would be written)."""
+    return folder / ADAPTER_WEIGHTS
+
+
+def write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``config`` and ``tensors`` as PEFT writes an adapter folder (safetensors)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A ``.bin`` adapter: a plain dict of tensors, read without running pickled code."""
+    import torch
+
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickled objects, truncated zips...: the message says which file
+        raise CkptkitError(
+            f"{path}: not a plain file of tensors ({type(exc).__name__}); ckptkit runs no pickled code: "
+            f"save the adapter as {ADAPTER_WEIGHTS}"
+        ) from None
+    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+        raise CkptkitError(f"{path}: not a dict of tensors")
+    return tensors

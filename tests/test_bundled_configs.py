@@ -1,0 +1,64 @@
+"""The bundled recipe configs: each validates against its recipe's schema and is listed by
+``ckptkit ls``; the realistic configs of the newer families (they need a GPU and the real
+weights) run here with their own settings on the tiny fixture of their model type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckptkit.cli import app
+from ckptkit.train.config import load_config, parse_config
+from ckptkit.train.loop import RECIPES as SCHEMAS
+from ckptkit.train.recipes import RECIPES, recipe_entry
+
+from conftest import FIXTURES
+
+NEW = {  # config -> recipe
+    "qwen3_8B_lora": "lora_finetune",
+    "qwen3_30B_A3B_lora": "lora_finetune",
+    "mixtral_8x7B_lora": "lora_finetune",
+    "mixtral_8x7B_lora_distributed": "lora_finetune_distributed",
+    "gemma2_9B_lora": "lora_finetune",
+    "olmo2_7B_full": "full_finetune",
+}
+ON_THE_FIXTURE = [  # what a CPU test must change: device, dtype, paths, sizes
+    "device=cpu",
+    "dtype=fp32",
+    "dataset.source=tiny_alpaca",
+    "dataset.max_seq_len=128",
+    "batch_size=2",
+    "gradient_accumulation_steps=1",
+    "max_steps_per_epoch=1",
+    "quiet=true",
+]
+
+
+@pytest.mark.parametrize(("recipe", "name"), [(r, n) for r, names in RECIPES.items() for n in names])
+def test_every_bundled_config_validates_against_its_recipe_schema(recipe: str, name: str) -> None:
+    cfg = parse_config(load_config(name), SCHEMAS[recipe][0])
+    assert cfg.epochs >= 1 and cfg.checkpointer.checkpoint_dir
+
+
+def test_ls_lists_the_new_families_configs() -> None:
+    result = CliRunner().invoke(app, ["ls"])
+    assert result.exit_code == 0, result.output
+    for name in NEW:
+        assert name in result.output
+
+
+@pytest.mark.parametrize("name", list(NEW))
+def test_realistic_config_runs_on_the_tiny_fixture_of_its_model_type(name: str, tmp_path: Path) -> None:
+    recipe = NEW[name]
+    cfg = parse_config(load_config(name), SCHEMAS[recipe][0])
+    model_type = cfg.checkpointer.model_type
+    assert cfg.device == "cuda" and cfg.dtype == "bf16" and cfg.enable_activation_checkpointing
+    overrides = [*ON_THE_FIXTURE, f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / str(model_type)}",
+                 f"checkpointer.output_dir={tmp_path}"]  # fmt: skip
+    recipe_entry(recipe)(load_config(name, overrides))  # the config's targets, schedule, aux loss...
+    out = tmp_path / "epoch_0"
+    assert (out / "config.json").is_file()
+    if "lora" in recipe:
+        assert (out / "adapter" / "adapter_model.safetensors").is_file()
