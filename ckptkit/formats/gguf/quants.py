@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 CHUNK_BYTES = 16 << 20  # float32 bytes quantized, or stored bytes dequantized, at a time
@@ -20,17 +19,39 @@ QK_K = 256
 
 
 def quantized_chunks(t: torch.Tensor, qtype: Any) -> Iterator[bytes]:
-    """The GGML bytes of ``t`` (float32 or float16), a block of whole rows at a time: row
-    blocks quantize independently, so the bytes are those of quantizing it whole."""
+    """The GGML bytes of ``t`` as llama.cpp makes them (anything but float16/float32 cast to
+    float32, then the ``gguf`` package's quantization), a block of whole rows at a time: row
+    blocks quantize independently and the cast is per element, so the bytes are those of
+    quantizing it whole. A bfloat16 tensor written as BF16 is its own bytes, NaNs quieted
+    as the package's rounding quiets them (no float32 copy, no rounding to do)."""
     import gguf
+    import torch
 
-    arr: np.ndarray = t.contiguous().numpy()
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    rows = arr.reshape(-1, arr.shape[-1])
-    step = max(1, CHUNK_BYTES // max(1, arr.shape[-1] * 4))
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = t.reshape(-1, t.shape[-1])
+    step = max(1, CHUNK_BYTES // max(1, t.shape[-1] * 4))
     for start in range(0, rows.shape[0], step):
-        yield gguf.quants.quantize(rows[start : start + step], qtype).tobytes()
+        chunk = rows[start : start + step].contiguous()
+        if chunk.dtype == torch.bfloat16 and qtype == gguf.GGMLQuantizationType.BF16:
+            yield bf16_bytes(chunk)
+            continue
+        if chunk.dtype not in (torch.float16, torch.float32):
+            chunk = chunk.to(torch.float32)
+        yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
+
+
+def bf16_bytes(t: torch.Tensor) -> bytes:
+    """A bfloat16 tensor's bytes as float32 -> BF16 rounding gives them: unchanged, except that
+    a NaN gets its quiet bit (0x0040) set."""
+    import numpy as np
+    import torch
+
+    bits = t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    nan = (bits & 0x7FFF) > 0x7F80
+    if nan.any():
+        bits = np.where(nan, bits | np.uint16(0x0040), bits)
+    return bytes(bits.tobytes())
 
 
 # --- dequantization ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]
     qtype: Any  # gguf.GGMLQuantizationType
-    make: Callable[[], torch.Tensor]  # float32 or float16, transformed, not yet quantized
+    make: Callable[[], torch.Tensor]  # transformed, in the stored dtype (or float32), not yet quantized
 
     @property
     def nbytes(self) -> int:
@@ -182,18 +182,26 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
             transform = lambda w: permute(w, n_head, n_head)  # noqa: E731
         elif spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             transform = lambda w: permute(w, n_head, n_kv)  # noqa: E731
-        elif spec.norm_plus_one and hf_name.endswith("norm.weight"):
+        plus_one = spec.norm_plus_one and hf_name.endswith("norm.weight")
+        if plus_one:
             transform = lambda w: w + 1  # noqa: E731
-        out.append(GGUFTensor(new, lazy.shape, qtype(new, lazy.shape, ftype), _maker(lazy, transform)))
+        out.append(GGUFTensor(new, lazy.shape, qtype(new, lazy.shape, ftype), _maker(lazy, transform, plus_one)))
     return out, ftype
 
 
-def _maker(lazy: Lazy, transform: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[], torch.Tensor]:
+def _maker(
+    lazy: Lazy, transform: Callable[[torch.Tensor], torch.Tensor] | None, arithmetic: bool
+) -> Callable[[], torch.Tensor]:
+    """The tensor as stored, transformed. llama.cpp casts anything but float16/float32 to
+    float32 before its transforms; a row permutation commutes with that cast, so it is done
+    in the stored dtype (the cast comes a chunk at a time, :func:`quantized_chunks`), and only
+    ``arithmetic`` transforms (Gemma's + 1) get the whole tensor in float32."""
+
     def make() -> torch.Tensor:
         import torch
 
         t = lazy.get()
-        if t.dtype not in (torch.float16, torch.float32):  # as llama.cpp: anything else goes through f32
+        if arithmetic and t.dtype not in (torch.float16, torch.float32):
             t = t.to(torch.float32)
         return transform(t) if transform is not None else t
 
