@@ -167,7 +167,7 @@ class GGUFFormat(CheckpointFormat):
         return raw
 
     def family(self, raw: RawCheckpoint) -> Family:
-        unsure = getattr(raw, "unsure", None)
+        unsure = _opened(raw).unsure
         if unsure is not None:
             raise CkptkitError(f"cannot tell the model type: {unsure}")
         return model.family_of(_header(raw), raw.config)
@@ -241,9 +241,14 @@ class GGUFFormat(CheckpointFormat):
         return write_gguf(ckpt, dst, dtype, quiet, force)
 
 
+def _opened(raw: RawCheckpoint) -> GGUFCheckpoint:
+    if not isinstance(raw, GGUFCheckpoint):  # pragma: no cover - the format opens its own
+        raise TypeError(f"{raw.root}: not opened by the gguf format")
+    return raw
+
+
 def _header(raw: RawCheckpoint) -> GGUFHeader:
-    header: GGUFHeader = getattr(raw, "header")  # noqa: B009 - set by GGUFFormat.open
-    return header
+    return _opened(raw).header
 
 
 def _minus_one(lazy: Lazy, name: str, where: Path) -> torch.Tensor:
