@@ -65,13 +65,19 @@ class Checkpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def side_folder(self) -> Path:
+        """Where the non-weight files (tokenizer, generation config) are: beside the weights,
+        or in a folder the format made for them (a GGUF's, rebuilt from its metadata)."""
+        return self.raw.files_folder() or self.path
+
     def extra_files(self) -> list[Path]:
         """Top-level non-weight files to carry over (tokenizer, generation config, ...)."""
         skip = {self.raw.config_name, *self.raw.files}
         if self.raw.index:
             skip.add(self.raw.index["name"])
         out = []
-        for p in sorted(self.path.iterdir()):
+        for p in sorted(self.side_folder.iterdir()):
             if not p.is_file() or p.name in skip or p.name.startswith("."):
                 continue
             if is_checkpoint_file(p.name):
@@ -103,9 +109,13 @@ def open_checkpoint(
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)
         cfg = family.refine_config(reader.read_config(raw, family), raw.infos)
-        check_layer_count(cfg.num_layers, raw.infos, root / raw.config_name, reader.layer_field)
+        check_layer_count(
+            cfg.num_layers, raw.infos, root / raw.config_name if root.is_dir() else root, reader.layer_field
+        )
         tensors, unused = reader.canonical_view(raw, family, cfg)
-        return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, recorded_origin(reader, raw))
+        origin = recorded_origin(reader, raw)
+        # the format's notes, shared: it may add some when asked for its side folder later
+        return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, origin, raw.notes)
     except BaseException:
         raw.close()
         raise

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
 from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
@@ -195,6 +195,25 @@ def check_options(
         )
 
 
+def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
+    """Tensors the source holds only approximately (quantized) are read with an explicit
+    --dtype, and the conversion says it is lossy."""
+    lossy = ckpt.raw.lossy
+    if not lossy:
+        return
+    kinds = ", ".join(sorted(set(lossy.values())))
+    if dtype is None:
+        raise CkptkitError(
+            f"{ckpt.path}: {len(lossy)} tensors are quantized ({kinds}); dequantizing them is lossy: "
+            "pass --dtype float32, bfloat16 or float16 to convert them anyway"
+        )
+    fact = (
+        f"lossy: {len(lossy)} quantized tensors ({kinds}) dequantized to {dtype}, llama.cpp's approximations "
+        "of the original weights, not the weights themselves"
+    )
+    ckpt.notes.append(note(fact))
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -235,6 +254,7 @@ def convert(
         raise CkptkitError("--shards must be at least 1")
     check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
+        check_lossy(ckpt, dtype)
         check_experts_choice(ckpt, fmt, experts)
         if fmt.writes_file:  # one output file the format writes and publishes itself
             if verify:

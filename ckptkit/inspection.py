@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.errors import CkptkitError
-from ckptkit.formats import detect_format
+from ckptkit.formats import detect_format, source_file_format
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.single_file import read_single_file
 from ckptkit.formats.tensor_info import TensorInfo
@@ -21,7 +21,7 @@ def inspect_path(path: str | Path, model_type: str | None = None, config: str | 
     p = Path(path)
     if not p.exists():
         raise CkptkitError(f"{p}: no such file or directory")
-    if p.is_dir():
+    if p.is_dir() or source_file_format(p) is not None:  # a checkpoint, folder or one file (GGUF)
         return _inspect_dir(p, model_type, None if config is None else Path(config))
     single = read_single_file(p)  # a weight file or an index: which ones, the format knows
     return _describe(single.format, None, single.files, single.infos, {i.name: i for i in single.infos})
@@ -50,13 +50,16 @@ def _inspect_dir(root: Path, model_type: str | None, config: Path | None) -> dic
     try:
         with open_checkpoint(root, fmt, model_type, config) as ckpt:
             raw = ckpt.raw
-            return _with_ignored(_describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos), raw)
+            info = _describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos)
+            return reader.describe(raw, _with_ignored(info, raw))
     except CkptkitError as e:
         if "model type" not in str(e) and "model_type" not in str(e) and "which Llama" not in str(e):
             raise
     raw = reader.open_with_config(root, config)  # an unknown model: still list what is there
     try:
-        return _with_ignored(_describe(fmt, None, list(raw.files), _per_file(raw), raw.infos), raw)
+        return reader.describe(
+            raw, _with_ignored(_describe(fmt, None, list(raw.files), _per_file(raw), raw.infos), raw)
+        )
     finally:
         raw.close()
 

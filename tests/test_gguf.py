@@ -98,7 +98,7 @@ def test_q8_0_bytes_are_the_gguf_package_quantization_in_chunks(monkeypatch: pyt
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    from ckptkit.formats import gguf as fmt
+    from ckptkit.formats.gguf import quants as fmt
 
     monkeypatch.setattr(fmt, "CHUNK_BYTES", 64 * 4 * 3)  # three rows at a time
     t = torch.randn(17, 64, generator=torch.Generator().manual_seed(0)) * 3
@@ -131,3 +131,27 @@ def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=r"ending in \.gguf"):
         convert(FIXTURES / "hf" / "llama2", tmp_path / "model.bin", "gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "F16", "F32", "Q8_0"])
+def test_a_bfloat16_tensor_gives_the_gguf_package_bytes_of_its_float32_cast(
+    qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every one of the 65536 bfloat16 bit patterns (NaNs, infinities, subnormals), cast a
+    chunk at a time (BF16: its own bytes, NaNs quieted) against the gguf package's
+    quantization of the whole float32 cast, as llama.cpp does it."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    from ckptkit.formats.gguf import quants as fmt
+
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 256 * 4 * 5)  # five rows at a time
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.int16).reshape(256, 256)
+    t = torch.from_numpy(bits).view(torch.bfloat16)
+    if qtype == "Q8_0":
+        t = torch.where(t.isfinite(), t, torch.zeros((), dtype=torch.bfloat16))  # NaN/inf blocks: numpy warns
+    kind = GGMLQuantizationType[qtype]
+    with np.errstate(all="ignore"):
+        whole = quants.quantize(t.to(torch.float32).numpy(), kind).tobytes()
+        assert b"".join(fmt.quantized_chunks(t, kind)) == whole

@@ -30,6 +30,7 @@ from ckptkit.formats.registry import (
     is_checkpoint_file,
     load_plugins,
     register,
+    source_file_format,
     torchtune_checkpointers,
     transformers_format,
     unregister,
@@ -38,7 +39,6 @@ from ckptkit.formats.sidecar import recorded_origin
 
 __all__ = [
     "REGISTRY", "CheckpointFormat", "detect_format", "file_format", "find_format", "format_names", "formats_read_by",
-    "get_format", "is_checkpoint_file", "load_plugins", "recorded_origin", "register", "torchtune_checkpointers",
-    "transformers_format",
-    "unregister",
+    "get_format", "is_checkpoint_file", "load_plugins", "recorded_origin", "register", "source_file_format",
+    "torchtune_checkpointers", "transformers_format", "unregister",
 ]  # fmt: skip

@@ -92,6 +92,9 @@ class RawCheckpoint:
         file_metadata: safetensors ``__metadata__`` per file (None for pickles).
         split_dims: Meta rank-split dim per tensor (None: replicated); empty otherwise.
         file_aliases: per pickle file, tensors stored as another tensor of it -> that tensor.
+        lossy: tensors read only approximately (native name -> stored type): quantized
+            tensors, dequantized to float32 on read; a conversion needs an explicit --dtype.
+        notes: what the format says about the conversion (a tokenizer it could not rebuild).
     """
 
     format: str
@@ -106,6 +109,13 @@ class RawCheckpoint:
     file_metadata: dict[str, dict[str, str] | None] = field(default_factory=dict)
     split_dims: dict[str, int | None] = field(default_factory=dict)
     file_aliases: dict[str, dict[str, str]] = field(default_factory=dict)
+    lossy: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def files_folder(self) -> Path | None:
+        """A folder the format made with the checkpoint's non-weight files (tokenizer,
+        generation config), or None: they lie beside the weights."""
+        return None
 
     def read(self, name: str) -> torch.Tensor:
         """One native tensor, materialised (Meta ranks concatenated)."""
@@ -180,6 +190,9 @@ class OpenedCheckpoint(Protocol):
 
     @property
     def origin(self) -> dict[str, Any]: ...
+
+    @property
+    def side_folder(self) -> Path: ...
 
 
 def read_json(path: Path) -> tuple[str, dict[str, Any]]:

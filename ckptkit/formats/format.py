@@ -57,6 +57,7 @@ class CheckpointFormat:
     # (``--shards N`` model-parallel ranks), or None (neither option applies).
     sharding: ClassVar[str | None] = None
     writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
+    reads_file: ClassVar[bool] = False  # SRC may be one file of this format (``detect`` is asked about files)
     extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
     aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
     torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
@@ -106,6 +107,11 @@ class CheckpointFormat:
         except CkptkitError:
             return False, False
         return True, True
+
+    def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
+        """What ``inspect`` prints of an opened checkpoint: ``info`` as built from the tensor
+        infos by default; a format may add its own metadata or stored types."""
+        return info
 
     def tokenizer_support(self, family: Family) -> str:
         """What a conversion into this format does with the tokenizer (support matrix)."""

@@ -181,7 +181,7 @@ class HFFormat(CheckpointFormat):
         cfg = ckpt.config
         recorded, from_hf = ckpt.origin.get("tokenizer"), holds_hf_files(ckpt)
         spec = ckpt.family.tokenizer
-        return tokenizer_for_hf(ckpt.path, spec, cfg.vocab_size, cfg.max_position_embeddings, recorded, from_hf)
+        return tokenizer_for_hf(ckpt.side_folder, spec, cfg.vocab_size, cfg.max_position_embeddings, recorded, from_hf)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         out: dict[str, str] = {}

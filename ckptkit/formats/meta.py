@@ -221,7 +221,7 @@ class MetaFormat(CheckpointFormat):
         return files, split
 
     def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
-        return tokenizer_for_meta(ckpt.path, ckpt.family.tokenizer, holds_hf_files(ckpt))
+        return tokenizer_for_meta(ckpt.side_folder, ckpt.family.tokenizer, holds_hf_files(ckpt))
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}

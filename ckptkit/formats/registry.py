@@ -95,11 +95,15 @@ def transformers_format() -> CheckpointFormat:
 
 
 def detect_format(root: Path) -> CheckpointFormat:
-    """The format of a checkpoint directory, or a one-line error."""
+    """The format of a checkpoint directory (or of a one-file checkpoint), or a one-line error."""
     if not root.exists():
         raise CkptkitError(f"{root}: no such file or directory")
     if not root.is_dir():
-        raise CkptkitError(f"{root}: expected a checkpoint directory")
+        found = source_file_format(root)
+        if found is not None:
+            return found
+        files = [f.expects for f in REGISTRY.values() if f.reads_file]
+        raise CkptkitError(f"{root}: expected a checkpoint directory" + "".join(f" or {e}" for e in files))
     for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
         if fmt.detect(root):
             return fmt
@@ -116,6 +120,15 @@ def detect_format(root: Path) -> CheckpointFormat:
             )
     names = list(dict.fromkeys(f.expects for f in REGISTRY.values()))
     raise CkptkitError(f"{root}: not a recognised checkpoint (expected {', '.join(names[:-1])}, or {names[-1]})")
+
+
+def source_file_format(path: Path) -> CheckpointFormat | None:
+    """The format of a checkpoint that is one file (GGUF), if some format reads ``path`` as one."""
+    if path.is_dir():
+        return None
+    return next(
+        (f for f in sorted(REGISTRY.values(), key=lambda f: f.detect_order) if f.reads_file and f.detect(path)), None
+    )
 
 
 def holds_hf_files(ckpt: OpenedCheckpoint) -> bool:

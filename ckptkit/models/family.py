@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
+from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.spec import Layout
 from ckptkit.models.tokenizer_spec import TokenizerSpec
 
@@ -45,6 +46,8 @@ class Family:
             rather than on the hidden dim (dim 1).
         tokenizer: how Meta's and HF's releases of the family hold its tokenizer (None:
             the family has no Meta release, its tokenizer files are carried as they are).
+        gguf: how llama.cpp's converter writes it (:mod:`ckptkit.models.gguf_spec`; None:
+            llama.cpp has no model class for it).
     """
 
     name: ClassVar[str]
@@ -53,6 +56,7 @@ class Family:
     meta_container: ClassVar[str | None] = None
     vocab_parallel: ClassVar[bool] = False
     tokenizer: ClassVar[TokenizerSpec | None] = None
+    gguf: ClassVar[GGUFSpec | None] = None
 
     # --- layouts -------------------------------------------------------------
     def hf_layout(self, cfg: ModelConfig) -> Layout:
@@ -65,6 +69,12 @@ class Family:
         """Tensors Meta's own checkpoints carry that the model does not use (generated, with
         ``raw`` bytes so that writing them needs no torch)."""
         return {}
+
+    def gguf_spec(self) -> GGUFSpec | None:
+        """The llama.cpp model class that converts this family (``gguf``, where its HF
+        architecture is one the spec lists), or None when llama.cpp has none."""
+        spec = self.gguf
+        return spec if spec is not None and self.hf_architecture in spec.hf_architectures else None
 
     # --- configs -------------------------------------------------------------
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:

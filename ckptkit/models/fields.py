@@ -179,7 +179,7 @@ def check_config_fields(file_name: str, config: dict[str, Any], where: object) -
             raise CkptkitError(f"{where}: field {key!r} must be {EXPECTED[check.__name__]}, not {shown}")
 
 
-LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")  # blk: GGUF
 
 
 def layers_in(names: list[str] | dict[str, Any]) -> int:

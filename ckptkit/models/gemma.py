@@ -7,6 +7,7 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
+from ckptkit.models.gguf_spec import GEMMA_GGUF
 from ckptkit.models.spec import Layout, hf_common_config, hf_common_fields, hf_llama_layout
 
 
@@ -14,6 +15,7 @@ class Gemma(Family):
     name = "gemma"
     hf_model_types = ("gemma",)
     hf_architecture = "GemmaForCausalLM"
+    gguf = GEMMA_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         return hf_llama_layout(cfg)

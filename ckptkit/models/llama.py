@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family, MetaSource
+from ckptkit.models.gguf_spec import LLAMA_GGUF
 from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
 from ckptkit.models.rope_freqs import rope_freqs_bytes
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout, rope_parameters
@@ -53,6 +54,7 @@ def meta_output_rule(cfg: ModelConfig) -> Rule:
 class Llama2(Family):
     name = "llama2"
     tokenizer = LLAMA2_TOKENIZER
+    gguf = LLAMA_GGUF
     hf_model_types = ("llama",)
     hf_architecture = "LlamaForCausalLM"
     meta_container = "pth"

@@ -7,6 +7,7 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
+from ckptkit.models.gguf_spec import PHI3_GGUF
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
 from ckptkit.tensors.transforms import FUSED
 
@@ -15,6 +16,7 @@ class Phi3(Family):
     name = "phi3"
     hf_model_types = ("phi3",)
     hf_architecture = "Phi3ForCausalLM"
+    gguf = PHI3_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         p = "model.layers.{i}."

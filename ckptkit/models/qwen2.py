@@ -6,6 +6,7 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
+from ckptkit.models.gguf_spec import QWEN2_GGUF
 from ckptkit.models.spec import Layout, hf_common_config, hf_common_fields, hf_llama_layout
 
 
@@ -13,6 +14,7 @@ class Qwen2(Family):
     name = "qwen2"
     hf_model_types = ("qwen2",)
     hf_architecture = "Qwen2ForCausalLM"
+    gguf = QWEN2_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         return hf_llama_layout(cfg, biases=True)

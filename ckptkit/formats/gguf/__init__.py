@@ -1,0 +1,258 @@
+"""GGUF, llama.cpp's one-file format: written as its ``convert_hf_to_gguf.py`` writes it, read back.
+
+Modules: ``reader`` (the header, as untrusted input), ``params`` (the ``<arch>.*`` keys both
+ways), ``vocab`` (the ``tokenizer.ggml.*`` keys written), ``tokenizer`` (tokenizer files
+rebuilt from them), ``tensors`` (names, order, types and transforms written), ``model``
+(family, config and layout read back), ``quants`` (Q8_0 written; Q8_0 and k-quants
+dequantized), ``writer`` (the streaming write). Which families llama.cpp converts, and how,
+is family data (:mod:`ckptkit.models.gguf_spec`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
+from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.gguf import model
+from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, read_header, summary
+from ckptkit.formats.gguf.tensors import GGUF_DTYPES
+from ckptkit.formats.registry import register
+from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import Span
+from ckptkit.untrusted import open_regular_file
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.models import Family, ModelConfig
+    from ckptkit.models.spec import Layout
+    from ckptkit.tensors.lazy import Lazy
+
+
+class GGUFTensors:
+    """Lazy reads of one GGUF's tensors: F32/F16/BF16 as stored (and as byte spans), Q8_0 and
+    k-quants dequantized to float32 a chunk of blocks at a time."""
+
+    def __init__(self, header: GGUFHeader) -> None:
+        self.header = header
+        self.path = header.path
+        self.stored = {t.name: t for t in header.tensors}
+        self.infos = {
+            t.name: TensorInfo(t.name, t.shape, PLAIN.get(t.kind, "float32"), header.path.name) for t in header.tensors
+        }
+        self._file: Any = None
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        import os
+
+        if self._file is None:
+            self._file = open_regular_file(self.path, buffering=0)
+        data = os.pread(self._file.fileno(), n, offset)
+        if len(data) != n:
+            raise CkptkitError(f"{self.path}: unexpected end of file (truncated while reading)")
+        return data
+
+    def read(self, name: str) -> torch.Tensor:
+        import torch
+
+        from ckptkit.formats.gguf.quants import DEQUANTIZE, dequantize_into
+        from ckptkit.tensors.dtypes import to_torch
+
+        t, info = self.stored[name], self.infos[name]
+        if t.kind in PLAIN:
+            data = bytearray(self._pread(t.offset, t.nbytes))
+            return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(info.dtype)).reshape(info.shape)
+        if t.kind not in DEQUANTIZE:
+            raise CkptkitError(
+                f"{self.path}: tensor {name!r} is {t.kind}; ckptkit dequantizes {', '.join(DEQUANTIZE)} "
+                "(and reads F32, F16, BF16)"
+            )
+        out = torch.empty(info.shape, dtype=torch.float32)
+        return dequantize_into(out, t.kind, lambda start, n: self._pread(t.offset + start, n))
+
+    def span(self, name: str) -> Span | None:
+        t = self.stored[name]
+        return Span(self.path, t.offset, t.nbytes) if t.kind in PLAIN else None
+
+    def sample(self, name: str, nbytes: int) -> bytes:
+        t = self.stored[name]
+        return self._pread(t.offset, min(nbytes, t.nbytes))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class GGUFCheckpoint(RawCheckpoint):
+    """A GGUF opened for reading: the file's tensors by GGUF name, config.json fields from its
+    metadata, and its tokenizer files rebuilt (on first use) into a temporary folder."""
+
+    header: GGUFHeader
+    unsure: str | None = None  # why the metadata gives no config.json
+    _side: Path | None = None
+
+    def files_folder(self) -> Path | None:
+        if self._side is None:
+            from ckptkit.formats.gguf.tokenizer import tokenizer_files
+
+            files, notes = tokenizer_files(self.header, self.config.get("max_position_embeddings"))
+            self.notes.extend(notes)
+            tmp = Path(tempfile.mkdtemp(prefix="ckptkit-gguf-"))
+            folder = tmp / "tokenizer"
+            folder.mkdir()
+            for name, data in files.items():
+                (folder / name).write_bytes(data)
+            self._side = folder
+        return self._side
+
+    def close(self) -> None:
+        super().close()
+        if self._side is not None:
+            shutil.rmtree(self._side.parent, ignore_errors=True)
+            self._side = None
+
+
+class GGUFFormat(CheckpointFormat):
+    """One ``.gguf`` file as llama.cpp writes it; as SRC or DST, a file path ending in ``.gguf``."""
+
+    name = "gguf"
+    expects = "a .gguf file"
+    detect_order = 5
+    weight_file = re.compile(r"[^/]+\.gguf")
+    layer_field = "block_count"
+    reads_file = True  # SRC is one file
+    writes_file = True  # DST is one file, not a folder
+    extra_dtypes = ("q8_0",)
+
+    # --- reading ------------------------------------------------------------------------
+    def detect(self, root: Path) -> bool:
+        return root.is_file() and root.suffix == ".gguf"
+
+    def owns_file(self, name: str) -> bool:
+        return name.endswith(".gguf")
+
+    def open(self, root: Path) -> RawCheckpoint:
+        if not self.detect(root):
+            raise CkptkitError(f"{root}: not a GGUF checkpoint (expected a file ending in .gguf)")
+        header = read_header(root)
+        tensors = GGUFTensors(header)
+        unsure = None
+        try:
+            config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
+        except CkptkitError as e:  # inspect still lists the tensors; family() says why
+            config, unsure = {}, str(e)
+        except BaseException:
+            tensors.close()
+            raise
+        raw = GGUFCheckpoint(
+            format=self.name,
+            root=root.parent,
+            files={root.name: [t.name for t in header.tensors]},
+            infos=dict(tensors.infos),
+            readers={root.name: tensors},
+            config_name=root.name,
+            config_text="",
+            config=config,
+            lossy={t.name: t.kind for t in header.tensors if t.kind not in PLAIN},
+        )
+        raw.header, raw.unsure = header, unsure
+        return raw
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        unsure = _opened(raw).unsure
+        if unsure is not None:
+            raise CkptkitError(f"cannot tell the model type: {unsure}")
+        return model.family_of(_header(raw), raw.config)
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        if not raw.config:
+            raise CkptkitError(f"{raw.root / raw.config_name}: no model type ckptkit knows; see inspect")
+        try:
+            return family.config_from_hf(raw.config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CkptkitError(f"{raw.root / raw.config_name}: metadata lacks or misstates {e}") from None
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return model.layout(family, cfg)
+
+    def canonical_view(
+        self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
+    ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
+        """The HF layout's canonical tensors; Gemma's ``1 + w`` norms undone exactly (or refused
+        when read); ``rope_freqs.weight`` is the config's rope scaling, not carried."""
+        from ckptkit.tensors.lazy import Lazy
+
+        tensors, unused = super().canonical_view(raw, family, cfg)
+        unused.pop(model.ROPE_FREQS, None)
+        where = raw.root / raw.config_name
+        for name in model.plus_one_norms(family, cfg) & set(tensors):
+            lazy = tensors[name]
+            get = functools.partial(_minus_one, lazy, name, where)
+            tensors[name] = Lazy(lazy.shape, "float32", get, lazy.file)
+        return tensors, unused
+
+    def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
+        return None
+
+    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
+        return {}  # never restored: written afresh, as llama.cpp writes it
+
+    def supports(self, family: Family) -> tuple[bool, bool]:
+        """Read and written for the model types llama.cpp's converter takes."""
+        spec = family.gguf_spec()
+        return spec is not None, spec is not None
+
+    def tokenizer_support(self, family: Family) -> str:
+        return "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
+
+    def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
+        """``inspect``: stored GGML types and bytes, the GGUF version and its key/values."""
+        header = _header(raw)
+        tensors = [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": PLAIN.get(t.kind, t.kind.lower()),
+                "file": raw.config_name,
+            }
+            for t in header.tensors
+        ]
+        return info | {
+            "total_bytes": sum(t.nbytes for t in header.tensors),
+            "tensors": tensors,
+            "gguf_version": header.version,
+            "metadata": summary(header),
+        }
+
+    # --- writing ------------------------------------------------------------------------
+    def write_file(self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool) -> int:
+        from ckptkit.formats.gguf.writer import write_gguf
+
+        if dtype is not None and dtype not in GGUF_DTYPES:
+            raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
+        return write_gguf(ckpt, dst, dtype, quiet, force)
+
+
+def _opened(raw: RawCheckpoint) -> GGUFCheckpoint:
+    if not isinstance(raw, GGUFCheckpoint):  # pragma: no cover - the format opens its own
+        raise TypeError(f"{raw.root}: not opened by the gguf format")
+    return raw
+
+
+def _header(raw: RawCheckpoint) -> GGUFHeader:
+    return _opened(raw).header
+
+
+def _minus_one(lazy: Lazy, name: str, where: Path) -> torch.Tensor:
+    return model.minus_one(lazy.get(), name, where)
+
+
+register(GGUFFormat())

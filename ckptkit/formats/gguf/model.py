@@ -1,0 +1,193 @@
+"""The model a GGUF holds, read back: its family, its config.json fields, its layout (GGUF
+tensor names, with the Q/K permutation undone), and Gemma's ``1 + w`` norms undone exactly.
+
+Everything comes from the header and the family's :class:`~ckptkit.models.gguf_spec.GGUFSpec`
+(read as llama.cpp wrote it): nothing here knows a family by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.params import hparams_from_metadata
+from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
+from ckptkit.formats.gguf.tensors import gguf_name, name_map, rope_freqs
+from ckptkit.models.fields import check_config_fields
+from ckptkit.models.gguf_spec import GGUFSpec
+from ckptkit.models.spec import Layout, Rule
+from ckptkit.tensors.transforms import COPY, ROPE_K, ROPE_Q
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.models import Family, ModelConfig
+
+ROPE_FREQS = "rope_freqs.weight"
+EMBEDDINGS, OUTPUT = "token_embd.weight", "output.weight"
+LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def candidates(arch: str) -> list[Family]:
+    """The families llama.cpp writes as ``arch``, in registry order."""
+    from ckptkit.models import REGISTRY
+
+    return [f for f in REGISTRY.values() if (spec := f.gguf_spec()) is not None and spec.arch == arch]
+
+
+def architecture(h: GGUFHeader) -> str:
+    arch = meta_str(h, "general.architecture")
+    if arch is None:
+        raise h.error("metadata lacks general.architecture")
+    return arch
+
+
+def _hf_model_type(h: GGUFHeader, families: list[Family]) -> Family:
+    """Among families sharing an architecture (Llama, Mistral), the one ``general.name`` or
+    ``general.basename`` names, else the first: the HF ``model_type`` to read the config as."""
+    named = " ".join(str(h.metadata.get(k, "")) for k in ("general.basename", "general.name")).lower()
+    for family in families[1:]:
+        if family.hf_model_types[0] != families[0].hf_model_types[0] and family.hf_model_types[0] in named:
+            return family
+    return families[0]
+
+
+def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
+    """config.json as the GGUF describes it (``{}`` for an architecture no family has);
+    ``read_rope_freqs()`` returns the stored ``rope_freqs.weight``."""
+    arch = architecture(h)
+    families = candidates(arch)
+    if not families:
+        return {}
+    family = _hf_model_type(h, families)
+    spec = family.gguf_spec()
+    assert spec is not None
+    out = hparams_from_metadata(h.metadata, arch)
+    shapes = {t.name: t.shape for t in h.tensors}
+    if "vocab_size" not in out and EMBEDDINGS in shapes:
+        out["vocab_size"] = shapes[EMBEDDINGS][0]
+    out.update(model_type=family.hf_model_types[0], architectures=[family.hf_architecture])
+    out["tie_word_embeddings"] = spec.drops_output or OUTPUT not in shapes
+    for what, field in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+        if (tid := meta_int(h, f"tokenizer.ggml.{what}_token_id")) is not None:
+            out[field] = tid
+    if spec.rope_freqs and ROPE_FREQS in shapes:
+        out["rope_parameters"] = _llama3_scaling(h, out, read_rope_freqs())
+        out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
+    check_config_fields("config.json", out, f"{h.path} (metadata as config.json)")
+    return out
+
+
+def _llama3_scaling(h: GGUFHeader, hparams: dict[str, Any], stored: torch.Tensor) -> dict[str, Any]:
+    """Llama 3 rope scaling whose factors llama.cpp computes as exactly ``stored``."""
+    import torch
+
+    factor = float(stored.max()) if stored.numel() else 0.0
+    settings = {**hparams.get("rope_parameters", {}), **LLAMA3_SCALING, "factor": factor}
+    settings["original_max_position_embeddings"] = 8192
+    made = rope_freqs({**hparams, "rope_parameters": settings})
+    if made is None or made.shape != stored.shape or not torch.equal(made, stored.to(torch.float32)):
+        raise h.error(
+            f"{ROPE_FREQS} holds rope factors that Llama 3 scaling (factor {factor:g}, low/high frequency "
+            "factors 1/4, original context 8192) does not give; config.json cannot state them"
+        )
+    return settings
+
+
+def family_of(h: GGUFHeader, config: dict[str, Any]) -> Family:
+    from ckptkit.models import detect_from_hf
+
+    if not config:
+        arch = architecture(h)
+        known = sorted({s.arch for f in _all() if (s := f.gguf_spec()) is not None})
+        raise CkptkitError(
+            f"{h.path}: llama.cpp architecture {arch!r} is no model type ckptkit reads ({', '.join(known)}); "
+            "pass --model-type to read it as one of them"
+        )
+    return detect_from_hf(config, str(h.path))
+
+
+def _all() -> list[Family]:
+    from ckptkit.models import REGISTRY
+
+    return list(REGISTRY.values())
+
+
+def spec_for(family: Family, where: object) -> GGUFSpec:
+    spec = family.gguf_spec()
+    if spec is None:
+        raise CkptkitError(f"{where}: llama.cpp has no GGUF architecture for model type {family.name}")
+    return spec
+
+
+def layout(family: Family, cfg: ModelConfig) -> Layout:
+    """The family's HF layout in GGUF tensor names; q/k rows in Meta's pair order where
+    llama.cpp permutes them (read back with the same rope transform as Meta's ``wq``/``wk``)."""
+    spec = spec_for(family, family.name)
+    hf = family.hf_layout(cfg)
+    tmap = name_map(spec, max(cfg.num_layers, 1))
+
+    def rename(rule: Rule, per_layer: bool) -> Rule | None:
+        probe = rule.native.format(i=0) if per_layer else rule.native
+        name = gguf_name(tmap, probe)
+        if name is None and rule.optional:  # Gemma's lm_head: llama.cpp never writes it
+            return None
+        if name is None:
+            raise CkptkitError(f"llama.cpp has no GGUF name for {family.name} tensor {probe!r}")
+        if per_layer:
+            name = name.replace("blk.0.", "blk.{i}.", 1)
+        kind = rule.kind
+        if spec.permute_qk and kind is COPY and probe.endswith(("q_proj.weight", "q_proj.bias")):
+            kind = ROPE_Q
+        elif spec.permute_qk and kind is COPY and probe.endswith(("k_proj.weight", "k_proj.bias")):
+            kind = ROPE_K
+        return replace(rule, native=name, kind=kind)
+
+    def renamed(rules: tuple[Rule, ...], per_layer: bool) -> tuple[Rule, ...]:
+        return tuple(r for r in (rename(rule, per_layer) for rule in rules) if r is not None)
+
+    return Layout(
+        head=renamed(hf.head, False),
+        layer=renamed(hf.layer, True),
+        tail=renamed(hf.tail, False),
+        unused=(r"rope_freqs\.weight",) if spec.rope_freqs else (),
+    )
+
+
+def plus_one_norms(family: Family, cfg: ModelConfig) -> set[str]:
+    """The canonical names of the norms a family's GGUF stores as ``1 + w``."""
+    spec = spec_for(family, family.name)
+    if not spec.norm_plus_one:
+        return set()
+    rules = family.hf_layout(cfg).expand(cfg.num_layers)
+    return {c for r in rules if r.native.endswith("norm.weight") for c in r.canonical}
+
+
+# The smallest |w| at which float32's 1 + w keeps every bit of a w stored in that dtype.
+_EXACT_FROM = {"bfloat16": 2.0**-16, "float16": 2.0**-13, "float32": 1.0}
+
+
+def minus_one(stored: torch.Tensor, name: str, where: object) -> torch.Tensor:
+    """``w`` from llama.cpp's float32 ``1 + w``, exactly, or a one-line refusal.
+
+    ``y - 1`` is computed exactly (in float64). It is the original ``w`` if ``w`` was held in
+    the narrowest of bfloat16, float16, float32 that holds every ``y - 1`` and was either 0 or
+    large enough that adding 1 in float32 dropped none of its bits; otherwise several ``w``
+    give the same ``y`` and the original cannot be told: refused. (A stored 1.0 reads as 0.)
+    """
+    import torch
+
+    y = stored.to(torch.float64)
+    w = y - 1
+    if not torch.equal(w.to(torch.float32).to(torch.float64), w):
+        raise CkptkitError(f"{where}: {name}: 1 + w is stored with bits that float32 w cannot hold; not a GGUF norm")
+    dtype = next(d for d in _EXACT_FROM if torch.equal(w.to(getattr(torch, d)).to(torch.float64), w))
+    small = (w != 0) & (w.abs() < _EXACT_FROM[dtype])
+    if bool(small.any()):
+        value = float(w[small].reshape(-1)[0])
+        raise CkptkitError(
+            f"{where}: {name}: llama.cpp stored these norm weights as 1 + w in float32, which rounds away the "
+            f"low bits of w as small as {value:.3g} ({dtype}); w cannot be recovered exactly, so it is not converted"
+        )
+    return w.to(torch.float32)

@@ -1,0 +1,168 @@
+"""The ``<arch>.*`` keys: written from config.json as llama.cpp's model classes write them,
+read back into config.json fields.
+
+A family's :class:`~ckptkit.models.gguf_spec.GGUFSpec` lists its keys in llama.cpp's order
+by the names of :data:`WRITERS`; a name ending in ``?`` is written only when config.json
+has the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+
+Writer = Callable[[Any, dict[str, Any], Any], None]  # (gguf.GGUFWriter, config.json, file type)
+
+
+def rope(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Rope settings of a config.json in either spelling, ``rope_theta`` and ``rope_type`` in."""
+    out = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
+    if "rope_theta" not in out and hparams.get("rope_theta") is not None:
+        out["rope_theta"] = hparams["rope_theta"]
+    if "rope_type" not in out and out.get("type") is not None:
+        out["rope_type"] = out["type"]
+    return out
+
+
+def _rope_scaling(w: Any, h: dict[str, Any], ftype: Any) -> None:
+    import gguf
+
+    settings = rope(h)
+    kind, factor = settings.get("rope_type"), settings.get("factor")
+    if kind == "linear" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(settings["original_max_position_embeddings"])
+    elif kind in ("su", "longrope"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+
+
+def _theta(h: dict[str, Any]) -> Any:
+    return rope(h).get("rope_theta")
+
+
+def _head_dim(w: Any, h: dict[str, Any]) -> None:
+    w.add_key_length(h["head_dim"])
+    w.add_value_length(h["head_dim"])
+
+
+def _partial_dims(h: dict[str, Any]) -> int:
+    return int(rope(h).get("partial_rotary_factor", 1.0) * h["hidden_size"]) // h["num_attention_heads"]
+
+
+def _original_context(h: dict[str, Any]) -> Any:
+    return rope(h).get("original_max_position_embeddings", h.get("original_max_position_embeddings"))
+
+
+WRITERS: dict[str, tuple[Writer, str | None]] = {
+    # name: (write, the config.json field whose absence skips a "name?" key)
+    "block_count": (lambda w, h, t: w.add_block_count(h["num_hidden_layers"]), None),
+    "context_length": (lambda w, h, t: w.add_context_length(h["max_position_embeddings"]), "max_position_embeddings"),
+    "embedding_length": (lambda w, h, t: w.add_embedding_length(h["hidden_size"]), None),
+    "feed_forward_length": (lambda w, h, t: w.add_feed_forward_length(h["intermediate_size"]), None),
+    "head_count": (lambda w, h, t: w.add_head_count(h["num_attention_heads"]), None),
+    "head_count_kv": (
+        lambda w, h, t: w.add_head_count_kv(h.get("num_key_value_heads", h["num_attention_heads"])),
+        "num_key_value_heads",
+    ),
+    "rope_scaling": (_rope_scaling, None),
+    "rope_freq_base": (lambda w, h, t: w.add_rope_freq_base(_theta(h)), "rope_theta"),
+    "layer_norm_rms_eps": (lambda w, h, t: w.add_layer_norm_rms_eps(h["rms_norm_eps"]), "rms_norm_eps"),
+    "head_dim": (lambda w, h, t: _head_dim(w, h), "head_dim"),
+    "file_type": (lambda w, h, t: w.add_file_type(t), None),
+    "vocab_size": (lambda w, h, t: w.add_vocab_size(h["vocab_size"]), None),
+    "rope_dimension_count": (
+        lambda w, h, t: w.add_rope_dimension_count(h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]),
+        None,
+    ),
+    "rope_partial_dimensions": (lambda w, h, t: w.add_rope_dimension_count(_partial_dims(h)), None),
+    "rope_original_context": (lambda w, h, t: w.add_rope_scaling_orig_ctx_len(_original_context(h)), None),
+    "sliding_window": (lambda w, h, t: w.add_sliding_window(h.get("sliding_window") or 0), None),
+}
+
+
+def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftype: Any) -> None:
+    """The keys ``names`` (a spec's ``parameters``) from config.json ``hparams``."""
+    for name in names:
+        write, field = WRITERS[name.rstrip("?")]
+        if (
+            name.endswith("?")
+            and field is not None
+            and (_theta(hparams) if field == "rope_theta" else hparams.get(field)) is None
+        ):
+            continue
+        write(w, hparams, ftype)
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+_FIELDS = {  # <arch>.KEY -> config.json field
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "vocab_size": "vocab_size",
+}
+
+
+def _int(kv: dict[str, Any], key: str) -> int | None:
+    value = kv.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CkptkitError(f"metadata {key} must be a positive integer, not {value!r}")
+    return value
+
+
+def hparams_from_metadata(kv: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The config.json fields the ``<arch>.*`` keys give (the inverse of :data:`WRITERS`)."""
+    out: dict[str, Any] = {}
+    for key, field in _FIELDS.items():
+        value = kv.get(f"{arch}.{key}")
+        if value is None:
+            continue
+        if field == "rms_norm_eps":
+            if not isinstance(value, float) or not 0 < value < 1:
+                raise CkptkitError(f"metadata {arch}.{key} must be a float in (0, 1), not {value!r}")
+            out[field] = value
+        else:
+            out[field] = _int(kv, f"{arch}.{key}")
+    if "num_hidden_layers" not in out or "hidden_size" not in out or "num_attention_heads" not in out:
+        raise CkptkitError(f"metadata lacks {arch}.block_count, {arch}.embedding_length or {arch}.attention.head_count")
+    rope_settings: dict[str, Any] = {"rope_type": "default"}
+    theta = kv.get(f"{arch}.rope.freq_base")
+    if theta is not None:
+        if not isinstance(theta, float) or not theta > 0:
+            raise CkptkitError(f"metadata {arch}.rope.freq_base must be a positive float, not {theta!r}")
+        rope_settings["rope_theta"] = theta
+    kind = kv.get(f"{arch}.rope.scaling.type")
+    factor = kv.get(f"{arch}.rope.scaling.factor")
+    if kind in ("linear", "yarn") and isinstance(factor, float):
+        rope_settings.update(rope_type=kind, factor=factor)
+        if kind == "yarn":
+            rope_settings["original_max_position_embeddings"] = _int(kv, f"{arch}.rope.scaling.original_context_length")
+    elif kind not in (None, "none"):
+        raise CkptkitError(f"metadata {arch}.rope.scaling.type {kind!r} is not supported for reading")
+    dims = _int(kv, f"{arch}.rope.dimension_count")
+    head_dim = out.get("head_dim") or out["hidden_size"] // out["num_attention_heads"]
+    if dims is not None and dims != head_dim:
+        rope_settings["partial_rotary_factor"] = dims * out["num_attention_heads"] / out["hidden_size"]
+    original = kv.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None and kind != "yarn":
+        out["original_max_position_embeddings"] = _int(kv, f"{arch}.rope.scaling.original_context_length")
+    window = kv.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        out["sliding_window"] = _int(kv, f"{arch}.attention.sliding_window") if window else None
+    out["rope_parameters"] = rope_settings
+    if "rope_theta" in rope_settings:
+        out["rope_theta"] = rope_settings["rope_theta"]
+    return out

@@ -1,0 +1,152 @@
+"""GGML block quantization: Q8_0 written as llama.cpp writes it, and Q8_0 / Q4_K / Q5_K /
+Q6_K read back (dequantized to float32), a block of rows at a time.
+
+Dequantization follows ggml's ``dequantize_row_*`` (the same float32 operations in the same
+order, so the values are those of the ``gguf`` package's reference, bit for bit), written
+with torch over whole rows of blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+CHUNK_BYTES = 16 << 20  # float32 bytes quantized, or stored bytes dequantized, at a time
+QK_K = 256
+
+
+def quantized_chunks(t: torch.Tensor, qtype: Any) -> Iterator[bytes]:
+    """The GGML bytes of ``t`` as llama.cpp makes them (anything but float16/float32 cast to
+    float32, then the ``gguf`` package's quantization), a block of whole rows at a time: row
+    blocks quantize independently and the cast is per element, so the bytes are those of
+    quantizing it whole. A bfloat16 tensor written as BF16 is its own bytes, NaNs quieted
+    as the package's rounding quiets them (no float32 copy, no rounding to do)."""
+    import gguf
+    import torch
+
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = t.reshape(-1, t.shape[-1])
+    step = max(1, CHUNK_BYTES // max(1, t.shape[-1] * 4))
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start : start + step].contiguous()
+        if chunk.dtype == torch.bfloat16 and qtype == gguf.GGMLQuantizationType.BF16:
+            yield bf16_bytes(chunk)
+            continue
+        if chunk.dtype not in (torch.float16, torch.float32):
+            chunk = chunk.to(torch.float32)
+        yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
+
+
+def bf16_bytes(t: torch.Tensor) -> bytes:
+    """A bfloat16 tensor's bytes as float32 -> BF16 rounding gives them: unchanged, except that
+    a NaN gets its quiet bit (0x0040) set."""
+    import numpy as np
+    import torch
+
+    bits = t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    nan = (bits & 0x7FFF) > 0x7F80
+    if nan.any():
+        bits = np.where(nan, bits | np.uint16(0x0040), bits)
+    return bytes(bits.tobytes())
+
+
+# --- dequantization ------------------------------------------------------------------------------
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian float16 from (n, 2) bytes, as float32."""
+    import torch
+
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    d = _f16(b[:, :2])
+    q = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    return q * d
+
+
+def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 8 six-bit scales and mins packed in 12 bytes."""
+    import torch
+
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc.to(torch.float32), mn.to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+    """Low then high nibbles of each ``group`` bytes: (n, k * group) -> (n, 2k, group)."""
+    import torch
+
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, group)
+    return torch.cat([q & 0x0F, q >> 4], dim=2).reshape(n, -1, group)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min(b[:, 4:16])
+    q = _nibbles(b[:, 16:144], 32).float()
+    return ((d * sc).reshape(n, 8, 1) * q - (dmin * mn).reshape(n, 8, 1)).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min(b[:, 4:16])
+    qh = b[:, 16:48].reshape(n, 1, 32)
+    high = torch.cat([(qh >> i) & 1 for i in range(8)], dim=1)
+    q = (_nibbles(b[:, 48:176], 32) | (high << 4)).float()
+    return ((d * sc).reshape(n, 8, 1) * q - (dmin * mn).reshape(n, 8, 1)).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    n = b.shape[0]
+    low = _nibbles(b[:, 0:128], 64).reshape(n, 8, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16).float()
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = _f16(b[:, 208:210])
+    return ((d * scales).reshape(n, 16, 1) * q).reshape(n, QK_K)
+
+
+# GGML type name -> (elements per block, bytes per block, dequantize (n, bytes) -> (n, elements))
+DEQUANTIZE: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_K": (QK_K, 144, _q4_k),
+    "Q5_K": (QK_K, 176, _q5_k),
+    "Q6_K": (QK_K, 210, _q6_k),
+}
+
+
+def dequantize_into(
+    out: torch.Tensor, kind: str, read: Callable[[int, int], bytes | bytearray | memoryview]
+) -> torch.Tensor:
+    """Fill float32 ``out`` from the ``kind`` blocks that ``read(offset, n)`` returns, a chunk
+    of whole blocks at a time (the stored bytes are never all in memory)."""
+    import torch
+
+    per_block, block_bytes, fn = DEQUANTIZE[kind]
+    flat = out.reshape(-1)
+    blocks = flat.numel() // per_block
+    step = max(1, CHUNK_BYTES // block_bytes)
+    for first in range(0, blocks, step):
+        n = min(step, blocks - first)
+        data = read(first * block_bytes, n * block_bytes)
+        b = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(n, block_bytes)
+        flat[first * per_block : (first + n) * per_block] = fn(b).reshape(-1)
+    return out

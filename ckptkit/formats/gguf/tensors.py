@@ -1,0 +1,208 @@
+"""The tensors of a GGUF as llama.cpp's converter names, orders, transforms and types them.
+
+The tensors come from the source as the HF layout names them (whatever the source's own
+format), in the order llama.cpp reads an HF folder (shard by shard, names sorted inside a
+safetensors shard); each is transformed as the family's
+:class:`~ckptkit.models.gguf_spec.GGUFSpec` says (Q/K permutation back to Meta's layout,
+Gemma's norm + 1) and given llama.cpp's GGML type for the file type.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.params import rope
+from ckptkit.models.gguf_spec import GGUFSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.formats.base import OpenedCheckpoint
+    from ckptkit.models.family import Family
+    from ckptkit.tensors.lazy import Lazy
+
+GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of the output: its name, llama.cpp's type for it, and how to make it."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: Any  # gguf.GGMLQuantizationType
+    make: Callable[[], torch.Tensor]  # transformed, in the stored dtype (or float32), not yet quantized
+
+    @property
+    def nbytes(self) -> int:
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape[:-1]) * (self.shape[-1] // block) * size
+
+
+def spec_of(family: Family, where: object) -> GGUFSpec:
+    spec = family.gguf_spec()
+    if spec is None:
+        raise CkptkitError(f"{where}: llama.cpp has no architecture for model type {family.name}")
+    return spec
+
+
+def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
+    """config.json as llama.cpp would read it: the source's own, or the one ckptkit writes for HF."""
+    if ckpt.raw.config_name == "config.json":
+        return dict(ckpt.raw.config)
+    weights = list(ckpt.tensors.values())
+    main = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
+    return ckpt.family.config_to_hf(ckpt.config, main)
+
+
+def _hf_order(ckpt: OpenedCheckpoint, names: list[str]) -> list[str]:
+    """The order llama.cpp reads an HF folder in; a source with no HF shards is one sorted shard."""
+    raw = ckpt.raw
+    wanted = set(names)
+    if raw.config_name == "config.json" and all(f.endswith((".safetensors", ".bin")) for f in raw.files):
+        order: list[str] = []
+        for f in sorted(raw.files):
+            keys = [k for k in raw.files[f] if k in wanted]
+            order += sorted(keys) if f.endswith(".safetensors") else keys
+        rest = [k for k in names if k not in set(order)]
+        return order + sorted(rest)
+    return sorted(names)
+
+
+def permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute``: HF's rotate-half rows back to Meta's pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_freqs(hparams: dict[str, Any]) -> torch.Tensor | None:
+    """llama.cpp's Llama 3 rope factors (``rope_freqs.weight``), computed as it computes them."""
+    import torch
+
+    settings = rope(hparams)
+    settings = settings.get("full_attention", settings)
+    if "rope_type" not in settings and settings.get("type") is not None:
+        settings = {**settings, "rope_type": settings["type"]}
+    if settings.get("rope_type", "").lower() != "llama3":
+        return None
+    base = settings.get("rope_theta", hparams.get("rope_theta", 10000.0))
+    dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = settings.get("factor", 8.0)
+    low, high = settings.get("low_freq_factor", 1.0), settings.get("high_freq_factor", 4.0)
+    old = settings.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def file_type(dtype: str | None, first_dtype: str) -> Any:
+    """``general.file_type`` for ``--dtype`` (None: llama.cpp's ``--outtype auto``)."""
+    import gguf
+
+    t = gguf.LlamaFileType
+    if dtype is None:
+        return t.MOSTLY_BF16 if first_dtype == "bfloat16" else t.MOSTLY_F16
+    return {"float32": t.ALL_F32, "float16": t.MOSTLY_F16, "bfloat16": t.MOSTLY_BF16, "q8_0": t.MOSTLY_Q8_0}[dtype]
+
+
+def qtype(name: str, shape: tuple[int, ...], ftype: Any) -> Any:
+    """The GGML type llama.cpp gives a tensor: 1-D, norms and non-weights F32, else the file type."""
+    import gguf
+
+    q, t = gguf.GGMLQuantizationType, gguf.LlamaFileType
+    if len(shape) <= 1 or name.endswith("_norm.weight") or name[-7:] not in (".weight", ".lora_a", ".lora_b"):
+        return q.F32
+    chosen = {t.ALL_F32: q.F32, t.MOSTLY_F16: q.F16, t.MOSTLY_BF16: q.BF16, t.MOSTLY_Q8_0: q.Q8_0}[ftype]
+    if chosen == q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0]:
+        return q.F16  # llama.cpp's fallback when the rows do not split into blocks
+    return chosen
+
+
+def name_map(spec: GGUFSpec, n_blocks: int) -> Any:
+    """The ``gguf`` package's HF name -> GGUF name map for ``spec``'s architecture."""
+    import gguf
+
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == spec.arch), None)
+    if arch is None:  # pragma: no cover - a spec naming an architecture the gguf package lacks
+        raise CkptkitError(f"the gguf package has no architecture {spec.arch!r}")
+    return gguf.get_tensor_name_map(arch, n_blocks)
+
+
+def gguf_name(tmap: Any, hf_name: str) -> str | None:
+    found: str | None = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    return found
+
+
+def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | None) -> tuple[list[GGUFTensor], Any]:
+    """The output tensors in llama.cpp's order, with the file type."""
+    import gguf
+
+    from ckptkit.formats.registry import get_format
+
+    spec = spec_of(ckpt.family, ckpt.path)
+    hf_targets, _ = get_format("hf").targets(ckpt, {}, with_optional=False)
+    names = [n for n in hf_targets if not n.endswith(".rotary_emb.inv_freq")]
+    if spec.drops_output:
+        names = [n for n in names if n != "lm_head.weight"]
+    order = _hf_order(ckpt, names)
+    ftype = file_type(dtype, hf_targets[order[0]].dtype if order else "float32")
+    tmap = name_map(spec, hparams["num_hidden_layers"])
+    n_head = hparams["num_attention_heads"]
+    n_kv = hparams.get("num_key_value_heads") or n_head
+    out: list[GGUFTensor] = []
+    freqs = rope_freqs(hparams) if spec.rope_freqs else None
+    if freqs is not None:
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        factors: torch.Tensor = freqs
+        out.append(GGUFTensor(name, tuple(factors.shape), gguf.GGMLQuantizationType.F32, lambda: factors))
+    for hf_name in order:
+        new = gguf_name(tmap, hf_name)
+        if new is None:
+            raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
+        lazy = hf_targets[hf_name]
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            transform = lambda w: permute(w, n_head, n_head)  # noqa: E731
+        elif spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            transform = lambda w: permute(w, n_head, n_kv)  # noqa: E731
+        plus_one = spec.norm_plus_one and hf_name.endswith("norm.weight")
+        if plus_one:
+            transform = lambda w: w + 1  # noqa: E731
+        out.append(GGUFTensor(new, lazy.shape, qtype(new, lazy.shape, ftype), _maker(lazy, transform, plus_one)))
+    return out, ftype
+
+
+def _maker(
+    lazy: Lazy, transform: Callable[[torch.Tensor], torch.Tensor] | None, arithmetic: bool
+) -> Callable[[], torch.Tensor]:
+    """The tensor as stored, transformed. llama.cpp casts anything but float16/float32 to
+    float32 before its transforms; a row permutation commutes with that cast, so it is done
+    in the stored dtype (the cast comes a chunk at a time, :func:`quantized_chunks`), and only
+    ``arithmetic`` transforms (Gemma's + 1) get the whole tensor in float32."""
+
+    def make() -> torch.Tensor:
+        import torch
+
+        t = lazy.get()
+        if arithmetic and t.dtype not in (torch.float16, torch.float32):
+            t = t.to(torch.float32)
+        return transform(t) if transform is not None else t
+
+    return make

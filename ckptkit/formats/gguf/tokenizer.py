@@ -1,0 +1,174 @@
+"""HF tokenizer files rebuilt from a GGUF's ``tokenizer.ggml.*`` metadata.
+
+A sentencepiece vocabulary (``tokenizer.ggml.model = llama``) becomes a ``tokenizer.model``
+(pieces, scores and types as stored; BPE with byte fallback and sentencepiece's dummy
+prefix as ``add_space_prefix`` says) and the ``tokenizer.json`` ckptkit's converters make
+from it; a byte-level BPE one (``gpt2``) becomes a ``tokenizer.json`` with the stored
+vocabulary and merges, split by the pre-tokenizer ``tokenizer.ggml.pre`` names (only the
+ones whose regex is known here: Llama 3's and Qwen2's). ``tokenizer_config.json``,
+``special_tokens_map.json`` and ``generation_config.json`` carry the special tokens,
+``add_bos``/``add_eos``, the chat template and llama.cpp's sampling keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ckptkit.errors import CkptkitError, note
+from ckptkit.formats.gguf.reader import GGUFHeader, meta_bool, meta_int, meta_list, meta_str
+from ckptkit.tokenization import spm_proto as spm
+from ckptkit.tokenization.bpe import bos_template
+from ckptkit.tokenization.tiktoken_bpe import LLAMA3_PATTERN
+
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (split regex, ignore_merges) of the official tokenizer.json
+PRE_TOKENIZERS = {"llama-bpe": (LLAMA3_PATTERN, True), "qwen2": (QWEN2_PATTERN, False)}
+# general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
+SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
+_PAD = re.compile(r"\[PAD\d+\]")
+NO_TOKENIZER = "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
+
+
+def _json(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _tokens(h: GGUFHeader) -> tuple[list[str], list[int]]:
+    tokens = meta_list(h, "tokenizer.ggml.tokens", str)
+    if not tokens:
+        raise h.error("tokenizer.ggml.tokens is missing or empty")
+    types = meta_list(h, "tokenizer.ggml.token_type", int) or [spm.NORMAL] * len(tokens)
+    if len(types) != len(tokens) or any(not spm.NORMAL <= t <= spm.BYTE for t in types):
+        raise h.error("tokenizer.ggml.token_type does not give a known type for each token")
+    return tokens, types
+
+
+def _special(h: GGUFHeader, tokens: list[str], what: str) -> int | None:
+    tid = meta_int(h, f"tokenizer.ggml.{what}_token_id")
+    if tid is not None and not 0 <= tid < len(tokens):
+        raise h.error(f"tokenizer.ggml.{what}_token_id {tid} is not a token id (there are {len(tokens)})")
+    return tid
+
+
+def sentencepiece_model(h: GGUFHeader) -> spm.SpmModel:
+    """The sentencepiece BPE model of a ``llama`` vocabulary; llama.cpp's ``[PAD{i}]`` fillers
+    at the end (ids past the model's pieces) dropped."""
+    tokens, types = _tokens(h)
+    scores = meta_list(h, "tokenizer.ggml.scores", (float, int)) or [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise h.error("tokenizer.ggml.scores and tokenizer.ggml.tokens differ in length")
+    n = len(tokens)
+    while n and types[n - 1] == spm.UNUSED and _PAD.fullmatch(tokens[n - 1]) and scores[n - 1] == -10000.0:
+        n -= 1
+    pieces = [spm.Piece(tokens[i], float(scores[i]), types[i]) for i in range(n)]
+    model = spm.SpmModel(pieces, spm.BPE, any(t == spm.BYTE for t in types[:n]), normalizer_name="identity")
+    model.remove_extra_whitespaces = False
+    model.add_dummy_prefix = meta_bool(h, "tokenizer.ggml.add_space_prefix") is not False
+    model.unk_id, model.bos_id, model.eos_id, model.pad_id = (
+        -1 if (tid := _special(h, tokens, what)) is None or tid >= n else tid
+        for what in ("unknown", "bos", "eos", "padding")
+    )
+    return model
+
+
+def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | None) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens, types = _tokens(h)
+    pre = meta_str(h, "tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        known = ", ".join(PRE_TOKENIZERS)
+        raise CkptkitError(f"{h.path}: byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known})")
+    pattern, ignore_merges = PRE_TOKENIZERS[pre or ""]
+    merges = [tuple(m.split(" ", 1)) for m in meta_list(h, "tokenizer.ggml.merges", str) or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens) or any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):
+        raise h.error("tokenizer.ggml.tokens repeats a token, or tokenizer.ggml.merges names a token it lacks")
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    kinds = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in kinds if k == spm.CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == spm.USER_DEFINED])
+    steps = [processors.ByteLevel(trim_offsets=False)]
+    if add_bos and bos is not None and bos_id is not None:
+        steps.append(bos_template(bos, bos_id))
+    tok.post_processor = processors.Sequence(steps)
+    return tok
+
+
+def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str, bytes], list[str]]:
+    """(file name -> content, notes): the HF tokenizer files (and a sentencepiece
+    ``tokenizer.model``) that the metadata describes; none, with a note, when it has no
+    tokenizer or one ckptkit cannot rebuild exactly."""
+    kind = meta_str(h, "tokenizer.ggml.model")
+    if kind is None or kind == "none":
+        return {}, [note("the GGUF holds no tokenizer: the output has none", NO_TOKENIZER)]
+    if kind not in ("llama", "gpt2"):
+        fact = f"tokenizer.ggml.model {kind!r} is not one ckptkit rebuilds (llama, gpt2): the output has none"
+        return {}, [note(fact, NO_TOKENIZER)]
+    tokens, _ = _tokens(h)
+    ids = {what: _special(h, tokens, what) for what in ("bos", "eos", "unknown", "padding")}
+    add_bos = meta_bool(h, "tokenizer.ggml.add_bos_token")
+    add_eos = meta_bool(h, "tokenizer.ggml.add_eos_token")
+    files: dict[str, bytes] = {}
+    if kind == "llama":
+        from ckptkit.tokenization.sentencepiece_bpe import build_tokenizer, unconvertible
+
+        model = sentencepiece_model(h)
+        why = unconvertible(model)
+        if why is not None:
+            fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({why})"
+            return {}, [note(fact, NO_TOKENIZER)]
+        add_bos = add_bos is not False
+        files["tokenizer.model"] = spm.write_spm_model(model)
+        tok = build_tokenizer(model, h.path, add_bos=add_bos)
+    else:
+        bos_id = ids["bos"]
+        tok = _bpe_tokenizer(h, bool(add_bos), tokens[bos_id] if bos_id is not None else None, bos_id)
+    named = {
+        f"{what}_token": tokens[tid]
+        for what, tid in (("bos", ids["bos"]), ("eos", ids["eos"]), ("unk", ids["unknown"]), ("pad", ids["padding"]))
+        if tid is not None
+    }
+    config: dict[str, Any] = {
+        **named,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if max_positions is not None:
+        config["model_max_length"] = max_positions
+    if add_bos is not None:
+        config["add_bos_token"] = add_bos
+    if add_eos is not None:
+        config["add_eos_token"] = add_eos
+    if (template := meta_str(h, "tokenizer.chat_template")) is not None:
+        config["chat_template"] = template
+    files["tokenizer.json"] = tok.to_str(pretty=True).encode("utf-8")
+    files["tokenizer_config.json"] = _json(config)
+    files["special_tokens_map.json"] = _json(named)
+    files["generation_config.json"] = _json(generation_config(h, ids))
+    return files, []
+
+
+def generation_config(h: GGUFHeader, ids: dict[str, int | None]) -> dict[str, Any]:
+    """``generation_config.json``: the special ids and llama.cpp's ``general.sampling.*`` keys."""
+    out: dict[str, Any] = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["padding"]}
+    out = {k: v for k, v in out.items() if v is not None}
+    for key, name in SAMPLING.items():
+        value = h.metadata.get(f"general.sampling.{key}")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value
+    if any(name in out for name in SAMPLING.values()):
+        out["do_sample"] = True
+    return out

@@ -1,0 +1,203 @@
+"""The ``tokenizer.ggml.*`` keys, as each llama.cpp model class's ``set_vocab`` writes them
+from an HF folder's tokenizer files."""
+
+from __future__ import annotations
+
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+
+# sha256 of str(ids of CHKTXT) -> tokenizer.ggml.pre, for the byte-level BPE tokenizers of
+# our families (llama.cpp's get_vocab_base_pre knows many more and refuses the rest)
+PRE_TOKENIZERS = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
+}
+CHKTXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) "
+    "✅ 🦙🦙 3 33 "
+    "333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you "
+    "sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
+
+
+def _look_special(token: str) -> bool:
+    """llama.cpp's ``does_token_look_special``."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<｜") and token.endswith("｜>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    from ckptkit.formats.base import read_json
+
+    return read_json(path)[1] if path.is_file() else {}
+
+
+def sentencepiece_vocab(
+    folder: Path, hparams: dict[str, Any], phi3: bool = False
+) -> tuple[list[bytes], list[float], list[int]]:
+    """llama.cpp's ``_create_vocab_sentencepiece`` (and Phi-3's variant), from ckptkit's
+    reader of the sentencepiece format."""
+    from ckptkit.tokenization import spm_proto as spm
+
+    path = folder / "tokenizer.model"
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    model = spm.read_spm_model(path)
+    n = len(model.pieces)
+    vocab_size = hparams.get("vocab_size") or n
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    types = [spm.UNUSED] * vocab_size
+    for i, piece in enumerate(model.pieces):
+        if i >= vocab_size:
+            break
+        kind = piece.type if piece.type in (spm.UNKNOWN, spm.CONTROL, spm.UNUSED, spm.BYTE) else spm.NORMAL
+        tokens[i], scores[i], types[i] = piece.text.encode(), piece.score, kind
+    for key, tid in _read_json(folder / "added_tokens.json").items():
+        if isinstance(tid, int) and tid < vocab_size:
+            tokens[tid], scores[tid], types[tid] = key.encode(), -1000.0, spm.USER_DEFINED
+    decoder = _read_json(folder / "tokenizer_config.json").get("added_tokens_decoder", {})
+    sources = [(int(k), v) for k, v in decoder.items()]
+    if phi3:
+        sources += [(int(v["id"]), v) for v in _read_json(folder / "tokenizer.json").get("added_tokens", [])]
+    for tid, data in sources:
+        if tid >= vocab_size:
+            continue
+        token: str = data["content"]
+        if phi3:
+            types[tid] = spm.CONTROL if data.get("special") else spm.USER_DEFINED
+        elif data.get("special") or _look_special(token):
+            types[tid] = spm.CONTROL
+        else:
+            token = token.replace("\u2581", " ")
+            types[tid] = spm.USER_DEFINED
+        scores[tid], tokens[tid] = -1000.0, token.encode()
+    return tokens, scores, types
+
+
+def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[int], str]:
+    """llama.cpp's ``get_vocab_base`` for byte-level BPE, with the ``tokenizers`` library."""
+    import gguf
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise CkptkitError(f"{folder}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer")
+    tok = Tokenizer.from_file(str(path))
+    ids = tok.encode(CHKTXT, add_special_tokens=True).ids
+    pre = PRE_TOKENIZERS.get(sha256(str(ids).encode()).hexdigest())
+    if pre is None:
+        raise CkptkitError(
+            f"{path}: llama.cpp does not recognise this BPE pre-tokenizer (its encoding of llama.cpp's probe "
+            "text matches no known tokenizer), so it cannot be written to GGUF"
+        )
+    vocab = tok.get_vocab(with_added_tokens=True)
+    vocab_size = hparams.get("vocab_size", len(vocab))
+    reverse = {i: t for t, i in vocab.items()}
+    added = {int(a["id"]): a for a in _read_json(path).get("added_tokens", [])}
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        if i in added:
+            info = added[i]
+            if not info.get("normalized", True) and not info.get("special"):
+                token = tok.decode(tok.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
+            if info.get("special") or _look_special(token):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    return tokens, types, pre
+
+
+def special_vocab(folder: Path, **kwargs: Any) -> Any:
+    """``gguf.SpecialVocab``, as the gguf-py that llama.cpp's converter vendors reads it: PyPI's
+    gguf 0.19 does not yet default ``add_bos``/``add_eos`` to False for a ByteLevel post-processor
+    (Llama 3), so ``tokenizer.ggml.add_eos_token`` would be missing."""
+    import gguf
+
+    special = gguf.SpecialVocab(folder, **kwargs)
+    post = (_read_json(folder / "tokenizer.json").get("post_processor") or {}) if kwargs.get("load_merges") else {}
+    processors = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    if any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in processors):
+        added = special.add_special_token
+        special.add_special_token = {"bos": added.get("bos", False), "eos": added.get("eos", False), **added}
+    return special
+
+
+def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> None:
+    """The ``tokenizer.ggml.*`` keys, as the ``set_vocab`` of a spec's ``vocab`` kind adds them."""
+    import gguf
+
+    config = _read_json(folder / "tokenizer_config.json")
+
+    def spm_keys(phi3: bool = False) -> int:
+        tokens, scores, types = sentencepiece_vocab(folder, hparams, phi3)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        return len(tokens)
+
+    def gpt2_keys() -> None:
+        tokens, types, pre = bpe_vocab(folder, hparams)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        special_vocab(folder, load_merges=True).add_to_gguf(w)
+
+    if kind == "llama":
+        if (prefix := config.get("add_prefix_space")) is not None:
+            w.add_add_space_prefix(prefix)
+        if (folder / "tokenizer.model").is_file():
+            gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
+        else:
+            try:
+                gguf.LlamaHfVocab(folder)
+            except (FileNotFoundError, TypeError):
+                gpt2_keys()
+            else:
+                raise CkptkitError(
+                    f"{folder}: a sentencepiece-style tokenizer.json without tokenizer.model is not supported"
+                )
+    elif kind == "gemma":
+        gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
+        special = gguf.SpecialVocab(
+            folder, load_merges=False, special_token_types=["prefix", "suffix", "middle", "fsep", "eot"]
+        )
+        for token, tid in (("prefix", 67), ("suffix", 69), ("middle", 68), ("fsep", 70), ("eot", 107)):
+            special._set_special_token(token, tid)
+        special.chat_template = None
+        special.add_to_gguf(w)
+        w.add_add_space_prefix(False)
+    elif kind == "phi3":
+        if config.get("tokenizer_class") == "GPT2Tokenizer":
+            gpt2_keys()
+        else:
+            gguf.SpecialVocab(folder, n_vocab=spm_keys(phi3=True)).add_to_gguf(w)
+    elif kind == "bpe_or_spm":  # qwen2
+        if (folder / "tokenizer.model").is_file():
+            gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
+        else:
+            gpt2_keys()
+    else:  # pragma: no cover - a spec naming a vocab kind this module lacks
+        raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")

@@ -1,0 +1,127 @@
+"""Writing a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes it, streamed.
+
+Header, key/value metadata and tensor infos are encoded by the ``gguf`` package's
+:class:`gguf.GGUFWriter` from shapes and types alone; tensor bytes are then written one
+tensor at a time (cast through float32 and quantized a block of rows at a time), never the
+whole model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.params import add_parameters
+from ckptkit.formats.gguf.quants import quantized_chunks
+from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors, spec_of
+from ckptkit.formats.gguf.vocab import add_vocab
+from ckptkit.io import publishing_file
+from ckptkit.untrusted import copy_regular_file
+
+if TYPE_CHECKING:
+    from ckptkit.formats.base import OpenedCheckpoint
+
+
+@contextmanager
+def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
+    """The tokenizer side of the source as an HF folder: the source itself when it is one,
+    else a temporary folder with what ``--to hf`` would write beside the weights."""
+    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir():
+        yield ckpt.path
+        return
+    from ckptkit.formats.registry import get_format
+
+    plan = get_format("hf").tokenizer(ckpt)
+    with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
+        folder = Path(tmp) / (ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem)
+        folder.mkdir()
+        extra = getattr(ckpt, "extra_files", None)
+        for src in extra() if extra is not None else []:
+            if src.name not in plan.skip:
+                copy_regular_file(src, folder / src.name)
+        for name, data in plan.files.items():
+            (folder / name).write_bytes(data)
+        ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
+        (folder / "config.json").write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
+        yield folder
+
+
+@contextmanager
+def quiet_gguf() -> Iterator[None]:
+    """The gguf package logs llama.cpp's conversion chatter as warnings; not ours to show."""
+    import logging
+
+    logger = logging.getLogger("gguf")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _model_name(ckpt: OpenedCheckpoint) -> str:
+    return ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem
+
+
+def write_gguf(ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool = True, force: bool = False) -> int:
+    """Write ``ckpt`` as the GGUF file ``dst``, as llama.cpp's converter would; returns its size.
+
+    Header, metadata and tensor infos come first, from shapes and types; then each tensor's
+    bytes. The file is written beside ``dst`` under a temporary name, fsynced, and renamed
+    into place: ``dst`` is complete or absent.
+    """
+    import gguf
+    import numpy as np
+
+    from ckptkit.progress import byte_progress
+
+    if dst.suffix != ".gguf":
+        raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
+    spec = spec_of(ckpt.family, ckpt.path)
+    hparams = hf_hparams(ckpt)
+    tensors, ftype = model_tensors(ckpt, hparams, dtype)
+    w = gguf.GGUFWriter(None, spec.arch)
+    for t in tensors:
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)  # shape as given
+    total, shared, expert, experts = w.get_total_parameter_count()
+    with hf_folder(ckpt, hparams) as folder, quiet_gguf():
+        w.add_type(gguf.GGUFType.MODEL)
+        meta = gguf.Metadata.load(None, folder, None, total)
+        if meta.name is None:
+            meta.name = _model_name(ckpt)
+        if meta.size_label is None and total > 0:
+            meta.size_label = gguf.size_label(total, shared, expert, experts)
+        meta.set_gguf_meta_model(w)
+        add_parameters(w, spec.parameters, hparams, ftype)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_vocab(w, spec.vocab, folder, hparams)
+    size = sum(t.nbytes for t in tensors)
+    with publishing_file(dst, force) as tmp:
+        w.write_header_to_file(path=tmp)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None
+        fout = w.fout[0]
+        try:
+            w.write_padding(fout, fout.tell())
+            with byte_progress("converting", size, quiet) as bar:
+                for t in tensors:
+                    written = 0
+                    for chunk in quantized_chunks(t.make(), t.qtype):
+                        fout.write(chunk)
+                        written += len(chunk)
+                    if written != t.nbytes:
+                        raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
+                    w.write_padding(fout, written)
+                    bar.advance(written)
+            fout.flush()
+        finally:
+            fout.close()
+            w.fout = None
+    return dst.stat().st_size

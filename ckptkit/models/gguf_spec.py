@@ -1,0 +1,94 @@
+"""How llama.cpp's ``convert_hf_to_gguf.py`` writes (and so reads back) a family: data that
+the ``gguf`` format interprets, so that a new family is a :class:`GGUFSpec` on its class,
+not an edit of the format.
+
+llama.cpp picks its model class by the HF ``architectures`` name; a family inherits its
+parent's spec only where its own HF architecture is one the spec lists (Mixtral and Qwen3
+subclass Llama and Qwen2 but are other llama.cpp models): :meth:`Family.gguf_spec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GGUFSpec:
+    """One llama.cpp model class.
+
+    Attributes:
+        arch: ``general.architecture`` (a name in the ``gguf`` package's ``MODEL_ARCH_NAMES``).
+        hf_architectures: the HF ``architectures`` values llama.cpp converts with this class.
+        parameters: the ``<arch>.*`` keys in the order its ``set_gguf_parameters`` adds
+            them, by the names :mod:`ckptkit.formats.gguf.params` defines (``?``: only when
+            config.json has the field).
+        vocab: its ``set_vocab``: ``llama`` (sentencepiece, else byte-level BPE), ``gemma``,
+            ``phi3`` or ``bpe_or_spm`` (Qwen2).
+        permute_qk: q/k rows go back to Meta's interleaved pairs (llama.cpp's ``permute``).
+        norm_plus_one: norms are stored as ``1 + w`` (Gemma).
+        drops_output: ``lm_head.weight`` is not written (Gemma always ties it).
+        rope_freqs: Llama 3 rope scaling is written as the ``rope_freqs.weight`` tensor.
+    """
+
+    arch: str
+    hf_architectures: tuple[str, ...]
+    parameters: tuple[str, ...]
+    vocab: str
+    permute_qk: bool = False
+    norm_plus_one: bool = False
+    drops_output: bool = False
+    rope_freqs: bool = False
+
+
+# llama.cpp's TextModel.set_gguf_parameters, the keys our families have
+_TEXT = (
+    "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
+    "rope_scaling", "rope_freq_base?", "layer_norm_rms_eps?", "head_dim?", "file_type",
+)  # fmt: skip
+
+LLAMA_GGUF = GGUFSpec(
+    "llama",
+    ("LlamaForCausalLM", "MistralForCausalLM"),
+    (*_TEXT, "vocab_size", "rope_dimension_count"),
+    "llama",
+    permute_qk=True,
+    rope_freqs=True,
+)
+GEMMA_GGUF = GGUFSpec(
+    "gemma",
+    ("GemmaForCausalLM",),
+    (
+        "context_length",
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "head_count",
+        "head_count_kv",
+        "layer_norm_rms_eps",
+        "head_dim",
+        "file_type",
+    ),  # fmt: skip
+    "gemma",
+    norm_plus_one=True,
+    drops_output=True,
+)
+PHI3_GGUF = GGUFSpec(
+    "phi3",
+    ("Phi3ForCausalLM",),
+    (
+        "context_length",
+        "rope_original_context",
+        "embedding_length",
+        "feed_forward_length",
+        "block_count",
+        "head_count",
+        "head_count_kv",
+        "layer_norm_rms_eps",
+        "rope_partial_dimensions",
+        "rope_freq_base",
+        "file_type",
+        "sliding_window",
+    ),  # fmt: skip
+    "phi3",
+)
+QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), _TEXT, "bpe_or_spm")
