@@ -260,7 +260,7 @@ def convert(
             if verify:
                 raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")
             check_destination(src, dst, force, folder=False)
-            written = fmt.write_file(ckpt, dst, dtype, quiet, force)
+            written = fmt.write_file(ckpt, dst, dtype, quiet, force, allow_lossy_cast)
             return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), list(ckpt.notes), written, {COMPUTED: written})
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)

@@ -61,8 +61,8 @@ def test_a_destination_under_a_regular_file_names_that_file(to: str, name: str, 
     assert (tmp_path / "afile").read_text() == "x"
 
 
-@pytest.mark.parametrize("to", ["hf", "meta"])
-def test_a_failed_conversion_leaves_no_folder_it_created(to: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("to", "name"), [("hf", "out"), ("meta", "out"), ("gguf", "model.gguf")])
+def test_a_failed_conversion_leaves_no_folder_it_created(to: str, name: str, tmp_path: Path) -> None:
     """The folders above DST that a conversion creates go again when it fails while
     writing (here: a value that overflows float16, found when its tensor is cast)."""
     from safetensors import safe_open
@@ -76,7 +76,7 @@ def test_a_failed_conversion_leaves_no_folder_it_created(to: str, tmp_path: Path
     tensors = load_file(last)
     tensors[sorted(tensors)[-1]].view(-1)[0] = 1e30
     save_file(tensors, last, metadata=metadata)
-    line = one_line(ckptkit("convert", src, tmp_path / "new" / "deeper" / "out", "--to", to, "--dtype", "float16"), 1)
+    line = one_line(ckptkit("convert", src, tmp_path / "new" / "deeper" / name, "--to", to, "--dtype", "float16"), 1)
     assert "overflow to inf" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 

@@ -167,9 +167,12 @@ class CheckpointFormat:
         }
 
     # --- writing --------------------------------------------------------------------
-    def write_file(self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool) -> int:
+    def write_file(
+        self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool, allow_lossy: bool = False
+    ) -> int:
         """For a format whose DST is one file (``writes_file``): write it, published
-        atomically, streamed; returns its size."""
+        atomically, streamed; returns its size. A ``dtype`` cast that overflows or flushes
+        a value is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
         raise NotImplementedError
 
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:

@@ -233,12 +233,14 @@ class GGUFFormat(CheckpointFormat):
         }
 
     # --- writing ------------------------------------------------------------------------
-    def write_file(self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool) -> int:
+    def write_file(
+        self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool, allow_lossy: bool = False
+    ) -> int:
         from ckptkit.formats.gguf.writer import write_gguf
 
         if dtype is not None and dtype not in GGUF_DTYPES:
             raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
-        return write_gguf(ckpt, dst, dtype, quiet, force)
+        return write_gguf(ckpt, dst, dtype, quiet, force, allow_lossy)
 
 
 def _opened(raw: RawCheckpoint) -> GGUFCheckpoint:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.tensors.casting import checked_cast
+
 if TYPE_CHECKING:
     import torch
 
@@ -18,24 +20,30 @@ CHUNK_BYTES = 16 << 20  # float32 bytes quantized, or stored bytes dequantized, 
 QK_K = 256
 
 
-def quantized_chunks(t: torch.Tensor, qtype: Any) -> Iterator[bytes]:
+def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None) -> Iterator[bytes]:
     """The GGML bytes of ``t`` as llama.cpp makes them (anything but float16/float32 cast to
     float32, then the ``gguf`` package's quantization), a block of whole rows at a time: row
     blocks quantize independently and the cast is per element, so the bytes are those of
     quantizing it whole. A bfloat16 tensor written as BF16 is its own bytes, NaNs quieted
-    as the package's rounding quiets them (no float32 copy, no rounding to do)."""
+    as the package's rounding quiets them (no float32 copy, no rounding to do). With
+    ``checked_as`` (the tensor's name), a cast to F16 / BF16 that overflows or flushes a
+    value is a one-line error naming it (:func:`~ckptkit.tensors.casting.checked_cast`)."""
     import gguf
     import torch
 
     if t.dim() == 0:
         t = t.reshape(1)
     rows = t.reshape(-1, t.shape[-1])
+    narrow = {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16}
     step = max(1, CHUNK_BYTES // max(1, t.shape[-1] * 4))
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step].contiguous()
         if chunk.dtype == torch.bfloat16 and qtype == gguf.GGMLQuantizationType.BF16:
             yield bf16_bytes(chunk)
             continue
+        target = narrow.get(qtype)
+        if checked_as is not None and target is not None and chunk.dtype != target:
+            checked_cast(chunk, target, checked_as, "", allow_lossy=False)
         if chunk.dtype not in (torch.float16, torch.float32):
             chunk = chunk.to(torch.float32)
         yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()

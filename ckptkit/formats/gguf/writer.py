@@ -69,7 +69,17 @@ def _model_name(ckpt: OpenedCheckpoint) -> str:
     return ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem
 
 
-def write_gguf(ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool = True, force: bool = False) -> int:
+NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
+
+
+def write_gguf(
+    ckpt: OpenedCheckpoint,
+    dst: Path,
+    dtype: str | None,
+    quiet: bool = True,
+    force: bool = False,
+    allow_lossy: bool = False,
+) -> int:
     """Write ``ckpt`` as the GGUF file ``dst``, as llama.cpp's converter would; returns its size.
 
     Header, metadata and tensor infos come first, from shapes and types; then each tensor's
@@ -113,7 +123,8 @@ def write_gguf(ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool
             with byte_progress("converting", size, quiet) as bar:
                 for t in tensors:
                     written = 0
-                    for chunk in quantized_chunks(t.make(), t.qtype):
+                    checked = dtype in NARROWING and not allow_lossy  # what --dtype asked for, checked
+                    for chunk in quantized_chunks(t.make(), t.qtype, t.name if checked else None):
                         fout.write(chunk)
                         written += len(chunk)
                     if written != t.nbytes:
