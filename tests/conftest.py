@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import struct
 import zipfile
 from pathlib import Path
@@ -74,6 +75,21 @@ def assert_same_layout(a: Path, b: Path) -> None:
         wa = json.loads(index.read_text())["weight_map"]
         wb = json.loads((b / index.name).read_text())["weight_map"]
         assert wa == wb, f"{index.name}: weight_map differs"
+
+
+FUZZ_SEED = "CKPTKIT_FUZZ_SEED"  # tests/test_fuzz.py's random run; set it to reproduce one
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Draw the fuzz seed once per session (before xdist starts its workers, which inherit it)."""
+    os.environ.setdefault(FUZZ_SEED, str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The seed, at the end of any session that ran the fuzz tests (shown with ``-q`` too)."""
+    reports = [r for group in terminalreporter.stats.values() for r in group]
+    if any("test_fuzz.py" in getattr(r, "nodeid", "") for r in reports):
+        terminalreporter.write_line(f"fuzz seed: {FUZZ_SEED}={os.environ[FUZZ_SEED]} (set it to reproduce test_fuzz.py)")
 
 
 @pytest.fixture(scope="session")
