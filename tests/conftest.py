@@ -89,7 +89,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The seed, at the end of any session that ran the fuzz tests (shown with ``-q`` too)."""
     reports = [r for group in terminalreporter.stats.values() for r in group]
     if any("test_fuzz.py" in getattr(r, "nodeid", "") for r in reports):
-        terminalreporter.write_line(f"fuzz seed: {FUZZ_SEED}={os.environ[FUZZ_SEED]} (set it to reproduce test_fuzz.py)")
+        seed = os.environ[FUZZ_SEED]
+        terminalreporter.write_line(f"fuzz seed: {FUZZ_SEED}={seed} (set it to reproduce test_fuzz.py)")
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,6 @@ ALIGN = directio.ALIGN
 FILL = 0xA5
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def direct_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of the tests' temporary filesystem (where every test here writes). Where

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptkit.errors import CkptkitError
-from ckptkit.train.generation import generate, generate_text
+from ckptkit.train.generation import generate_text
 from ckptkit.train.lora import apply_lora, lora_modules, merge_lora
 from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.peft_io import load_adapter, prepare_for_peft, save_adapter

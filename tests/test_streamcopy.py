@@ -237,4 +237,3 @@ def test_a_record_cut_short_after_opening_is_one_line(tmp_path: Path) -> None:
     os.truncate(tmp_path / "m.pth", span.offset + span.nbytes // 2)
     with pytest.raises(CkptkitError, match="cut short"):
         span.check.verifier.verify(span.check)
-
