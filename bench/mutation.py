@@ -30,38 +30,40 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from importlib.metadata import version
 from pathlib import Path
 
 from report import ROOT, reporting
 
-MODULES = {
-    "transforms": ["ckptkit/tensors/transforms.py"],
-    "readers/writers": [
-        "ckptkit/formats/safetensors_io.py",
-        "ckptkit/formats/torch_io.py",
-        "ckptkit/formats/torch_zip.py",
-    ],
-    "LoRA merge": ["ckptkit/train/lora.py"],
-    "training step": ["ckptkit/train/step.py"],
-}
-# The fast tests that prove these modules' behaviour (slow end-to-end runs excluded: -m "not slow").
-TESTS = [
-    "tests/test_transforms.py",
-    "tests/test_streamcopy.py",
-    "tests/test_fastpath.py",
-    "tests/test_roundtrip.py",
-    "tests/test_families.py",
-    "tests/test_meta_ffn.py",
-    "tests/test_rawcopy.py",
-    "tests/test_torch_zip.py",
-    "tests/test_formats.py",
-    "tests/test_layouts.py",
-    "tests/test_rope_freqs.py",
-    "tests/test_untrusted.py",
-    "tests/test_lora.py",
-    "tests/test_peft.py",
-    "tests/test_step.py",
-]
+ROUND_TRIPS = [  # one of each writer and layout: .pth ranks, .bin with a tied alias, stacked experts, fused
+    f"tests/test_roundtrip.py::test_round_trip_gives_back_every_file_byte_for_byte[{case}]"
+    for case in ("hf/llama2-meta", "hf/llama2-hf-bin", "meta/llama2-2rank-hf", "meta/llama2-2rank-meta",
+                 "hf-bin/qwen2-hf", "hf/mixtral-stacked-hf-bin", "meta/mixtral-2rank-hf", "hf/phi3-hf")
+]  # fmt: skip
+FORMATS = [  # test_formats.py without its subprocess and whole-CLI tests (seconds each)
+    f"tests/test_formats.py::{name}"
+    for name in ("test_safetensors_writer_is_byte_identical_to_the_library",
+                 "test_torch_writer_loads_with_torch_and_passes_zip_crc", "test_pickle_index_matches_torch_load",
+                 "test_max_shard_size_reshards_hf", "test_non_weight_files_are_carried", "test_inspect_single_files",
+                 "test_inspect_reads_no_tensor_data")
+]  # fmt: skip
+# Each group: the modules mutated and the fast tests that prove their behaviour. mutmut runs,
+# for each mutant, only those of the tests that reach the mutated function, fastest first.
+GROUPS: dict[str, tuple[list[str], list[str]]] = {
+    "transforms": (
+        ["ckptkit/tensors/transforms.py"],
+        ["tests/test_transforms.py", "tests/test_streamcopy.py", "tests/test_fastpath.py", "tests/test_meta_ffn.py",
+         "tests/test_families.py", *ROUND_TRIPS],
+    ),
+    "readers/writers": (
+        ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_zip.py"],
+        ["tests/test_torch_zip.py", "tests/test_rawcopy.py", "tests/test_untrusted.py", "tests/test_streamcopy.py",
+         "tests/test_layouts.py", "tests/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS,
+         *ROUND_TRIPS],
+    ),
+    "LoRA merge": (["ckptkit/train/lora.py"], ["tests/test_lora.py", "tests/test_peft.py"]),
+    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py"]),
+}  # fmt: skip
 STATUS = re.compile(r"^\s*(?P<name>\S+): (?P<status>.+)$")
 
 
@@ -110,13 +112,15 @@ def module_of(mutant: str, modules: list[str]) -> str:
     return "?"
 
 
-def mutate(work: Path, modules: list[str], tests_from: str | None, children: int) -> tuple[dict[str, str], float]:
+def mutate(
+    work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int
+) -> tuple[dict[str, str], float]:
     """One mutmut run over a fresh copy: each mutant's status, and the minutes it took."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     copy_tree(work, tests_from)
-    configure(work, modules, TESTS)
+    configure(work, modules, tests)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     start = time.monotonic()
     with (work / "mutmut.log").open("w") as log:
@@ -150,20 +154,28 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, help="where to copy the tree (default: a temporary folder)")
     parser.add_argument("--compare", metavar="REV", help="first the same mutants against REV's tests/")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
-    parser.add_argument("--only", choices=list(MODULES), action="append", help="one group (repeatable)")
+    parser.add_argument("--only", choices=list(GROUPS), action="append", help="one group (repeatable)")
     parser.add_argument("--survivors", type=Path, help="write every mutant this tree's tests leave alive here")
     args = parser.parse_args()
     if shutil.which("mutmut") is None:
         print("mutmut is not installed: pip install mutmut", file=sys.stderr)
         return 1
-    modules = [m for g in args.only or list(MODULES) for m in MODULES[g]]
+    groups = {g: GROUPS[g] for g in args.only or GROUPS}
+    modules = [m for mods, _ in groups.values() for m in mods]
     root = args.workdir or Path(tempfile.mkdtemp(prefix="ckptkit-mutation-"))
-    print(f"mutmut over {len(modules)} modules with {len(TESTS)} test files (-m 'not slow'), "
-          f"{args.max_children} mutant(s) at a time")  # fmt: skip
+    print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests "
+          f"(-m 'not slow'), {args.max_children} mutant(s) at a time")  # fmt: skip
     suites = ([(f"tests/ from {args.compare}", args.compare)] if args.compare else []) + [("this tree's tests/", None)]
     for label, rev in suites:
-        work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree")
-        results, minutes = mutate(work, modules, rev, args.max_children)
+        results: dict[str, str] = {}
+        where: dict[str, Path] = {}
+        minutes = 0.0
+        for group, (mods, tests) in groups.items():
+            work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree") / re.sub(r"\W", "_", group)
+            found, took = mutate(work, mods, tests, rev, args.max_children)
+            results.update(found)
+            where.update(dict.fromkeys(found, work))
+            minutes += took
         print()
         print(f"{label}: {minutes:.0f} min, load average {os.getloadavg()[0]:.1f}")
         print()
@@ -176,7 +188,7 @@ def main() -> int:
     if args.survivors:
         with args.survivors.open("w") as f:
             for name in alive:
-                diff = subprocess.run(["mutmut", "show", name], cwd=work, capture_output=True, text=True)
+                diff = subprocess.run(["mutmut", "show", name], cwd=where[name], capture_output=True, text=True)
                 f.write(f"## {name} ({results[name]})\n{diff.stdout}\n")
     return 0
 
