@@ -181,7 +181,9 @@ def test_apply_lora_defaults_are_q_and_v_rank_8_alpha_16() -> None:
     assert sorted(modules) == [f"layers.{i}.attn.{p}_proj" for i in (0, 1) for p in ("q", "v")]
     assert all(m.rank == 8 and m.scaling == 2.0 and isinstance(m.dropout, torch.nn.Identity) for m in modules.values())
     canonical = lora_modules(apply_lora(native_model("llama3"), ["q_proj", "w2"]))  # canonical leaf names too
-    assert set(canonical) == set(lora_modules(apply_lora(native_model("llama3"), ["q", "down"]))) and len(canonical) == 4
+    assert (
+        set(canonical) == set(lora_modules(apply_lora(native_model("llama3"), ["q", "down"]))) and len(canonical) == 4
+    )
 
 
 def test_lora_mistakes_are_one_line_errors_naming_the_module() -> None:
@@ -201,3 +203,27 @@ def test_lora_mistakes_are_one_line_errors_naming_the_module() -> None:
         add_lora(apply_lora(native_model("llama3"), ["q"]), {"layers.0.attn.q_proj": 2}, 4.0)
     with pytest.raises(CkptkitError, match=r"^layers.0.attn is not a linear layer; LoRA supports linear layers only$"):
         add_lora(native_model("llama3"), {"layers.0.attn": 2}, 4.0)
+
+
+def test_base_state_dict_merges_by_default_in_the_weights_dtype() -> None:
+    """bf16 weights: merged in float32, rounded once to bf16, as PEFT's merge then a cast gives."""
+    from ckptkit.train.lora import merged_weight
+
+    model = apply_lora(native_model("llama3", torch.bfloat16), ["q"], rank=4, alpha=8)
+    _randomize_b(model)
+    m = lora_modules(model)["layers.0.attn.q_proj"]
+    state = base_state_dict(model)
+    expected = (m.weight.float() + (m.lora_b.float() @ m.lora_a.float()) * 2.0).to(torch.bfloat16)
+    assert state["layers.0.attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(state["layers.0.attn.q_proj.weight"], expected)
+    assert torch.equal(merged_weight(m.weight, m.lora_a, m.lora_b, m.scaling), expected)
+    assert not any(k.endswith((".lora_a", ".lora_b")) for k in state)
+
+
+def test_a_model_that_is_not_ckptkit_s_is_named_in_one_line() -> None:
+    from ckptkit.train.lora import decoder_layers, model_config
+
+    with pytest.raises(CkptkitError, match=r"^Linear is not a ckptkit model \(no ModelConfig\)$"):
+        model_config(torch.nn.Linear(2, 2))
+    with pytest.raises(CkptkitError, match=r"^Linear is not a ckptkit model \(no decoder layers\)$"):
+        decoder_layers(torch.nn.Linear(2, 2))
