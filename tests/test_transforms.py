@@ -125,6 +125,13 @@ def test_new_kind_without_span_maps_goes_through_memory() -> None:
     w = torch.arange(6.0).reshape(2, 3)
     assert _bitwise(_Transpose().inverse(_Transpose().forward(w, None, [(3, 2)]), None), w)
 
+    class _ForwardOnly(Transform):  # half a kind (its inverse the identity's): still no span maps
+        def forward(self, native, cfg, shapes):
+            return [-native]
+
+    assert _ForwardOnly().forward_spans(spans, (2, 3), None, [(2, 3)]) == [None]
+    assert _ForwardOnly().inverse_spans([spans], [(2, 3)], None) is None
+
 
 # --- the span maps: the bytes the tensor transforms move, located in files -------------------
 
