@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import struct
 import zipfile
 from pathlib import Path
@@ -76,6 +77,22 @@ def assert_same_layout(a: Path, b: Path) -> None:
         assert wa == wb, f"{index.name}: weight_map differs"
 
 
+FUZZ_SEED = "CKPTKIT_FUZZ_SEED"  # tests/test_fuzz.py's random run; set it to reproduce one
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Draw the fuzz seed once per session (before xdist starts its workers, which inherit it)."""
+    os.environ.setdefault(FUZZ_SEED, str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The seed, at the end of any session that ran the fuzz tests (shown with ``-q`` too)."""
+    reports = [r for group in terminalreporter.stats.values() for r in group]
+    if any("test_fuzz.py" in getattr(r, "nodeid", "") for r in reports):
+        seed = os.environ[FUZZ_SEED]
+        terminalreporter.write_line(f"fuzz seed: {FUZZ_SEED}={seed} (set it to reproduce test_fuzz.py)")
+
+
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
     return FIXTURES
@@ -112,16 +129,19 @@ def assert_same_files(a: Path, b: Path) -> None:
 
 
 def direct_supported(folder: Path) -> bool:
-    """Whether files in ``folder`` open with ``O_DIRECT`` (tmpfs before Linux 6.6 refuses)."""
-    from ckptkit.io.direct import open_direct
-
+    """Whether files in ``folder`` open with ``O_DIRECT`` (tmpfs before Linux 6.6 refuses):
+    a plain ``os.open``, independent of ckptkit's own probe."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
     probe = folder / f".direct-probe-{os.getpid()}"
     probe.touch()
     try:
-        fd = open_direct(probe)
-        if fd is not None:
-            os.close(fd)
-        return fd is not None
+        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    else:
+        os.close(fd)
+        return True
     finally:
         probe.unlink()
 

@@ -52,10 +52,28 @@ def test_allow_lossy_cast_writes_what_torch_casts(tmp_path: Path) -> None:
 
 
 def test_exact_casts_need_no_flag(tmp_path: Path) -> None:
-    """bf16 -> fp32 is exact; bf16 -> fp16 only rounds (no overflow, no flush) for ordinary weights."""
+    """bf16 -> fp32 is exact; bf16 -> fp16 only rounds (no overflow, no flush) for ordinary
+    weights: both run without the flag and write what torch's cast gives, read back by
+    safetensors and torch.load (Meta's q/k rows are permuted: compared as sorted values)."""
     src = _hf_with(tmp_path / "src", [0.5, -2.0, 1e-3])
+    source = load_file(src / "model.safetensors")
     convert(src, tmp_path / "f32", "hf", dtype="float32", verify=True)
+    f32 = load_file(tmp_path / "f32" / "model.safetensors")
+    assert f32.keys() == source.keys()
+    for k, v in source.items():
+        assert f32[k].dtype == torch.float32 and torch.equal(f32[k], v.float()), k
+        assert torch.equal(f32[k].to(torch.bfloat16).view(torch.int16), v.view(torch.int16)), k  # lossless
+    assert f32[PROBE].view(-1)[:3].tolist() == [0.5, -2.0, torch.tensor(1e-3, dtype=torch.bfloat16).item()]
     convert(src, tmp_path / "f16", "meta", dtype="float16", verify=True)
+    meta = torch.load(tmp_path / "f16" / "consolidated.00.pth", weights_only=True)
+    assert {t.dtype for t in meta.values()} == {torch.float16}
+    assert meta["layers.0.feed_forward.w2.weight"].equal(source[PROBE].to(torch.float16))  # down_proj: not permuted
+
+    def values(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        return tuple(t.shape), tuple(sorted(t.flatten().tolist()))
+
+    cast = {values(v.to(torch.float16)) for v in source.values()}  # the output ties to the embeddings
+    assert {values(t) for k, t in meta.items() if k != "rope.freqs"} == cast  # Meta adds its rope.freqs
 
 
 def test_cli_verify_after_cast_says_what_it_verified(tmp_path: Path) -> None:

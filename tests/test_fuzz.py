@@ -9,10 +9,16 @@ checkpoint goes through ``inspect``, ``convert`` (to another format, and back to
 and, when the conversion succeeded, ``verify SRC DST``, all through the CLI entry point
 in this process. Every run must end in exit 0, or exit 1 with exactly one line on stderr;
 never a traceback, a hang (30 s alarm) or any other exit. The source is never modified,
-and nothing is left beside DST. A successful conversion must verify equal to its source.
+and nothing is left beside DST. A successful conversion must verify equal to its source,
+its weight files must load with the safetensors library / ``torch.load(weights_only=True)``,
+and a conversion to the source's own format must hold, read that way, what the source
+holds read that way (where those libraries can read the mutated source at all).
 
-Examples per run: ``CKPTKIT_FUZZ_EXAMPLES`` (default 60, about a minute on 2 cores); for a
-long run, e.g. ``CKPTKIT_FUZZ_EXAMPLES=5000 python -m pytest tests/test_fuzz.py``.
+Two runs: a fixed regression set (derandomized, ``CKPTKIT_FUZZ_EXAMPLES``, default 60, about
+a minute on 2 cores) and a random one seeded by ``CKPTKIT_FUZZ_SEED`` (``CKPTKIT_FUZZ_RANDOM_EXAMPLES``,
+default 30): the seed is drawn anew for each session unless set, shown in pytest's header
+and in any failure, and setting it reproduces the run. For a long run, e.g.
+``CKPTKIT_FUZZ_RANDOM_EXAMPLES=5000 python -m pytest tests/test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -27,16 +33,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ckptkit.cli import app
 from ckptkit.convert import convert
 
-from conftest import FIXTURES, tree_hashes
+from conftest import FIXTURES, FUZZ_SEED, raw_layout, tree_hashes
 
 EXAMPLES = int(os.environ.get("CKPTKIT_FUZZ_EXAMPLES", "60"))
+RANDOM_EXAMPLES = int(os.environ.get("CKPTKIT_FUZZ_RANDOM_EXAMPLES", "30"))
+SEED = int(os.environ.get(FUZZ_SEED, "0"))  # conftest draws one per session when unset
 OTHER = {"hf": "meta", "hf-bin": "hf", "meta": "hf", "internal": "hf-bin"}
 
 
@@ -189,24 +199,37 @@ def beside(dst: Path) -> list[str]:
     return sorted(p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}."))
 
 
-def convert_and_check(src: Path, dst: Path, to: str, extra: tuple[str, ...] = ()) -> None:
-    code, _ = run("convert", str(src), str(dst), "--to", to, "--quiet", *extra)
+def library_layout(folder: Path) -> dict | None:
+    """:func:`conftest.raw_layout` (safetensors library, ``torch.load(weights_only=True)``),
+    or None where those libraries refuse the files."""
+    try:
+        return raw_layout(folder)
+    except Exception:  # noqa: BLE001 - any refusal of a mutated file by the libraries
+        return None
+
+
+def convert_and_check(src: Path, dst: Path, to: str, same_format: bool) -> None:
+    code, _ = run("convert", str(src), str(dst), "--to", to, "--quiet")
     assert not beside(dst), beside(dst)
     if code == 1:
         assert not dst.exists(), "a failed conversion left DST"
         return
     code, err = run("verify", str(src), str(dst))
     assert code == 0, f"converted but does not verify equal to its source: {err}"
+    written = raw_layout(dst)  # loads with safetensors / torch.load, or the test fails
+    assert written, "no weight file written"
+    source = library_layout(src)
+    if same_format and source is not None:
+        assert list(written) == list(source), "weight file names differ from the source's"
+        for name, tensors in source.items():
+            ours = written[name]
+            assert [k for k, _ in ours] == [k for k, _ in tensors], f"{name}: names or order differ"
+            for (k, a), (_, b) in zip(tensors, ours, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape, f"{name}:{k}: dtype or shape differs"
+                assert a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8)), k
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=os.environ.get("CKPTKIT_FUZZ_RANDOM") is None,
-    suppress_health_check=list(HealthCheck),
-)
-@given(data=st.data())
-def test_mutated_checkpoints(seeds: list[Seed], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+def fuzz_one(seeds: list[Seed], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, where: str) -> None:
     seed = data.draw(st.sampled_from(seeds))
     work = tmp_path_factory.mktemp("fuzz")
     src = work / "src"
@@ -214,13 +237,33 @@ def test_mutated_checkpoints(seeds: list[Seed], tmp_path_factory: pytest.TempPat
     files = sorted(p for p in src.iterdir() if p.suffix in (".json", ".safetensors", ".bin", ".pth"))
     target = data.draw(st.sampled_from(files))
     how = mutate_json(target, data) if target.suffix == ".json" else mutate_bytes(target, data)
-    note = f"{seed.path.name}/{target.name}: {how}"
+    note = f"{where}: {seed.path.name}/{target.name}: {how}"
     before = tree_hashes(src)
     try:
         run("inspect", str(src), "--json")
-        convert_and_check(src, work / "out", OTHER[seed.fmt])
-        convert_and_check(src, work / "same", seed.fmt)
+        convert_and_check(src, work / "out", OTHER[seed.fmt], same_format=False)
+        convert_and_check(src, work / "same", seed.fmt, same_format=True)
     except AssertionError as e:
         raise AssertionError(f"{note}\n{e}") from None
     assert tree_hashes(src) == before, f"{note}: the source changed"
     shutil.rmtree(work)
+
+
+SETTINGS = {"deadline": None, "suppress_health_check": list(HealthCheck)}
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, **SETTINGS)
+@given(data=st.data())
+def test_mutated_checkpoints(seeds: list[Seed], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """The fixed regression set: the same examples every run."""
+    fuzz_one(seeds, tmp_path_factory, data, "fixed set")
+
+
+@hypothesis_seed(SEED)
+@settings(max_examples=RANDOM_EXAMPLES, derandomize=False, database=None, **SETTINGS)
+@given(data=st.data())
+def test_mutated_checkpoints_from_a_random_seed(
+    seeds: list[Seed], tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    """New examples each session; reproduce a failure with the seed its message names."""
+    fuzz_one(seeds, tmp_path_factory, data, f"{FUZZ_SEED}={SEED}")

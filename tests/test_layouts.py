@@ -50,18 +50,26 @@ def test_single_shard_with_index_round_trips_exactly(single_shard_with_index: Pa
 
 
 def test_single_shard_with_index_survives_save_like(single_shard_with_index: Path, tmp_path: Path) -> None:
-    """What the trainer's checkpointer does: the same layout, index included."""
+    """What the trainer's checkpointer does: the same layout, index included, holding the
+    values given (float32 here) cast to the source's bfloat16 as torch casts them."""
     from safetensors.torch import load_file
 
     from ckptkit.checkpoint import open_checkpoint
 
+    def changed(t: torch.Tensor) -> torch.Tensor:  # elementwise: commutes with any row permutation
+        return t.float() * 3 - 0.25
+
     with open_checkpoint(single_shard_with_index) as ckpt:
-        state = {k: v.get() for k, v in ckpt.tensors.items()}
+        state = {k: changed(v.get()) for k, v in ckpt.tensors.items()}
     save_checkpoint_like(single_shard_with_index, state, tmp_path / "step")
     assert (tmp_path / "step" / "model.safetensors.index.json").read_bytes() == (
         single_shard_with_index / "model.safetensors.index.json"
     ).read_bytes()
-    assert load_file(tmp_path / "step" / SHARD).keys() == load_file(single_shard_with_index / SHARD).keys()
+    assert sorted(p.name for p in (tmp_path / "step").glob("*.safetensors")) == [SHARD]
+    source, written = (load_file(d / SHARD) for d in (single_shard_with_index, tmp_path / "step"))
+    assert list(written) == list(source)
+    for k, v in source.items():
+        assert written[k].dtype == v.dtype and torch.equal(written[k], changed(v).to(v.dtype)), k
 
 
 @pytest.mark.parametrize("via", ["hf", "internal"])

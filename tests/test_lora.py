@@ -140,3 +140,90 @@ def test_lora_state_dict_has_only_adapter_tensors() -> None:
     assert keys == {
         f"layers.{i}.{m}.{ab}" for i in range(2) for m in ("attn.q_proj", "mlp.w2") for ab in ("lora_a", "lora_b")
     }
+
+
+@pytest.mark.parametrize(
+    ("dtype", "adapter"),
+    [(torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float16, torch.float32),
+     (torch.bfloat16, torch.float32)],
+)  # fmt: skip
+def test_a_wrapped_linear_is_that_linear_until_b_moves(dtype: torch.dtype, adapter: torch.dtype) -> None:
+    """The wrapper shares the linear's weight and bias (frozen), adds trainable A (r, in) and
+    B (out, r) in float32 for half-precision bases and the base's dtype otherwise, no dropout
+    unless asked, and gives the linear's exact output while B is zero."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 5, bias=True, dtype=dtype)
+    lora = LoRALinear.from_linear(linear, rank=2, alpha=4)
+    assert lora.weight.data_ptr() == linear.weight.data_ptr() and lora.bias.data_ptr() == linear.bias.data_ptr()
+    assert not lora.weight.requires_grad and not lora.bias.requires_grad
+    assert lora.lora_a.requires_grad and lora.lora_b.requires_grad
+    assert (lora.lora_a.dtype, lora.lora_b.dtype) == (adapter, adapter)
+    assert lora.lora_a.shape == (2, 6) and lora.lora_b.shape == (5, 2) and not lora.lora_b.any()
+    assert isinstance(lora.dropout, torch.nn.Identity) and lora.merged is False and lora.scaling == 2.0
+    x = torch.randn(3, 6).to(dtype)
+    assert torch.equal(lora.train()(x), linear(x))
+
+
+def test_lora_linear_built_directly() -> None:
+    plain = LoRALinear(6, 5, rank=1, alpha=3)
+    assert plain.bias is None and not plain.weight.requires_grad and plain.lora_a.dtype == torch.float32
+    assert isinstance(plain.dropout, torch.nn.Identity) and plain.scaling == 3.0 and plain.merged is False
+    wide = LoRALinear(6, 5, rank=4, alpha=8, dropout=0.25, bias=True, use_rslora=True, dtype=torch.float64)
+    assert wide.weight.dtype == wide.lora_b.dtype == torch.float64 and not wide.bias.requires_grad
+    assert isinstance(wide.dropout, torch.nn.Dropout) and wide.dropout.p == 0.25 and wide.scaling == 4.0  # 8 / sqrt 4
+    with pytest.raises(CkptkitError, match=r"^LoRA rank must be positive, got 0$"):
+        LoRALinear(6, 5, rank=0, alpha=8)
+
+
+def test_apply_lora_defaults_are_q_and_v_rank_8_alpha_16() -> None:
+    model = apply_lora(native_model("llama3"))
+    modules = lora_modules(model)
+    assert sorted(modules) == [f"layers.{i}.attn.{p}_proj" for i in (0, 1) for p in ("q", "v")]
+    assert all(m.rank == 8 and m.scaling == 2.0 and isinstance(m.dropout, torch.nn.Identity) for m in modules.values())
+    canonical = lora_modules(apply_lora(native_model("llama3"), ["q_proj", "w2"]))  # canonical leaf names too
+    assert (
+        set(canonical) == set(lora_modules(apply_lora(native_model("llama3"), ["q", "down"]))) and len(canonical) == 4
+    )
+
+
+def test_lora_mistakes_are_one_line_errors_naming_the_module() -> None:
+    from ckptkit.train.lora import add_lora
+
+    with pytest.raises(
+        CkptkitError, match=r"^unknown LoRA target 'qkv'; choose from q, k, v, o, gate, up, down, output, experts, router$"
+    ):
+        apply_lora(native_model("llama3"), ["qkv"])
+    with pytest.raises(CkptkitError, match=r"^LoRA on the output projection is not supported for tied embeddings$"):
+        apply_lora(native_model("qwen2"), ["output"])
+    with pytest.raises(CkptkitError, match=r"^no module matches LoRA targets \['q_proj', 'w2'\]$"):
+        apply_lora(native_model("llama3"), ["q", "down"], layers=[7])
+    with pytest.raises(CkptkitError, match=r"^model has no module 'layers.9.attn.q_proj' to put a LoRA adapter on$"):
+        add_lora(native_model("llama3"), {"layers.9.attn.q_proj": 2}, 4.0)
+    with pytest.raises(CkptkitError, match=r"^layers.0.attn.q_proj already has a LoRA adapter$"):
+        add_lora(apply_lora(native_model("llama3"), ["q"]), {"layers.0.attn.q_proj": 2}, 4.0)
+    with pytest.raises(CkptkitError, match=r"^layers.0.attn is not a linear layer; LoRA supports linear layers only$"):
+        add_lora(native_model("llama3"), {"layers.0.attn": 2}, 4.0)
+
+
+def test_base_state_dict_merges_by_default_in_the_weights_dtype() -> None:
+    """bf16 weights: merged in float32, rounded once to bf16, as PEFT's merge then a cast gives."""
+    from ckptkit.train.lora import merged_weight
+
+    model = apply_lora(native_model("llama3", torch.bfloat16), ["q"], rank=4, alpha=8)
+    _randomize_b(model)
+    m = lora_modules(model)["layers.0.attn.q_proj"]
+    state = base_state_dict(model)
+    expected = (m.weight.float() + (m.lora_b.float() @ m.lora_a.float()) * 2.0).to(torch.bfloat16)
+    assert state["layers.0.attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(state["layers.0.attn.q_proj.weight"], expected)
+    assert torch.equal(merged_weight(m.weight, m.lora_a, m.lora_b, m.scaling), expected)
+    assert not any(k.endswith((".lora_a", ".lora_b")) for k in state)
+
+
+def test_a_model_that_is_not_ckptkit_s_is_named_in_one_line() -> None:
+    from ckptkit.train.lora import decoder_layers, model_config
+
+    with pytest.raises(CkptkitError, match=r"^Linear is not a ckptkit model \(no ModelConfig\)$"):
+        model_config(torch.nn.Linear(2, 2))
+    with pytest.raises(CkptkitError, match=r"^Linear is not a ckptkit model \(no decoder layers\)$"):
+        decoder_layers(torch.nn.Linear(2, 2))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptkit.errors import CkptkitError
-from ckptkit.train.generation import generate, generate_text
+from ckptkit.train.generation import generate_text
 from ckptkit.train.lora import apply_lora, lora_modules, merge_lora
 from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.peft_io import load_adapter, prepare_for_peft, save_adapter
@@ -144,14 +144,20 @@ def test_round_trip_through_peft_format(tmp_path: Path) -> None:
 
 
 def test_generate_with_adapter_uses_it(tmp_path: Path) -> None:
-    _peft_saved("llama2", tmp_path / "adapter", r=4, lora_alpha=64, target_modules=HF_ALL)
-    text = generate_text(str(hf_dir("llama2")), "The quick", max_new_tokens=6, adapter=str(tmp_path / "adapter"))
+    """``generate --adapter`` continues the prompt as PEFT's model with that adapter does
+    (greedy, transformers' ``generate``), and not as the base model does."""
     from ckptkit.train.tokenizer import load_tokenizer
 
+    peft_model = _peft_saved("llama2", tmp_path / "adapter", r=4, lora_alpha=64, target_modules=HF_ALL)
+    text = generate_text(str(hf_dir("llama2")), "The quick", max_new_tokens=8, adapter=str(tmp_path / "adapter"))
     tok = load_tokenizer(hf_dir("llama2"))
-    model = load_adapter(native_model("llama2"), tmp_path / "adapter", merge=True)
-    ids = generate(model, torch.tensor([tok.encode("The quick")]), 6, eos_token_id=tok.eos_ids)
-    assert text == tok.decode(ids[0].tolist())
+    ids = torch.tensor([tok.encode("The quick")])
+    greedy = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 8, "do_sample": False}
+    with torch.no_grad():
+        adapted = peft_model.generate(input_ids=ids, **greedy)[0].tolist()
+        plain = hf_model("llama2").generate(input_ids=ids, **greedy)[0].tolist()
+    assert adapted != plain  # the adapter changes the continuation
+    assert text == tok.decode(adapted)
 
 
 def _edit_config(folder: Path, **changes) -> None:

@@ -64,6 +64,15 @@ def test_torch_free_rope_freqs_equal_meta_expression(head_dim: int, theta: float
     assert torch.equal(got, meta_rope_freqs(head_dim, theta).view(torch.int16))
 
 
+# Past the largest float32: 3.4028235e38 still rounds to it (finite frequencies), the others overflow.
+@pytest.mark.parametrize("theta", [3.4028235e38, 3.5e38, 1e39, float("inf")])
+@pytest.mark.parametrize("head_dim", [2, 64, 128])
+def test_rope_freqs_for_a_theta_beyond_float32_equal_meta_expression(head_dim: int, theta: float) -> None:
+    """A theta beyond float32's largest value: the bytes are what Meta's torch expression gives."""
+    got = bf16_words(rope_freqs_bytes(head_dim, theta))
+    assert torch.equal(got, meta_rope_freqs(head_dim, theta).view(torch.int16))
+
+
 def test_emulated_float32_steps_are_within_two_ulps_of_torch() -> None:
     """The margin the near-midpoint detector keeps (NEAR_MIDPOINT_ULPS) covers the measured
     disagreement of torch's float32 pow with a correctly rounded one."""

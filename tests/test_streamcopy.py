@@ -237,9 +237,3 @@ def test_a_record_cut_short_after_opening_is_one_line(tmp_path: Path) -> None:
     os.truncate(tmp_path / "m.pth", span.offset + span.nbytes // 2)
     with pytest.raises(CkptkitError, match="cut short"):
         span.check.verifier.verify(span.check)
-
-
-def test_rope_freqs_for_a_theta_beyond_float32_match_torch() -> None:
-    from ckptkit.models.rope_freqs import rope_freqs_bytes, torch_rope_freqs_bytes
-
-    assert rope_freqs_bytes(128, 1e39) == torch_rope_freqs_bytes(128, 1e39)

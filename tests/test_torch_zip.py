@@ -3,6 +3,7 @@ serialization id), and the writer built on it loads in torch."""
 
 from __future__ import annotations
 
+import errno
 import struct
 import warnings
 import zipfile
@@ -120,3 +121,35 @@ def test_writer_given_the_source_archive_facts_writes_torch_save_bytes(
     w.close()
     assert ours.read_bytes() == theirs.read_bytes()
     assert sorted(p.name for p in ours.parent.iterdir()) == ["m.pth"]  # no staging folder left
+
+
+def test_a_failed_torch_save_is_an_oserror_with_the_real_errno(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save reports a failed write as a RuntimeError; save_torch finds the errno
+    (here the file size limit, as a full disk would give ENOSPC) or says EIO with torch's words."""
+    import resource
+    import signal
+
+    from ckptkit.formats.torch_io import save_torch
+
+    path = tmp_path / "x.pth"
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        with pytest.raises(OSError) as limited:
+            save_torch({"w": torch.zeros(50_000)}, path, size_hint=10)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert limited.value.errno == errno.EFBIG and limited.value.filename == str(path)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        path.write_bytes(b"")
+        raise RuntimeError("  PytorchStreamWriter failed writing file data/0\nmore detail  ")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    with pytest.raises(OSError) as failed:
+        save_torch({"w": torch.zeros(4)}, path, size_hint=4096)
+    assert failed.value.errno == errno.EIO and failed.value.filename == str(path)
+    assert failed.value.strerror == "torch.save failed (PytorchStreamWriter failed writing file data/0)"
+    assert path.stat().st_size == 4097  # the probe byte went where the file would have ended

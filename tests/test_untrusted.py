@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError, safe_open
-from test_errors import INDEX, Case, Outcome, check, converting, copy_fixture, edit_json, run_in_driver, snapshot
+from test_errors import INDEX, Case, Evil, Outcome, check, converting, copy_fixture, edit_json, run_in_driver, snapshot
 
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
@@ -421,3 +421,83 @@ def test_replicated_tensors_that_agree_convert(tmp_path: Path) -> None:
     convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", "hf")
     with pytest.raises(CkptkitError, match="exists and is not empty"):
         convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", "hf")
+
+
+# --- pickles the fast index cannot read: torch.load(weights_only=True) reads them whole ------
+
+
+def test_a_legacy_pickle_is_read_whole_and_exactly(tmp_path: Path) -> None:
+    """A pre-zip torch.save file (no records, no CRC-32s): every tensor, its dtype and
+    bytes, and a tensor saved twice under two names as an alias."""
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    a = torch.arange(6.0).reshape(2, 3)
+    sd = {"a": a, "b": torch.linspace(-1, 1, 5).to(torch.bfloat16), "tied": a}
+    torch.save(sd, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    reader = TorchPickleReader(tmp_path / "old.pth")
+    assert reader.aliases == {"tied": "a"} and reader.span("a") is None  # nothing to copy file to file
+    assert {k: (i.shape, i.dtype) for k, i in reader.infos.items()} == {
+        "a": ((2, 3), "float32"), "b": ((5,), "bfloat16"), "tied": ((2, 3), "float32")
+    }  # fmt: skip
+    for k, v in sd.items():
+        got = reader.read(k)
+        assert got.dtype == v.dtype and torch.equal(got, v)
+    assert reader.sample("b", 4) == sd["b"].view(torch.uint8).numpy().tobytes()[:4]
+    reader.close()
+    assert torch.equal(reader.read("a"), a)  # read again after close
+
+
+def test_a_legacy_pickle_that_is_not_a_state_dict_is_one_line(tmp_path: Path) -> None:
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    torch.save([torch.zeros(2)], tmp_path / "list.pth", _use_new_zipfile_serialization=False)
+    with pytest.raises(CkptkitError, match=r": expected a flat dict of tensors \(a state dict\)$"):
+        TorchPickleReader(tmp_path / "list.pth")
+
+
+def test_unreadable_legacy_pickles_are_refused_in_one_line(tmp_path: Path) -> None:
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    def refused(path: Path) -> str:
+        with pytest.raises(CkptkitError) as info:
+            TorchPickleReader(path)
+        assert str(info.value).startswith(f"{path}: ")
+        return str(info.value).removeprefix(f"{path}: ")
+
+    torch.save({"x": Evil(tmp_path / "pwned")}, tmp_path / "evil.pth", _use_new_zipfile_serialization=False)
+    assert refused(tmp_path / "evil.pth") == (
+        "refusing to load: the pickle needs more than weights_only=True allows (it imports posix.system)"
+    )
+    assert not (tmp_path / "pwned").exists()
+    torch.save({"a": torch.zeros(64)}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    data = (tmp_path / "old.pth").read_bytes()
+    damaged = {"cut": data[: len(data) // 2], "empty": b"", "garbage": b"\x80\x02not a pickle at all, only words"}
+    for name, raw in damaged.items():
+        (tmp_path / name).write_bytes(raw)
+        assert refused(tmp_path / name) == "not a torch checkpoint (corrupt or not a pickle)", name
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (RuntimeError("The archive is damaged. Nothing more to say.\nsecond line"), "The archive is damaged."),
+        (ValueError("x" * 200), "x" * 157 + "..."),
+        (ValueError("y" * 160), "y" * 160),
+        (OSError(), "OSError"),
+    ],
+)
+def test_a_damaged_archive_is_named_by_the_first_sentence_of_torch_s_error(
+    error: Exception, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What torch.load says about a damaged file, cut to its first sentence (160 characters at most)."""
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    torch.save({"a": torch.zeros(4)}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(torch, "load", fail)
+    with pytest.raises(CkptkitError) as info:
+        TorchPickleReader(tmp_path / "old.pth")
+    assert str(info.value) == f"{tmp_path / 'old.pth'}: not a readable torch checkpoint ({said})"

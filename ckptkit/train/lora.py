@@ -222,7 +222,7 @@ def add_lora(
 
 def model_config(model: nn.Module) -> ModelConfig:
     """The :class:`ModelConfig` a native model was built from."""
-    config = model.config
+    config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
         raise CkptkitError(f"{type(model).__name__} is not a ckptkit model (no ModelConfig)")
     return config
@@ -230,7 +230,7 @@ def model_config(model: nn.Module) -> ModelConfig:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """A native model's decoder blocks."""
-    layers = model.layers
+    layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise CkptkitError(f"{type(model).__name__} is not a ckptkit model (no decoder layers)")
     return layers

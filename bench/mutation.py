@@ -1,0 +1,208 @@
+"""Mutation testing with mutmut: how many of the mutants made in the tensor transforms, the
+container readers and writers, LoRA merge and the training step the fast tests kill.
+
+Not part of CI (it runs for a long while on 2 cores) and needs mutmut (``pip install mutmut``;
+chosen over cosmic-ray and pytest-gremlins because it forks one warm interpreter per mutant
+and runs only the tests that reach the mutated function, fastest first, instead of
+starting pytest and importing torch again for every mutant). It mutates a copy of this
+tree's tracked files, so the work tree is never touched:
+
+    python bench/mutation.py --compare REV --report docs/bench/mutation.md
+
+(``--compare REV``: first the same mutants against REV's tests/, the score before them.)
+
+A mutant is *killed* when a test fails (or times out), *survives* when every test that
+reaches it passes, and has *no tests* when none of the selected tests reaches it. The score
+counts killed over all mutants. Survivors are either killed by a new test or listed, with
+why they cannot change behaviour, in docs/mutation.md; ``--survivors PATH`` writes each
+survivor's diff for that review.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+
+from report import ROOT, reporting
+
+ROUND_TRIPS = [  # one of each writer and layout: .pth ranks, .bin with a tied alias, stacked experts, fused
+    f"tests/test_roundtrip.py::test_round_trip_gives_back_every_file_byte_for_byte[{case}]"
+    for case in ("hf/llama2-meta", "hf/llama2-hf-bin", "meta/llama2-2rank-hf", "meta/llama2-2rank-meta",
+                 "hf-bin/qwen2-hf", "hf/mixtral-stacked-hf-bin", "meta/mixtral-2rank-hf", "hf/phi3-hf")
+]  # fmt: skip
+FORMATS = [  # test_formats.py without its subprocess and whole-CLI tests (seconds each)
+    f"tests/test_formats.py::{name}"
+    for name in ("test_safetensors_writer_is_byte_identical_to_the_library",
+                 "test_torch_writer_loads_with_torch_and_passes_zip_crc", "test_pickle_index_matches_torch_load",
+                 "test_max_shard_size_reshards_hf", "test_non_weight_files_are_carried", "test_inspect_single_files",
+                 "test_inspect_reads_no_tensor_data")
+]  # fmt: skip
+# Each group: the modules mutated and the fast tests that prove their behaviour. mutmut runs,
+# for each mutant, only those of the tests that reach the mutated function, fastest first.
+GROUPS: dict[str, tuple[list[str], list[str]]] = {
+    "transforms": (
+        ["ckptkit/tensors/transforms.py"],
+        ["tests/test_transforms.py", "tests/test_streamcopy.py", "tests/test_fastpath.py", "tests/test_meta_ffn.py",
+         "tests/test_families.py", *ROUND_TRIPS],
+    ),
+    "readers/writers": (
+        ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_zip.py"],
+        ["tests/test_torch_zip.py", "tests/test_rawcopy.py", "tests/test_untrusted.py", "tests/test_streamcopy.py",
+         "tests/test_layouts.py", "tests/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS,
+         *ROUND_TRIPS],
+    ),
+    "LoRA merge": (["ckptkit/train/lora.py"], ["tests/test_lora.py", "tests/test_peft.py"]),
+    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py"]),
+}  # fmt: skip
+STATUS = re.compile(r"^\s*(?P<name>\S+): (?P<status>.+)$")
+
+
+def copy_tree(dst: Path, tests_from: str | None) -> None:
+    """This work tree's tracked and unignored files; with ``tests_from``, tests/ from that revision."""
+    names = (
+        subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, names):
+        src = ROOT / name
+        if src.is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / name)
+    if tests_from:
+        shutil.rmtree(dst / "tests")
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", tests_from, "tests"], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(dst)], input=archive.stdout, check=True)
+
+
+def configure(dst: Path, modules: list[str], tests: list[str]) -> None:
+    """mutmut's settings in the copy's pyproject.toml; pytest without xdist workers."""
+    pyproject = dst / "pyproject.toml"
+    text = re.sub(r'addopts = "[^"]*"', 'addopts = "-q"', pyproject.read_text())
+    text += (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["ckptkit/"]\n'
+        'also_copy = ["fixtures/"]\n'
+        f"only_mutate = {json.dumps(modules)}\n"
+        'pytest_add_cli_args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-m", "not slow"]\n'
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+    )
+    pyproject.write_text(text)
+
+
+def module_of(mutant: str, modules: list[str]) -> str:
+    """The module a mutant's name (``package.module.x_function__mutmut_3``) is in."""
+    for path in modules:
+        if mutant.startswith(path.removesuffix(".py").replace("/", ".") + "."):
+            return path
+    return "?"
+
+
+def mutate(
+    work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int
+) -> tuple[dict[str, str], float]:
+    """One mutmut run over a fresh copy: each mutant's status, and the minutes it took."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    copy_tree(work, tests_from)
+    configure(work, modules, tests)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    start = time.monotonic()
+    with (work / "mutmut.log").open("w") as log:
+        run = subprocess.run(
+            ["mutmut", "run", "--max-children", str(children)], cwd=work, env=env, stdout=log, stderr=log
+        )
+    if run.returncode != 0:
+        raise SystemExit(f"mutmut run failed (exit {run.returncode}); see {work / 'mutmut.log'}")
+    listing = subprocess.run(
+        ["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    results = {m["name"]: m["status"] for m in (STATUS.match(line) for line in listing.splitlines()) if m}
+    return results, (time.monotonic() - start) / 60
+
+
+def table(results: dict[str, str], modules: list[str]) -> None:
+    counts: dict[str, Counter[str]] = {m: Counter() for m in modules}
+    for name, status in results.items():
+        counts.setdefault(module_of(name, modules), Counter())[status] += 1
+    print("| module | mutants | killed | timeout | survived | no tests | other | score |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    total: Counter[str] = Counter()
+    for module, c in counts.items():
+        total.update(c)
+        _row(module, c)
+    _row("all", total)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, help="where to copy the tree (default: a temporary folder)")
+    parser.add_argument("--compare", metavar="REV", help="first the same mutants against REV's tests/")
+    parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
+    parser.add_argument("--only", choices=list(GROUPS), action="append", help="one group (repeatable)")
+    parser.add_argument("--survivors", type=Path, help="write every mutant this tree's tests leave alive here")
+    args = parser.parse_args()
+    if shutil.which("mutmut") is None:
+        print("mutmut is not installed: pip install mutmut", file=sys.stderr)
+        return 1
+    groups = {g: GROUPS[g] for g in args.only or GROUPS}
+    modules = [m for mods, _ in groups.values() for m in mods]
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="ckptkit-mutation-"))
+    print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests "
+          f"(-m 'not slow'), {args.max_children} mutant(s) at a time")  # fmt: skip
+    suites = ([(f"tests/ from {args.compare}", args.compare)] if args.compare else []) + [("this tree's tests/", None)]
+    for label, rev in suites:
+        results: dict[str, str] = {}
+        where: dict[str, Path] = {}
+        minutes = 0.0
+        for group, (mods, tests) in groups.items():
+            work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree") / re.sub(r"\W", "_", group)
+            found, took = mutate(work, mods, tests, rev, args.max_children)
+            results.update(found)
+            where.update(dict.fromkeys(found, work))
+            minutes += took
+        print()
+        print(f"{label}: {minutes:.0f} min, load average {os.getloadavg()[0]:.1f}")
+        print()
+        table(results, modules)
+    alive = sorted(n for n, s in results.items() if s in ("survived", "no tests"))
+    print()
+    print(f"not killed by this tree's tests ({len(alive)}):")
+    for name in alive:
+        print(f"  {results[name]:9s} {name}")
+    if args.survivors:
+        with args.survivors.open("w") as f:
+            for name in alive:
+                diff = subprocess.run(["mutmut", "show", name], cwd=where[name], capture_output=True, text=True)
+                f.write(f"## {name} ({results[name]})\n{diff.stdout}\n")
+    return 0
+
+
+def _row(module: str, c: Counter[str]) -> None:
+    n = sum(c.values())
+    killed = c["killed"] + c["timeout"]
+    other = n - killed - c["survived"] - c["no tests"]
+    score = f"{100 * killed / n:.1f}%" if n else "-"
+    print(
+        f"| {module} | {n} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['no tests']} | {other} | {score} |"
+    )
+
+
+if __name__ == "__main__":
+    with reporting("mutation.py"):
+        sys.exit(main())
