@@ -190,7 +190,8 @@ def test_lora_mistakes_are_one_line_errors_naming_the_module() -> None:
     from ckptkit.train.lora import add_lora
 
     with pytest.raises(
-        CkptkitError, match=r"^unknown LoRA target 'qkv'; choose from q, k, v, o, gate, up, down, output, experts, router$"
+        CkptkitError,
+        match=r"^unknown LoRA target 'qkv'; choose from q, k, v, o, gate, up, down, output, experts, router$",
     ):
         apply_lora(native_model("llama3"), ["qkv"])
     with pytest.raises(CkptkitError, match=r"^LoRA on the output projection is not supported for tied embeddings$"):
