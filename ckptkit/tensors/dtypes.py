@@ -31,7 +31,10 @@ ITEMSIZE: dict[str, int] = {
 FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 CAST_TARGETS = ("bfloat16", "float16", "float32")
 # What users type for a dtype, and the name they mean (the CLI's did-you-mean).
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPE_ALIASES = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32", "int8": "q8_0",
+    "q8": "q8_0", "8bit": "q8_0",
+}  # fmt: skip
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
