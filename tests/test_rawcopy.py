@@ -139,6 +139,71 @@ def test_views_into_shared_or_strided_storage(tmp_path: Path) -> None:
     assert _span_bytes(rows) == _raw(base[2:4]) and rows.crc is None
     assert r.span("t") is None
     assert r.span("whole").crc == zlib.crc32(_raw(base))
+    # read: each as torch.load gives it, contiguous, the shared record's CRC-32 checked
+    loaded = torch.load(tmp_path / "v.pth", weights_only=True)
+    for name in ("rows", "t", "whole", "rows"):
+        got = r.read(name)
+        assert got.is_contiguous() and torch.equal(got, loaded[name]), name
+    assert r.sample("t", 8) == _raw(base.t().contiguous())[:8]  # its first elements, in row-major order
+
+
+def test_safetensors_sample_is_a_tensor_s_first_bytes(sd, tmp_path: Path) -> None:
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    reader = SafetensorsReader(tmp_path / "m.safetensors")
+    for k, t in sd.items():
+        assert reader.sample(k, 5) == _raw(t)[:5] and reader.sample(k, 10**9) == _raw(t)
+
+
+def _mapping_rss_kib(address: int) -> int:
+    """Resident KiB of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_release_pages_hands_back_exactly_the_pages_a_tensor_touches(tmp_path: Path) -> None:
+    """madvise(DONTNEED) on the pages a file-backed tensor overlaps, partial ones at both
+    ends included; the pages around stay resident."""
+    import mmap
+
+    from ckptkit.formats.torch_io import release_pages
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "pages.bin"
+    path.write_bytes(os.urandom(64 * page))
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        assert int(whole.sum()) > 0  # every page faulted in
+        assert _mapping_rss_kib(whole.data_ptr()) == 64 * page // 1024
+        release_pages(whole[10 * page + 100 : 30 * page - 100])  # pages 10..29, partial at both ends
+        assert _mapping_rss_kib(whole.data_ptr()) == 44 * page // 1024
+        release_pages(whole[40 * page + 7 : 40 * page + 8])  # one byte: its page
+        release_pages(whole[50 * page : 50 * page])  # nothing
+        assert _mapping_rss_kib(whole.data_ptr()) == 43 * page // 1024
+        del whole
+    finally:
+        mapped.close()
+
+
+def test_pickle_tensor_is_what_torch_save_of_one_tensor_pickles() -> None:
+    import io
+
+    from ckptkit.formats.torch_zip import pickle_tensor
+
+    for dtype, shape in [("bfloat16", (3, 4)), ("float32", (5,)), ("int64", (2, 1, 3)), ("float16", ())]:
+        buffer = io.BytesIO()
+        torch.save(torch.zeros(shape, dtype=getattr(torch, dtype)), buffer)
+        with zipfile.ZipFile(buffer) as z:
+            (pkl,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            assert z.read(pkl) == pickle_tensor(dtype, shape), (dtype, shape)
 
 
 @pytest.mark.parametrize("method", METHODS)
