@@ -133,12 +133,81 @@ def test_views_into_shared_or_strided_storage(tmp_path: Path) -> None:
     """A view at an offset in a bigger storage has a span (without the record's CRC); a
     transposed one has none."""
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
-    torch.save({"rows": base[2:4], "t": base.t(), "whole": base}, tmp_path / "v.pth")
+    torch.save(
+        {"rows": base[2:4], "t": base.t(), "whole": base, "head": base[:2], "tail": base[4:]}, tmp_path / "v.pth"
+    )
     r = TorchPickleReader(tmp_path / "v.pth")
     rows = r.span("rows")
     assert _span_bytes(rows) == _raw(base[2:4]) and rows.crc is None
     assert r.span("t") is None
     assert r.span("whole").crc == zlib.crc32(_raw(base))
+    for part, view in (("head", base[:2]), ("tail", base[4:])):  # one end of the storage: not its CRC
+        assert _span_bytes(r.span(part)) == _raw(view) and r.span(part).crc is None
+    # read: each as torch.load gives it, contiguous, the shared record's CRC-32 checked
+    loaded = torch.load(tmp_path / "v.pth", weights_only=True)
+    for name in ("rows", "t", "whole", "head", "tail", "rows"):
+        got = r.read(name)
+        assert got.is_contiguous() and torch.equal(got, loaded[name]), name
+    assert r.sample("t", 8) == _raw(base.t().contiguous())[:8]  # its first elements, in row-major order
+
+
+def test_safetensors_sample_is_a_tensor_s_first_bytes(sd, tmp_path: Path) -> None:
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    reader = SafetensorsReader(tmp_path / "m.safetensors")
+    for k, t in sd.items():
+        assert reader.sample(k, 5) == _raw(t)[:5] and reader.sample(k, 10**9) == _raw(t)
+
+
+def _mapping_rss_kib(address: int) -> int:
+    """Resident KiB of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_release_pages_hands_back_exactly_the_pages_a_tensor_touches(tmp_path: Path) -> None:
+    """madvise(DONTNEED) on the pages a file-backed tensor overlaps, partial ones at both
+    ends included; the pages around stay resident."""
+    import mmap
+
+    from ckptkit.formats.torch_io import release_pages
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "pages.bin"
+    path.write_bytes(os.urandom(64 * page))
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        assert int(whole.sum()) > 0  # every page faulted in
+        assert _mapping_rss_kib(whole.data_ptr()) == 64 * page // 1024
+        release_pages(whole[10 * page + 100 : 30 * page - 100])  # pages 10..29, partial at both ends
+        assert _mapping_rss_kib(whole.data_ptr()) == 44 * page // 1024
+        release_pages(whole[40 * page + 7 : 40 * page + 8])  # one byte: its page
+        release_pages(whole[50 * page : 50 * page])  # nothing
+        assert _mapping_rss_kib(whole.data_ptr()) == 43 * page // 1024
+        del whole
+    finally:
+        mapped.close()
+
+
+def test_pickle_tensor_is_what_torch_save_of_one_tensor_pickles() -> None:
+    import io
+
+    from ckptkit.formats.torch_zip import pickle_tensor
+
+    for dtype, shape in [("bfloat16", (3, 4)), ("float32", (5,)), ("int64", (2, 1, 3)), ("float16", ())]:
+        buffer = io.BytesIO()
+        torch.save(torch.zeros(shape, dtype=getattr(torch, dtype)), buffer)
+        with zipfile.ZipFile(buffer) as z:
+            (pkl,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            assert z.read(pkl) == pickle_tensor(dtype, shape), (dtype, shape)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -247,3 +316,27 @@ def test_fused_and_rank_span_maps_match_the_transforms(tmp_path: Path) -> None:
         assert [_read(p) for p in pieces] == [_raw(s) for s in shards]
         stored = [_stored(s, tmp_path / f"rank{i}-{dim}.bin") for i, s in enumerate(shards)]
         assert _read(RANKS.forward_spans(stored, tuple(shards[0].shape), dim)) == _raw(RANKS.forward(shards, dim))
+
+
+def test_writers_refuse_spans_of_the_wrong_size_or_for_an_alias(tmp_path: Path) -> None:
+    t = torch.arange(8, dtype=torch.float32)
+    src = tmp_path / "src.bin"
+    src.write_bytes(_raw(t))
+    short = [Span(src, 0, 28)]
+    st = SafetensorsWriter(tmp_path / "a.safetensors", [("w", torch.float32, (8,))], None)
+    with pytest.raises(ValueError, match=r"^w: spans of 28 bytes for a 32-byte tensor$"):
+        st.write_spans("w", short)
+    st.discard()
+    pt = TorchPickleWriter(tmp_path / "a.pth", [("w", torch.float32, (8,)), ("tied", torch.float32, (8,))],
+                           aliases={"tied": "w"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"^w: spans of 28 bytes for a 32-byte record$"):
+        pt.write_spans("w", short)
+    with pytest.raises(ValueError, match=r"^tied: stored as w; its bytes are written with that tensor$"):
+        pt.write_spans("tied", [Span(src, 0, 32)])
+    pt.write_spans("w", [Span(src, 0, 32)])
+    pt.close()
+    loaded = torch.load(tmp_path / "a.pth", weights_only=True)
+    assert (
+        torch.equal(loaded["w"], t)
+        and loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
+    )
