@@ -165,9 +165,9 @@ def test_a_wrapped_linear_is_that_linear_until_b_moves(dtype: torch.dtype, adapt
 
 
 def test_lora_linear_built_directly() -> None:
-    plain = LoRALinear(6, 5, rank=1, alpha=3)
+    plain = LoRALinear(6, 5, rank=4, alpha=8)
     assert plain.bias is None and not plain.weight.requires_grad and plain.lora_a.dtype == torch.float32
-    assert isinstance(plain.dropout, torch.nn.Identity) and plain.scaling == 3.0 and plain.merged is False
+    assert isinstance(plain.dropout, torch.nn.Identity) and plain.scaling == 2.0 and plain.merged is False
     wide = LoRALinear(6, 5, rank=4, alpha=8, dropout=0.25, bias=True, use_rslora=True, dtype=torch.float64)
     assert wide.weight.dtype == wide.lora_b.dtype == torch.float64 and not wide.bias.requires_grad
     assert isinstance(wide.dropout, torch.nn.Dropout) and wide.dropout.p == 0.25 and wide.scaling == 4.0  # 8 / sqrt 4
@@ -228,3 +228,23 @@ def test_a_model_that_is_not_ckptkit_s_is_named_in_one_line() -> None:
         model_config(torch.nn.Linear(2, 2))
     with pytest.raises(CkptkitError, match=r"^Linear is not a ckptkit model \(no decoder layers\)$"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_adapters_start_as_peft_s_a_kaiming_uniform_and_b_zero() -> None:
+    """PEFT's init: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)), B = 0."""
+    torch.manual_seed(0)
+    lora = LoRALinear(512, 8, rank=64, alpha=16)
+    bound = 1 / 512**0.5
+    assert lora.lora_a.abs().max().item() <= bound and lora.lora_a.abs().max().item() > 0.999 * bound
+    assert abs(lora.lora_a.std().item() - bound / 3**0.5) < 0.01 * bound and not lora.lora_b.any()
+
+
+def test_add_lora_defaults_and_a_chosen_adapter_dtype() -> None:
+    from ckptkit.train.lora import add_lora, decoder_layers
+
+    model = add_lora(native_model("llama3"), {"layers.0.attn.q_proj": 4}, 8.0)
+    (m,) = lora_modules(model).values()
+    assert m.scaling == 2.0 and isinstance(m.dropout, torch.nn.Identity) and m.lora_a.dtype == torch.float32
+    wide = lora_modules(apply_lora(native_model("llama3"), ["v"], rank=2, lora_dtype=torch.float64))
+    assert {w.lora_a.dtype for w in wide.values()} == {torch.float64} == {w.lora_b.dtype for w in wide.values()}
+    assert decoder_layers(model) is model.layers

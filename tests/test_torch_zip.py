@@ -55,6 +55,11 @@ CASES = {
     "small": [("a", "bfloat16", (3, 2)), ("b", "float32", (5,))],
     "odd shapes": [("s", "int64", ()), ("z", "float32", (0,)), ("q", "bfloat16", (2, 3, 4, 5)), ("b", "bool", (3,))],
     "memo past 255": [(f"layers.{i}.w", "float16", (4, 4)) for i in range(300)],
+    # a storage type first pickled past memo 255, then fetched from the memo (4-byte index)
+    "a dtype first seen past memo 255": [(f"h{i}", "float16", (2,)) for i in range(90)]
+    + [("f0", "float32", (2,)), ("f1", "float32", (3,)), ("f2", "float32", (300,))],
+    "sizes of 2 and 4 bytes": [("wide", "int8", (300, 70000)), ("tall", "int8", (70000, 3))],
+    "a size past 2**31": [("big", "int8", (2**16, 2**15 + 1))],  # placeholders only: no memory touched
     "a full SETITEMS batch": [(f"t{i}", "float32", (1,)) for i in range(1000)],
     "one tensor": [("only", "int8", (7, 3))],
     "empty": [],

@@ -501,3 +501,105 @@ def test_a_damaged_archive_is_named_by_the_first_sentence_of_torch_s_error(
     with pytest.raises(CkptkitError) as info:
         TorchPickleReader(tmp_path / "old.pth")
     assert str(info.value) == f"{tmp_path / 'old.pth'}: not a readable torch checkpoint ({said})"
+
+
+# --- safetensors headers, read by ckptkit's own parser: each damage named in one line ---------
+
+
+def _entry(offsets: object, dtype: object = "F32", shape: object = (2,)) -> dict:
+    return {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape, "data_offsets": offsets}
+
+
+ENTRY = "corrupt safetensors header entry for tensor 'w'"
+HEADERS = {  # name: (header JSON or raw bytes, data bytes, the message after "PATH: ")
+    "not an object": (b"[1]     ", 0, "corrupt safetensors header (does not start with '{')"),
+    "a name twice": (b'{"w":1,"w":2}   ', 0, "corrupt safetensors header (the name 'w' appears twice)"),
+    "metadata of numbers": (
+        {"__metadata__": {"a": 1}},
+        0,
+        "corrupt safetensors header (__metadata__ must map strings to strings)",
+    ),
+    "metadata a list": (
+        {"__metadata__": ["a"]},
+        0,
+        "corrupt safetensors header (__metadata__ must map strings to strings)",
+    ),
+    "an extra field": ({"w": {**_entry([0, 8]), "x": 1}}, 8, ENTRY),
+    "an entry not an object": ({"w": [1]}, 8, ENTRY),
+    "an unknown dtype": ({"w": _entry([0, 8], "F99")}, 8, ENTRY),
+    "a dtype not a string": ({"w": _entry([0, 8], 5)}, 8, ENTRY),
+    "a negative dim": ({"w": _entry([0, 8], shape=(-2,))}, 8, ENTRY),
+    "a boolean dim": ({"w": _entry([0, 8], shape=[True, 2])}, 8, ENTRY),
+    "a shape not a list": ({"w": _entry([0, 8], shape="2")}, 8, ENTRY),
+    "three offsets": ({"w": _entry([0, 8, 9])}, 8, ENTRY),
+    "a negative offset": ({"w": _entry([-1, 8])}, 8, ENTRY),
+    "an offset as text": ({"w": _entry(["0", 8])}, 8, ENTRY),
+    "offsets not a list": ({"w": _entry({"a": 1})}, 8, ENTRY),
+    "an end before its start": ({"w": _entry([8, 0])}, 8, "invalid offset for tensor 'w' (8..0)"),
+    "a gap": (
+        {"a": _entry([0, 8]), "b": _entry([12, 20])},
+        20,
+        "invalid offset for tensor 'b': it leaves a gap of 4 bytes (offsets 12..20)",
+    ),
+    "an overlap": (
+        {"a": _entry([0, 8]), "b": _entry([4, 12])},
+        12,
+        "invalid offset for tensor 'b': it overlaps the previous tensor (offsets 4..12)",
+    ),
+    "the wrong size": (
+        {"a": _entry([0, 12])},
+        12,
+        "tensor 'a' has the wrong size: 12 bytes at offsets 0..12, but shape [2] of float32 needs 8",
+    ),
+    "data left over": (
+        {"a": _entry([0, 8])},
+        12,
+        "the tensors cover 8 bytes but the data section holds 12: the file is truncated or corrupt",
+    ),
+    "data cut short": (
+        {"a": _entry([0, 8])},
+        4,
+        "the tensors cover 8 bytes but the data section holds 4: the file is truncated or corrupt",
+    ),
+}
+
+
+def _safetensors(path: Path, header: dict | bytes, data: int, length: int | None = None) -> Path:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("case", list(HEADERS))
+def test_a_damaged_safetensors_header_is_named_in_one_line(case: str, tmp_path: Path) -> None:
+    from ckptkit.formats.safetensors_io import SafetensorsReader
+
+    header, data, said = HEADERS[case]
+    path = _safetensors(tmp_path / "m.safetensors", header, data)
+    with pytest.raises(CkptkitError) as info:
+        SafetensorsReader(path)
+    assert str(info.value) == f"{path}: {said}"
+
+
+def test_a_safetensors_length_field_past_the_file_is_named(tmp_path: Path) -> None:
+    from ckptkit.formats.safetensors_io import SafetensorsReader
+
+    (tmp_path / "short.safetensors").write_bytes(b"1234")
+    with pytest.raises(CkptkitError, match=r"short.safetensors: not a safetensors file \(shorter than 8 bytes\)$"):
+        SafetensorsReader(tmp_path / "short.safetensors")
+    for length in (10**6, 2**63 + 2):  # the second: negative as a signed 64-bit number
+        path = _safetensors(tmp_path / "long.safetensors", {}, 0, length=length)
+        with pytest.raises(CkptkitError) as info:
+            SafetensorsReader(path)
+        said = f"truncated or corrupt safetensors header (header length {length}, file size 10)"
+        assert str(info.value) == f"{path}: {said}"
+
+
+def test_a_zero_size_tensor_listed_first_at_the_data_s_end_is_fine(tmp_path: Path) -> None:
+    """Tensors are placed by their offsets (start, then end), not by the header's order."""
+    from ckptkit.formats.safetensors_io import SafetensorsReader
+
+    header = {"z": _entry([8, 8], shape=(0,)), "w": _entry([0, 8])}
+    path = _safetensors(tmp_path / "m.safetensors", header, 8)
+    reader = SafetensorsReader(path)
+    assert reader.read("w").tolist() == [0.0, 0.0] and reader.read("z").numel() == 0
