@@ -133,7 +133,7 @@ def stream_spans(
                 fds[w.path] = os.open(w.path, os.O_RDONLY)
             n = w.hi - w.lo
             view = place(dst_offset, n) if place is not None and len(w.pieces) == 1 else buf[:n]
-            _read_fully(fds[w.path], view, w.lo)
+            read_fully(fds[w.path], view, w.lo)
             for key, check in w.checks.items():
                 seen[key] = check
                 check.verifier.feed(check, w.lo, view)
@@ -175,7 +175,7 @@ def pread_into(fd: int, view: memoryview, offset: int) -> int:
     return len(data)
 
 
-def _read_fully(fd: int, view: memoryview, offset: int) -> None:
+def read_fully(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         got = pread_into(fd, view[done : done + IO_CHUNK], offset + done)

@@ -1,6 +1,13 @@
 """GGML block quantization: Q8_0 written as llama.cpp writes it, and Q8_0 / Q4_K / Q5_K /
 Q6_K read back (dequantized to float32), a block of rows at a time.
 
+Q8_0 is :func:`quantize_q8_0`: the ``gguf`` package's float32 operations, bit for bit,
+reordered to run in cache (the block maximum as a tree of ``maximum`` over halves, not a
+reduction along a 32-wide axis) and with its round-half-away-from-zero as one add before
+the truncating cast (``trunc(y + copysign(0.5 - 2**-25, y))`` is ``np_roundf(y)`` for
+every finite float32, checked exhaustively); blocks whose scale or inverse scale is not
+finite are left to the package's own code.
+
 Dequantization follows ggml's ``dequantize_row_*`` (the same float32 operations in the same
 order, so the values are those of the ``gguf`` package's reference, bit for bit), written
 with torch over whole rows of blocks.
@@ -14,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.tensors.casting import checked_cast
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 CHUNK_BYTES = 16 << 20  # float32 bytes quantized, or stored bytes dequantized, at a time
 QK_K = 256
+Q8_BLOCKS = 4096  # Q8_0 blocks quantized per pass: 512 KiB of float32, in cache
 
 
 def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None) -> Iterator[bytes]:
@@ -46,7 +55,63 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
             checked_cast(chunk, target, checked_as, "", allow_lossy=False)
         if chunk.dtype not in (torch.float16, torch.float32):
             chunk = chunk.to(torch.float32)
-        yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
+        if qtype == gguf.GGMLQuantizationType.Q8_0:
+            yield quantize_q8_0(chunk.numpy().reshape(-1, 32)).tobytes()
+        else:
+            yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
+
+
+def quantize_q8_0(blocks: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """The Q8_0 bytes, (n, 34) uint8, of ``blocks``: (n, 32) float32 or float16, or with
+    ``bf16`` the bfloat16 bits as uint16, widened to float32 first as llama.cpp does. The
+    same bytes as ``gguf.quants.quantize(blocks.astype(float32), Q8_0)``.
+
+    Every step runs over a flat run of :data:`Q8_BLOCKS` blocks (long inner loops): the
+    block maximum is five ``maximum`` passes of the run against itself shifted by 16, 8, 4,
+    2 and 1 (the first element of each block ends up holding its block's maximum), and the
+    rounding is one add of ``0.5 - 2**-25`` carrying the value's sign before the cast."""
+    import numpy as np
+    from gguf.quants import Q8_0
+
+    n = blocks.shape[0]
+    out = np.empty((n, 34), np.uint8)
+    fields = out.view(np.dtype([("d", "<f2"), ("qs", "V32")])).reshape(n)
+    step = max(1, min(n, Q8_BLOCKS))
+    x, a, b = (np.empty(step * 32, np.float32) for _ in range(3))
+    q = np.empty(step * 32, np.int8)
+    half_down = np.nextafter(np.float32(0.5), np.float32(0)).view(np.uint32)  # 0.5 - 2**-25
+    sign = np.uint32(0x80000000)
+    for first in range(0, n, step):
+        c = min(step, n - first)
+        size = c * 32
+        xc, ac, bc = x[:size], a[:size], b[:size]
+        src = blocks[first : first + c].reshape(-1)
+        if bf16:
+            bits = xc.view(np.uint32)
+            bits[...] = src
+            bits <<= 16
+        else:
+            xc[...] = src
+        m, other = np.abs(xc, out=ac), bc
+        for w in (16, 8, 4, 2, 1):  # m[32 i] becomes max |x| over block i
+            np.maximum(m[:-w], m[w:], out=other[:-w])
+            m, other = other, m
+        d = m[::32] / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inv = np.float32(1) / d
+        inv[d == 0] = 0
+        if not (np.isfinite(d).all() and np.isfinite(inv).all()):
+            with np.errstate(all="ignore"):  # NaN, inf or a subnormal scale: the package's own code
+                out[first : first + c] = Q8_0.quantize_blocks(xc.reshape(c, 32))
+            continue
+        y = np.multiply(xc, np.repeat(inv, 32), out=xc)
+        rounding = np.bitwise_and(y.view(np.uint32), sign, out=ac.view(np.uint32))
+        np.bitwise_or(rounding, half_down, out=rounding)
+        np.add(y, ac, out=y)  # y + copysign(0.5 - 2**-25, y), truncated by the cast below
+        np.copyto(q[:size], y, casting="unsafe")
+        fields["qs"][first : first + c] = q[:size].view("V32")
+        fields["d"][first : first + c] = d.astype(np.float16)
+    return out
 
 
 def bf16_bytes(t: torch.Tensor) -> bytes:

@@ -9,6 +9,7 @@ Gemma's norm + 1) and given llama.cpp's GGML type for the file type.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ class GGUFTensor:
     shape: tuple[int, ...]
     qtype: Any  # gguf.GGMLQuantizationType
     make: Callable[[], torch.Tensor]  # transformed, in the stored dtype (or float32), not yet quantized
+    source: Lazy | None = None  # the source tensor, when the transform is at most a Q/K permutation
+    heads: int | None = None  # the heads of that permutation
 
     @property
     def nbytes(self) -> int:
@@ -84,14 +87,14 @@ def permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor
 
 def rope_freqs(hparams: dict[str, Any]) -> torch.Tensor | None:
     """llama.cpp's Llama 3 rope factors (``rope_freqs.weight``), computed as it computes them."""
-    import torch
-
     settings = rope(hparams)
     settings = settings.get("full_attention", settings)
     if "rope_type" not in settings and settings.get("type") is not None:
         settings = {**settings, "rope_type": settings["type"]}
     if settings.get("rope_type", "").lower() != "llama3":
         return None
+    import torch
+
     base = settings.get("rope_theta", hparams.get("rope_theta", 10000.0))
     dim = hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -178,14 +181,19 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
             raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
         lazy = hf_targets[hf_name]
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+        heads: int | None = None
         if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            transform = lambda w: permute(w, n_head, n_head)  # noqa: E731
+            heads = n_head
         elif spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            transform = lambda w: permute(w, n_head, n_kv)  # noqa: E731
+            heads = n_kv  # permute(w, n_head, n_kv) permutes over the KV heads
+        if heads is not None:
+            transform = functools.partial(permute, n_head=heads, n_head_kv=None)
         plus_one = spec.norm_plus_one and hf_name.endswith("norm.weight")
         if plus_one:
             transform = lambda w: w + 1  # noqa: E731
-        out.append(GGUFTensor(new, lazy.shape, qtype(new, lazy.shape, ftype), _maker(lazy, transform, plus_one)))
+        made = _maker(lazy, transform, plus_one)
+        kind = qtype(new, lazy.shape, ftype)
+        out.append(GGUFTensor(new, lazy.shape, kind, made, None if plus_one else lazy, heads))
     return out, ftype
 
 

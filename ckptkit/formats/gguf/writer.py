@@ -1,16 +1,18 @@
 """Writing a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes it, streamed.
 
 Header, key/value metadata and tensor infos are encoded by the ``gguf`` package's
-:class:`gguf.GGUFWriter` from shapes and types alone; tensor bytes are then written one
-tensor at a time (cast through float32 and quantized a block of rows at a time), never the
-whole model in memory.
+:class:`gguf.GGUFWriter` from shapes and types alone; tensor bytes are then written at
+their offsets one tensor at a time, a chunk of rows at a time (read from the source's
+files and converted with numpy where they lie there as stored, :mod:`.rows`; else cast
+through float32 with torch), never the whole model in memory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
-from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors, spec_of
+from ckptkit.formats.gguf.rows import row_chunks
+from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab
-from ckptkit.io import publishing_file
+from ckptkit.io import OutputFile, publishing_file
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
@@ -72,6 +75,23 @@ def _model_name(ckpt: OpenedCheckpoint) -> str:
 NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
 
 
+def _aligned(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _chunks(t: GGUFTensor, checked: bool) -> Iterable[bytes | memoryview]:
+    """``t``'s GGML bytes a chunk at a time: from the source's bytes with numpy where they lie
+    there as stored (:mod:`~ckptkit.formats.gguf.rows`), else through torch (``checked``: a
+    narrowing cast that overflows or flushes a value is an error naming ``t``)."""
+    import gguf
+
+    if t.source is not None:
+        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads)
+        if chunks is not None:
+            return chunks
+    return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
+
+
 def write_gguf(
     ckpt: OpenedCheckpoint,
     dst: Path,
@@ -119,20 +139,26 @@ def write_gguf(
         assert w.fout is not None
         fout = w.fout[0]
         try:
-            w.write_padding(fout, fout.tell())
-            with byte_progress("converting", size, quiet) as bar:
-                for t in tensors:
-                    written = 0
-                    checked = dtype in NARROWING and not allow_lossy  # what --dtype asked for, checked
-                    for chunk in quantized_chunks(t.make(), t.qtype, t.name if checked else None):
-                        fout.write(chunk)
-                        written += len(chunk)
-                    if written != t.nbytes:
-                        raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
-                    w.write_padding(fout, written)
-                    bar.advance(written)
-            fout.flush()
+            start = _aligned(fout.tell(), w.data_alignment)
         finally:
             fout.close()
             w.fout = None
+        offsets = []
+        for t in tensors:
+            offsets.append(start)
+            start = _aligned(start + t.nbytes, w.data_alignment)
+        os.truncate(tmp, start)  # the padding: zeros
+        out = OutputFile(tmp)
+        try:
+            with byte_progress("converting", size, quiet) as bar:
+                for t, offset in zip(tensors, offsets, strict=True):
+                    written = 0
+                    for chunk in _chunks(t, dtype in NARROWING and not allow_lossy):
+                        out.write(chunk, offset + written)
+                        written += memoryview(chunk).nbytes
+                    if written != t.nbytes:
+                        raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
+                    bar.advance(written)
+        finally:
+            out.close()
     return dst.stat().st_size

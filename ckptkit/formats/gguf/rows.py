@@ -1,0 +1,101 @@
+"""Tensor bytes for a GGUF without torch: the source's rows read by span into a reused buffer,
+permuted a whole head at a time, and written as stored, widened to F32 or quantized to Q8_0
+with numpy, a chunk of rows at a time.
+
+Only what needs no arithmetic beyond llama.cpp's exact casts goes this way: a tensor whose
+bytes lie in the source files as stored (:meth:`~ckptkit.tensors.lazy.Lazy.spans`), of at
+most two dimensions, untransformed or Q/K-permuted, written as its own type, as F32, or as
+Q8_0. Anything else (a cast that may overflow, Gemma's ``norm + 1``, computed tensors) is
+:func:`~ckptkit.formats.gguf.quants.quantized_chunks`' work, with torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ckptkit.formats.gguf.quants import quantize_q8_0
+from ckptkit.io import Span, read_spans_into, take, take_rows
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ckptkit.tensors.lazy import Lazy
+
+CHUNK_BYTES = 8 << 20  # source bytes read at a time (whole rows, whole heads)
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+SAME = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # stored as is
+
+
+def streamable(lazy: Lazy, kind: str) -> bool:
+    """Whether :func:`row_chunks` writes ``lazy`` as GGML type ``kind`` (by name)."""
+    if lazy.dtype not in ITEMSIZE or not 1 <= len(lazy.shape) <= 2:
+        return False
+    return kind in ("F32", "Q8_0") or SAME[lazy.dtype] == kind
+
+
+def head_order(rows: int, heads: int) -> list[int]:
+    """llama.cpp's Q/K permutation as row indices: output row ``i`` is source row ``order[i]``
+    (rows grouped by head, each head's two halves interleaved)."""
+    half = rows // heads // 2
+    return [h * 2 * half + j * half + i for h in range(heads) for i in range(half) for j in range(2)]
+
+
+def row_chunks(lazy: Lazy, kind: str, heads: int | None) -> Iterator[memoryview] | None:
+    """The GGML bytes of ``lazy`` as type ``kind``, Q/K-permuted over ``heads`` heads when
+    given; None when its bytes do not lie in the source as stored."""
+    spans = lazy.spans()
+    if spans is None or not streamable(lazy, kind):
+        return None
+    rows = lazy.shape[0]
+    if heads is not None and rows % (2 * heads):
+        return None  # not whole heads: the torch path says so
+    row_bytes = math.prod(lazy.shape[1:]) * ITEMSIZE[lazy.dtype]
+    if heads is not None and len(spans) > 1:  # rows already scattered (a permuted source): reorder the spans
+        spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
+    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads)
+
+
+def _chunks(
+    spans: list[Span], dtype: str, kind: str, rows: int, row_bytes: int, heads: int | None
+) -> Iterator[memoryview]:
+    import numpy as np
+
+    group = rows // heads if heads else 1  # rows moved together
+    step = max(1, CHUNK_BYTES // max(1, group * row_bytes)) * group
+    buf = np.empty(min(rows, step) * row_bytes, np.uint8)
+    moved = np.empty_like(buf) if heads else buf
+    for first in range(0, rows, step):
+        n = min(step, rows - first)
+        raw = buf[: n * row_bytes]
+        read_spans_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
+        if heads:
+            out = moved[: n * row_bytes]
+            by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
+            out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
+            raw = out
+        yield _encoded(raw, dtype, kind).reshape(-1).data
+
+
+def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:
+    """``raw`` (stored bytes of ``dtype``) as GGML type ``kind``."""
+    import numpy as np
+
+    if kind == "Q8_0":
+        if dtype == "bfloat16":
+            return quantize_q8_0(raw.view(np.uint16).reshape(-1, 32), bf16=True)
+        return quantize_q8_0(raw.view(np.float16 if dtype == "float16" else np.float32).reshape(-1, 32))
+    if kind == "F32" and dtype == "bfloat16":
+        wide = raw.view(np.uint16).astype(np.uint32)
+        wide <<= 16
+        return wide.view(np.uint8)
+    if kind == "F32" and dtype == "float16":
+        return raw.view(np.float16).astype(np.float32).view(np.uint8)
+    if dtype == "bfloat16":  # BF16 as float32 -> BF16 rounding gives it: NaNs get their quiet bit
+        bits = raw.view(np.uint16)
+        nan = (bits & 0x7FFF) > 0x7F80
+        if nan.any():
+            bits |= np.where(nan, np.uint16(0x0040), np.uint16(0))
+        return raw
+    return raw  # F32 from float32, F16 from float16: the stored bytes

@@ -1,0 +1,171 @@
+"""GGUF tensor bytes written without torch are the ``gguf`` package's bytes.
+
+The reference is ``gguf.quants.quantize`` (what llama.cpp's converter calls) on the float32
+cast of the whole tensor; the torch path (``quantized_chunks``), itself checked against
+llama.cpp's converter in ``test_gguf.py``, is the reference for Q/K-permuted rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from ckptkit.convert import convert
+from ckptkit.formats.gguf import quants, rows
+from ckptkit.io import Span
+from ckptkit.tensors.lazy import Lazy
+
+from conftest import FIXTURES
+
+
+def reference_q8_0(x: np.ndarray) -> bytes:
+    from gguf import GGMLQuantizationType
+    from gguf import quants as ref
+
+    with np.errstate(all="ignore"):
+        return bytes(ref.quantize(x.astype(np.float32), GGMLQuantizationType.Q8_0).tobytes())
+
+
+def ours_q8_0(x: np.ndarray) -> bytes:
+    with np.errstate(all="ignore"):
+        return bytes(quants.quantize_q8_0(x.reshape(-1, 32)).tobytes())
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(1, 6), st.sampled_from([32, 64, 96])), elements=st.floats(width=32)))
+def test_q8_0_of_any_float32_rows_is_the_gguf_package_quantization(x: np.ndarray) -> None:
+    """Any float32 values: NaNs, infinities, subnormals, zeros, huge and tiny blocks."""
+    assert ours_q8_0(x) == reference_q8_0(x)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-45, 1e-40, 1e-38, 3e-39, 0.02, 1.0, 1e30, 3.4e38])
+def test_q8_0_of_blocks_at_any_scale_is_the_gguf_package_quantization(scale: float) -> None:
+    """Whole blocks of zeros, of subnormals (a scale whose inverse overflows), and near the
+    float32 limits, in runs longer than one pass of the quantizer."""
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore"):
+        x = (rng.standard_normal((quants.Q8_BLOCKS + 7, 32)) * scale).astype(np.float32)
+    x[3] = 0
+    x[5] = -0.0
+    assert ours_q8_0(x) == reference_q8_0(x)
+
+
+def test_q8_0_rounds_every_float_in_four_binades_and_every_tie_half_away_from_zero() -> None:
+    """A block holding 127 has scale 1: its other 31 values are rounded as they are. Every
+    float32 in [0.25, 4) of both signs, and each k + 0.5 (k < 127) with its neighbours."""
+    lo, hi = np.array([0.25, 4.0], np.float32).view(np.uint32)
+    values = np.arange(lo, hi, dtype=np.uint32).view(np.float32)
+    ties = np.arange(127, dtype=np.float32) + np.float32(0.5)
+    near = np.concatenate([ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(200))])
+    values = np.concatenate([values, -values, near, -near])
+    values = np.concatenate([values, np.zeros(-len(values) % 31, np.float32)]).reshape(-1, 31)
+    x = np.concatenate([np.full((len(values), 1), 127, np.float32), values], axis=1)
+    assert ours_q8_0(x) == reference_q8_0(x)
+
+
+def test_q8_0_of_float16_and_bfloat16_blocks_is_that_of_their_float32_cast() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    half = bits.view(np.float16)
+    assert ours_q8_0(half) == reference_q8_0(half.astype(np.float32))
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    with np.errstate(all="ignore"):
+        ours = quants.quantize_q8_0(bits.reshape(-1, 32), bf16=True).tobytes()
+    assert ours == reference_q8_0(widened)
+
+
+def lazy_in_file(path: Path, data: np.ndarray, dtype: str) -> Lazy:
+    path.write_bytes(data.tobytes())
+    return Lazy(tuple(data.shape), dtype, lambda: None, spans=lambda: [Span(path, 0, data.nbytes)])  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("kind", ["BF16", "F32", "Q8_0"])
+def test_every_bfloat16_pattern_streamed_is_the_gguf_package_bytes_of_its_float32_cast(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BF16 keeps the bits but quiets NaNs as the package's rounding does; F32 widens."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as ref
+
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 256 * 2 * 5)  # five rows at a time
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    chunks = rows.row_chunks(lazy_in_file(tmp_path / "t", bits, "bfloat16"), kind, None)
+    assert chunks is not None
+    with np.errstate(all="ignore"):
+        ours = b"".join(bytes(c) for c in chunks)
+        widened = (bits.astype(np.uint32) << 16).view(np.float32)
+        assert ours == ref.quantize(widened, GGMLQuantizationType[kind]).tobytes()
+
+
+@pytest.mark.parametrize(("dtype", "kind"), [("float16", "F16"), ("float16", "F32"), ("float32", "F32")])
+def test_float16_and_float32_rows_streamed_are_the_gguf_package_bytes(
+    dtype: str, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf import quants as ref
+
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 4096)
+    raw = np.random.default_rng(1).integers(0, 1 << 16, (64, 96), dtype=np.uint32).astype(np.uint16)
+    data = raw.view(np.float16) if dtype == "float16" else raw.astype(np.uint32).view(np.float32) * 3
+    chunks = rows.row_chunks(lazy_in_file(tmp_path / "t", data, dtype), kind, None)
+    assert chunks is not None
+    with np.errstate(all="ignore"):
+        assert b"".join(bytes(c) for c in chunks) == ref.quantize(data, GGMLQuantizationType[kind]).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["BF16", "Q8_0"])
+@pytest.mark.parametrize("heads", [1, 4, 8])
+def test_q_k_rows_permuted_in_chunks_are_the_torch_permutation(
+    heads: int, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from ckptkit.formats.gguf.tensors import permute
+
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 3 * 16 * 64 * 2)  # not a whole number of heads
+    bits = np.random.default_rng(2).integers(0, 1 << 16, (128, 64), dtype=np.uint32).astype(np.uint16) & 0x3FFF
+    one = lazy_in_file(tmp_path / "one", bits, "bfloat16")
+    # the same rows split over two files: the spans are reordered, not the bytes
+    (tmp_path / "a").write_bytes(bits[:64].tobytes())
+    (tmp_path / "b").write_bytes(bits[64:].tobytes())
+    halves = [Span(tmp_path / "a", 0, 64 * 128), Span(tmp_path / "b", 0, 64 * 128)]
+    two = Lazy(one.shape, "bfloat16", one.get, spans=lambda: halves)
+    expected = permute(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16), heads, None)
+    want = b"".join(quants.quantized_chunks(expected, GGMLQuantizationType[kind]))
+    for lazy in (one, two):
+        chunks = rows.row_chunks(lazy, kind, heads)
+        assert chunks is not None
+        assert b"".join(bytes(c) for c in chunks) == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8_0", None])
+def test_hf_and_meta_to_gguf_without_torch_equal_the_torch_path(
+    dtype: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole file, from HF and from Meta (rows of a .pth), with and without the streamed
+    rows; the streamed rows write most tensors where no narrowing cast is asked for."""
+    from ckptkit.formats.gguf import writer
+
+    for src in (FIXTURES / "hf" / "llama2", FIXTURES / "meta" / "llama2"):
+        name = src.parent.name
+        streamed: list[bool] = []
+
+        def counted(*args: object, streamed: list[bool] = streamed) -> object:
+            chunks = rows.row_chunks(*args)  # type: ignore[arg-type]
+            streamed.append(chunks is not None)
+            return chunks
+
+        with monkeypatch.context() as m:
+            m.setattr(writer, "row_chunks", counted)
+            convert(src, tmp_path / f"{name}-rows.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        if dtype in ("float32", "q8_0"):  # the fixtures are float32: narrowing casts go through torch
+            assert sum(streamed) > len(streamed) // 2
+        with monkeypatch.context() as m:
+            m.setattr(writer, "row_chunks", lambda *a: None)
+            convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        assert (tmp_path / f"{name}-rows.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
