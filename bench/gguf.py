@@ -18,10 +18,11 @@ outtype (``bf16`` and ``q8_0``):
 Each command is its own process under GNU ``time`` (``bench/convert.py``'s ``run_child``:
 wall, peak RSS) after an untimed read of its source (warm cache), followed by a timed
 ``sync``: "until on disk" is command + sync. Medians over rounds; ratios per round; the
-1-minute load average before and after each round (the machine is shared). After the last
-round of each outtype, ckptkit's files are read with the ``gguf`` package's ``GGUFReader``
-and their tensors compared with llama.cpp's (names, types, shapes, bytes): the timings are
-of the same output. The synthetic checkpoints are deleted at the end unless ``--keep``.
+1-minute load average before and after each round (the machine is shared). In the last
+round of each outtype, each file is read with the ``gguf`` package's ``GGUFReader`` once timed
+and its tensors (names, types, shapes, SHA-256 of bytes) compared with llama.cpp's: the
+timings are of the same output. Each output is deleted as soon as it is timed, the
+synthetic checkpoints at the end unless ``--keep``.
 
 Run::
 
@@ -85,13 +86,17 @@ def timed(argv: list[str], log: Path, cwd: Path | None = None) -> Run:
     return run
 
 
-def same_tensors(a: Path, b: Path) -> bool:
+def tensor_digest(path: Path) -> list[tuple[str, int, list[int], str]]:
+    """Each tensor's name, GGML type, shape and SHA-256 of its bytes (the file can then go:
+    at 32 layers three outputs would not fit beside the sources)."""
+    import hashlib
+
     from gguf import GGUFReader
 
-    ta, tb = GGUFReader(a).tensors, GGUFReader(b).tensors
-    if [(t.name, t.tensor_type, list(t.shape)) for t in ta] != [(t.name, t.tensor_type, list(t.shape)) for t in tb]:
-        return False
-    return all(x.data.tobytes() == y.data.tobytes() for x, y in zip(ta, tb, strict=True))
+    return [
+        (t.name, int(t.tensor_type), [int(x) for x in t.shape], hashlib.sha256(t.data.tobytes()).hexdigest())
+        for t in GGUFReader(path).tensors
+    ]
 
 
 def until_on_disk(run: Run) -> float:
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 names += ["cp"] + (["dd"] if args.dd else [])
             reads = {"meta": [meta], "dd": [largest]}
             runs: dict[str, list[Run]] = {name: [] for name in names}
+            digests: dict[str, list[tuple[str, int, list[int], str]]] = {}
             load = [os.getloadavg()[0]]
             for r in range(args.repeat):
                 order = names[r % len(names) :] + names[: r % len(names)]  # rotated every round
@@ -171,13 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                     warm(reads.get(name, [src]))
                     cwd = llama_cpp if name == "llama.cpp" else None
                     runs[name].append(timed(commands[name], args.out / f"{name}-{outtype}-{r}.log", cwd))
-                    if name in ("cp", "dd"):
-                        remove(outs[name])
+                    if r == args.repeat - 1 and name not in ("cp", "dd"):
+                        digests[name] = tensor_digest(outs[name])
+                    remove(outs[name])
                 load.append(os.getloadavg()[0])
-            identical = same_tensors(outs["ckptkit"], outs["llama.cpp"])
-            meta_identical = same_tensors(outs["meta"], outs["llama.cpp"])
-            for name in ("ckptkit", "meta", "llama.cpp"):
-                remove(outs[name])
+            identical = digests["ckptkit"] == digests["llama.cpp"]
+            meta_identical = digests["meta"] == digests["llama.cpp"]
             print(
                 f"\n--outtype {outtype} (tensors identical to llama.cpp's: HF {'yes' if identical else 'NO'}, "
                 f"Meta {'yes' if meta_identical else 'NO'}; load average {', '.join(f'{x:.1f}' for x in load)})"

@@ -169,3 +169,49 @@ def test_hf_and_meta_to_gguf_without_torch_equal_the_torch_path(
             m.setattr(writer, "row_chunks", lambda *a: None)
             convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
         assert (tmp_path / f"{name}-rows.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+def test_a_meta_record_whose_bytes_fail_its_crc_writes_no_gguf(dtype: str, tmp_path: Path) -> None:
+    """The streamed rows check each .pth record's CRC-32 as they read it: a flipped byte in
+    the middle of a tensor is one error, and no GGUF."""
+    import shutil
+    import zipfile
+
+    from ckptkit.errors import CkptkitError
+
+    src = tmp_path / "meta"
+    shutil.copytree(FIXTURES / "meta" / "llama2", src)
+    pth = src / "consolidated.00.pth"
+    with zipfile.ZipFile(pth) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with pth.open("r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CkptkitError, match="CRC|corrupt"):
+        convert(src, tmp_path / "out.gguf", "gguf", dtype=dtype)
+    assert not (tmp_path / "out.gguf").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 12), st.sampled_from([1, 3, 8]), st.data())
+def test_rows_of_one_span_are_its_byte_ranges_coalesced(nrows: int, row_bytes: int, data: st.DataObject) -> None:
+    """take_rows' shortcut for a tensor stored whole (Q/K rows of a Meta .pth) gives the rows'
+    byte ranges in order, neighbours merged, and refuses a row outside the span."""
+    from ckptkit.io import coalesce, take_ranges, take_rows
+
+    span = Span(Path("/x"), data.draw(st.integers(0, 100)), nrows * row_bytes)
+    wanted = data.draw(st.lists(st.integers(0, nrows - 1), max_size=15)) if nrows else []
+    expected = [
+        (s.path, s.offset, s.nbytes)
+        for s in coalesce(take_ranges([span], ((r * row_bytes, row_bytes) for r in wanted)))
+    ]
+    assert [(s.path, s.offset, s.nbytes) for s in take_rows([span], row_bytes, wanted)] == expected
+    with pytest.raises(ValueError):
+        take_rows([span], row_bytes, [nrows])

@@ -21,14 +21,14 @@ from __future__ import annotations
 from ckptkit.io.direct import direct_pays
 from ckptkit.io.overlap import Overlap
 from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
-from ckptkit.io.records import Verifier, read_spans, read_spans_into
+from ckptkit.io.records import SpanReader, Verifier, read_spans
 from ckptkit.io.spans import RecordCheck, Span, coalesce, take, take_ranges, take_rows, total_bytes
 from ckptkit.io.transfer import AUTO, COPY_METHODS, OutputFile
 
 __all__ = [
     # where a tensor's bytes lie in the source
     "Span", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes", "read_spans",
-    "read_spans_into",
+    "SpanReader",
     # writing them
     "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "direct_pays",
     # putting the output in place

@@ -1,5 +1,6 @@
 """Recorded CRC-32s of a source's zip records, checked once each before their bytes are used,
-and reads of spans into memory that check them first."""
+and reads of spans into memory that check them first (or, for :class:`SpanReader`, on the
+way, before the output is published)."""
 
 from __future__ import annotations
 
@@ -107,20 +108,42 @@ def read_spans(spans: list[Span]) -> bytes:
     return bytes(out)
 
 
-def read_spans_into(spans: list[Span], view: memoryview) -> None:
-    """Fill ``view`` (exactly as long as ``spans``) with their bytes, their records checked
-    first: a reused buffer instead of :func:`read_spans`' new bytes."""
-    verify_checks(spans)
-    fds: dict[Path, int] = {}
-    try:
+class SpanReader:
+    """Reads span lists into reused buffers, for a writer that converts bytes on the way.
+
+    The CRC-32 of each source record the spans draw on is computed from the bytes as they
+    are read when they come in order (:meth:`Verifier.feed`, as the stream copy does); what
+    was not read in order is read again by :meth:`close`, which checks every record seen:
+    the output must not be published before it returns. Source files stay open until then.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._checks: dict[tuple[int, str], RecordCheck] = {}
+
+    def read_into(self, spans: list[Span], view: memoryview) -> None:
+        """Fill ``view`` (exactly as long as ``spans``) with their bytes."""
         at = 0
         for span in spans:
-            if span.path not in fds:
-                fds[span.path] = os.open(span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            read_fully(fds[span.path], view[at : at + span.nbytes], span.offset)
+            if span.path not in self._fds:
+                self._fds[span.path] = os.open(span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            part = view[at : at + span.nbytes]
+            read_fully(self._fds[span.path], part, span.offset)
+            if span.check is not None:
+                self._checks.setdefault((id(span.check.verifier), span.check.key), span.check)
+                span.check.verifier.feed(span.check, span.offset, part)
             at += span.nbytes
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if at != len(view):
-        raise ValueError(f"spans hold {at} bytes, the buffer {len(view)}")
+        if at != len(view):
+            raise ValueError(f"spans hold {at} bytes, the buffer {len(view)}")
+
+    def close(self, check: bool = True) -> None:
+        """Check every record read from (reading again what was not read in order) unless
+        ``check`` is false (the reads were abandoned); close the files."""
+        try:
+            for record in self._checks.values() if check else ():
+                record.verifier.complete(record)
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._checks.clear()

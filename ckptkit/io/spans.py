@@ -108,7 +108,19 @@ def take(spans: list[Span], start: int, nbytes: int) -> list[Span]:
 
 def take_rows(spans: list[Span], row_bytes: int, rows: list[int]) -> list[Span]:
     """The rows ``rows`` (in that order) of a row-major tensor whose bytes are ``spans``."""
-    return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in rows)))
+    if len(spans) != 1:
+        return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in rows)))
+    whole = spans[0]  # one span (a tensor stored whole): runs of consecutive rows, sliced directly
+    out: list[Span] = []
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j] == rows[j - 1] + 1:
+            j += 1
+        if row_bytes:
+            out.append(whole.slice(rows[i] * row_bytes, (j - i) * row_bytes))  # raises outside the span
+        i = j
+    return out
 
 
 def total_bytes(spans: list[Span]) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.quants import quantize_q8_0
-from ckptkit.io import Span, read_spans_into, take, take_rows
+from ckptkit.io import Span, SpanReader, coalesce, take, take_rows
 
 if TYPE_CHECKING:
     import numpy as np
@@ -52,7 +52,10 @@ def row_chunks(lazy: Lazy, kind: str, heads: int | None) -> Iterator[memoryview]
     if heads is not None and rows % (2 * heads):
         return None  # not whole heads: the torch path says so
     row_bytes = math.prod(lazy.shape[1:]) * ITEMSIZE[lazy.dtype]
-    if heads is not None and len(spans) > 1:  # rows already scattered (a permuted source): reorder the spans
+    if heads is not None and len(spans) == rows and all(s.nbytes == row_bytes for s in spans):
+        # one span a row (a source stored permuted, as Meta's): the rows of the spans reordered
+        spans, heads = coalesce([spans[i] for i in head_order(rows, heads)]), None
+    elif heads is not None and len(spans) > 1:
         spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
     return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads)
 
@@ -66,16 +69,22 @@ def _chunks(
     step = max(1, CHUNK_BYTES // max(1, group * row_bytes)) * group
     buf = np.empty(min(rows, step) * row_bytes, np.uint8)
     moved = np.empty_like(buf) if heads else buf
-    for first in range(0, rows, step):
-        n = min(step, rows - first)
-        raw = buf[: n * row_bytes]
-        read_spans_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
-        if heads:
-            out = moved[: n * row_bytes]
-            by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
-            out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
-            raw = out
-        yield _encoded(raw, dtype, kind).reshape(-1).data
+    reader = SpanReader()
+    try:
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            raw = buf[: n * row_bytes]
+            reader.read_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
+            if heads:
+                out = moved[: n * row_bytes]
+                by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
+                out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
+                raw = out
+            yield _encoded(raw, dtype, kind).reshape(-1).data
+    except BaseException:
+        reader.close(check=False)
+        raise
+    reader.close()  # the source records' CRC-32s, before the tensor counts as written
 
 
 def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:
