@@ -182,10 +182,13 @@ def main(argv: list[str] | None = None) -> int:
                     remove(outs[name])
                 load.append(os.getloadavg()[0])
             identical = digests["ckptkit"] == digests["llama.cpp"]
-            meta_identical = digests["meta"] == digests["llama.cpp"]
+            # Meta has no HF shards to follow: its tensors come in name order (as llama.cpp
+            # writes them from the HF folder ckptkit makes of it), the HF shards' order here
+            meta_identical = sorted(digests["meta"]) == sorted(digests["llama.cpp"])
             print(
                 f"\n--outtype {outtype} (tensors identical to llama.cpp's: HF {'yes' if identical else 'NO'}, "
-                f"Meta {'yes' if meta_identical else 'NO'}; load average {', '.join(f'{x:.1f}' for x in load)})"
+                f"Meta {'yes, in name order' if meta_identical else 'NO'}; "
+                f"load average {', '.join(f'{x:.1f}' for x in load)})"
             )
             print(f"{'command':<40} {'wall s':>8} {'+sync s':>8} {'peak RSS':>10}")
             labels = {
