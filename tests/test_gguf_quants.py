@@ -215,3 +215,15 @@ def test_rows_of_one_span_are_its_byte_ranges_coalesced(nrows: int, row_bytes: i
     assert [(s.path, s.offset, s.nbytes) for s in take_rows([span], row_bytes, wanted)] == expected
     with pytest.raises(ValueError):
         take_rows([span], row_bytes, [nrows])
+
+
+def test_a_gguf_written_past_the_page_cache_is_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the dirty limit the whole pages of each chunk go O_DIRECT (the edges buffered)."""
+    from ckptkit.formats.gguf import writer
+
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 100_000)  # chunks ending off page boundaries
+    src = FIXTURES / "hf" / "llama2"
+    convert(src, tmp_path / "cached.gguf", "gguf", dtype="float32")
+    monkeypatch.setattr(writer, "direct_pays", lambda nbytes: True)
+    convert(src, tmp_path / "direct.gguf", "gguf", dtype="float32")
+    assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "cached.gguf").read_bytes()

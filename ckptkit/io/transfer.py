@@ -208,10 +208,16 @@ class OutputFile:
 
     def write(self, data: bytes | memoryview, offset: int, writeback: bool = True) -> None:
         """Write all of ``data`` at ``offset``; ``writeback``: start writing it to disk now
-        (not worth it for a few bytes patched into a page written again later)."""
-        view = memoryview(data)
-        with self._lock:
-            stream.write_all(self._fd, view, offset)
+        (not worth it for a few bytes patched into a page written again later). Where the
+        file was opened ``direct`` (the output is past the dirty limit), the whole pages of
+        a large write go past the page cache (:func:`ckptkit.io.direct.write_parts`)."""
+        view = memoryview(data).cast("B")
+        if self._direct.auto and view.nbytes >= directio.MIN_DIRECT:
+            for at in range(0, view.nbytes, stream.BUFFER):
+                directio.write_parts(self._fd, self._direct, [view[at : at + stream.BUFFER]], offset + at, self._lock)
+        else:
+            with self._lock:
+                stream.write_all(self._fd, view, offset)
         if writeback:
             start_writeback(self._fd, offset, view.nbytes)
 

@@ -23,7 +23,7 @@ from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.rows import row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab
-from ckptkit.io import OutputFile, publishing_file
+from ckptkit.io import OutputFile, direct_pays, publishing_file
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def write_gguf(
             offsets.append(start)
             start = _aligned(start + t.nbytes, w.data_alignment)
         os.truncate(tmp, start)  # the padding: zeros
-        out = OutputFile(tmp)
+        out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
         try:
             with byte_progress("converting", size, quiet) as bar:
                 for t, offset in zip(tensors, offsets, strict=True):
