@@ -125,8 +125,17 @@ def convert(
             "(default: as in SRC).",
         ),
     ] = None,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            "--base",
+            metavar="BASE",
+            help="SRC a LoRA adapter folder: the base checkpoint it was trained on (default: the adapter "
+            "config's base_model_name_or_path, if a local folder).",
+        ),
+    ] = None,
 ) -> None:
-    """Convert SRC to DST in another format, streaming one tensor at a time."""
+    """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
     from ckptkit.convert import COMPUTED
     from ckptkit.convert import convert as run_convert
 
@@ -149,6 +158,7 @@ def convert(
             config=config,
             force_model_type=force_model_type,
             experts=experts,
+            base=base,
         )
     if quiet:
         return
