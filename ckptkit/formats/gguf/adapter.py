@@ -99,7 +99,8 @@ def _pairs(adapter: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict[st
         pairs.setdefault(key.removeprefix(PREFIX).removesuffix(suffix) + weight, {})[half] = t
     for name, pair in pairs.items():
         if len(pair) != 2:
-            raise CkptkitError(f"{adapter}: {name} has lora_{'AB'['ab'.index(*pair)]} but no lora_{'BA'['ab'.index(*pair)]}")
+            have = next(iter(pair))
+            raise CkptkitError(f"{adapter}: {name} has lora_{have.upper()} but no lora_{'BA'['ab'.index(have)]}")
         a, b = pair["a"], pair["b"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise CkptkitError(
@@ -132,7 +133,7 @@ def adapter_tensors(
         a, b = pair["a"], pair["b"]
         new = gguf_name(tmap, name)
         if name not in shapes or new is None or (spec.drops_output and name == "lm_head.weight"):
-            tied = name == "lm_head.weight" and (new is not None or spec.drops_output)
+            tied = name == "lm_head.weight"
             why = " (its output layer is its embeddings, so llama.cpp's GGUF of it has no output.weight)" if tied else ""
             raise CkptkitError(f"{adapter}: the adapter adapts {name}, which {base.path} does not have{why}")
         embedding = new == embeddings
