@@ -298,7 +298,9 @@ def convert_adapter(
     if extra is not None:
         raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
     check_destination(src, dst, force, folder=False)
-    written = fmt.write_adapter(src, dst, Path(base) if base is not None else None, dtype, quiet, force, allow_lossy_cast)
+    written = fmt.write_adapter(
+        src, dst, Path(base) if base is not None else None, dtype, quiet, force, allow_lossy_cast
+    )
     return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), [], written, {COMPUTED: written})
 
 

@@ -243,7 +243,6 @@ class GGUFFormat(CheckpointFormat):
             raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
         return write_gguf(ckpt, dst, dtype, quiet, force, allow_lossy)
 
-
     def write_adapter(
         self,
         adapter: Path,

@@ -18,6 +18,7 @@ scaling.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,7 +135,9 @@ def adapter_tensors(
         new = gguf_name(tmap, name)
         if name not in shapes or new is None or (spec.drops_output and name == "lm_head.weight"):
             tied = name == "lm_head.weight"
-            why = " (its output layer is its embeddings, so llama.cpp's GGUF of it has no output.weight)" if tied else ""
+            why = (
+                " (its output layer is its embeddings, so llama.cpp's GGUF of it has no output.weight)" if tied else ""
+            )
             raise CkptkitError(f"{adapter}: the adapter adapts {name}, which {base.path} does not have{why}")
         embedding = new == embeddings
         want = tuple(shapes[name])
@@ -151,8 +154,12 @@ def adapter_tensors(
             a = a.T.contiguous()  # llama.cpp gathers the embeddings' A by token: rows of rank r
         for half, t in ((f"{new}.lora_a", a), (f"{new}.lora_b", b)):
             shape = tuple(t.shape)
-            out.append(GGUFTensor(half, shape, qtype(half, shape, ftype), lambda t=t: t))
+            out.append(GGUFTensor(half, shape, qtype(half, shape, ftype), functools.partial(_same, t)))
     return out, ftype
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _hparams(base: OpenedCheckpoint) -> dict[str, Any]:
