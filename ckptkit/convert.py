@@ -18,7 +18,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
-from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, is_adapter_folder
+from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
 from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.progress import byte_progress
@@ -298,9 +298,9 @@ def convert_adapter(
     if extra is not None:
         raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
     check_destination(src, dst, force, folder=False)
-    written = fmt.write_adapter(
-        src, dst, Path(base) if base is not None else None, dtype, quiet, force, allow_lossy_cast
-    )
+    fmt.check_adapter_options(dtype)
+    with open_checkpoint(adapter_base(src, Path(base) if base is not None else None)) as trained_on:
+        written = fmt.write_adapter(src, dst, trained_on, dtype, quiet, force, allow_lossy_cast)
     return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), [], written, {COMPUTED: written})
 
 

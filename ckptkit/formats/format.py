@@ -176,19 +176,22 @@ class CheckpointFormat:
         a value is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
         raise NotImplementedError
 
+    def check_adapter_options(self, dtype: str | None) -> None:
+        """For a format that holds LoRA adapters: a one-line error for a ``dtype`` it cannot write."""
+
     def write_adapter(
         self,
         adapter: Path,
         dst: Path,
-        base: Path | None,
+        base: OpenedCheckpoint,
         dtype: str | None,
         quiet: bool,
         force: bool,
         allow_lossy: bool = False,
     ) -> int:
         """For a format that holds LoRA adapters (``writes_adapters``): write the PEFT adapter
-        folder ``adapter`` (trained on ``base``, else on the base its config names) as ``dst``,
-        published atomically; returns its size."""
+        folder ``adapter``, trained on the checkpoint ``base``, as ``dst``, published
+        atomically; returns its size."""
         raise NotImplementedError
 
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:

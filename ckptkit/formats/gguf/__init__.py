@@ -243,11 +243,15 @@ class GGUFFormat(CheckpointFormat):
             raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
         return write_gguf(ckpt, dst, dtype, quiet, force, allow_lossy)
 
+    def check_adapter_options(self, dtype: str | None) -> None:
+        if dtype is not None and dtype not in GGUF_DTYPES:
+            raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
+
     def write_adapter(
         self,
         adapter: Path,
         dst: Path,
-        base: Path | None,
+        base: OpenedCheckpoint,
         dtype: str | None,
         quiet: bool,
         force: bool,
@@ -255,8 +259,7 @@ class GGUFFormat(CheckpointFormat):
     ) -> int:
         from ckptkit.formats.gguf.adapter import write_adapter_gguf
 
-        if dtype is not None and dtype not in GGUF_DTYPES:
-            raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
+        self.check_adapter_options(dtype)
         return write_adapter_gguf(adapter, dst, base, dtype, quiet, force, allow_lossy)
 
 

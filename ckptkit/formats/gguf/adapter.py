@@ -3,7 +3,7 @@
 The adapter folder (``adapter_config.json`` + ``adapter_model.safetensors`` or ``.bin``;
 ckptkit's trainer writes the same) gives the tensors, ``lora_alpha`` and the model card;
 the base (``--base``, else the adapter's ``base_model_name_or_path`` when it is a local
-checkpoint of any format ckptkit reads) gives the architecture and the shapes. Keys:
+checkpoint of any format ckptkit reads; opened by the caller) gives the architecture and the shapes. Keys:
 ``general.type = adapter``, ``adapter.type = lora``, the model card's ``general.*`` keys,
 ``adapter.lora.alpha``. Tensors, in the order the adapter file holds their first half:
 ``<GGUF name>.lora_a`` (A, ``rank x in``) and ``.lora_b`` (B, ``out x rank``), the Q/K
@@ -46,17 +46,6 @@ def merge_hint(adapter: Path) -> str:
         f"merge it into its base instead (ckptkit merge BASE {adapter} MERGED), then convert the merged "
         "model (ckptkit convert MERGED out.gguf --to gguf)"
     )
-
-
-def base_of(adapter: Path, config: dict[str, Any], base: Path | None) -> Path:
-    """``--base``, else the adapter's ``base_model_name_or_path`` when it is a local checkpoint."""
-    if base is not None:
-        return base
-    named = config.get("base_model_name_or_path")
-    if isinstance(named, str) and named and Path(named).exists():
-        return Path(named)
-    where = f" ({named!r} in adapter_config.json is not a local folder)" if named else ""
-    raise CkptkitError(f"{adapter}: which model is this adapter for{where}? pass --base BASE (its checkpoint)")
 
 
 def _checked_config(adapter: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> float:
@@ -171,7 +160,7 @@ def _hparams(base: OpenedCheckpoint) -> dict[str, Any]:
 def write_adapter_gguf(
     adapter: Path,
     dst: Path,
-    base: Path | None,
+    base: OpenedCheckpoint,
     dtype: str | None,
     quiet: bool = True,
     force: bool = False,
@@ -185,7 +174,6 @@ def write_adapter_gguf(
     import gguf
     import numpy as np
 
-    from ckptkit.checkpoint import open_checkpoint
     from ckptkit.formats.gguf.quants import quantized_chunks
     from ckptkit.formats.gguf.tensors import spec_of
     from ckptkit.formats.gguf.writer import NARROWING, quiet_gguf
@@ -201,10 +189,8 @@ def write_adapter_gguf(
     invocation = config.get("alora_invocation_tokens")
     if config.get("invocation_string") and not invocation:
         raise CkptkitError(f"{adapter}: an aLoRA with an invocation_string but no alora_invocation_tokens")
-    base_dir = base_of(adapter, config, base)
-    with open_checkpoint(base_dir) as ckpt:
-        spec = spec_of(ckpt.family, ckpt.path)
-        planned, _ = adapter_tensors(adapter, ckpt, tensors, dtype)
+    spec = spec_of(base.family, base.path)
+    planned, _ = adapter_tensors(adapter, base, tensors, dtype)
     w = gguf.GGUFWriter(None, spec.arch)
     for t in planned:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
@@ -214,7 +200,7 @@ def write_adapter_gguf(
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")
         meta = gguf.Metadata.load(None, adapter, None, total)
         if meta.name is None:
-            meta.name = base_dir.name if base_dir.is_dir() else base_dir.stem
+            meta.name = base.path.name if base.path.is_dir() else base.path.stem
         if meta.size_label is None and total > 0:
             meta.size_label = gguf.size_label(total, shared, expert, experts)
         meta.set_gguf_meta_model(w)
