@@ -53,9 +53,13 @@ def _checked_config(adapter: Path, config: dict[str, Any], tensors: dict[str, to
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise CkptkitError(f"{adapter}: a {kind} adapter; llama.cpp's adapter GGUF holds LoRA only")
+    if config.get("lora_bias") or any(k.endswith(".lora_B.bias") for k in tensors):
+        raise CkptkitError(f"{adapter}: LoRA with a bias (lora_bias), which a LoRA GGUF lacks; {merge_hint(adapter)}")
     saved = sorted(k for k in tensors if not k.endswith((*HALVES, ".base_layer.weight")))
-    if config.get("modules_to_save") or saved:
-        what = ", ".join(k.removeprefix(PREFIX) for k in saved[:3]) or ", ".join(config["modules_to_save"])
+    listed = config.get("modules_to_save") or []
+    if listed or saved:
+        names = [k.removeprefix(PREFIX) for k in saved[:3]] or ([listed] if isinstance(listed, str) else list(listed))
+        what = ", ".join(map(str, names))
         raise CkptkitError(
             f"{adapter}: the adapter replaces whole tensors (modules_to_save: {what}), which a LoRA GGUF "
             f"cannot hold; {merge_hint(adapter)}"
@@ -68,7 +72,7 @@ def _checked_config(adapter: Path, config: dict[str, Any], tensors: dict[str, to
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise CkptkitError(f"{adapter}: adapter_config.json's lora_alpha is {alpha!r}, not a number")
     patterns = config.get("alpha_pattern") or {}
-    if any(v != alpha for v in patterns.values()):
+    if not isinstance(patterns, dict) or any(v != alpha for v in patterns.values()):
         raise CkptkitError(f"{adapter}: alpha_pattern gives modules their own alpha; a LoRA GGUF holds one")
     if config.get("use_rslora"):
         ranks = {t.shape[0] for k, t in tensors.items() if k.endswith((".lora_A.weight", ".lora_embedding_A"))}
