@@ -259,7 +259,7 @@ def convert(
     if src.is_dir() and is_adapter_folder(src):
         given = {"--from": from_format, "--model-type": model_type, "--config": config, "--experts": experts}
         return convert_adapter(src, dst, fmt, base, dtype, force, quiet, allow_lossy_cast, given, verify)
-    if base is not None:
+    if base is not None and src.exists():
         raise CkptkitError(f"--base applies to a LoRA adapter SRC (a folder with {ADAPTER_CONFIG}); {src} is not one")
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
         check_lossy(ckpt, dtype)

@@ -227,7 +227,9 @@ def test_the_base_comes_from_a_local_base_model_name_or_path_or_base(adapters: d
     local = _edited(adapters["llama3"], tmp_path / "local", base_model_name_or_path=str(FIXTURES / "hf" / "llama3"))
     convert(local, tmp_path / "local.gguf", "gguf")
     convert(adapters["llama3"], tmp_path / "given.gguf", "gguf", base=FIXTURES / "hf" / "llama3")
-    assert _gguf_tensors(tmp_path / "local.gguf").keys() == _gguf_tensors(tmp_path / "given.gguf").keys()
+    assert_same_gguf(tmp_path / "local.gguf", tmp_path / "given.gguf")
+    convert(adapters["llama3"], tmp_path / "meta.gguf", "gguf", base=FIXTURES / "meta" / "llama3")  # any format
+    assert_same_gguf(tmp_path / "meta.gguf", tmp_path / "given.gguf")
     hub = _edited(adapters["llama3"], tmp_path / "hub", base_model_name_or_path="meta-llama/Llama-3.2-1B")
     _refused(tmp_path, r"'meta-llama/Llama-3.2-1B'.*not a local folder.*pass --base BASE", hub)
 
