@@ -230,6 +230,8 @@ def test_the_base_comes_from_a_local_base_model_name_or_path_or_base(adapters: d
     assert_same_gguf(tmp_path / "local.gguf", tmp_path / "given.gguf")
     convert(adapters["llama3"], tmp_path / "meta.gguf", "gguf", base=FIXTURES / "meta" / "llama3")  # any format
     assert_same_gguf(tmp_path / "meta.gguf", tmp_path / "given.gguf")
+    with pytest.raises(CkptkitError, match="LoRA adapter GGUF"):  # read back: no model in it
+        convert(tmp_path / "meta.gguf", tmp_path / "hf", "hf")
     hub = _edited(adapters["llama3"], tmp_path / "hub", base_model_name_or_path="meta-llama/Llama-3.2-1B")
     _refused(tmp_path, r"'meta-llama/Llama-3.2-1B'.*not a local folder.*pass --base BASE", hub)
 

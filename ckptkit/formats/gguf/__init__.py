@@ -21,7 +21,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.gguf import model
-from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, read_header, summary
+from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
@@ -147,6 +147,8 @@ class GGUFFormat(CheckpointFormat):
         tensors = GGUFTensors(header)
         unsure = None
         try:
+            if meta_str(header, "general.type") == "adapter":  # what --to gguf writes for a LoRA adapter
+                raise CkptkitError("it is a LoRA adapter GGUF (general.type adapter), not a model")
             config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
         except CkptkitError as e:  # inspect still lists the tensors; family() says why
             config, unsure = {}, str(e)
