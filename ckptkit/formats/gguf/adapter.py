@@ -10,10 +10,11 @@ checkpoint of any format ckptkit reads; opened by the caller) gives the architec
 permutation applied to B's rows only; the embeddings' A is stored transposed, as llama.cpp
 reads it. No ``rope_freqs`` (a LoRA GGUF never holds one) and no vocabulary.
 
-Where the script writes what llama.cpp cannot load (LoRA on the output layer of a model
-whose output is its embeddings) or silently changes the adapter (rsLoRA scaling), this is
-refused in one line, or (rsLoRA with one rank) the alpha is written that gives the same
-scaling.
+Where the script writes what llama.cpp cannot load or run (LoRA on the output layer or the
+embeddings of a model whose output layer is its embeddings: llama.cpp finds the first under
+no tensor and applies the second to its output layer too) or silently changes the adapter
+(rsLoRA scaling), this is refused in one line, or (rsLoRA with one rank) the alpha is
+written that gives the same scaling.
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ def adapter_tensors(
             )
             raise CkptkitError(f"{adapter}: the adapter adapts {name}, which {base.path} does not have{why}")
         embedding = new == embeddings
+        if embedding and ("lm_head.weight" not in shapes or spec.drops_output):
+            raise CkptkitError(
+                f"{adapter}: LoRA on the embeddings of a model whose output layer is its embeddings: llama.cpp "
+                f"applies a token_embd.weight LoRA to its output layer too, where it cannot; {merge_hint(adapter)}"
+            )
         want = tuple(shapes[name])
         got = (a.shape[1], b.shape[0]) if embedding else (b.shape[0], a.shape[1])
         if got != want:
