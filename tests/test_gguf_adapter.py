@@ -42,10 +42,14 @@ def make_adapter(
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    base = FIXTURES / "hf" / family
+    base = FIXTURES / "hf" / family if "/" not in family else Path(family)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **lora)
     peft_model = get_peft_model(model, config).to(dtype)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".modules_to_save." in name:  # trained: no longer the base's
+                p.add_(torch.randn_like(p) * 0.01)
     peft_model.save_pretrained(out)
     return out
 
@@ -216,6 +220,30 @@ def test_modules_to_save_says_to_merge_then_convert(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "ckptkit merge" in result.output and "--to gguf" in result.output
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_modules_to_save_and_embedding_lora_merge_as_peft_merges_them_then_convert(tmp_path: Path) -> None:
+    """The way to a GGUF that the refusal names: ckptkit merge (equal to PEFT's merge_and_unload
+    of the same adapter), then --to gguf."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ckptkit.train.export import merge_adapter_into_checkpoint
+
+    base = tmp_path / "base"
+    convert(FIXTURES / "hf" / "llama2", base, "hf", dtype="float32")  # float32: one rounding, as PEFT's
+    adapter = make_adapter(tmp_path / "a", str(base), ["q_proj", "embed_tokens"], modules_to_save=["lm_head"])
+    merge_adapter_into_checkpoint(base, adapter, tmp_path / "merged")
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    theirs = peft.merge_and_unload().state_dict()
+    original = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert not torch.equal(theirs[key], original[key]), key
+    assert ours.keys() == theirs.keys()
+    assert max((v - theirs[k]).abs().max().item() for k, v in ours.items()) < 1e-6
+    convert(tmp_path / "merged", tmp_path / "merged.gguf", "gguf")
+    assert (tmp_path / "merged.gguf").stat().st_size > 0
 
 
 def _edited(adapter: Path, out: Path, **changes: Any) -> Path:
