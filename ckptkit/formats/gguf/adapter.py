@@ -112,11 +112,20 @@ def adapter_tensors(
     """The output tensors in llama.cpp's order, with the file type."""
     import gguf
 
-    from ckptkit.formats.gguf.tensors import GGUFTensor, file_type, gguf_name, name_map, permute, qtype, spec_of
+    from ckptkit.formats.gguf.tensors import (
+        GGUFTensor,
+        file_type,
+        gguf_name,
+        hf_hparams,
+        name_map,
+        permute,
+        qtype,
+        spec_of,
+    )
     from ckptkit.formats.registry import get_format
 
     spec = spec_of(base.family, base.path)
-    hparams = _hparams(base)
+    hparams = hf_hparams(base)  # config.json as llama.cpp reads it
     shapes = {k: v.shape for k, v in get_format("hf").targets(base, {}, with_optional=False)[0].items()}
     tmap = name_map(spec, hparams["num_hidden_layers"])
     n_head = hparams["num_attention_heads"]
@@ -159,12 +168,6 @@ def adapter_tensors(
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _hparams(base: OpenedCheckpoint) -> dict[str, Any]:
-    from ckptkit.formats.gguf.tensors import hf_hparams
-
-    return hf_hparams(base)
 
 
 def write_adapter_gguf(
