@@ -140,6 +140,20 @@ def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("family", ["hf/llama2", "meta/llama2"])
+def test_a_source_without_tokenizer_is_named_in_one_line(family: str, tmp_path: Path) -> None:
+    """A Meta source goes through a temporary HF folder: the error still names the source."""
+    src = tmp_path / "no-tokenizer"
+    src.mkdir()
+    for f in (FIXTURES / family).iterdir():
+        if not f.name.startswith("tokenizer"):
+            (src / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CkptkitError) as err:
+        convert(src, tmp_path / "out.gguf", "gguf")
+    assert str(err.value) == f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
+
+
 @pytest.mark.parametrize("qtype", ["BF16", "F16", "F32", "Q8_0"])
 def test_a_bfloat16_tensor_gives_the_gguf_package_bytes_of_its_float32_cast(
     qtype: str, monkeypatch: pytest.MonkeyPatch
