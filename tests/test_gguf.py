@@ -93,6 +93,20 @@ def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
 
 
+@pytest.mark.slow
+def test_internal_and_dcp_copies_give_llama_cpp_s_gguf_of_the_hf_folder_they_came_from(
+    llama_cpp: Path, tmp_path: Path
+) -> None:
+    """Their tensor order (shard by shard) and config.json (max_position_embeddings, which
+    params.json cannot hold) are those of the recorded HF folder, as llama.cpp would read it."""
+    src = FIXTURES / "hf" / "llama2"
+    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", "auto")
+    for fmt in ("internal", "dcp"):
+        convert(src, tmp_path / fmt, fmt)
+        convert(tmp_path / fmt, tmp_path / f"{fmt}.gguf", "gguf")
+        assert_same_gguf(tmp_path / f"{fmt}.gguf", theirs)
+
+
 def test_two_meta_ranks_give_the_gguf_of_one(tmp_path: Path) -> None:
     convert(FIXTURES / "meta" / "llama2-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
     convert(FIXTURES / "meta" / "llama2", tmp_path / "one.gguf", "gguf", dtype="q8_0")
