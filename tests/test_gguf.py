@@ -81,7 +81,8 @@ def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
     family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path
 ) -> None:
     """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
-    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor)."""
+    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor);
+    that HF folder, as an HF source, gives the same file."""
     if family.startswith("llama3_1"):
         src = tmp_path / "meta"
         write_tiny_meta_llama3(src)
@@ -91,6 +92,9 @@ def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
     convert(src, tmp_path / "hf", "hf")
     theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype])
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
+    if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
+        convert(tmp_path / "hf", tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        assert_same_gguf(tmp_path / "from-hf.gguf", theirs)
 
 
 @pytest.mark.slow
