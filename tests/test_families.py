@@ -61,6 +61,29 @@ def test_mixtral_meta_round_trip_keeps_every_tensor(meta: str, tmp_path: Path) -
     assert json.loads((tmp_path / "meta" / "params.json").read_text()) == json.loads((src / "params.json").read_text())
 
 
+def test_mixtral_is_recognised_in_meta_layout_from_params_or_its_tensors(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    for name in ("mixtral", "mixtral-2rank"):  # params.json's moe section
+        result = CliRunner().invoke(app, ["inspect", str(FIXTURES / "meta" / name)])
+        assert result.exit_code == 0 and "model type  mixtral" in result.output, result.output
+    # experts among the tensors but no moe section: Mixtral, whose top-k only params.json can say
+    src = tmp_path / "m"
+    shutil.copytree(FIXTURES / "meta" / "mixtral", src)
+    params = json.loads((src / "params.json").read_text())
+    del params["moe"]
+    (src / "params.json").write_text(json.dumps(params))
+    for args in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out"), "--to", "hf"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and not (tmp_path / "out").exists()
+        assert result.output.strip().splitlines() == [
+            f"error: {src / 'params.json'}: no 'moe' section, yet its tensors hold 4 experts per layer: add "
+            '"moe": {"num_experts": 4, "num_experts_per_tok": K} (Mixtral routes each token to 2)'
+        ]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_stacked_and_per_expert_layouts_hold_the_same_canonical_tensors(family: str) -> None:
     with open_checkpoint(FIXTURES / "hf" / family) as a, open_checkpoint(FIXTURES / "hf" / f"{family}-stacked") as b:
