@@ -58,10 +58,12 @@ def test_full_fine_tuning_of_qwen3_moe_on_two_processes_matches_one_device(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "dtype"), [("mixtral", "fp32"), ("qwen3_moe-stacked", "bf16")])
-def test_lora_on_experts_and_router_on_two_processes_matches_one_device(name: str, dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("src", "dtype"), [("meta/mixtral-2rank", "fp32"), ("hf/qwen3_moe-stacked", "bf16")])
+def test_lora_on_experts_and_router_on_two_processes_matches_one_device(src: str, dtype: str, tmp_path: Path) -> None:
     """An expert's gate and up share one LoRA A (PEFT's A of the stacked ``gate_up_proj``):
     under FSDP2 it stays one parameter, sharded once, its gradient the sum of both uses."""
+    import json
+
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -69,8 +71,8 @@ def test_lora_on_experts_and_router_on_two_processes_matches_one_device(name: st
     from ckptkit.train.peft_io import load_adapter
     from ckptkit.train.transformer import load_model
 
-    base = FIXTURES / "hf" / name
-    targets = "q,k,v,o,experts,router" + (",gate,up,down" if name.startswith("qwen3_moe") else "")  # a dense layer
+    base = FIXTURES / src
+    targets = "q,k,v,o,experts,router" + (",gate,up,down" if "qwen3_moe" in src else "")  # and a dense layer
     common = ["epochs=1", "max_steps_per_epoch=4", "quiet=true", AUX, f"dtype={dtype}", f"lora.targets=[{targets}]",
               f"checkpointer.checkpoint_dir={base}"]  # fmt: skip
     run_single("lora_finetune", "tiny_lora", *common, "batch_size=8", f"checkpointer.output_dir={tmp_path / 'one'}")
@@ -83,18 +85,22 @@ def test_lora_on_experts_and_router_on_two_processes_matches_one_device(name: st
     assert any(k.endswith("experts.base_layer.lora_A.weight") for k in a)  # gate_up_proj's one A per expert
     if dtype == "fp32":  # in bf16 an AdamW step on a near-zero gradient may go either way
         assert max((a[k] - b[k]).abs().max().item() for k in a) < ADAPTER_ATOL
-    # the 2-process adapter loads in PEFT on transformers' model with the native model's logits
+    # the 2-process adapter loads in PEFT on transformers' model (the HF copy of a Meta base) with
+    # the native model's logits
+    hf_base = json.loads((two / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     ids = torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(5))
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), two / "adapter")
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32), two / "adapter"
+    )
     with torch.no_grad():
         want = peft.eval()(ids).logits
         ours = load_adapter(load_model(str(base), dtype=torch.float32), two / "adapter")(ids)
     assert (ours - want).abs().max().item() <= TOL
-    # its merged model in the input's format and layout, PEFT's merge of its adapter to a bf16 rounding step
-    assert [(k, t.dtype, t.shape) for f in raw_layout(two).values() for k, t in f] == [
-        (k, t.dtype, t.shape) for f in raw_layout(base).values() for k, t in f
-    ]
-    merged = AutoModelForCausalLM.from_pretrained(two, dtype=torch.bfloat16).state_dict()
+    # its merged model in the input's format (files, names, order, dtypes; Meta: 2 ranks), PEFT's
+    # merge of its adapter to a bf16 rounding step
+    assert_same_names_partition_dtypes(base, two)
+    convert(two, tmp_path / "merged_hf", "hf")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.bfloat16).state_dict()
     theirs = peft.merge_and_unload().state_dict()
     assert max(bf16_ulps(v, theirs[k].to(torch.bfloat16)) for k, v in merged.items()) <= 1
 
