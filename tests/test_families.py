@@ -39,6 +39,16 @@ def test_family_is_detected_from_config_json(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", HF)
+def test_fixture_has_every_parameter_random(name: str) -> None:
+    # transformers' save_pretrained of a seeded random model: no tensor left at its init
+    # (norms at 1 or Gemma's at 0, biases at 0), so a dropped or swapped tensor cannot go unnoticed
+    with open_checkpoint(FIXTURES / "hf" / name) as ckpt:
+        for key, lazy in ckpt.tensors.items():
+            t = lazy.get()
+            assert t.unique().numel() > min(t.numel() // 2, 64), key  # (bfloat16 has few values near 0)
+
+
+@pytest.mark.parametrize("name", HF)
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
     _convert(src, tmp_path / "bin", "hf-bin")
