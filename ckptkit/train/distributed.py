@@ -119,7 +119,8 @@ def shard_model(
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:
     """The names of each parameter the model holds under more than one name (e.g. the LoRA A
-    that a fused module's parts share), in module order."""
+    that a fused module's parts share), in module order. FSDP2 keeps such a parameter one
+    within one ``fully_shard`` unit: these are within one decoder layer."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
