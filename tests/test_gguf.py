@@ -81,7 +81,8 @@ def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
     family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path
 ) -> None:
     """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
-    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor)."""
+    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor);
+    that HF folder, as an HF source, gives the same file."""
     if family.startswith("llama3_1"):
         src = tmp_path / "meta"
         write_tiny_meta_llama3(src)
@@ -91,6 +92,23 @@ def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
     convert(src, tmp_path / "hf", "hf")
     theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype])
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
+    if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
+        convert(tmp_path / "hf", tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        assert_same_gguf(tmp_path / "from-hf.gguf", theirs)
+
+
+@pytest.mark.slow
+def test_internal_and_dcp_copies_give_llama_cpp_s_gguf_of_the_hf_folder_they_came_from(
+    llama_cpp: Path, tmp_path: Path
+) -> None:
+    """Their tensor order (shard by shard) and config.json (max_position_embeddings, which
+    params.json cannot hold) are those of the recorded HF folder, as llama.cpp would read it."""
+    src = FIXTURES / "hf" / "llama2"
+    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", "auto")
+    for fmt in ("internal", "dcp"):
+        convert(src, tmp_path / fmt, fmt)
+        convert(tmp_path / fmt, tmp_path / f"{fmt}.gguf", "gguf")
+        assert_same_gguf(tmp_path / f"{fmt}.gguf", theirs)
 
 
 def test_two_meta_ranks_give_the_gguf_of_one(tmp_path: Path) -> None:
@@ -138,6 +156,20 @@ def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=r"ending in \.gguf"):
         convert(FIXTURES / "hf" / "llama2", tmp_path / "model.bin", "gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["hf/llama2", "meta/llama2"])
+def test_a_source_without_tokenizer_is_named_in_one_line(family: str, tmp_path: Path) -> None:
+    """A Meta source goes through a temporary HF folder: the error still names the source."""
+    src = tmp_path / "no-tokenizer"
+    src.mkdir()
+    for f in (FIXTURES / family).iterdir():
+        if not f.name.startswith("tokenizer"):
+            (src / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CkptkitError) as err:
+        convert(src, tmp_path / "out.gguf", "gguf")
+    assert str(err.value) == f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
 
 
 @pytest.mark.parametrize("qtype", ["BF16", "F16", "F32", "Q8_0"])

@@ -80,6 +80,13 @@ class Mixtral(Mistral):
     def config_from_meta(self, src: MetaSource) -> ModelConfig:
         moe = src.params.get("moe")
         if not isinstance(moe, dict) or "num_experts" not in moe:
+            experts = {k.split(".")[4] for k in src.shapes if k.startswith("layers.0.feed_forward.experts.")}
+            if experts:  # the tensors say Mixtral; how many experts route each token, only params.json can
+                raise CkptkitError(
+                    f"no 'moe' section, yet its tensors hold {len(experts)} experts per layer: add "
+                    f'"moe": {{"num_experts": {len(experts)}, "num_experts_per_tok": K}} '
+                    "(Mixtral routes each token to 2)"
+                )
             raise CkptkitError("params.json has no 'moe' section with num_experts: not a Mixtral")
         model = super().config_from_meta(src)
         return dataclasses.replace(
@@ -98,8 +105,9 @@ class Mixtral(Mistral):
 
 
 def detect_meta(src: MetaSource, where: str) -> str | None:
-    """Mistral's Mixtral releases: a ``moe`` section in params.json."""
-    return "mixtral" if isinstance(src.params.get("moe"), dict) else None
+    """Mistral's Mixtral releases: a ``moe`` section in params.json, or experts among the tensors."""
+    moe = isinstance(src.params.get("moe"), dict)
+    return "mixtral" if moe or any(k.startswith("layers.0.feed_forward.experts.") for k in src.shapes) else None
 
 
 FAMILIES = (Mixtral(),)

@@ -9,6 +9,7 @@ Gemma's norm + 1) and given llama.cpp's GGML type for the file type.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,26 +54,52 @@ def spec_of(family: Family, where: object) -> GGUFSpec:
 
 
 def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
-    """config.json as llama.cpp would read it: the source's own, or the one ckptkit writes for HF."""
+    """config.json as llama.cpp would read it in the HF folder of this model: the source's
+    own, the one it was converted from (recorded), or the one ckptkit writes for HF."""
     if ckpt.raw.config_name == "config.json":
         return dict(ckpt.raw.config)
+    recorded = ckpt.origin.get("config") or {}
+    if recorded.get("name") == "config.json":
+        try:
+            config = json.loads(recorded["text"])
+        except (TypeError, ValueError) as e:
+            raise CkptkitError(f"{ckpt.path}: the recorded config.json is not JSON ({e})") from None
+        if isinstance(config, dict):
+            return config
+        raise CkptkitError(f"{ckpt.path}: the recorded config.json is not a JSON object")
     weights = list(ckpt.tensors.values())
     main = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
     return ckpt.family.config_to_hf(ckpt.config, main)
 
 
-def _hf_order(ckpt: OpenedCheckpoint, names: list[str]) -> list[str]:
-    """The order llama.cpp reads an HF folder in; a source with no HF shards is one sorted shard."""
+def _hf_files(ckpt: OpenedCheckpoint, targets: dict[str, Lazy]) -> list[tuple[str, list[str]]]:
+    """The weight files (name, keys as stored) of the HF folder llama.cpp would be given:
+    the source itself, the HF folder it was converted from (recorded), or what ``--to hf``
+    writes for it."""
+    from ckptkit.formats.base import Options
+    from ckptkit.formats.registry import transformers_format
+
     raw = ckpt.raw
-    wanted = set(names)
     if raw.config_name == "config.json" and all(f.endswith((".safetensors", ".bin")) for f in raw.files):
-        order: list[str] = []
-        for f in sorted(raw.files):
-            keys = [k for k in raw.files[f] if k in wanted]
-            order += sorted(keys) if f.endswith(".safetensors") else keys
-        rest = [k for k in names if k not in set(order)]
-        return order + sorted(rest)
-    return sorted(names)
+        return [(f, list(keys)) for f, keys in raw.files.items()]
+    origin = ckpt.origin
+    if (origin.get("config") or {}).get("name") == "config.json" and origin.get("files"):
+        return [(f["name"], list(f["keys"])) for f in origin["files"]]
+    fmt = transformers_format()
+    files, _ = fmt.default_files(ckpt, targets, Options(fmt.name))
+    return [(f.name, list(f.keys)) for f in files]
+
+
+def _hf_order(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], names: list[str]) -> list[str]:
+    """The order llama.cpp reads that HF folder in: shard by shard, names sorted inside a
+    safetensors shard, stored order inside a torch pickle."""
+    wanted = set(names)
+    order: list[str] = []
+    for f, keys in sorted(_hf_files(ckpt, targets)):
+        found = [k for k in keys if k in wanted]
+        order += sorted(found) if f.endswith(".safetensors") else found
+    placed = set(order)
+    return order + sorted(k for k in names if k not in placed)
 
 
 def permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -161,7 +188,7 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     names = [n for n in hf_targets if not n.endswith(".rotary_emb.inv_freq")]
     if spec.drops_output:
         names = [n for n in names if n != "lm_head.weight"]
-    order = _hf_order(ckpt, names)
+    order = _hf_order(ckpt, hf_targets, names)
     ftype = file_type(dtype, hf_targets[order[0]].dtype if order else "float32")
     tmap = name_map(spec, hparams["num_hidden_layers"])
     n_head = hparams["num_attention_heads"]

@@ -19,7 +19,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors, spec_of
-from ckptkit.formats.gguf.vocab import add_vocab
+from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
 from ckptkit.io import publishing_file
 from ckptkit.untrusted import copy_regular_file
 
@@ -48,6 +48,8 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
         (folder / "config.json").write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
+        if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
         yield folder
 
 
