@@ -186,4 +186,16 @@ def hparams_from_metadata(kv: dict[str, Any], arch: str) -> dict[str, Any]:
     out["rope_parameters"] = rope_settings
     if "rope_theta" in rope_settings:
         out["rope_theta"] = rope_settings["rope_theta"]
+    local = kv.get(f"{arch}.rope.freq_base_swa")
+    if local is not None:  # a rope base of its own for the sliding layers: rope_parameters per layer type
+        if not isinstance(local, float) or not local > 0:
+            raise CkptkitError(f"metadata {arch}.rope.freq_base_swa must be a positive float, not {local!r}")
+        local_settings = {"rope_type": "default", "rope_theta": local}
+        out["rope_parameters"] = {"full_attention": rope_settings, "sliding_attention": local_settings}
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = kv.get(f"{arch}.{field}")
+        if cap is not None:
+            if not isinstance(cap, float) or not cap > 0:
+                raise CkptkitError(f"metadata {arch}.{field} must be a positive float, not {cap!r}")
+            out[field] = cap
     return out

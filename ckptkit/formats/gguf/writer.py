@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
+from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors, spec_of
@@ -69,6 +70,20 @@ def _model_name(ckpt: OpenedCheckpoint) -> str:
     return ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem
 
 
+def _not_kept(hparams: dict[str, Any], spec: Any) -> list[str]:
+    """Notes on config.json fields the GGUF has no key for whose values are not the ones
+    llama.cpp assumes: it will not run the source's model."""
+    lost = [
+        f"{field} {hparams[field]} (llama.cpp assumes {value})"
+        for field, value in assumed_fields(spec, hparams).items()
+        if hparams.get(field) is not None and hparams[field] != value
+    ]
+    if not lost:
+        return []
+    fact = f"GGUF has no key for {', '.join(lost)}: llama.cpp's outputs will differ from the source's"
+    return [note(fact, "to keep the source's model, convert to a format other than gguf")]
+
+
 NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
 
 
@@ -96,6 +111,7 @@ def write_gguf(
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
     tensors, ftype = model_tensors(ckpt, hparams, dtype)
+    ckpt.notes.extend(_not_kept(hparams, spec))
     w = gguf.GGUFWriter(None, spec.arch)
     for t in tensors:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)  # shape as given
