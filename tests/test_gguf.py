@@ -8,7 +8,9 @@ free-text naming keys aside) and tensors (names, order, GGML types, shapes, byte
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,3 +217,35 @@ def test_a_bfloat16_tensor_gives_the_gguf_package_bytes_of_its_float32_cast(
     with np.errstate(all="ignore"):
         whole = quants.quantize(t.to(torch.float32).numpy(), kind).tobytes()
         assert b"".join(fmt.quantized_chunks(t, kind)) == whole
+
+
+def test_gemma3_bpe_tokenizer_shorter_than_its_embeddings_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's Gemma3Model drops the embedding rows past a tokenizer.json's tokens when
+    there is no tokenizer.model: a GGUF that could not come back whole, so refused."""
+    src = tmp_path / "gemma3"
+    shutil.copytree(FIXTURES / "hf" / "gemma3_text", src, ignore=shutil.ignore_patterns("tokenizer.model"))
+    doc = json.loads((src / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    doc["model"]["vocab"] = dict(list(vocab.items())[:300])
+    doc["model"]["merges"] = []
+    (src / "tokenizer.json").write_text(json.dumps(doc))
+    n = 300 + len(doc["added_tokens"])
+    with pytest.raises(CkptkitError, match=f"keeps only the first {n} of the 384 embedding rows"):
+        convert(src, tmp_path / "g.gguf", "gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma3"]
+
+
+def test_gemma_settings_a_gguf_cannot_hold_are_noted_when_llama_cpp_would_run_others(tmp_path: Path) -> None:
+    """Gemma 2 / 3 GGUFs have no key for query_pre_attn_scalar or layer_types: llama.cpp
+    scales queries by head_dim (12 here) and makes every 2nd / 6th layer global. The
+    fixtures' 16 and [sliding, full, sliding] are noted where they differ."""
+    notes = {}
+    for family in ("gemma2", "gemma3_text"):
+        result = convert(FIXTURES / "hf" / family, tmp_path / f"{family}.gguf", "gguf")
+        notes[family] = [n for n in result.notes if "GGUF has no key for" in n]
+    assert len(notes["gemma2"]) == 1 and "query_pre_attn_scalar 16 (llama.cpp assumes 12)" in notes["gemma2"][0]
+    assert "layer_types" not in notes["gemma2"][0]  # its layers already alternate as llama.cpp's do
+    assert len(notes["gemma3_text"]) == 1 and "query_pre_attn_scalar 16" in notes["gemma3_text"][0]
+    assert (
+        "(llama.cpp assumes ['sliding_attention', 'sliding_attention', 'sliding_attention'])" in notes["gemma3_text"][0]
+    )

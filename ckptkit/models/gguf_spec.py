@@ -120,14 +120,15 @@ GEMMA2_GGUF = GGUFSpec(
 
 # --- gemma3_text ----------------------------------------------------------------------------
 # llama.cpp's Gemma3Model: TextModel's keys (rewritten in place with its defaults), then these
+_GEMMA3 = (
+    "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
+    "rope_scaling", "rope_freq_base?", "rope_freq_base_swa?", "layer_norm_rms_eps?", "head_dim?", "file_type",
+    "final_logit_softcapping?", "sliding_window",
+)  # fmt: skip
 GEMMA3_GGUF = GGUFSpec(
     "gemma3",
     ("Gemma3ForCausalLM",),
-    (
-        "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
-        "rope_scaling", "rope_freq_base?", "rope_freq_base_swa?", "layer_norm_rms_eps?", "head_dim?", "file_type",
-        "final_logit_softcapping?", "sliding_window",
-    ),  # fmt: skip
+    _GEMMA3,
     "spm_unprefixed_or_bpe",
     norm_plus_one=True,
     sliding_pattern=6,

@@ -110,12 +110,17 @@ WRITERS: dict[str, tuple[Writer, str | None]] = {
 _PRESENT: dict[str, Callable[[dict[str, Any]], Any]] = {"rope_theta": _theta, "rope_theta_swa": _local_theta}
 
 
+def _present(hparams: dict[str, Any], field: str) -> Any:
+    """The value whose absence (None) skips a ``name?`` key."""
+    get = _PRESENT.get(field)
+    return get(hparams) if get is not None else hparams.get(field)
+
+
 def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftype: Any) -> None:
     """The keys ``names`` (a spec's ``parameters``) from config.json ``hparams``."""
     for name in names:
         write, field = WRITERS[name.rstrip("?")]
-        present = _PRESENT.get(field or "", lambda h: h.get(field))
-        if name.endswith("?") and field is not None and present(hparams) is None:
+        if name.endswith("?") and field is not None and _present(hparams, field) is None:
             continue
         write(w, hparams, ftype)
 

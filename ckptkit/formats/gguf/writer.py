@@ -84,6 +84,23 @@ def _not_kept(hparams: dict[str, Any], spec: Any) -> list[str]:
     return [note(fact, "to keep the source's model, convert to a format other than gguf")]
 
 
+def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
+    """Refuse what llama.cpp would write with embedding rows dropped: a byte-level BPE
+    tokenizer (no ``tokenizer.model``) with fewer tokens than the embeddings have rows."""
+    if (folder / "tokenizer.model").is_file() or not (folder / "tokenizer.json").is_file():
+        return
+    from ckptkit.formats.base import read_json
+
+    doc = read_json(folder / "tokenizer.json")[1]
+    n = len((doc.get("model") or {}).get("vocab") or {}) + len(doc.get("added_tokens") or [])
+    rows = next((t.shape[0] for t in tensors if t.name == "token_embd.weight"), 0)
+    if n < rows:
+        raise CkptkitError(
+            f"{folder / 'tokenizer.json'}: llama.cpp keeps only the first {n} of the {rows} embedding rows "
+            "(as many as the tokenizer has tokens); ckptkit does not write a GGUF that cannot convert back whole"
+        )
+
+
 NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
 
 
@@ -123,6 +140,8 @@ def write_gguf(
             meta.name = _model_name(ckpt)
         if meta.size_label is None and total > 0:
             meta.size_label = gguf.size_label(total, shared, expert, experts)
+        if spec.embeddings_to_vocab:
+            _check_vocab_rows(folder, tensors)
         meta.set_gguf_meta_model(w)
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
