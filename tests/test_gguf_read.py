@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_gguf import TINY_BPE, llama_cpp_gguf
+from test_gguf import assert_same_gguf, llama_cpp_gguf, tiny_bpe_as
 from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
@@ -142,18 +142,20 @@ AS_LLAMA_CPP_RUNS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "olmo2"])
-def test_newer_family_gguf_comes_back_bitwise_and_runs_as_the_source(
-    family: str, llama_cpp: Path, tmp_path: Path
+def test_newer_family_gguf_equals_llama_cpp_and_comes_back_bitwise_running_as_the_source(
+    family: str, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """q_norm/k_norm, Gemma's four norms (1 + w undone), soft-capping, the sliding layers' own
-    rope base come back from llama.cpp's GGUF; transformers gives the rebuilt folder the
-    source's logits (the source read as llama.cpp runs it where the GGUF has no key), and its
-    tokenizer the source's ids."""
+    """ckptkit's GGUF (outtype auto) is llama.cpp's; q_norm/k_norm, Gemma's four norms (1 + w
+    undone), soft-capping, the sliding layers' own rope base come back from it; transformers
+    gives the rebuilt folder the source's logits (the source read as llama.cpp runs it where
+    the GGUF has no key), and its tokenizer the source's ids."""
     from tokenizers import Tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = FIXTURES / "hf" / family
-    gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", "auto", TINY_BPE.get(family))
+    gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", "auto", tiny_bpe_as(monkeypatch, family))
+    convert(src, tmp_path / "ours.gguf", "gguf")
+    assert_same_gguf(tmp_path / "ours.gguf", gguf)
     convert(gguf, tmp_path / "hf", "hf", dtype="bfloat16")
     code, out, err = cli("verify", src, tmp_path / "hf")
     assert code == 0 and "IDENTICAL" in out, out + err
