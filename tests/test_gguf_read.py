@@ -131,9 +131,10 @@ def test_llama3_1_gguf_gives_back_rope_scaling_and_meta_tokenizer(llama_cpp: Pat
     assert encode_all(tmp_path / "back-hf", texts) == encode_all(tmp_path / "hf", texts)
 
 
-# What llama.cpp runs a Gemma 2 / Gemma 3 GGUF with where the file has no key (its C++ model
-# loader): queries scaled by 1/sqrt(head_dim), and every 2nd (Gemma 2) or 6th (Gemma 3) layer
-# global. The fixtures' own values (query_pre_attn_scalar 16, layer 1 global) are not these.
+# What llama.cpp runs a Gemma 2 / Gemma 3 GGUF with where the file has no key (its C++ loader,
+# src/models/gemma2.cpp and gemma3.cpp of the same sdist): queries scaled by 1/sqrt(head_dim)
+# (hidden/heads at 46 / 62 layers), every 2nd / 6th layer global (set_swa_pattern). The
+# fixtures' own values (query_pre_attn_scalar 16, layer 1 global) are not these.
 AS_LLAMA_CPP_RUNS = {
     "gemma2": {"query_pre_attn_scalar": 12},
     "gemma3_text": {"query_pre_attn_scalar": 12, "layer_types": ["sliding_attention"] * 3},
