@@ -8,7 +8,9 @@ free-text naming keys aside) and tensors (names, order, GGML types, shapes, byte
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +28,29 @@ OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_
 NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune", "general.version")
 
 
-def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str) -> Path:
+# llama.cpp's converter, with a byte-level BPE tokenizer it does not recognise by hash read as
+# the pre-tokenizer named first on the command line (the fixtures' tiny trained vocabularies)
+UNKNOWN_PRE_AS = """
+import runpy, sys
+pre = sys.argv.pop(1)
+sys.path.insert(0, ".")
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return pre
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, unknown_pre: str | None = None) -> Path:
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     cmd = [sys.executable, "convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", outtype]
+    if unknown_pre is not None:
+        cmd[1:2] = ["-c", UNKNOWN_PRE_AS, unknown_pre]
     res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return out
@@ -57,14 +79,45 @@ def assert_same_gguf(ours: Path, theirs: Path) -> None:
         assert a[3] == b[3], f"{a[0]}: bytes differ"
 
 
+# The newer families differ from the older ones in keys, names, transforms and vocabularies,
+# not in how an outtype picks GGML types: q8_0 once here (odd row lengths fall back to F16);
+# their auto outputs are compared where they are also read back (test_gguf_read.py).
+HF_CASES = [(f, d) for f in ("llama2", "mistral", "gemma", "phi3") for d in OUTTYPES] + [("qwen3", "q8_0")]
+# The fixtures' byte-level BPE tokenizers are tiny trained ones, whose probe-text hash llama.cpp
+# cannot know: both converters are told which pre-tokenizer they use (Qwen2's, Llama 3's).
+TINY_BPE = {"qwen3": "qwen2", "olmo2": "llama-bpe"}
+
+
+class UnknownHashMeans(dict[str, str]):
+    """ckptkit's table of pre-tokenizer hashes, reading an unknown hash as ``pre``."""
+
+    def __init__(self, known: dict[str, str], pre: str) -> None:
+        super().__init__(known)
+        self.pre = pre
+
+    def get(self, key: str, default: object = None) -> str:  # type: ignore[override]
+        return super().get(key, self.pre)
+
+
+def tiny_bpe_as(monkeypatch: pytest.MonkeyPatch, family: str) -> str | None:
+    from ckptkit.formats.gguf import vocab
+
+    pre = TINY_BPE.get(family)
+    if pre is not None:
+        monkeypatch.setattr(vocab, "PRE_TOKENIZERS", UnknownHashMeans(vocab.PRE_TOKENIZERS, pre))
+    return pre
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", list(OUTTYPES))
-@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma", "phi3"])
-def test_hf_to_gguf_equals_llama_cpp(family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "dtype"), HF_CASES)
+def test_hf_to_gguf_equals_llama_cpp(
+    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = FIXTURES / "hf" / family
+    pre = tiny_bpe_as(monkeypatch, family)
     # llama.cpp's casts are lossy (a weight under float16's range becomes 0): so are ours, asked to be
     convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
-    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", OUTTYPES[dtype])
+    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", OUTTYPES[dtype], pre)
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
 
 
@@ -73,24 +126,34 @@ def test_hf_to_gguf_equals_llama_cpp(family: str, dtype: str | None, llama_cpp: 
 META_CASES = [(f, d) for f in ("llama2", "mistral") for d in OUTTYPES] + [
     ("llama3_1-real-tokenizer", d) for d in (None, "q8_0")
 ]
+# Families with no Meta layout come from ckptkit's internal format (Gemma 3's rope bases per
+# layer type, soft-capping, sliding window)
+META_CASES += [("internal:gemma3_text", None)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype"), META_CASES)
 def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
-    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path
+    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
     (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor);
-    that HF folder, as an HF source, gives the same file."""
+    that HF folder, as an HF source, gives the same file. Internal checkpoints too, against the
+    HF folder ``--to hf`` restores from them."""
+    pre = None
     if family.startswith("llama3_1"):
         src = tmp_path / "meta"
         write_tiny_meta_llama3(src)
+    elif family.startswith("internal:"):
+        family = family.removeprefix("internal:")
+        src = tmp_path / "internal"
+        convert(FIXTURES / "hf" / family, src, "internal")
+        pre = tiny_bpe_as(monkeypatch, family)
     else:
         src = FIXTURES / "meta" / family
     convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
     convert(src, tmp_path / "hf", "hf")
-    theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype])
+    theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype], pre)
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
     if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
         convert(tmp_path / "hf", tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
@@ -194,3 +257,35 @@ def test_a_bfloat16_tensor_gives_the_gguf_package_bytes_of_its_float32_cast(
     with np.errstate(all="ignore"):
         whole = quants.quantize(t.to(torch.float32).numpy(), kind).tobytes()
         assert b"".join(fmt.quantized_chunks(t, kind)) == whole
+
+
+def test_gemma3_bpe_tokenizer_shorter_than_its_embeddings_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's Gemma3Model drops the embedding rows past a tokenizer.json's tokens when
+    there is no tokenizer.model: a GGUF that could not come back whole, so refused."""
+    src = tmp_path / "gemma3"
+    shutil.copytree(FIXTURES / "hf" / "gemma3_text", src, ignore=shutil.ignore_patterns("tokenizer.model"))
+    doc = json.loads((src / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    doc["model"]["vocab"] = dict(list(vocab.items())[:300])
+    doc["model"]["merges"] = []
+    (src / "tokenizer.json").write_text(json.dumps(doc))
+    n = 300 + len(doc["added_tokens"])
+    with pytest.raises(CkptkitError, match=f"keeps only the first {n} of the 384 embedding rows"):
+        convert(src, tmp_path / "g.gguf", "gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma3"]
+
+
+def test_gemma_settings_a_gguf_cannot_hold_are_noted_when_llama_cpp_would_run_others(tmp_path: Path) -> None:
+    """Gemma 2 / 3 GGUFs have no key for query_pre_attn_scalar or layer_types: llama.cpp
+    scales queries by head_dim (12 here) and makes every 2nd / 6th layer global. The
+    fixtures' 16 and [sliding, full, sliding] are noted where they differ."""
+    notes = {}
+    for family in ("gemma2", "gemma3_text"):
+        result = convert(FIXTURES / "hf" / family, tmp_path / f"{family}.gguf", "gguf")
+        notes[family] = [n for n in result.notes if "GGUF has no key for" in n]
+    assert len(notes["gemma2"]) == 1 and "query_pre_attn_scalar 16 (llama.cpp assumes 12)" in notes["gemma2"][0]
+    assert "layer_types" not in notes["gemma2"][0]  # its layers already alternate as llama.cpp's do
+    assert len(notes["gemma3_text"]) == 1 and "query_pre_attn_scalar 16" in notes["gemma3_text"][0]
+    assert (
+        "(llama.cpp assumes ['sliding_attention', 'sliding_attention', 'sliding_attention'])" in notes["gemma3_text"][0]
+    )

@@ -23,11 +23,18 @@ class GGUFSpec:
             them, by the names :mod:`ckptkit.formats.gguf.params` defines (``?``: only when
             config.json has the field).
         vocab: its ``set_vocab``: ``llama`` (sentencepiece, else byte-level BPE), ``gemma``,
-            ``phi3`` or ``bpe_or_spm`` (Qwen2).
+            ``phi3``, ``bpe_or_spm`` (Qwen2), ``bpe`` (byte-level BPE only), ``spm_unprefixed``
+            (sentencepiece, ``add_space_prefix`` false) or ``spm_unprefixed_or_bpe``.
         permute_qk: q/k rows go back to Meta's interleaved pairs (llama.cpp's ``permute``).
         norm_plus_one: norms are stored as ``1 + w`` (Gemma).
         drops_output: ``lm_head.weight`` is not written (Gemma always ties it).
         rope_freqs: Llama 3 rope scaling is written as the ``rope_freqs.weight`` tensor.
+        sliding_pattern: llama.cpp runs every ``n``-th layer with global attention and the
+            others in the sliding window (``layer_types`` is not stored; read back as this).
+        query_scale_layers: llama.cpp scales queries by ``1/sqrt(head_dim)`` (HF
+            ``query_pre_attn_scalar``, not stored), or by ``1/sqrt(hidden/heads)`` for models
+            with one of these block counts (Gemma 2 and 3 27B); None: by the config's own.
+        embeddings_to_vocab: the embedding rows past the tokenizer's tokens are dropped.
     """
 
     arch: str
@@ -38,6 +45,9 @@ class GGUFSpec:
     norm_plus_one: bool = False
     drops_output: bool = False
     rope_freqs: bool = False
+    sliding_pattern: int | None = None
+    query_scale_layers: tuple[int, ...] | None = None
+    embeddings_to_vocab: bool = False
 
 
 # llama.cpp's TextModel.set_gguf_parameters, the keys our families have
@@ -92,3 +102,39 @@ PHI3_GGUF = GGUFSpec(
     "phi3",
 )
 QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), _TEXT, "bpe_or_spm")
+
+# --- qwen3 ----------------------------------------------------------------------------------
+QWEN3_GGUF = GGUFSpec("qwen3", ("Qwen3ForCausalLM",), _TEXT, "bpe_or_spm")
+
+# --- gemma2 ---------------------------------------------------------------------------------
+GEMMA2_GGUF = GGUFSpec(
+    "gemma2",
+    ("Gemma2ForCausalLM",),
+    (*GEMMA_GGUF.parameters, "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"),
+    "spm_unprefixed",
+    norm_plus_one=True,
+    drops_output=True,
+    sliding_pattern=2,
+    query_scale_layers=(46,),
+)
+
+# --- gemma3_text ----------------------------------------------------------------------------
+# llama.cpp's Gemma3Model: TextModel's keys (rewritten in place with its defaults), then these
+_GEMMA3 = (
+    "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
+    "rope_scaling", "rope_freq_base?", "rope_freq_base_swa?", "layer_norm_rms_eps?", "head_dim?", "file_type",
+    "final_logit_softcapping?", "sliding_window",
+)  # fmt: skip
+GEMMA3_GGUF = GGUFSpec(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    _GEMMA3,
+    "spm_unprefixed_or_bpe",
+    norm_plus_one=True,
+    sliding_pattern=6,
+    query_scale_layers=(62,),
+    embeddings_to_vocab=True,
+)
+
+# --- olmo2 ----------------------------------------------------------------------------------
+OLMO2_GGUF = GGUFSpec("olmo2", ("Olmo2ForCausalLM",), _TEXT, "bpe")

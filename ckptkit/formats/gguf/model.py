@@ -72,10 +72,25 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     for what, field in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         if (tid := meta_int(h, f"tokenizer.ggml.{what}_token_id")) is not None:
             out[field] = tid
+    out.update(assumed_fields(spec, out))
     if spec.rope_freqs and ROPE_FREQS in shapes:
         out["rope_parameters"] = _llama3_scaling(h, out, read_rope_freqs())
         out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
     check_config_fields("config.json", out, f"{h.path} (metadata as config.json)")
+    return out
+
+
+def assumed_fields(spec: GGUFSpec, hparams: dict[str, Any]) -> dict[str, Any]:
+    """config.json fields the GGUF has no key for, as llama.cpp runs the model: its fixed
+    interleave of sliding and global layers, and its query scale."""
+    out: dict[str, Any] = {}
+    layers, heads, hidden = hparams["num_hidden_layers"], hparams["num_attention_heads"], hparams["hidden_size"]
+    if spec.sliding_pattern is not None:
+        n = spec.sliding_pattern
+        out["layer_types"] = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)]
+    if spec.query_scale_layers is not None:
+        by_hidden = layers in spec.query_scale_layers
+        out["query_pre_attn_scalar"] = hidden // heads if by_hidden else hparams.get("head_dim", hidden // heads)
     return out
 
 

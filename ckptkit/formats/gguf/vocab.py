@@ -204,5 +204,12 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> None:
             gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
         else:
             gpt2_keys()
+    elif kind == "bpe":  # llama.cpp's TextModel default (OLMo 2)
+        gpt2_keys()
+    elif kind == "spm_unprefixed" or (kind == "spm_unprefixed_or_bpe" and (folder / "tokenizer.model").is_file()):
+        gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)  # Gemma 2, Gemma 3
+        w.add_add_space_prefix(False)
+    elif kind == "spm_unprefixed_or_bpe":
+        gpt2_keys()
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")
