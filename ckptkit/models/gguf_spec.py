@@ -10,6 +10,7 @@ subclass Llama and Qwen2 but are other llama.cpp models): :meth:`Family.gguf_spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class GGUFSpec:
         norm_plus_one: norms are stored as ``1 + w`` (Gemma).
         drops_output: ``lm_head.weight`` is not written (Gemma always ties it).
         rope_freqs: Llama 3 rope scaling is written as the ``rope_freqs.weight`` tensor.
+        experts: how it merges a layer's experts into 3-D tensors (None: no experts).
+        implied: config.json fields its llama.cpp architecture assumes without a key
+            (set when reading a GGUF back).
     """
 
     arch: str
@@ -38,6 +42,26 @@ class GGUFSpec:
     norm_plus_one: bool = False
     drops_output: bool = False
     rope_freqs: bool = False
+    experts: GGUFExperts | None = None
+    implied: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class GGUFExperts:
+    """How a llama.cpp model class writes a layer's experts: one 3-D tensor per projection
+    (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` [E, rows, cols], experts
+    stacked in order, nothing transposed) and the router as ``ffn_gate_inp``.
+
+    Attributes:
+        order: the canonical projections (``w1`` gate, ``w3`` up, ``w2`` down) in the order
+            it writes the merged tensors, once a layer's last expert tensor is read.
+        takes_stacked: it reads transformers' stacked ``experts.gate_up_proj`` /
+            ``experts.down_proj`` as they come (else only one tensor per expert; a stacked
+            source is then written as llama.cpp writes its per-expert HF copy).
+    """
+
+    order: tuple[str, ...]
+    takes_stacked: bool = False
 
 
 # llama.cpp's TextModel.set_gguf_parameters, the keys our families have
@@ -92,3 +116,27 @@ PHI3_GGUF = GGUFSpec(
     "phi3",
 )
 QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), _TEXT, "bpe_or_spm")
+
+
+# --- mixture of experts: Mixtral (llama.cpp's LlamaModel) and Qwen3-MoE (Qwen3MoeModel) ---
+# TextModel adds expert_count / expert_used_count after the norm epsilon when config.json has them.
+_EPS = _TEXT.index("layer_norm_rms_eps?") + 1
+_MOE_TEXT = (*_TEXT[:_EPS], "expert_count", "expert_used_count", *_TEXT[_EPS:])
+
+MIXTRAL_GGUF = GGUFSpec(
+    "llama",
+    ("MixtralForCausalLM",),
+    (*_MOE_TEXT, "vocab_size", "rope_dimension_count"),
+    "llama",
+    permute_qk=True,
+    rope_freqs=True,
+    experts=GGUFExperts(("w1", "w2", "w3")),
+)
+QWEN3MOE_GGUF = GGUFSpec(
+    "qwen3moe",
+    ("Qwen3MoeForCausalLM",),
+    (*_MOE_TEXT, "expert_feed_forward_length?"),
+    "gpt2",
+    experts=GGUFExperts(("w2", "w1", "w3"), takes_stacked=True),
+    implied=(("norm_topk_prob", True),),  # llama.cpp's qwen3moe graph always renormalises the top k
+)

@@ -204,5 +204,7 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> None:
             gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
         else:
             gpt2_keys()
+    elif kind == "gpt2":  # TextModel's default (Qwen2MoeModel, Qwen3MoeModel)
+        gpt2_keys()
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")
