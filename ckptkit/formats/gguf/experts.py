@@ -12,6 +12,7 @@ needs one merged tensor in memory at a time, never the model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from collections.abc import Callable
@@ -66,7 +67,9 @@ def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts)
         )
     if experts.takes_stacked or cfg.experts_layout == "per-expert":
         return ckpt, False
-    return dataclasses.replace(ckpt, config=per_expert(cfg)), True
+    view = copy.copy(ckpt)  # the same tensors, named one per expert
+    view.config = per_expert(cfg)
+    return view, True
 
 
 class ExpertMerger:
