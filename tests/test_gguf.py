@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,32 +29,68 @@ OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_
 NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune", "general.version")
 
 
-# llama.cpp's converter, with a byte-level BPE tokenizer it does not recognise by hash read as
-# the pre-tokenizer named first on the command line (the fixtures' tiny trained vocabularies)
-UNKNOWN_PRE_AS = """
+# Runs convert_hf_to_gguf.py's main once per (outfile, outtype) in one process: its start
+# (torch, transformers) is most of its time. With a pre-tokenizer name, llama.cpp takes it for
+# a byte-level BPE tokenizer it does not know (the fixtures' tiny BPE tokenizers); ckptkit is
+# then given the same name (:func:`tiny_bpe_as`).
+CONVERTER = """
 import runpy, sys
-pre = sys.argv.pop(1)
-sys.path.insert(0, ".")
-from conversion import base
+import conversion.base as base
+src, pre, *outs = sys.argv[1:]
 known = base.TextModel.get_vocab_base_pre
 def get_vocab_base_pre(self, tokenizer):
     try:
         return known(self, tokenizer)
     except NotImplementedError:
+        if not pre:
+            raise
         return pre
 base.TextModel.get_vocab_base_pre = get_vocab_base_pre
-runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+for out, outtype in zip(outs[::2], outs[1::2]):
+    sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", out, "--outtype", outtype]
+    runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, unknown_pre: str | None = None) -> Path:
+def llama_cpp_ggufs(llama_cpp: Path, hf_dir: Path, outs: dict[str, Path], pre: str | None = None) -> dict[str, Path]:
+    """llama.cpp's GGUF of ``hf_dir`` for each outtype of ``outs`` (outtype -> file)."""
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    cmd = [sys.executable, "convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", outtype]
-    if unknown_pre is not None:
-        cmd[1:2] = ["-c", UNKNOWN_PRE_AS, unknown_pre]
-    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    args = [str(hf_dir), pre or "", *[str(x) for outtype, out in outs.items() for x in (out, outtype)]]
+    res = subprocess.run(
+        [sys.executable, "-c", CONVERTER, *args], cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    return out
+    return outs
+
+
+def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, pre: str | None = None) -> Path:
+    return llama_cpp_ggufs(llama_cpp, hf_dir, {outtype: out}, pre)[outtype]
+
+
+def all_moe_qwen3(out: Path) -> dict[str, Path]:
+    """The qwen3_moe fixture's config with experts in every layer (llama.cpp's qwen3moe has no
+    dense layers), built by transformers (seeded, every parameter random) and saved in both
+    experts layouts, with the fixture's tokenizer: layout -> HF folder."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = FIXTURES / "hf" / "qwen3_moe"
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.mlp_only_layers = []
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0))
+    folders = {}
+    for layout in ("per-expert", "stacked"):
+        folders[layout] = out / layout
+        model.save_pretrained(folders[layout], max_shard_size="100KB", save_original_format=layout == "per-expert")
+        for f in src.glob("tokenizer*"):
+            shutil.copy(f, folders[layout])
+    return folders
 
 
 def contents(path: Path) -> tuple[list[tuple[str, list[int], Any]], list[tuple[str, str, list[int], bytes]]]:
@@ -79,13 +116,9 @@ def assert_same_gguf(ours: Path, theirs: Path) -> None:
         assert a[3] == b[3], f"{a[0]}: bytes differ"
 
 
-# The newer families differ from the older ones in keys, names, transforms and vocabularies,
-# not in how an outtype picks GGML types: q8_0 once here (odd row lengths fall back to F16);
-# their auto outputs are compared where they are also read back (test_gguf_read.py).
-HF_CASES = [(f, d) for f in ("llama2", "mistral", "gemma", "phi3") for d in OUTTYPES] + [("qwen3", "q8_0")]
 # The fixtures' byte-level BPE tokenizers are tiny trained ones, whose probe-text hash llama.cpp
 # cannot know: both converters are told which pre-tokenizer they use (Qwen2's, Llama 3's).
-TINY_BPE = {"qwen3": "qwen2", "olmo2": "llama-bpe"}
+TINY_BPE = {"qwen3": "qwen2", "qwen3_moe": "qwen2", "olmo2": "llama-bpe"}
 
 
 class UnknownHashMeans(dict[str, str]):
@@ -102,61 +135,144 @@ class UnknownHashMeans(dict[str, str]):
 def tiny_bpe_as(monkeypatch: pytest.MonkeyPatch, family: str) -> str | None:
     from ckptkit.formats.gguf import vocab
 
-    pre = TINY_BPE.get(family)
+    pre = TINY_BPE.get(family.split("/")[-1].removesuffix("-stacked"))
     if pre is not None:
         monkeypatch.setattr(vocab, "PRE_TOKENIZERS", UnknownHashMeans(vocab.PRE_TOKENIZERS, pre))
     return pre
 
 
+# HF sources by fixture name (gemma2, gemma3_text and olmo2: auto, where test_gguf_read.py reads
+# them back; their other outtypes take no other code); qwen3_moe: all_moe_qwen3 (both layouts). A stacked Mixtral, which
+# llama.cpp's llama class cannot read (it merges experts stored one tensor each), is compared with
+# what it writes for the per-expert HF copy ckptkit makes of it.
+HF_SOURCES = [
+    "llama2",
+    "mistral",
+    "gemma",
+    "phi3",
+    "qwen3",
+    "mixtral",
+    "mixtral-stacked",
+    "qwen3_moe",
+    "qwen3_moe-stacked",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(
+    llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., tuple[Path, Path, Path, str | None]]:
+    """(source, its HF folder, llama.cpp's GGUF of that for an outtype, the pre-tokenizer llama.cpp
+    was told) by source name (``meta/NAME``: a Meta fixture; ``internal/NAME``: the HF fixture's
+    internal copy, its HF folder the one ``--to hf`` restores): every outtype from one converter
+    process per source."""
+    made: dict[str, tuple[Path, Path, dict[str, Path], str | None]] = {}
+    qwen3_moe: dict[str, Path] = {}
+
+    def reference(name: str, dtype: str | None) -> tuple[Path, Path, Path, str | None]:
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(name.replace("/", "-"))
+            pre = TINY_BPE.get(name.split("/")[-1].removesuffix("-stacked"))
+            if name.startswith("qwen3_moe"):
+                qwen3_moe.update(qwen3_moe or all_moe_qwen3(tmp_path_factory.mktemp("qwen3_moe")))
+                src = ref = qwen3_moe["stacked" if name.endswith("-stacked") else "per-expert"]
+            elif name.startswith("meta/"):  # Meta's ranks: the HF folder ckptkit writes
+                src, ref = FIXTURES / name, tmp / "hf"
+                convert(src, ref, "hf")
+            elif name.startswith("internal/"):
+                src, ref = tmp / "internal", tmp / "hf"
+                convert(FIXTURES / "hf" / name.removeprefix("internal/"), src, "internal")
+                convert(src, ref, "hf")
+            else:
+                src = ref = FIXTURES / "hf" / name
+            if name == "mixtral-stacked":
+                ref = tmp / "per-expert"
+                convert(src, ref, "hf", experts="per-expert")
+            outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
+            made[name] = (src, ref, llama_cpp_ggufs(llama_cpp, ref, outs, pre), pre)
+        src, ref, refs, pre = made[name]
+        return src, ref, refs[OUTTYPES[dtype]], pre
+
+    return reference
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "dtype"), HF_CASES)
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+@pytest.mark.parametrize("family", HF_SOURCES)
 def test_hf_to_gguf_equals_llama_cpp(
-    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, dtype: str | None, hf_reference: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    src = FIXTURES / "hf" / family
-    pre = tiny_bpe_as(monkeypatch, family)
+    """Experts (both HF layouts) merged into ffn_*_exps [E, rows, cols] in llama.cpp's order, the
+    router ffn_gate_inp in F32, the expert keys."""
+    src, _, theirs, _ = hf_reference(family, dtype)
+    tiny_bpe_as(monkeypatch, family)
     # llama.cpp's casts are lossy (a weight under float16's range becomes 0): so are ours, asked to be
     convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
-    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", OUTTYPES[dtype], pre)
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
+
+
+def test_dense_layers_of_a_qwen3_moe_are_refused_as_llama_cpp_has_none(tmp_path: Path) -> None:
+    # llama.cpp's converter fails on this fixture too (mlp_only_layers = [1]): qwen3moe has no dense FFN
+    with pytest.raises(CkptkitError, match=r"experts in every layer, but layer\(s\) 1 .* dense MLP"):
+        convert(FIXTURES / "hf" / "qwen3_moe", tmp_path / "m.gguf", "gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["mixtral", "mixtral-stacked"])
+def test_experts_are_read_one_merged_tensor_at_a_time(family: str) -> None:
+    """Planning reads nothing; each merged tensor reads its own layer's experts of its projection,
+    once each, and nothing else: the writer holds one merged tensor, never a layer or the model."""
+    from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors
+
+    reads: list[str] = []
+    with open_checkpoint(FIXTURES / "hf" / family) as ckpt:
+        for name, lazy in ckpt.tensors.items():
+            lazy.get = lambda get=lazy.get, name=name: reads.append(name) or get()  # type: ignore[method-assign]
+        tensors, _ = model_tensors(ckpt, hf_hparams(ckpt), "q8_0")
+        assert reads == []
+        projection = {"gate": "w1", "up": "w3", "down": "w2"}
+        for t in tensors:
+            t.make()
+            if "_exps." in t.name:
+                layer, w = t.name.split(".")[1], projection[t.name.split(".")[2].split("_")[1]]
+                assert reads == [f"layers.{layer}.mlp.experts.{e}.{w}.weight" for e in range(4)], t.name
+            else:
+                assert not any(".experts." in r for r in reads), t.name
+            reads.clear()
 
 
 # Llama 3.1's real tokenizer takes llama.cpp most of a minute: its vocabulary does not depend
 # on the outtype, so two outtypes (auto and q8_0) cover it; the small families take all five.
-META_CASES = [(f, d) for f in ("llama2", "mistral") for d in OUTTYPES] + [
+META_CASES = [(f, d) for f in ("llama2", "mistral", "mixtral") for d in OUTTYPES] + [
     ("llama3_1-real-tokenizer", d) for d in (None, "q8_0")
 ]
 # Families with no Meta layout come from ckptkit's internal format (Gemma 3's rope bases per
 # layer type, soft-capping, sliding window)
-META_CASES += [("internal:gemma3_text", None)]
+META_CASES += [("internal/gemma3_text", None)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype"), META_CASES)
 def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
-    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, dtype: str | None, llama_cpp: Path, hf_reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
     (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor);
     that HF folder, as an HF source, gives the same file. Internal checkpoints too, against the
     HF folder ``--to hf`` restores from them."""
-    pre = None
     if family.startswith("llama3_1"):
-        src = tmp_path / "meta"
+        src, hf = tmp_path / "meta", tmp_path / "hf"
         write_tiny_meta_llama3(src)
-    elif family.startswith("internal:"):
-        family = family.removeprefix("internal:")
-        src = tmp_path / "internal"
-        convert(FIXTURES / "hf" / family, src, "internal")
-        pre = tiny_bpe_as(monkeypatch, family)
+        convert(src, hf, "hf")
+        theirs = llama_cpp_gguf(llama_cpp, hf, tmp_path / "theirs.gguf", OUTTYPES[dtype])
     else:
-        src = FIXTURES / "meta" / family
+        src, hf, theirs, _ = hf_reference(family if "/" in family else f"meta/{family}", dtype)
+        tiny_bpe_as(monkeypatch, family)
     convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
-    convert(src, tmp_path / "hf", "hf")
-    theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype], pre)
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
     if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
-        convert(tmp_path / "hf", tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        convert(hf, tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
         assert_same_gguf(tmp_path / "from-hf.gguf", theirs)
 
 
@@ -174,9 +290,10 @@ def test_internal_and_dcp_copies_give_llama_cpp_s_gguf_of_the_hf_folder_they_cam
         assert_same_gguf(tmp_path / f"{fmt}.gguf", theirs)
 
 
-def test_two_meta_ranks_give_the_gguf_of_one(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / "llama2-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
-    convert(FIXTURES / "meta" / "llama2", tmp_path / "one.gguf", "gguf", dtype="q8_0")
+@pytest.mark.parametrize("family", ["llama2", "mixtral"])
+def test_two_meta_ranks_give_the_gguf_of_one(family: str, tmp_path: Path) -> None:
+    convert(FIXTURES / "meta" / f"{family}-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
+    convert(FIXTURES / "meta" / family, tmp_path / "one.gguf", "gguf", dtype="q8_0")
     a, b = contents(tmp_path / "two.gguf"), contents(tmp_path / "one.gguf")
     assert a == b
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_gguf import assert_same_gguf, llama_cpp_gguf, tiny_bpe_as
+from test_gguf import all_moe_qwen3, assert_same_gguf, llama_cpp_gguf, tiny_bpe_as
 from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
@@ -96,6 +96,45 @@ def test_llama_cpp_gguf_converts_back_to_the_hf_model_bitwise(
     assert {k: generation[k] for k in ("bos_token_id", "eos_token_id")} == {
         k: original[k] for k in ("bos_token_id", "eos_token_id")
     }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_llama_cpp_moe_gguf_converts_back_in_either_experts_layout_bitwise(
+    family: str, llama_cpp: Path, tmp_path: Path
+) -> None:
+    """ffn_*_exps split back into one tensor per expert (the default) or transformers' stacked
+    gate_up_proj / down_proj (--experts stacked), the router from ffn_gate_inp: each verifies
+    bitwise against transformers' own save in that layout, and transformers gives the same
+    logits. (Qwen3-MoE: experts in every layer, llama.cpp's qwen3moe has no dense ones; its
+    tiny BPE tokenizer is given Qwen2's pre-tokenizer.)"""
+    if family == "qwen3_moe":
+        src, pre = all_moe_qwen3(tmp_path / "src"), "qwen2"
+    else:
+        src, pre = {"per-expert": FIXTURES / "hf" / "mixtral", "stacked": FIXTURES / "hf" / "mixtral-stacked"}, None
+    gguf = llama_cpp_gguf(llama_cpp, src["per-expert"], tmp_path / "m.gguf", "auto", pre)
+    for layout, option in (("per-expert", []), ("stacked", ["--experts", "stacked"])):
+        code, out, err = cli("convert", gguf, tmp_path / layout, "--to", "hf", "--dtype", "bfloat16", *option)
+        assert code == 0, out + err
+        code, out, err = cli("verify", src[layout], tmp_path / layout)
+        assert code == 0 and "IDENTICAL" in out, out + err
+    with (
+        open_checkpoint(src["per-expert"]) as a,
+        open_checkpoint(tmp_path / "stacked") as b,
+        open_checkpoint(gguf) as g,
+    ):
+        assert a.family.name == b.family.name == g.family.name == family
+        differ = {k for k in dataclasses.asdict(a.config) if getattr(a.config, k) != getattr(b.config, k)}
+        # GGUF holds the tokenizer's pad token (Qwen2's <|endoftext|>), not config.json's null
+        assert differ <= NOT_IN_GGUF | {"experts_layout", "pad_token_id"}, differ
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = [
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(ids).logits
+        for d in (src["per-expert"], tmp_path / "stacked")
+    ]
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.slow

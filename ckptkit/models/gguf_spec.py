@@ -10,6 +10,7 @@ subclass Llama and Qwen2 but are other llama.cpp models): :meth:`Family.gguf_spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class GGUFSpec:
             ``query_pre_attn_scalar``, not stored), or by ``1/sqrt(hidden/heads)`` for models
             with one of these block counts (Gemma 2 and 3 27B); None: by the config's own.
         embeddings_to_vocab: the embedding rows past the tokenizer's tokens are dropped.
+        experts: how it merges a layer's experts into 3-D tensors (None: no experts).
+        implied: config.json fields its llama.cpp architecture assumes without a key
+            (set when reading a GGUF back).
     """
 
     arch: str
@@ -48,6 +52,26 @@ class GGUFSpec:
     sliding_pattern: int | None = None
     query_scale_layers: tuple[int, ...] | None = None
     embeddings_to_vocab: bool = False
+    experts: GGUFExperts | None = None
+    implied: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class GGUFExperts:
+    """How a llama.cpp model class writes a layer's experts: one 3-D tensor per projection
+    (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` [E, rows, cols], experts
+    stacked in order, nothing transposed) and the router as ``ffn_gate_inp``.
+
+    Attributes:
+        order: the canonical projections (``w1`` gate, ``w3`` up, ``w2`` down) in the order
+            it writes the merged tensors, once a layer's last expert tensor is read.
+        takes_stacked: it reads transformers' stacked ``experts.gate_up_proj`` /
+            ``experts.down_proj`` as they come (else only one tensor per expert; a stacked
+            source is then written as llama.cpp writes its per-expert HF copy).
+    """
+
+    order: tuple[str, ...]
+    takes_stacked: bool = False
 
 
 # llama.cpp's TextModel.set_gguf_parameters, the keys our families have
@@ -138,3 +162,26 @@ GEMMA3_GGUF = GGUFSpec(
 
 # --- olmo2 ----------------------------------------------------------------------------------
 OLMO2_GGUF = GGUFSpec("olmo2", ("Olmo2ForCausalLM",), _TEXT, "bpe")
+
+# --- mixture of experts: Mixtral (llama.cpp's LlamaModel) and Qwen3-MoE (Qwen3MoeModel) ---
+# TextModel adds expert_count / expert_used_count after the norm epsilon when config.json has them.
+_EPS = _TEXT.index("layer_norm_rms_eps?") + 1
+_MOE_TEXT = (*_TEXT[:_EPS], "expert_count", "expert_used_count", *_TEXT[_EPS:])
+
+MIXTRAL_GGUF = GGUFSpec(
+    "llama",
+    ("MixtralForCausalLM",),
+    (*_MOE_TEXT, "vocab_size", "rope_dimension_count"),
+    "llama",
+    permute_qk=True,
+    rope_freqs=True,
+    experts=GGUFExperts(("w1", "w2", "w3")),
+)
+QWEN3MOE_GGUF = GGUFSpec(
+    "qwen3moe",
+    ("Qwen3MoeForCausalLM",),
+    (*_MOE_TEXT, "expert_feed_forward_length?"),
+    "bpe",
+    experts=GGUFExperts(("w2", "w1", "w3"), takes_stacked=True),
+    implied=(("norm_topk_prob", True),),  # llama.cpp's qwen3moe graph always renormalises the top k
+)

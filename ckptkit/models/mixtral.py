@@ -13,6 +13,7 @@ from typing import Any
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import MetaSource
+from ckptkit.models.gguf_spec import MIXTRAL_GGUF
 from ckptkit.models.llama import meta_layer_rules, meta_output_rule
 from ckptkit.models.mistral import Mistral
 from ckptkit.models.moe import expert_rules, experts_layout_of
@@ -24,6 +25,7 @@ class Mixtral(Mistral):
     hf_model_types = ("mixtral",)
     hf_architecture = "MixtralForCausalLM"
     meta_container = "pth"
+    gguf = MIXTRAL_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         base = hf_llama_layout(cfg)

@@ -116,6 +116,32 @@ def _present(hparams: dict[str, Any], field: str) -> Any:
     return get(hparams) if get is not None else hparams.get(field)
 
 
+# --- mixture of experts (TextModel's expert keys, Qwen2MoeModel's expert feed-forward length) ---
+
+
+def _first(h: dict[str, Any], fields: tuple[str, ...]) -> Any:
+    """llama.cpp's ``find_hparam``: the first of ``fields`` config.json has."""
+    return next(h[f] for f in fields if h.get(f) is not None)
+
+
+WRITERS |= {
+    "expert_count": (
+        lambda w, h, t: w.add_expert_count(_first(h, ("num_local_experts", "num_experts", "n_routed_experts"))),
+        None,
+    ),
+    "expert_used_count": (
+        lambda w, h, t: w.add_expert_used_count(
+            _first(h, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))
+        ),
+        None,
+    ),
+    "expert_feed_forward_length": (
+        lambda w, h, t: w.add_expert_feed_forward_length(h["moe_intermediate_size"]),
+        "moe_intermediate_size",
+    ),
+}
+
+
 def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftype: Any) -> None:
     """The keys ``names`` (a spec's ``parameters``) from config.json ``hparams``."""
     for name in names:
@@ -137,6 +163,13 @@ _FIELDS = {  # <arch>.KEY -> config.json field
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
+}
+
+
+_FIELDS |= {  # mixture of experts
+    "expert_count": "num_local_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 
