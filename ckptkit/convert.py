@@ -18,6 +18,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
+from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
 from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.progress import byte_progress
@@ -232,6 +233,7 @@ def convert(
     config: str | Path | None = None,
     force_model_type: bool = False,
     experts: str | None = None,
+    base: str | Path | None = None,
 ) -> Result:
     """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
 
@@ -239,7 +241,8 @@ def convert(
     ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`);
     ``config`` gives the model config of a source without one (``--config``); ``experts``
     (``per-expert`` / ``stacked``) how a mixture-of-experts model's experts are stored in
-    ``dst`` (None: as in the source).
+    ``dst`` (None: as in the source). A PEFT LoRA adapter folder ``src`` goes to a format
+    that holds adapters (:func:`convert_adapter`), ``base`` its base checkpoint.
     """
     src, dst = Path(src), Path(dst)
     if copy_method is not None and copy_method not in COPY_METHODS:
@@ -253,6 +256,11 @@ def convert(
     if shards is not None and shards < 1:
         raise CkptkitError("--shards must be at least 1")
     check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
+    if src.is_dir() and is_adapter_folder(src):
+        given = {"--from": from_format, "--model-type": model_type, "--config": config, "--experts": experts}
+        return convert_adapter(src, dst, fmt, base, dtype, force, quiet, allow_lossy_cast, given, verify)
+    if base is not None and src.exists():
+        raise CkptkitError(f"--base applies to a LoRA adapter SRC (a folder with {ADAPTER_CONFIG}); {src} is not one")
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
         check_lossy(ckpt, dtype)
         check_experts_choice(ckpt, fmt, experts)
@@ -265,6 +273,35 @@ def convert(
         check_destination(src, dst, force)
         opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)
+
+
+def convert_adapter(
+    src: Path,
+    dst: Path,
+    fmt: CheckpointFormat,
+    base: str | Path | None,
+    dtype: str | None,
+    force: bool,
+    quiet: bool,
+    allow_lossy_cast: bool,
+    given: dict[str, Any],
+    verify: bool = False,
+) -> Result:
+    """The PEFT LoRA adapter folder ``src`` as ``fmt``'s adapter file ``dst`` (``base``: its base)."""
+    if not fmt.writes_adapters:
+        takers = " or ".join(f"--to {f.name}" for f in REGISTRY.values() if f.writes_adapters)
+        raise CkptkitError(
+            f"{src}: a LoRA adapter; --to {fmt.name} takes models. Convert the adapter {takers}, or fold it into "
+            f"its base with ckptkit merge BASE {src} MERGED"
+        )
+    extra = next((flag for flag, value in given.items() if value is not None), "--verify" if verify else None)
+    if extra is not None:
+        raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
+    check_destination(src, dst, force, folder=False)
+    fmt.check_adapter_options(dtype)
+    with open_checkpoint(adapter_base(src, Path(base) if base is not None else None)) as trained_on:
+        written = fmt.write_adapter(src, dst, trained_on, dtype, quiet, force, allow_lossy_cast)
+    return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), [], written, {COMPUTED: written})
 
 
 def write_checkpoint(

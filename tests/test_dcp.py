@@ -97,12 +97,13 @@ def test_torch_dcp_load_fills_meta_named_tensors_bitwise(tmp_path: Path, shards:
     assert_same_files(HF, tmp_path / "hf")
 
 
-def test_meta_to_dcp_and_back_to_meta_keeps_every_tensor(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / "llama2-2rank", tmp_path / "dcp", "dcp", shards=2)
+@pytest.mark.parametrize("fixture", ["llama2-2rank", "mixtral-2rank"])  # Mixtral: experts whole on each rank
+def test_meta_to_dcp_and_back_to_meta_keeps_every_tensor(fixture: str, tmp_path: Path) -> None:
+    convert(FIXTURES / "meta" / fixture, tmp_path / "dcp", "dcp", shards=2)
     convert(tmp_path / "dcp", tmp_path / "meta", "meta")
-    _verified(tmp_path / "meta", FIXTURES / "meta" / "llama2-2rank")
+    _verified(tmp_path / "meta", FIXTURES / "meta" / fixture)
     a = torch.load(tmp_path / "meta" / "consolidated.01.pth", weights_only=True)
-    b = torch.load(FIXTURES / "meta" / "llama2-2rank" / "consolidated.01.pth", weights_only=True)
+    b = torch.load(FIXTURES / "meta" / fixture / "consolidated.01.pth", weights_only=True)
     _assert_equal(a, b)
 
 

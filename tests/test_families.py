@@ -1,6 +1,6 @@
 """Newer families (qwen3, qwen3_moe, mixtral, gemma2, gemma3_text, olmo2): detection,
 bitwise round trips in both expert layouts, the expert-layout traps, and logits of the
-native model equal to transformers'."""
+native model equal to transformers' (routing ties included)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,16 @@ def test_family_is_detected_from_config_json(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", HF)
+def test_fixture_has_every_parameter_random(name: str) -> None:
+    # transformers' save_pretrained of a seeded random model: no tensor left at its init
+    # (norms at 1 or Gemma's at 0, biases at 0), so a dropped or swapped tensor cannot go unnoticed
+    with open_checkpoint(FIXTURES / "hf" / name) as ckpt:
+        for key, lazy in ckpt.tensors.items():
+            t = lazy.get()
+            assert t.unique().numel() > min(t.numel() // 2, 64), key  # (bfloat16 has few values near 0)
+
+
+@pytest.mark.parametrize("name", HF)
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
     _convert(src, tmp_path / "bin", "hf-bin")
@@ -59,6 +69,29 @@ def test_mixtral_meta_round_trip_keeps_every_tensor(meta: str, tmp_path: Path) -
         for k in a.tensors:
             assert torch.equal(a.tensors[k].get(), b.tensors[k].get()), k
     assert json.loads((tmp_path / "meta" / "params.json").read_text()) == json.loads((src / "params.json").read_text())
+
+
+def test_mixtral_is_recognised_in_meta_layout_from_params_or_its_tensors(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    for name in ("mixtral", "mixtral-2rank"):  # params.json's moe section
+        result = CliRunner().invoke(app, ["inspect", str(FIXTURES / "meta" / name)])
+        assert result.exit_code == 0 and "model type  mixtral" in result.output, result.output
+    # experts among the tensors but no moe section: Mixtral, whose top-k only params.json can say
+    src = tmp_path / "m"
+    shutil.copytree(FIXTURES / "meta" / "mixtral", src)
+    params = json.loads((src / "params.json").read_text())
+    del params["moe"]
+    (src / "params.json").write_text(json.dumps(params))
+    for args in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out"), "--to", "hf"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and not (tmp_path / "out").exists()
+        assert result.output.strip().splitlines() == [
+            f"error: {src / 'params.json'}: no 'moe' section, yet its tensors hold 4 experts per layer: add "
+            '"moe": {"num_experts": 4, "num_experts_per_tok": K} (Mixtral routes each token to 2)'
+        ]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -147,3 +180,40 @@ def test_aux_loss_matches_transformers(name: str) -> None:
     aux = model.aux_loss()
     assert aux is not None
     assert abs(aux.item() - want.item()) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_routing_ties_are_broken_as_transformers_breaks_them(name: str) -> None:
+    """Routers whose experts score alike: the first MoE layer's router is zero (every expert
+    ties for every token), the others score experts 0, 1 and 2 alike (with 4 experts and top 2,
+    the second and third place tie for every token). Each token goes to the experts
+    transformers sends it to, and the logits agree as they do without ties."""
+    transformers = pytest.importorskip("transformers")
+    from ckptkit.train.transformer import SparseMoE, load_model
+
+    src = FIXTURES / "hf" / name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    model = load_model(str(src), dtype=torch.float32)
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    gates = [layer.mlp.gate for layer in ref.model.layers if hasattr(layer.mlp, "gate")]
+    assert len(moe) == len(gates) > 1 and all(m.top_k == 2 and len(m.experts) == 4 for m in moe)
+    theirs: list[torch.Tensor] = []
+    with torch.no_grad():
+        for n, (ours, gate) in enumerate(zip(moe, gates, strict=True)):
+            router = ours.router.weight
+            if n == 0:
+                router.zero_()
+            else:
+                router[1:3] = router[0]
+            gate.weight.copy_(router)
+            gate.register_forward_hook(lambda _m, _a, out: theirs.append(out[2]))  # (logits, scores, indices)
+        ids = torch.randint(0, 384, (2, 11), generator=torch.Generator().manual_seed(0))
+        want = ref.eval()(ids).logits
+        got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-5
+    for m, indices in zip(moe, theirs, strict=True):
+        assert m.router_logits is not None
+        probs = torch.softmax(m.router_logits, -1, dtype=torch.float)
+        values = torch.sort(probs, descending=True).values
+        assert torch.equal(values[:, 1], values[:, 2])  # a tie at the edge of the top 2, every token
+        assert torch.equal(torch.topk(probs, m.top_k).indices, indices)  # transformers' experts, also in order

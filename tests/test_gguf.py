@@ -8,9 +8,12 @@ free-text naming keys aside) and tensors (names, order, GGML types, shapes, byte
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +29,68 @@ OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_
 NAMING = ("general.name", "general.size_label", "general.basename", "general.finetune", "general.version")
 
 
-def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str) -> Path:
+# Runs convert_hf_to_gguf.py's main once per (outfile, outtype) in one process: its start
+# (torch, transformers) is most of its time. With a pre-tokenizer name, llama.cpp takes it for
+# a byte-level BPE tokenizer it does not know (the fixtures' tiny BPE tokenizers); ckptkit is
+# then given the same name (:func:`tiny_bpe_as`).
+CONVERTER = """
+import runpy, sys
+import conversion.base as base
+src, pre, *outs = sys.argv[1:]
+known = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        if not pre:
+            raise
+        return pre
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+for out, outtype in zip(outs[::2], outs[1::2]):
+    sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", out, "--outtype", outtype]
+    runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def llama_cpp_ggufs(llama_cpp: Path, hf_dir: Path, outs: dict[str, Path], pre: str | None = None) -> dict[str, Path]:
+    """llama.cpp's GGUF of ``hf_dir`` for each outtype of ``outs`` (outtype -> file)."""
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    cmd = [sys.executable, "convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out), "--outtype", outtype]
-    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    args = [str(hf_dir), pre or "", *[str(x) for outtype, out in outs.items() for x in (out, outtype)]]
+    res = subprocess.run(
+        [sys.executable, "-c", CONVERTER, *args], cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    return out
+    return outs
+
+
+def llama_cpp_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str, pre: str | None = None) -> Path:
+    return llama_cpp_ggufs(llama_cpp, hf_dir, {outtype: out}, pre)[outtype]
+
+
+def all_moe_qwen3(out: Path) -> dict[str, Path]:
+    """The qwen3_moe fixture's config with experts in every layer (llama.cpp's qwen3moe has no
+    dense layers), built by transformers (seeded, every parameter random) and saved in both
+    experts layouts, with the fixture's tokenizer: layout -> HF folder."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = FIXTURES / "hf" / "qwen3_moe"
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.mlp_only_layers = []
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0))
+    folders = {}
+    for layout in ("per-expert", "stacked"):
+        folders[layout] = out / layout
+        model.save_pretrained(folders[layout], max_shard_size="100KB", save_original_format=layout == "per-expert")
+        for f in src.glob("tokenizer*"):
+            shutil.copy(f, folders[layout])
+    return folders
 
 
 def contents(path: Path) -> tuple[list[tuple[str, list[int], Any]], list[tuple[str, str, list[int], bytes]]]:
@@ -57,45 +116,184 @@ def assert_same_gguf(ours: Path, theirs: Path) -> None:
         assert a[3] == b[3], f"{a[0]}: bytes differ"
 
 
+# The fixtures' byte-level BPE tokenizers are tiny trained ones, whose probe-text hash llama.cpp
+# cannot know: both converters are told which pre-tokenizer they use (Qwen2's, Llama 3's).
+TINY_BPE = {"qwen3": "qwen2", "qwen3_moe": "qwen2", "olmo2": "llama-bpe"}
+
+
+class UnknownHashMeans(dict[str, str]):
+    """ckptkit's table of pre-tokenizer hashes, reading an unknown hash as ``pre``."""
+
+    def __init__(self, known: dict[str, str], pre: str) -> None:
+        super().__init__(known)
+        self.pre = pre
+
+    def get(self, key: str, default: object = None) -> str:  # type: ignore[override]
+        return super().get(key, self.pre)
+
+
+def tiny_bpe_as(monkeypatch: pytest.MonkeyPatch, family: str) -> str | None:
+    from ckptkit.formats.gguf import vocab
+
+    pre = TINY_BPE.get(family.split("/")[-1].removesuffix("-stacked"))
+    if pre is not None:
+        monkeypatch.setattr(vocab, "PRE_TOKENIZERS", UnknownHashMeans(vocab.PRE_TOKENIZERS, pre))
+    return pre
+
+
+# HF sources by fixture name (gemma2, gemma3_text and olmo2: auto, where test_gguf_read.py reads
+# them back; their other outtypes take no other code); qwen3_moe: all_moe_qwen3 (both layouts). A stacked Mixtral, which
+# llama.cpp's llama class cannot read (it merges experts stored one tensor each), is compared with
+# what it writes for the per-expert HF copy ckptkit makes of it.
+HF_SOURCES = [
+    "llama2",
+    "mistral",
+    "gemma",
+    "phi3",
+    "qwen3",
+    "mixtral",
+    "mixtral-stacked",
+    "qwen3_moe",
+    "qwen3_moe-stacked",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(
+    llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., tuple[Path, Path, Path, str | None]]:
+    """(source, its HF folder, llama.cpp's GGUF of that for an outtype, the pre-tokenizer llama.cpp
+    was told) by source name (``meta/NAME``: a Meta fixture; ``internal/NAME``: the HF fixture's
+    internal copy, its HF folder the one ``--to hf`` restores): every outtype from one converter
+    process per source."""
+    made: dict[str, tuple[Path, Path, dict[str, Path], str | None]] = {}
+    qwen3_moe: dict[str, Path] = {}
+
+    def reference(name: str, dtype: str | None) -> tuple[Path, Path, Path, str | None]:
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(name.replace("/", "-"))
+            pre = TINY_BPE.get(name.split("/")[-1].removesuffix("-stacked"))
+            if name.startswith("qwen3_moe"):
+                qwen3_moe.update(qwen3_moe or all_moe_qwen3(tmp_path_factory.mktemp("qwen3_moe")))
+                src = ref = qwen3_moe["stacked" if name.endswith("-stacked") else "per-expert"]
+            elif name.startswith("meta/"):  # Meta's ranks: the HF folder ckptkit writes
+                src, ref = FIXTURES / name, tmp / "hf"
+                convert(src, ref, "hf")
+            elif name.startswith("internal/"):
+                src, ref = tmp / "internal", tmp / "hf"
+                convert(FIXTURES / "hf" / name.removeprefix("internal/"), src, "internal")
+                convert(src, ref, "hf")
+            else:
+                src = ref = FIXTURES / "hf" / name
+            if name == "mixtral-stacked":
+                ref = tmp / "per-expert"
+                convert(src, ref, "hf", experts="per-expert")
+            outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
+            made[name] = (src, ref, llama_cpp_ggufs(llama_cpp, ref, outs, pre), pre)
+        src, ref, refs, pre = made[name]
+        return src, ref, refs[OUTTYPES[dtype]], pre
+
+    return reference
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
-@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma", "phi3"])
-def test_hf_to_gguf_equals_llama_cpp(family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path) -> None:
-    src = FIXTURES / "hf" / family
+@pytest.mark.parametrize("family", HF_SOURCES)
+def test_hf_to_gguf_equals_llama_cpp(
+    family: str, dtype: str | None, hf_reference: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Experts (both HF layouts) merged into ffn_*_exps [E, rows, cols] in llama.cpp's order, the
+    router ffn_gate_inp in F32, the expert keys."""
+    src, _, theirs, _ = hf_reference(family, dtype)
+    tiny_bpe_as(monkeypatch, family)
     # llama.cpp's casts are lossy (a weight under float16's range becomes 0): so are ours, asked to be
     convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
-    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", OUTTYPES[dtype])
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
+
+
+def test_dense_layers_of_a_qwen3_moe_are_refused_as_llama_cpp_has_none(tmp_path: Path) -> None:
+    # llama.cpp's converter fails on this fixture too (mlp_only_layers = [1]): qwen3moe has no dense FFN
+    with pytest.raises(CkptkitError, match=r"experts in every layer, but layer\(s\) 1 .* dense MLP"):
+        convert(FIXTURES / "hf" / "qwen3_moe", tmp_path / "m.gguf", "gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["mixtral", "mixtral-stacked"])
+def test_experts_are_read_one_merged_tensor_at_a_time(family: str) -> None:
+    """Planning reads nothing; each merged tensor reads its own layer's experts of its projection,
+    once each, and nothing else: the writer holds one merged tensor, never a layer or the model."""
+    from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors
+
+    reads: list[str] = []
+    with open_checkpoint(FIXTURES / "hf" / family) as ckpt:
+        for name, lazy in ckpt.tensors.items():
+            lazy.get = lambda get=lazy.get, name=name: reads.append(name) or get()  # type: ignore[method-assign]
+        tensors, _ = model_tensors(ckpt, hf_hparams(ckpt), "q8_0")
+        assert reads == []
+        projection = {"gate": "w1", "up": "w3", "down": "w2"}
+        for t in tensors:
+            t.make()
+            if "_exps." in t.name:
+                layer, w = t.name.split(".")[1], projection[t.name.split(".")[2].split("_")[1]]
+                assert reads == [f"layers.{layer}.mlp.experts.{e}.{w}.weight" for e in range(4)], t.name
+            else:
+                assert not any(".experts." in r for r in reads), t.name
+            reads.clear()
 
 
 # Llama 3.1's real tokenizer takes llama.cpp most of a minute: its vocabulary does not depend
 # on the outtype, so two outtypes (auto and q8_0) cover it; the small families take all five.
-META_CASES = [(f, d) for f in ("llama2", "mistral") for d in OUTTYPES] + [
+META_CASES = [(f, d) for f in ("llama2", "mistral", "mixtral") for d in OUTTYPES] + [
     ("llama3_1-real-tokenizer", d) for d in (None, "q8_0")
 ]
+# Families with no Meta layout come from ckptkit's internal format (Gemma 3's rope bases per
+# layer type, soft-capping, sliding window)
+META_CASES += [("internal/gemma3_text", None)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype"), META_CASES)
 def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
-    family: str, dtype: str | None, llama_cpp: Path, tmp_path: Path
+    family: str, dtype: str | None, llama_cpp: Path, hf_reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
-    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor)."""
+    (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor);
+    that HF folder, as an HF source, gives the same file. Internal checkpoints too, against the
+    HF folder ``--to hf`` restores from them."""
     if family.startswith("llama3_1"):
-        src = tmp_path / "meta"
+        src, hf = tmp_path / "meta", tmp_path / "hf"
         write_tiny_meta_llama3(src)
+        convert(src, hf, "hf")
+        theirs = llama_cpp_gguf(llama_cpp, hf, tmp_path / "theirs.gguf", OUTTYPES[dtype])
     else:
-        src = FIXTURES / "meta" / family
+        src, hf, theirs, _ = hf_reference(family if "/" in family else f"meta/{family}", dtype)
+        tiny_bpe_as(monkeypatch, family)
     convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
-    convert(src, tmp_path / "hf", "hf")
-    theirs = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "theirs.gguf", OUTTYPES[dtype])
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
+    if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
+        convert(hf, tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        assert_same_gguf(tmp_path / "from-hf.gguf", theirs)
 
 
-def test_two_meta_ranks_give_the_gguf_of_one(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / "llama2-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
-    convert(FIXTURES / "meta" / "llama2", tmp_path / "one.gguf", "gguf", dtype="q8_0")
+@pytest.mark.slow
+def test_internal_and_dcp_copies_give_llama_cpp_s_gguf_of_the_hf_folder_they_came_from(
+    llama_cpp: Path, tmp_path: Path
+) -> None:
+    """Their tensor order (shard by shard) and config.json (max_position_embeddings, which
+    params.json cannot hold) are those of the recorded HF folder, as llama.cpp would read it."""
+    src = FIXTURES / "hf" / "llama2"
+    theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", "auto")
+    for fmt in ("internal", "dcp"):
+        convert(src, tmp_path / fmt, fmt)
+        convert(tmp_path / fmt, tmp_path / f"{fmt}.gguf", "gguf")
+        assert_same_gguf(tmp_path / f"{fmt}.gguf", theirs)
+
+
+@pytest.mark.parametrize("family", ["llama2", "mixtral"])
+def test_two_meta_ranks_give_the_gguf_of_one(family: str, tmp_path: Path) -> None:
+    convert(FIXTURES / "meta" / f"{family}-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
+    convert(FIXTURES / "meta" / family, tmp_path / "one.gguf", "gguf", dtype="q8_0")
     a, b = contents(tmp_path / "two.gguf"), contents(tmp_path / "one.gguf")
     assert a == b
 
@@ -140,6 +338,20 @@ def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("family", ["hf/llama2", "meta/llama2"])
+def test_a_source_without_tokenizer_is_named_in_one_line(family: str, tmp_path: Path) -> None:
+    """A Meta source goes through a temporary HF folder: the error still names the source."""
+    src = tmp_path / "no-tokenizer"
+    src.mkdir()
+    for f in (FIXTURES / family).iterdir():
+        if not f.name.startswith("tokenizer"):
+            (src / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CkptkitError) as err:
+        convert(src, tmp_path / "out.gguf", "gguf")
+    assert str(err.value) == f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
+
+
 @pytest.mark.parametrize("qtype", ["BF16", "F16", "F32", "Q8_0"])
 def test_a_bfloat16_tensor_gives_the_gguf_package_bytes_of_its_float32_cast(
     qtype: str, monkeypatch: pytest.MonkeyPatch
@@ -162,3 +374,35 @@ def test_a_bfloat16_tensor_gives_the_gguf_package_bytes_of_its_float32_cast(
     with np.errstate(all="ignore"):
         whole = quants.quantize(t.to(torch.float32).numpy(), kind).tobytes()
         assert b"".join(fmt.quantized_chunks(t, kind)) == whole
+
+
+def test_gemma3_bpe_tokenizer_shorter_than_its_embeddings_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's Gemma3Model drops the embedding rows past a tokenizer.json's tokens when
+    there is no tokenizer.model: a GGUF that could not come back whole, so refused."""
+    src = tmp_path / "gemma3"
+    shutil.copytree(FIXTURES / "hf" / "gemma3_text", src, ignore=shutil.ignore_patterns("tokenizer.model"))
+    doc = json.loads((src / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    doc["model"]["vocab"] = dict(list(vocab.items())[:300])
+    doc["model"]["merges"] = []
+    (src / "tokenizer.json").write_text(json.dumps(doc))
+    n = 300 + len(doc["added_tokens"])
+    with pytest.raises(CkptkitError, match=f"keeps only the first {n} of the 384 embedding rows"):
+        convert(src, tmp_path / "g.gguf", "gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma3"]
+
+
+def test_gemma_settings_a_gguf_cannot_hold_are_noted_when_llama_cpp_would_run_others(tmp_path: Path) -> None:
+    """Gemma 2 / 3 GGUFs have no key for query_pre_attn_scalar or layer_types: llama.cpp
+    scales queries by head_dim (12 here) and makes every 2nd / 6th layer global. The
+    fixtures' 16 and [sliding, full, sliding] are noted where they differ."""
+    notes = {}
+    for family in ("gemma2", "gemma3_text"):
+        result = convert(FIXTURES / "hf" / family, tmp_path / f"{family}.gguf", "gguf")
+        notes[family] = [n for n in result.notes if "GGUF has no key for" in n]
+    assert len(notes["gemma2"]) == 1 and "query_pre_attn_scalar 16 (llama.cpp assumes 12)" in notes["gemma2"][0]
+    assert "layer_types" not in notes["gemma2"][0]  # its layers already alternate as llama.cpp's do
+    assert len(notes["gemma3_text"]) == 1 and "query_pre_attn_scalar 16" in notes["gemma3_text"][0]
+    assert (
+        "(llama.cpp assumes ['sliding_attention', 'sliding_attention', 'sliding_attention'])" in notes["gemma3_text"][0]
+    )

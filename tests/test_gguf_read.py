@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_gguf import llama_cpp_gguf
+from test_gguf import all_moe_qwen3, assert_same_gguf, llama_cpp_gguf, tiny_bpe_as
 from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
@@ -99,6 +99,45 @@ def test_llama_cpp_gguf_converts_back_to_the_hf_model_bitwise(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_llama_cpp_moe_gguf_converts_back_in_either_experts_layout_bitwise(
+    family: str, llama_cpp: Path, tmp_path: Path
+) -> None:
+    """ffn_*_exps split back into one tensor per expert (the default) or transformers' stacked
+    gate_up_proj / down_proj (--experts stacked), the router from ffn_gate_inp: each verifies
+    bitwise against transformers' own save in that layout, and transformers gives the same
+    logits. (Qwen3-MoE: experts in every layer, llama.cpp's qwen3moe has no dense ones; its
+    tiny BPE tokenizer is given Qwen2's pre-tokenizer.)"""
+    if family == "qwen3_moe":
+        src, pre = all_moe_qwen3(tmp_path / "src"), "qwen2"
+    else:
+        src, pre = {"per-expert": FIXTURES / "hf" / "mixtral", "stacked": FIXTURES / "hf" / "mixtral-stacked"}, None
+    gguf = llama_cpp_gguf(llama_cpp, src["per-expert"], tmp_path / "m.gguf", "auto", pre)
+    for layout, option in (("per-expert", []), ("stacked", ["--experts", "stacked"])):
+        code, out, err = cli("convert", gguf, tmp_path / layout, "--to", "hf", "--dtype", "bfloat16", *option)
+        assert code == 0, out + err
+        code, out, err = cli("verify", src[layout], tmp_path / layout)
+        assert code == 0 and "IDENTICAL" in out, out + err
+    with (
+        open_checkpoint(src["per-expert"]) as a,
+        open_checkpoint(tmp_path / "stacked") as b,
+        open_checkpoint(gguf) as g,
+    ):
+        assert a.family.name == b.family.name == g.family.name == family
+        differ = {k for k in dataclasses.asdict(a.config) if getattr(a.config, k) != getattr(b.config, k)}
+        # GGUF holds the tokenizer's pad token (Qwen2's <|endoftext|>), not config.json's null
+        assert differ <= NOT_IN_GGUF | {"experts_layout", "pad_token_id"}, differ
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = [
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(ids).logits
+        for d in (src["per-expert"], tmp_path / "stacked")
+    ]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.slow
 def test_a_gguf_keeps_its_stored_dtypes_without_dtype_and_verifies_as_casts(llama_cpp: Path, tmp_path: Path) -> None:
     gguf = llama_cpp_gguf(llama_cpp, FIXTURES / "hf" / "llama2", tmp_path / "m.gguf", "bf16")
     convert(gguf, tmp_path / "hf", "hf")
@@ -129,6 +168,60 @@ def test_llama3_1_gguf_gives_back_rope_scaling_and_meta_tokenizer(llama_cpp: Pat
     assert config["rope_parameters"] == original["rope_parameters"]
     texts = [*CORPUS, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"]
     assert encode_all(tmp_path / "back-hf", texts) == encode_all(tmp_path / "hf", texts)
+
+
+# What llama.cpp runs a Gemma 2 / Gemma 3 GGUF with where the file has no key (its C++ loader,
+# src/models/gemma2.cpp and gemma3.cpp of the same sdist): queries scaled by 1/sqrt(head_dim)
+# (hidden/heads at 46 / 62 layers), every 2nd / 6th layer global (set_swa_pattern). The
+# fixtures' own values (query_pre_attn_scalar 16, layer 1 global) are not these.
+AS_LLAMA_CPP_RUNS = {
+    "gemma2": {"query_pre_attn_scalar": 12},
+    "gemma3_text": {"query_pre_attn_scalar": 12, "layer_types": ["sliding_attention"] * 3},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "olmo2"])
+def test_newer_family_gguf_equals_llama_cpp_and_comes_back_bitwise_running_as_the_source(
+    family: str, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckptkit's GGUF (outtype auto) is llama.cpp's; q_norm/k_norm, Gemma's four norms (1 + w
+    undone), soft-capping, the sliding layers' own rope base come back from it; transformers
+    gives the rebuilt folder the source's logits (the source read as llama.cpp runs it where
+    the GGUF has no key), and its tokenizer the source's ids."""
+    from tokenizers import Tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = FIXTURES / "hf" / family
+    gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", "auto", tiny_bpe_as(monkeypatch, family))
+    convert(src, tmp_path / "ours.gguf", "gguf")
+    assert_same_gguf(tmp_path / "ours.gguf", gguf)
+    convert(gguf, tmp_path / "hf", "hf", dtype="bfloat16")
+    code, out, err = cli("verify", src, tmp_path / "hf")
+    assert code == 0 and "IDENTICAL" in out, out + err
+    assumed = AS_LLAMA_CPP_RUNS.get(family, {})
+    with open_checkpoint(src) as a, open_checkpoint(tmp_path / "hf") as b:
+        differ = {k for k in dataclasses.asdict(a.config) if getattr(a.config, k) != getattr(b.config, k)}
+        # the GGUF's padding id is the tokenizer's pad token (Qwen's <|endoftext|>), null in config.json
+        assert differ <= NOT_IN_GGUF | set(assumed) | {"pad_token_id"}, differ
+
+    ids = torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(0))  # past the window of 5
+    config = AutoConfig.from_pretrained(src)
+    for key, value in assumed.items():
+        setattr(config, key, value)
+    logits = []
+    for folder, cfg in ((src, config), (tmp_path / "hf", None)):
+        kwargs = {"config": cfg} if cfg is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+
+    texts = [t for t in CORPUS if t]
+    original, rebuilt = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (src, tmp_path / "hf"))
+    if family.startswith("gemma"):  # llama.cpp writes add_space_prefix = false whatever the model says
+        texts = [" " + t for t in texts]
+    assert [rebuilt.encode(t).ids for t in texts] == [original.encode(t).ids for t in texts]
 
 
 @pytest.mark.parametrize("vocab", ["llama-spm", "llama-bpe"])

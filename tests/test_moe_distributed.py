@@ -1,6 +1,8 @@
 """FSDP2 on 2 gloo processes trains the mixture-of-experts families (Qwen3-MoE, Mixtral) with
 the single-device losses: the router's load-balancing loss is computed over every rank's
-tokens, and every expert gets a gradient on every rank.
+tokens, every expert gets a gradient on every rank, and LoRA on experts keeps the A an
+expert's gate and up share one parameter; the 2-process adapters load in PEFT and the merged
+model comes out in the input's layout.
 
 Tolerance, from the run's dtype: each step's loss is a float32 sum added in another order
 (two ranks, each its half) from a model whose matmuls see other batch shapes, so per-step
@@ -15,12 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed import ADAPTER_ATOL, WEIGHT_ATOL, assert_same_names_partition_dtypes, losses, run_single, torchrun
+from test_distributed import (
+    ADAPTER_ATOL,
+    WEIGHT_ATOL,
+    assert_same_names_partition_dtypes,
+    bf16_ulps,
+    losses,
+    run_single,
+    torchrun,
+)
 
 from ckptkit.convert import convert
 from ckptkit.train.transformer import SparseMoE
 
 from conftest import FIXTURES, raw_layout
+from train_helpers import TOL
 
 RTOL = {"fp32": 16 * torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
 AUX = "router_aux_loss_coef=0.1"  # a hundred times config.json's, so that the aux loss counts
@@ -47,20 +58,51 @@ def test_full_fine_tuning_of_qwen3_moe_on_two_processes_matches_one_device(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_lora_on_mixtral_on_two_processes_matches_one_device(dtype: str, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
+@pytest.mark.parametrize(("src", "dtype"), [("meta/mixtral-2rank", "fp32"), ("hf/qwen3_moe-stacked", "bf16")])
+def test_lora_on_experts_and_router_on_two_processes_matches_one_device(src: str, dtype: str, tmp_path: Path) -> None:
+    """An expert's gate and up share one LoRA A (PEFT's A of the stacked ``gate_up_proj``):
+    under FSDP2 it stays one parameter, sharded once, its gradient the sum of both uses."""
+    import json
 
-    common = ["epochs=1", "max_steps_per_epoch=4", "quiet=true", AUX, f"dtype={dtype}", "lora.targets=[q,k,v,o,router]",
-              f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / 'mixtral'}"]  # fmt: skip
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ckptkit.train.peft_io import load_adapter
+    from ckptkit.train.transformer import load_model
+
+    base = FIXTURES / src
+    targets = "q,k,v,o,experts,router" + (",gate,up,down" if "qwen3_moe" in src else "")  # and a dense layer
+    common = ["epochs=1", "max_steps_per_epoch=4", "quiet=true", AUX, f"dtype={dtype}", f"lora.targets=[{targets}]",
+              f"checkpointer.checkpoint_dir={base}"]  # fmt: skip
     run_single("lora_finetune", "tiny_lora", *common, "batch_size=8", f"checkpointer.output_dir={tmp_path / 'one'}")
     target = ["-m", "ckptkit.train.recipes.lora_finetune_distributed"]
     torchrun(target, "--config", "tiny_lora_distributed", *common, f"checkpointer.output_dir={tmp_path / 'two'}")
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), dtype)
-    a, b = (load_file(tmp_path / r / "epoch_0" / "adapter" / "adapter_model.safetensors") for r in ("one", "two"))
-    assert a.keys() == b.keys() and any(".mlp.gate.lora_A" in k for k in a)
+    one, two = tmp_path / "one" / "epoch_0", tmp_path / "two" / "epoch_0"
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (one, two))
+    assert list(a) == list(b) and any(".mlp.gate.lora_A" in k for k in a)
+    assert any(k.endswith("experts.base_layer.lora_A.weight") for k in a)  # gate_up_proj's one A per expert
     if dtype == "fp32":  # in bf16 an AdamW step on a near-zero gradient may go either way
         assert max((a[k] - b[k]).abs().max().item() for k in a) < ADAPTER_ATOL
+    # the 2-process adapter loads in PEFT on transformers' model (the HF copy of a Meta base) with
+    # the native model's logits
+    hf_base = json.loads((two / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    ids = torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(5))
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32), two / "adapter"
+    )
+    with torch.no_grad():
+        want = peft.eval()(ids).logits
+        ours = load_adapter(load_model(str(base), dtype=torch.float32), two / "adapter")(ids)
+    assert (ours - want).abs().max().item() <= TOL
+    # its merged model in the input's format (files, names, order, dtypes; Meta: 2 ranks), PEFT's
+    # merge of its adapter to a bf16 rounding step
+    assert_same_names_partition_dtypes(base, two)
+    convert(two, tmp_path / "merged_hf", "hf")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.bfloat16).state_dict()
+    theirs = peft.merge_and_unload().state_dict()
+    assert max(bf16_ulps(v, theirs[k].to(torch.bfloat16)) for k, v in merged.items()) <= 1
 
 
 def test_every_expert_gets_a_gradient_also_without_tokens() -> None:

@@ -14,7 +14,9 @@ from ckptkit.convert import convert
 
 from conftest import FIXTURES, assert_same_layout
 
-META_FIXTURES = ["llama2", "llama3", "llama3_1", "llama3_2", "mistral", "llama2-2rank", "llama3-2rank"]
+META_FIXTURES = [
+    "llama2", "llama3", "llama3_1", "llama3_2", "mistral", "mixtral", "llama2-2rank", "llama3-2rank", "mixtral-2rank"
+]  # fmt: skip
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -65,6 +67,21 @@ def test_shards_2_equals_two_rank_fixture(family: str, tmp_path: Path) -> None:
     out = tmp_path / "meta2"
     convert(FIXTURES / "hf" / family, out, "meta", shards=2)
     assert_same_layout(FIXTURES / "meta" / f"{family}-2rank", out)
+
+
+@pytest.mark.parametrize("fixture", ["mixtral", "mixtral-2rank"])
+def test_hf_mixtral_to_meta_holds_the_meta_fixture_tensors(fixture: str, tmp_path: Path) -> None:
+    """Mistral's layout, 1 and 2 ranks (experts and router whole on each): every rank's tensors
+    as the fixture has them, and the same params.json (the order of keys in a rank is ckptkit's)."""
+    want = FIXTURES / "meta" / fixture
+    ranks = sorted(p.name for p in want.glob("consolidated.*.pth"))
+    convert(FIXTURES / "hf" / "mixtral", tmp_path / "meta", "meta", shards=len(ranks))
+    assert sorted(p.name for p in (tmp_path / "meta").glob("consolidated.*")) == ranks
+    for rank in ranks:
+        a, b = (torch.load(d / rank, weights_only=True) for d in (tmp_path / "meta", want))
+        assert sorted(a) == sorted(b)
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b)
+    assert json.loads((tmp_path / "meta" / "params.json").read_text()) == json.loads((want / "params.json").read_text())
 
 
 def test_llama2_meta_carries_rope_freqs_like_meta(tmp_path: Path) -> None:

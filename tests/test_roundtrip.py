@@ -15,7 +15,7 @@ def _cases() -> list[tuple[Path, str]]:
     cases = []
     for src in fixture_dirs():
         targets = ["hf", "hf-bin", "internal"]
-        if fixture_family(src) in META_FAMILIES:
+        if fixture_family(src) in (*META_FAMILIES, "mixtral"):  # stacked experts included
             targets.append("meta")
         cases += [(src, to) for to in targets]
     return cases

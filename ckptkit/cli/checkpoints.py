@@ -28,6 +28,9 @@ from ckptkit.cli.app import (
     user_errors,
 )
 
+SRC_HELP = "Source checkpoint: a folder, or a file for single-file formats (never modified)."
+DST_HELP = "Destination: a folder (must not exist or be empty), or a file for single-file formats (must not exist)."
+
 
 @app.command(cls=Command)
 @user_errors
@@ -69,8 +72,8 @@ def inspect(
 @app.command(cls=Command)
 @user_errors
 def convert(
-    src: Annotated[Path, typer.Argument(metavar="SRC", help="Source checkpoint directory (never modified).")],
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Destination directory (must not exist or be empty).")],
+    src: Annotated[Path, typer.Argument(metavar="SRC", help=SRC_HELP)],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help=DST_HELP)],
     to: Annotated[str, typer.Option("--to", metavar="FORMAT", help=f"Target format: {CHOICES_MARK}.")],
     from_: Annotated[
         str | None,
@@ -125,8 +128,17 @@ def convert(
             "(default: as in SRC).",
         ),
     ] = None,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            "--base",
+            metavar="BASE",
+            help="SRC a LoRA adapter folder: the base checkpoint it was trained on (default: the adapter "
+            "config's base_model_name_or_path, if a local folder).",
+        ),
+    ] = None,
 ) -> None:
-    """Convert SRC to DST in another format, streaming one tensor at a time."""
+    """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
     from ckptkit.convert import COMPUTED
     from ckptkit.convert import convert as run_convert
 
@@ -149,6 +161,7 @@ def convert(
             config=config,
             force_model_type=force_model_type,
             experts=experts,
+            base=base,
         )
     if quiet:
         return

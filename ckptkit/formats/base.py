@@ -187,6 +187,7 @@ class OpenedCheckpoint(Protocol):
     tensors: dict[str, Lazy]
     unused: dict[str, Lazy]
     recorded_origin: dict[str, Any] | None
+    notes: list[str]
 
     @property
     def origin(self) -> dict[str, Any]: ...

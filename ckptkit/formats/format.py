@@ -59,6 +59,7 @@ class CheckpointFormat:
     writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
     reads_file: ClassVar[bool] = False  # SRC may be one file of this format (``detect`` is asked about files)
     extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
+    writes_adapters: ClassVar[bool] = False  # SRC may be a PEFT LoRA adapter folder (``write_adapter``)
     aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
     torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
 
@@ -173,6 +174,24 @@ class CheckpointFormat:
         """For a format whose DST is one file (``writes_file``): write it, published
         atomically, streamed; returns its size. A ``dtype`` cast that overflows or flushes
         a value is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
+        raise NotImplementedError
+
+    def check_adapter_options(self, dtype: str | None) -> None:
+        """For a format that holds LoRA adapters: a one-line error for a ``dtype`` it cannot write."""
+
+    def write_adapter(
+        self,
+        adapter: Path,
+        dst: Path,
+        base: OpenedCheckpoint,
+        dtype: str | None,
+        quiet: bool,
+        force: bool,
+        allow_lossy: bool = False,
+    ) -> int:
+        """For a format that holds LoRA adapters (``writes_adapters``): write the PEFT adapter
+        folder ``adapter``, trained on the checkpoint ``base``, as ``dst``, published
+        atomically; returns its size."""
         raise NotImplementedError
 
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:

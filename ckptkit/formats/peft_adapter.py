@@ -37,6 +37,18 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def adapter_base(folder: Path, base: Path | None) -> Path:
+    """The base checkpoint of an adapter: ``base`` (``--base``), else its config's
+    ``base_model_name_or_path`` when that is a local path, else a one-line error asking for it."""
+    if base is not None:
+        return base
+    named = read_adapter_config(folder).get("base_model_name_or_path")
+    if isinstance(named, str) and named and Path(named).exists():
+        return Path(named)
+    where = f" ({named!r} in {ADAPTER_CONFIG} is not a local folder)" if named else ""
+    raise CkptkitError(f"{folder}: which model is this adapter for{where}? pass --base BASE (its checkpoint)")
+
+
 def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The adapter's tensors, keys as stored; a ``.bin`` one without running pickled code."""
     from safetensors.torch import load_file

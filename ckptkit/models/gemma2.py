@@ -8,6 +8,7 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
+from ckptkit.models.gguf_spec import GEMMA2_GGUF
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout
 
 
@@ -34,6 +35,7 @@ class Gemma2(Family):
     hf_model_types = ("gemma2",)
     hf_architecture = "Gemma2ForCausalLM"
     sliding_pattern = 2
+    gguf = GEMMA2_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         base = hf_llama_layout(cfg)

@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.gemma2 import Gemma2
+from ckptkit.models.gguf_spec import GEMMA3_GGUF
 from ckptkit.models.qwen3 import qk_norm_rules
 from ckptkit.models.spec import Layout
 
@@ -18,6 +19,7 @@ class Gemma3Text(Gemma2):
     hf_model_types = ("gemma3_text",)
     hf_architecture = "Gemma3ForCausalLM"
     sliding_pattern = 6
+    gguf = GEMMA3_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         base = super().hf_layout(cfg)

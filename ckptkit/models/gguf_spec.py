@@ -10,6 +10,7 @@ subclass Llama and Qwen2 but are other llama.cpp models): :meth:`Family.gguf_spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,21 @@ class GGUFSpec:
             them, by the names :mod:`ckptkit.formats.gguf.params` defines (``?``: only when
             config.json has the field).
         vocab: its ``set_vocab``: ``llama`` (sentencepiece, else byte-level BPE), ``gemma``,
-            ``phi3`` or ``bpe_or_spm`` (Qwen2).
+            ``phi3``, ``bpe_or_spm`` (Qwen2), ``bpe`` (byte-level BPE only), ``spm_unprefixed``
+            (sentencepiece, ``add_space_prefix`` false) or ``spm_unprefixed_or_bpe``.
         permute_qk: q/k rows go back to Meta's interleaved pairs (llama.cpp's ``permute``).
         norm_plus_one: norms are stored as ``1 + w`` (Gemma).
         drops_output: ``lm_head.weight`` is not written (Gemma always ties it).
         rope_freqs: Llama 3 rope scaling is written as the ``rope_freqs.weight`` tensor.
+        sliding_pattern: llama.cpp runs every ``n``-th layer with global attention and the
+            others in the sliding window (``layer_types`` is not stored; read back as this).
+        query_scale_layers: llama.cpp scales queries by ``1/sqrt(head_dim)`` (HF
+            ``query_pre_attn_scalar``, not stored), or by ``1/sqrt(hidden/heads)`` for models
+            with one of these block counts (Gemma 2 and 3 27B); None: by the config's own.
+        embeddings_to_vocab: the embedding rows past the tokenizer's tokens are dropped.
+        experts: how it merges a layer's experts into 3-D tensors (None: no experts).
+        implied: config.json fields its llama.cpp architecture assumes without a key
+            (set when reading a GGUF back).
     """
 
     arch: str
@@ -38,6 +49,29 @@ class GGUFSpec:
     norm_plus_one: bool = False
     drops_output: bool = False
     rope_freqs: bool = False
+    sliding_pattern: int | None = None
+    query_scale_layers: tuple[int, ...] | None = None
+    embeddings_to_vocab: bool = False
+    experts: GGUFExperts | None = None
+    implied: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class GGUFExperts:
+    """How a llama.cpp model class writes a layer's experts: one 3-D tensor per projection
+    (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` [E, rows, cols], experts
+    stacked in order, nothing transposed) and the router as ``ffn_gate_inp``.
+
+    Attributes:
+        order: the canonical projections (``w1`` gate, ``w3`` up, ``w2`` down) in the order
+            it writes the merged tensors, once a layer's last expert tensor is read.
+        takes_stacked: it reads transformers' stacked ``experts.gate_up_proj`` /
+            ``experts.down_proj`` as they come (else only one tensor per expert; a stacked
+            source is then written as llama.cpp writes its per-expert HF copy).
+    """
+
+    order: tuple[str, ...]
+    takes_stacked: bool = False
 
 
 # llama.cpp's TextModel.set_gguf_parameters, the keys our families have
@@ -92,3 +126,62 @@ PHI3_GGUF = GGUFSpec(
     "phi3",
 )
 QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), _TEXT, "bpe_or_spm")
+
+# --- qwen3 ----------------------------------------------------------------------------------
+QWEN3_GGUF = GGUFSpec("qwen3", ("Qwen3ForCausalLM",), _TEXT, "bpe_or_spm")
+
+# --- gemma2 ---------------------------------------------------------------------------------
+GEMMA2_GGUF = GGUFSpec(
+    "gemma2",
+    ("Gemma2ForCausalLM",),
+    (*GEMMA_GGUF.parameters, "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"),
+    "spm_unprefixed",
+    norm_plus_one=True,
+    drops_output=True,
+    sliding_pattern=2,
+    query_scale_layers=(46,),
+)
+
+# --- gemma3_text ----------------------------------------------------------------------------
+# llama.cpp's Gemma3Model: TextModel's keys (rewritten in place with its defaults), then these
+_GEMMA3 = (
+    "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
+    "rope_scaling", "rope_freq_base?", "rope_freq_base_swa?", "layer_norm_rms_eps?", "head_dim?", "file_type",
+    "final_logit_softcapping?", "sliding_window",
+)  # fmt: skip
+GEMMA3_GGUF = GGUFSpec(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    _GEMMA3,
+    "spm_unprefixed_or_bpe",
+    norm_plus_one=True,
+    sliding_pattern=6,
+    query_scale_layers=(62,),
+    embeddings_to_vocab=True,
+)
+
+# --- olmo2 ----------------------------------------------------------------------------------
+OLMO2_GGUF = GGUFSpec("olmo2", ("Olmo2ForCausalLM",), _TEXT, "bpe")
+
+# --- mixture of experts: Mixtral (llama.cpp's LlamaModel) and Qwen3-MoE (Qwen3MoeModel) ---
+# TextModel adds expert_count / expert_used_count after the norm epsilon when config.json has them.
+_EPS = _TEXT.index("layer_norm_rms_eps?") + 1
+_MOE_TEXT = (*_TEXT[:_EPS], "expert_count", "expert_used_count", *_TEXT[_EPS:])
+
+MIXTRAL_GGUF = GGUFSpec(
+    "llama",
+    ("MixtralForCausalLM",),
+    (*_MOE_TEXT, "vocab_size", "rope_dimension_count"),
+    "llama",
+    permute_qk=True,
+    rope_freqs=True,
+    experts=GGUFExperts(("w1", "w2", "w3")),
+)
+QWEN3MOE_GGUF = GGUFSpec(
+    "qwen3moe",
+    ("Qwen3MoeForCausalLM",),
+    (*_MOE_TEXT, "expert_feed_forward_length?"),
+    "bpe",
+    experts=GGUFExperts(("w2", "w1", "w3"), takes_stacked=True),
+    implied=(("norm_topk_prob", True),),  # llama.cpp's qwen3moe graph always renormalises the top k
+)

@@ -13,6 +13,7 @@ from typing import Any
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import MetaSource
+from ckptkit.models.gguf_spec import MIXTRAL_GGUF
 from ckptkit.models.llama import meta_layer_rules, meta_output_rule
 from ckptkit.models.mistral import Mistral
 from ckptkit.models.moe import expert_rules, experts_layout_of
@@ -24,6 +25,7 @@ class Mixtral(Mistral):
     hf_model_types = ("mixtral",)
     hf_architecture = "MixtralForCausalLM"
     meta_container = "pth"
+    gguf = MIXTRAL_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         base = hf_llama_layout(cfg)
@@ -80,6 +82,13 @@ class Mixtral(Mistral):
     def config_from_meta(self, src: MetaSource) -> ModelConfig:
         moe = src.params.get("moe")
         if not isinstance(moe, dict) or "num_experts" not in moe:
+            experts = {k.split(".")[4] for k in src.shapes if k.startswith("layers.0.feed_forward.experts.")}
+            if experts:  # the tensors say Mixtral; how many experts route each token, only params.json can
+                raise CkptkitError(
+                    f"no 'moe' section, yet its tensors hold {len(experts)} experts per layer: add "
+                    f'"moe": {{"num_experts": {len(experts)}, "num_experts_per_tok": K}} '
+                    "(Mixtral routes each token to 2)"
+                )
             raise CkptkitError("params.json has no 'moe' section with num_experts: not a Mixtral")
         model = super().config_from_meta(src)
         return dataclasses.replace(
@@ -98,8 +107,9 @@ class Mixtral(Mistral):
 
 
 def detect_meta(src: MetaSource, where: str) -> str | None:
-    """Mistral's Mixtral releases: a ``moe`` section in params.json."""
-    return "mixtral" if isinstance(src.params.get("moe"), dict) else None
+    """Mistral's Mixtral releases: a ``moe`` section in params.json, or experts among the tensors."""
+    moe = isinstance(src.params.get("moe"), dict)
+    return "mixtral" if moe or any(k.startswith("layers.0.feed_forward.experts.") for k in src.shapes) else None
 
 
 FAMILIES = (Mixtral(),)

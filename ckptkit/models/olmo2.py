@@ -7,6 +7,7 @@ from typing import Any
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
+from ckptkit.models.gguf_spec import OLMO2_GGUF
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout
 
 
@@ -14,6 +15,7 @@ class Olmo2(Family):
     name = "olmo2"
     hf_model_types = ("olmo2",)
     hf_architecture = "Olmo2ForCausalLM"
+    gguf = OLMO2_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         base = hf_llama_layout(cfg)

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptkit.models.config import ModelConfig
+from ckptkit.models.gguf_spec import QWEN3_GGUF, QWEN3MOE_GGUF
 from ckptkit.models.moe import expert_rules, experts_layout_of
 from ckptkit.models.qwen2 import Qwen2
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_llama_layout
@@ -28,6 +29,7 @@ class Qwen3(Qwen2):
     name = "qwen3"
     hf_model_types = ("qwen3",)
     hf_architecture = "Qwen3ForCausalLM"
+    gguf = QWEN3_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         base = hf_llama_layout(cfg, biases=cfg.attention_bias)
@@ -51,6 +53,7 @@ class Qwen3Moe(Qwen3):
     name = "qwen3_moe"
     hf_model_types = ("qwen3_moe",)
     hf_architecture = "Qwen3MoeForCausalLM"
+    gguf = QWEN3MOE_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         # Layers differ (dense or experts), so every layer's rules are spelled out.

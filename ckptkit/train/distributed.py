@@ -18,7 +18,7 @@ import os
 import resource
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -117,11 +117,37 @@ def shard_model(
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def load_full_tensors(model: nn.Module, full: Callable[[str], torch.Tensor], device: torch.device) -> None:
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter the model holds under more than one name (e.g. the LoRA A
+    that a fused module's parts share), in module order. FSDP2 keeps such a parameter one
+    within one ``fully_shard`` unit: these are within one decoder layer."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def tie_parameters(model: nn.Module, tied: Sequence[Sequence[str]]) -> None:
+    """Make each group of :func:`tied_parameters` one parameter again, the first name's
+    (``to()`` and ``load_state_dict(assign=True)`` give every name a tensor of its own)."""
+    for first, *rest in tied:
+        param = model.get_parameter(first)
+        for name in rest:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, param)
+
+
+def load_full_tensors(
+    model: nn.Module, full: Callable[[str], torch.Tensor], device: torch.device, tied: Sequence[Sequence[str]] = ()
+) -> None:
     """Fill a sharded model built on the meta device: ``full(name)`` reads one whole tensor,
-    this rank keeps its shard of it and drops the rest before reading the next."""
+    this rank keeps its shard of it and drops the rest before reading the next. A parameter
+    held under several names (``tied``, which :func:`shard_model` kept one) is read once."""
+    again = {name for group in tied for name in group[1:]}
     sharded = {}
     for name, param in model.state_dict().items():
+        if name in again:
+            continue
         tensor = full(name).to(device, param.dtype)
         if isinstance(param, DTensor):
             mesh, placements = param.device_mesh, param.placements
@@ -129,7 +155,10 @@ def load_full_tensors(model: nn.Module, full: Callable[[str], torch.Tensor], dev
             # a copy: the shard is a view that would keep the whole tensor alive
             tensor = DTensor.from_local(view.clone(), mesh, placements, shape=param.shape, stride=param.stride())
         sharded[name] = tensor
-    model.load_state_dict(sharded, strict=True, assign=True)
+    missing, unexpected = model.load_state_dict(sharded, strict=False, assign=True)
+    if set(missing) != again or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {sorted(set(missing) - again)}, unexpected {unexpected}")
+    tie_parameters(model, tied)
 
 
 class Pending:

@@ -38,7 +38,7 @@ def merge_adapter_into_checkpoint(
     from ckptkit.save_like import save_checkpoint_like
 
     with open_checkpoint(base_checkpoint, model_type=model_type) as ckpt:
-        adapter = read_lora_weights(adapter_dir, ckpt.config, str(base_checkpoint), "merge it into the model")
+        adapter = read_lora_weights(adapter_dir, ckpt.config, str(base_checkpoint), "merge it into the model", True)
         check_base_copies(adapter, {k: ckpt.tensors[k].get() for k in adapter.base_copies if k in ckpt.tensors})
         state: dict[str, Lazy] = dict(ckpt.tensors)
         for module, w in adapter.lora.items():
@@ -51,7 +51,17 @@ def merge_adapter_into_checkpoint(
                     f"adapter for {key} has shape {(w.b.shape[0], w.a.shape[1])}, weight is {tuple(base.shape)}"
                 )
             state[key] = Lazy(base.shape, base.dtype, partial(_merged, base, w))
+        for key, whole in adapter.replaced.items():  # modules_to_save: the adapter's tensor, in the base's dtype
+            if key not in state or tuple(whole.shape) != tuple(state[key].shape):
+                raise CkptkitError(f"adapter replaces {key} with shape {tuple(whole.shape)}, which does not fit")
+            state[key] = Lazy(state[key].shape, state[key].dtype, partial(_replaced, whole, state[key].dtype))
         save_checkpoint_like(str(base_checkpoint), state, str(out_dir), model_type=model_type)
+
+
+def _replaced(whole: torch.Tensor, dtype: str) -> torch.Tensor:
+    from ckptkit.tensors.dtypes import to_torch
+
+    return whole.to(to_torch(dtype))
 
 
 def _merged(base: Lazy, w: AdapterWeights) -> torch.Tensor:

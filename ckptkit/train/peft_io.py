@@ -216,15 +216,16 @@ def _peft_tensors(
     return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
 
 
-def read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Validated PEFT adapter config and its tensors (keys as stored)."""
+def read_adapter(adapter_dir: str | Path, merging: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Validated PEFT adapter config and its tensors (keys as stored); ``merging`` (into a
+    checkpoint on disk) also takes ``modules_to_save``."""
     folder = Path(adapter_dir)
     config = read_adapter_config(folder)
-    _check_supported(config)
+    _check_supported(config, merging)
     return config, read_adapter_tensors(folder)
 
 
-def _check_supported(config: dict[str, Any]) -> None:
+def _check_supported(config: dict[str, Any], merging: bool = False) -> None:
     def unsupported(what: str) -> CkptkitError:
         return CkptkitError(f"unsupported PEFT adapter: {what}")
 
@@ -237,7 +238,7 @@ def _check_supported(config: dict[str, Any]) -> None:
         f"bias={config.get('bias')!r}": config.get("bias", "none") != "none",
         "lora_bias": bool(config.get("lora_bias")),
         "alpha_pattern": bool(config.get("alpha_pattern")),
-        "modules_to_save": bool(config.get("modules_to_save")),
+        "modules_to_save": bool(config.get("modules_to_save")) and not merging,
         "layer_replication": bool(config.get("layer_replication")),
         "trainable_token_indices": bool(config.get("trainable_token_indices")),
         "use_qalora": bool(config.get("use_qalora")),
@@ -264,10 +265,16 @@ class Adapter(NamedTuple):
     # Base weights PEFT stores beside the adapter when embeddings / lm_head are targeted
     # (``save_embedding_layers="auto"``); canonical tensor name -> tensor.
     base_copies: dict[str, torch.Tensor]
+    # ``modules_to_save``: whole tensors that replace the base's (read only for a merge).
+    replaced: dict[str, torch.Tensor] = {}  # noqa: RUF012 - never mutated
 
 
 def read_lora_weights(
-    adapter_dir: str | Path, model: ModelConfig, base: str = "the model", fix: str = "use it with the model"
+    adapter_dir: str | Path,
+    model: ModelConfig,
+    base: str = "the model",
+    fix: str = "use it with the model",
+    merging: bool = False,
 ) -> Adapter:
     """Parse a PEFT LoRA adapter into canonical module names (fused modules split into their parts).
 
@@ -276,7 +283,7 @@ def read_lora_weights(
     folder, the mismatch and what to do (``fix`` ... "it was trained on").
     """
     try:
-        adapter = _read_lora_weights(adapter_dir, model)
+        adapter = _read_lora_weights(adapter_dir, model, merging)
         misfit = _misfit(adapter, model, base)
     except NotInBase as exc:
         misfit = str(exc)
@@ -295,7 +302,7 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
     # the dimensions that are the hidden size: those that change with it
     wider = canonical_shapes(dataclasses.replace(model, hidden_size=model.hidden_size + 1))
     weights: dict[str, tuple[int, ...]] = {f"{m}.weight": (w.b.shape[0], w.a.shape[1]) for m, w in adapter.lora.items()}
-    weights |= {k: tuple(t.shape) for k, t in adapter.base_copies.items()}
+    weights |= {k: tuple(t.shape) for k, t in (adapter.base_copies | adapter.replaced).items()}
     for key, got in weights.items():
         want = shapes.get(key)
         if want is None or got == want:
@@ -320,9 +327,12 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
     return None
 
 
-def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
+def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: bool = False) -> Adapter:
+    """See :func:`read_lora_weights`; ``merging`` also takes embedding LoRA and ``modules_to_save``."""
     model_type = model.model_type
-    config, tensors = read_adapter(adapter_dir)
+    config, tensors = read_adapter(adapter_dir, merging)
+    saved = config.get("modules_to_save") or []
+    saved = {saved} if isinstance(saved, str) else set(map(str, saved))
     targets = config.get("target_parameters") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise CkptkitError(f"{adapter_dir}: the adapter config's target_parameters is not a list of names")
@@ -332,21 +342,27 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
     tensors = {k: v for k, v in tensors.items() if k not in stacked}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     base_copies: dict[str, torch.Tensor] = {}
+    replaced: dict[str, torch.Tensor] = {}
+    # embedding LoRA (merged only): delta W = (B @ A).T, i.e. a = B.T and b = A.T
+    embedding = {".lora_embedding_A": ("lora_B", True), ".lora_embedding_B": ("lora_A", True)} if merging else {}
     for key, tensor in tensors.items():
         body = key.removeprefix(_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
+        suffixes = {".lora_A.weight": ("lora_A", False), ".lora_B.weight": ("lora_B", False), **embedding}
+        for suffix, (part, flip) in suffixes.items():
             if body.endswith(suffix):
                 hf_module = body.removesuffix(suffix)
                 module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
-                pairs.setdefault(module, {})[part] = tensor
+                pairs.setdefault(module, {})[part] = tensor.T if flip else tensor
                 break
         else:
             if not body.endswith(".weight") or ".lora_" in body:
                 raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
-            base_copies[
-                _canonical_module(model_type, body.removesuffix(".weight").removesuffix(".base_layer")) + ".weight"
-            ] = tensor
+            hf_module = body.removesuffix(".weight")
+            name = _canonical_module(model_type, hf_module.removesuffix(".base_layer")) + ".weight"
+            if not hf_module.endswith(".base_layer") and ({hf_module, hf_module.rsplit(".", 1)[-1]} & saved):
+                replaced[name] = tensor
+            else:
+                base_copies[name] = tensor
     if not pairs and not moe:
         raise CkptkitError(f"adapter in {adapter_dir} has no LoRA weights")
     alpha = float(config.get("lora_alpha", 8))
@@ -373,7 +389,7 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig) -> Adapter:
             raise NotInBase(f"the adapter's {module} has {b.shape[0]} output rows, the model's {sum(rows)}")
         for part, b_part in zip(parts, torch.split(b, rows), strict=True):
             lora[part] = AdapterWeights(a, b_part, scaling)
-    return Adapter(config, lora, base_copies)
+    return Adapter(config, lora, base_copies, replaced)
 
 
 def check_base_copies(adapter: Adapter, base: dict[str, torch.Tensor]) -> None:

@@ -26,7 +26,6 @@ from ckptkit.errors import CkptkitError
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import Checkpointer
-from ckptkit.train.lora import model_config
 from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
 from ckptkit.train.step import DTYPES, Reduce
 from ckptkit.train.trainable import Gather, ModelFiles, Trainable
@@ -193,14 +192,13 @@ class FSDP2(Placement):
 
     def place(self, model: nn.Module, source: TensorSource) -> None:
         made = {k: v for k, v in model.state_dict().items() if not v.is_meta}  # e.g. LoRA adapters, on the CPU
-        if len({t.data_ptr() for t in made.values()}) < len(made):
-            raise CkptkitError(
-                f"LoRA on parts that share one A ({model_config(model).model_type}'s fused modules, or experts' gate "
-                "and up) is not supported by lora_finetune_distributed yet; use lora_finetune or other lora.targets"
-            )
+        # one LoRA A shared by a fused module's parts (an expert's gate and up) stays one
+        # parameter: sharded once in its layer, its gradient the sum of both uses, as on one device
+        tied = D.tied_parameters(model)
         model.to("meta")
+        D.tie_parameters(model, tied)
         D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype, activation_checkpointing=False)
-        D.load_full_tensors(model, lambda k: made[k] if k in made else source(k), self.device)
+        D.load_full_tensors(model, lambda k: made[k] if k in made else source(k), self.device, tied)
 
     def model_state(self, trainable: Trainable, model: nn.Module) -> dict[str, torch.Tensor] | None:
         return trainable.sharded_tensors(model)

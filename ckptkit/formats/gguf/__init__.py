@@ -3,7 +3,7 @@
 Modules: ``reader`` (the header, as untrusted input), ``params`` (the ``<arch>.*`` keys both
 ways), ``vocab`` (the ``tokenizer.ggml.*`` keys written), ``tokenizer`` (tokenizer files
 rebuilt from them), ``tensors`` (names, order, types and transforms written), ``model``
-(family, config and layout read back), ``quants`` (Q8_0 written; Q8_0 and k-quants
+(family, config and layout read back), ``adapter`` (LoRA adapters written), ``quants`` (Q8_0 written; Q8_0 and k-quants
 dequantized), ``writer`` (the streaming write). Which families llama.cpp converts, and how,
 is family data (:mod:`ckptkit.models.gguf_spec`).
 """
@@ -21,7 +21,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.gguf import model
-from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, read_header, summary
+from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
@@ -131,6 +131,7 @@ class GGUFFormat(CheckpointFormat):
     reads_file = True  # SRC is one file
     writes_file = True  # DST is one file, not a folder
     extra_dtypes = ("q8_0",)
+    writes_adapters = True  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``adapter``)
 
     # --- reading ------------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
@@ -146,6 +147,8 @@ class GGUFFormat(CheckpointFormat):
         tensors = GGUFTensors(header)
         unsure = None
         try:
+            if meta_str(header, "general.type") == "adapter":  # what --to gguf writes for a LoRA adapter
+                raise CkptkitError("it is a LoRA adapter GGUF (general.type adapter), not a model")
             config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
         except CkptkitError as e:  # inspect still lists the tensors; family() says why
             config, unsure = {}, str(e)
@@ -241,6 +244,25 @@ class GGUFFormat(CheckpointFormat):
         if dtype is not None and dtype not in GGUF_DTYPES:
             raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
         return write_gguf(ckpt, dst, dtype, quiet, force, allow_lossy)
+
+    def check_adapter_options(self, dtype: str | None) -> None:
+        if dtype is not None and dtype not in GGUF_DTYPES:
+            raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
+
+    def write_adapter(
+        self,
+        adapter: Path,
+        dst: Path,
+        base: OpenedCheckpoint,
+        dtype: str | None,
+        quiet: bool,
+        force: bool,
+        allow_lossy: bool = False,
+    ) -> int:
+        from ckptkit.formats.gguf.adapter import write_adapter_gguf
+
+        self.check_adapter_options(dtype)
+        return write_adapter_gguf(adapter, dst, base, dtype, quiet, force, allow_lossy)
 
 
 def _opened(raw: RawCheckpoint) -> GGUFCheckpoint:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.experts import merged_rules, per_expert
 from ckptkit.formats.gguf.params import hparams_from_metadata
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
 from ckptkit.formats.gguf.tensors import gguf_name, name_map, rope_freqs
@@ -36,6 +37,12 @@ def candidates(arch: str) -> list[Family]:
     return [f for f in REGISTRY.values() if (spec := f.gguf_spec()) is not None and spec.arch == arch]
 
 
+def _spec(family: Family) -> GGUFSpec:
+    spec = family.gguf_spec()
+    assert spec is not None
+    return spec
+
+
 def architecture(h: GGUFHeader) -> str:
     arch = meta_str(h, "general.architecture")
     if arch is None:
@@ -57,13 +64,16 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     """config.json as the GGUF describes it (``{}`` for an architecture no family has);
     ``read_rope_freqs()`` returns the stored ``rope_freqs.weight``."""
     arch = architecture(h)
-    families = candidates(arch)
+    moe = f"{arch}.expert_count" in h.metadata  # llama.cpp's llama class writes Mixtral too
+    families = [f for f in candidates(arch) if (_spec(f).experts is not None) == moe]
     if not families:
         return {}
     family = _hf_model_type(h, families)
     spec = family.gguf_spec()
     assert spec is not None
     out = hparams_from_metadata(h.metadata, arch)
+    for field, value in spec.implied:
+        out.setdefault(field, value)
     shapes = {t.name: t.shape for t in h.tensors}
     if "vocab_size" not in out and EMBEDDINGS in shapes:
         out["vocab_size"] = shapes[EMBEDDINGS][0]
@@ -72,10 +82,25 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     for what, field in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         if (tid := meta_int(h, f"tokenizer.ggml.{what}_token_id")) is not None:
             out[field] = tid
+    out.update(assumed_fields(spec, out))
     if spec.rope_freqs and ROPE_FREQS in shapes:
         out["rope_parameters"] = _llama3_scaling(h, out, read_rope_freqs())
         out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
     check_config_fields("config.json", out, f"{h.path} (metadata as config.json)")
+    return out
+
+
+def assumed_fields(spec: GGUFSpec, hparams: dict[str, Any]) -> dict[str, Any]:
+    """config.json fields the GGUF has no key for, as llama.cpp runs the model: its fixed
+    interleave of sliding and global layers, and its query scale."""
+    out: dict[str, Any] = {}
+    layers, heads, hidden = hparams["num_hidden_layers"], hparams["num_attention_heads"], hparams["hidden_size"]
+    if spec.sliding_pattern is not None:
+        n = spec.sliding_pattern
+        out["layer_types"] = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)]
+    if spec.query_scale_layers is not None:
+        by_hidden = layers in spec.query_scale_layers
+        out["query_pre_attn_scalar"] = hidden // heads if by_hidden else hparams.get("head_dim", hidden // heads)
     return out
 
 
@@ -125,7 +150,7 @@ def layout(family: Family, cfg: ModelConfig) -> Layout:
     """The family's HF layout in GGUF tensor names; q/k rows in Meta's pair order where
     llama.cpp permutes them (read back with the same rope transform as Meta's ``wq``/``wk``)."""
     spec = spec_for(family, family.name)
-    hf = family.hf_layout(cfg)
+    hf = family.hf_layout(cfg if spec.experts is None else per_expert(cfg))
     tmap = name_map(spec, max(cfg.num_layers, 1))
 
     def rename(rule: Rule, per_layer: bool) -> Rule | None:
@@ -145,6 +170,8 @@ def layout(family: Family, cfg: ModelConfig) -> Layout:
         return replace(rule, native=name, kind=kind)
 
     def renamed(rules: tuple[Rule, ...], per_layer: bool) -> tuple[Rule, ...]:
+        if spec.experts is not None:  # one ffn_*_exps tensor per layer and projection
+            return merged_rules(rules, lambda rule: rename(rule, per_layer))
         return tuple(r for r in (rename(rule, per_layer) for rule in rules) if r is not None)
 
     return Layout(

@@ -17,8 +17,10 @@ Writer = Callable[[Any, dict[str, Any], Any], None]  # (gguf.GGUFWriter, config.
 
 
 def rope(hparams: dict[str, Any]) -> dict[str, Any]:
-    """Rope settings of a config.json in either spelling, ``rope_theta`` and ``rope_type`` in."""
+    """Rope settings of a config.json in either spelling, ``rope_theta`` and ``rope_type`` in;
+    of the global layers where they are given per layer type."""
     out = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
+    out = dict(out.get("full_attention", out))
     if "rope_theta" not in out and hparams.get("rope_theta") is not None:
         out["rope_theta"] = hparams["rope_theta"]
     if "rope_type" not in out and out.get("type") is not None:
@@ -44,6 +46,18 @@ def _rope_scaling(w: Any, h: dict[str, Any], ftype: Any) -> None:
 
 def _theta(h: dict[str, Any]) -> Any:
     return rope(h).get("rope_theta")
+
+
+# llama.cpp's names for the sliding layers' rope base when not given per layer type
+_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+
+
+def _local_theta(h: dict[str, Any]) -> Any:
+    """The rope base of the sliding-window layers (``rope_parameters.sliding_attention``)."""
+    settings = h.get("rope_parameters", h.get("rope_scaling")) or {}
+    if "full_attention" in settings or "sliding_attention" in settings:
+        return (settings.get("sliding_attention") or {}).get("rope_theta")
+    return next((h[k] for k in _LOCAL_THETA if h.get(k) is not None), None)
 
 
 def _head_dim(w: Any, h: dict[str, Any]) -> None:
@@ -83,6 +97,48 @@ WRITERS: dict[str, tuple[Writer, str | None]] = {
     "rope_partial_dimensions": (lambda w, h, t: w.add_rope_dimension_count(_partial_dims(h)), None),
     "rope_original_context": (lambda w, h, t: w.add_rope_scaling_orig_ctx_len(_original_context(h)), None),
     "sliding_window": (lambda w, h, t: w.add_sliding_window(h.get("sliding_window") or 0), None),
+    "attn_logit_softcapping": (
+        lambda w, h, t: w.add_attn_logit_softcapping(h["attn_logit_softcapping"]),
+        "attn_logit_softcapping",
+    ),
+    "final_logit_softcapping": (
+        lambda w, h, t: w.add_final_logit_softcapping(h["final_logit_softcapping"]),
+        "final_logit_softcapping",
+    ),
+    "rope_freq_base_swa": (lambda w, h, t: w.add_rope_freq_base_swa(_local_theta(h)), "rope_theta_swa"),
+}
+_PRESENT: dict[str, Callable[[dict[str, Any]], Any]] = {"rope_theta": _theta, "rope_theta_swa": _local_theta}
+
+
+def _present(hparams: dict[str, Any], field: str) -> Any:
+    """The value whose absence (None) skips a ``name?`` key."""
+    get = _PRESENT.get(field)
+    return get(hparams) if get is not None else hparams.get(field)
+
+
+# --- mixture of experts (TextModel's expert keys, Qwen2MoeModel's expert feed-forward length) ---
+
+
+def _first(h: dict[str, Any], fields: tuple[str, ...]) -> Any:
+    """llama.cpp's ``find_hparam``: the first of ``fields`` config.json has."""
+    return next(h[f] for f in fields if h.get(f) is not None)
+
+
+WRITERS |= {
+    "expert_count": (
+        lambda w, h, t: w.add_expert_count(_first(h, ("num_local_experts", "num_experts", "n_routed_experts"))),
+        None,
+    ),
+    "expert_used_count": (
+        lambda w, h, t: w.add_expert_used_count(
+            _first(h, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))
+        ),
+        None,
+    ),
+    "expert_feed_forward_length": (
+        lambda w, h, t: w.add_expert_feed_forward_length(h["moe_intermediate_size"]),
+        "moe_intermediate_size",
+    ),
 }
 
 
@@ -90,11 +146,7 @@ def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftyp
     """The keys ``names`` (a spec's ``parameters``) from config.json ``hparams``."""
     for name in names:
         write, field = WRITERS[name.rstrip("?")]
-        if (
-            name.endswith("?")
-            and field is not None
-            and (_theta(hparams) if field == "rope_theta" else hparams.get(field)) is None
-        ):
+        if name.endswith("?") and field is not None and _present(hparams, field) is None:
             continue
         write(w, hparams, ftype)
 
@@ -111,6 +163,13 @@ _FIELDS = {  # <arch>.KEY -> config.json field
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
+}
+
+
+_FIELDS |= {  # mixture of experts
+    "expert_count": "num_local_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 
@@ -165,4 +224,16 @@ def hparams_from_metadata(kv: dict[str, Any], arch: str) -> dict[str, Any]:
     out["rope_parameters"] = rope_settings
     if "rope_theta" in rope_settings:
         out["rope_theta"] = rope_settings["rope_theta"]
+    local = kv.get(f"{arch}.rope.freq_base_swa")
+    if local is not None:  # a rope base of its own for the sliding layers: rope_parameters per layer type
+        if not isinstance(local, float) or not local > 0:
+            raise CkptkitError(f"metadata {arch}.rope.freq_base_swa must be a positive float, not {local!r}")
+        local_settings = {"rope_type": "default", "rope_theta": local}
+        out["rope_parameters"] = {"full_attention": rope_settings, "sliding_attention": local_settings}
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = kv.get(f"{arch}.{field}")
+        if cap is not None:
+            if not isinstance(cap, float) or not cap > 0:
+                raise CkptkitError(f"metadata {arch}.{field} must be a positive float, not {cap!r}")
+            out[field] = cap
     return out

@@ -10,12 +10,14 @@ Gemma's norm + 1) and given llama.cpp's GGML type for the file type.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
 from ckptkit.formats.gguf.params import rope
 from ckptkit.models.gguf_spec import GGUFSpec
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from ckptkit.tensors.lazy import Lazy
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
+ALWAYS_F32 = (".ffn_gate_inp.weight",)  # llama.cpp keeps MoE routers in float32 whatever the file type
 
 
 @dataclass
@@ -56,26 +59,53 @@ def spec_of(family: Family, where: object) -> GGUFSpec:
 
 
 def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
-    """config.json as llama.cpp would read it: the source's own, or the one ckptkit writes for HF."""
+    """config.json as llama.cpp would read it in the HF folder of this model: the source's
+    own, the one it was converted from (recorded), or the one ckptkit writes for HF."""
     if ckpt.raw.config_name == "config.json":
         return dict(ckpt.raw.config)
+    recorded = ckpt.origin.get("config") or {}
+    if recorded.get("name") == "config.json":
+        try:
+            config = json.loads(recorded["text"])
+        except (TypeError, ValueError) as e:
+            raise CkptkitError(f"{ckpt.path}: the recorded config.json is not JSON ({e})") from None
+        if isinstance(config, dict):
+            return config
+        raise CkptkitError(f"{ckpt.path}: the recorded config.json is not a JSON object")
     weights = list(ckpt.tensors.values())
     main = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
     return ckpt.family.config_to_hf(ckpt.config, main)
 
 
-def _hf_order(ckpt: OpenedCheckpoint, names: list[str]) -> list[str]:
-    """The order llama.cpp reads an HF folder in; a source with no HF shards is one sorted shard."""
+def _hf_files(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], fresh: bool) -> list[tuple[str, list[str]]]:
+    """The weight files (name, keys as stored) of the HF folder llama.cpp would be given:
+    the source itself, the HF folder it was converted from (recorded), or (always when
+    ``fresh``) what ``--to hf`` writes for it."""
+    from ckptkit.formats.base import Options
+    from ckptkit.formats.registry import transformers_format
+
     raw = ckpt.raw
+    hf = raw.config_name == "config.json" and all(f.endswith((".safetensors", ".bin")) for f in raw.files)
+    if hf and not fresh:
+        return [(f, list(keys)) for f, keys in raw.files.items()]
+    origin = ckpt.origin
+    if not fresh and (origin.get("config") or {}).get("name") == "config.json" and origin.get("files"):
+        return [(f["name"], list(f["keys"])) for f in origin["files"]]
+    fmt = transformers_format()
+    files, _ = fmt.default_files(ckpt, targets, Options(fmt.name))
+    return [(f.name, list(f.keys)) for f in files]
+
+
+def _hf_order(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], names: list[str], fresh: bool = False) -> list[str]:
+    """The order llama.cpp reads that HF folder in: shard by shard, names sorted inside a
+    safetensors shard, stored order inside a torch pickle."""
     wanted = set(names)
-    if raw.config_name == "config.json" and all(f.endswith((".safetensors", ".bin")) for f in raw.files):
-        order: list[str] = []
-        for f in sorted(raw.files):
-            keys = [k for k in raw.files[f] if k in wanted]
-            order += sorted(keys) if f.endswith(".safetensors") else keys
-        rest = [k for k in names if k not in set(order)]
-        return order + sorted(rest)
-    return sorted(names)
+    order: list[str] = []
+    for f, keys in sorted(_hf_files(ckpt, targets, fresh)):
+        found = [k for k in keys if k in wanted]
+        order += sorted(found) if f.endswith(".safetensors") else found
+    placed = set(order)
+    return order + sorted(k for k in names if k not in placed)
 
 
 def permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -130,7 +160,11 @@ def qtype(name: str, shape: tuple[int, ...], ftype: Any) -> Any:
     import gguf
 
     q, t = gguf.GGMLQuantizationType, gguf.LlamaFileType
-    if len(shape) <= 1 or name.endswith("_norm.weight") or name[-7:] not in (".weight", ".lora_a", ".lora_b"):
+    if (
+        len(shape) <= 1
+        or name.endswith(("_norm.weight", *ALWAYS_F32))
+        or name[-7:] not in (".weight", ".lora_a", ".lora_b")
+    ):
         return q.F32
     chosen = {t.ALL_F32: q.F32, t.MOSTLY_F16: q.F16, t.MOSTLY_BF16: q.BF16, t.MOSTLY_Q8_0: q.Q8_0}[ftype]
     if chosen == q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0]:
@@ -160,11 +194,15 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     from ckptkit.formats.registry import get_format
 
     spec = spec_of(ckpt.family, ckpt.path)
+    merger, regrouped = None, False
+    if spec.experts is not None and ckpt.config.num_experts:
+        ckpt, regrouped = llama_cpp_view(ckpt, spec, spec.experts)
+        merger = ExpertMerger(ckpt, spec.experts)
     hf_targets, _ = get_format("hf").targets(ckpt, {}, with_optional=False)
     names = [n for n in hf_targets if not n.endswith(".rotary_emb.inv_freq")]
     if spec.drops_output:
         names = [n for n in names if n != "lm_head.weight"]
-    order = _hf_order(ckpt, names)
+    order = _hf_order(ckpt, hf_targets, names, fresh=regrouped)
     ftype = file_type(dtype, hf_targets[order[0]].dtype if order else "float32")
     tmap = name_map(spec, hparams["num_hidden_layers"])
     n_head = hparams["num_attention_heads"]
@@ -176,6 +214,9 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         factors: torch.Tensor = freqs
         out.append(GGUFTensor(name, tuple(factors.shape), gguf.GGMLQuantizationType.F32, lambda: factors))
     for hf_name in order:
+        if merger is not None and (merged := merger.take(hf_name)) is not None:
+            out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in merged]
+            continue
         new = gguf_name(tmap, hf_name)
         if new is None:
             raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
@@ -194,6 +235,8 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         made = _maker(lazy, transform, plus_one)
         kind = qtype(new, lazy.shape, ftype)
         out.append(GGUFTensor(new, lazy.shape, kind, made, None if plus_one else lazy, heads))
+    if merger is not None:
+        merger.check_done()
     return out, ftype
 
 

@@ -84,6 +84,11 @@ def sentencepiece_vocab(
     return tokens, scores, types
 
 
+def no_tokenizer(where: Path) -> CkptkitError:
+    """The error for a source without tokenizer files, named by where the user put them."""
+    return CkptkitError(f"{where}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer")
+
+
 def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[int], str]:
     """llama.cpp's ``get_vocab_base`` for byte-level BPE, with the ``tokenizers`` library."""
     import gguf
@@ -91,7 +96,7 @@ def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[in
 
     path = folder / "tokenizer.json"
     if not path.is_file():
-        raise CkptkitError(f"{folder}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer")
+        raise no_tokenizer(folder)
     tok = Tokenizer.from_file(str(path))
     ids = tok.encode(CHKTXT, add_special_tokens=True).ids
     pre = PRE_TOKENIZERS.get(sha256(str(ids).encode()).hexdigest())
@@ -199,5 +204,12 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> None:
             gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
         else:
             gpt2_keys()
+    elif kind == "bpe":  # llama.cpp's TextModel default (OLMo 2)
+        gpt2_keys()
+    elif kind == "spm_unprefixed" or (kind == "spm_unprefixed_or_bpe" and (folder / "tokenizer.model").is_file()):
+        gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)  # Gemma 2, Gemma 3
+        w.add_add_space_prefix(False)
+    elif kind == "spm_unprefixed_or_bpe":
+        gpt2_keys()
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")

@@ -17,12 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
+from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.rows import row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
-from ckptkit.formats.gguf.vocab import add_vocab
+from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
 from ckptkit.io import OutputFile, direct_pays, publishing_file
 from ckptkit.untrusted import copy_regular_file
 
@@ -51,6 +52,8 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
         (folder / "config.json").write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
+        if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
         yield folder
 
 
@@ -70,6 +73,37 @@ def quiet_gguf() -> Iterator[None]:
 
 def _model_name(ckpt: OpenedCheckpoint) -> str:
     return ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem
+
+
+def _not_kept(hparams: dict[str, Any], spec: Any) -> list[str]:
+    """Notes on config.json fields the GGUF has no key for whose values are not the ones
+    llama.cpp assumes: it will not run the source's model."""
+    lost = [
+        f"{field} {hparams[field]} (llama.cpp assumes {value})"
+        for field, value in assumed_fields(spec, hparams).items()
+        if hparams.get(field) is not None and hparams[field] != value
+    ]
+    if not lost:
+        return []
+    fact = f"GGUF has no key for {', '.join(lost)}: llama.cpp's outputs will differ from the source's"
+    return [note(fact, "to keep the source's model, convert to a format other than gguf")]
+
+
+def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
+    """Refuse what llama.cpp would write with embedding rows dropped: a byte-level BPE
+    tokenizer (no ``tokenizer.model``) with fewer tokens than the embeddings have rows."""
+    if (folder / "tokenizer.model").is_file() or not (folder / "tokenizer.json").is_file():
+        return
+    from ckptkit.formats.base import read_json
+
+    doc = read_json(folder / "tokenizer.json")[1]
+    n = len((doc.get("model") or {}).get("vocab") or {}) + len(doc.get("added_tokens") or [])
+    rows = next((t.shape[0] for t in tensors if t.name == "token_embd.weight"), 0)
+    if n < rows:
+        raise CkptkitError(
+            f"{folder / 'tokenizer.json'}: llama.cpp keeps only the first {n} of the {rows} embedding rows "
+            "(as many as the tokenizer has tokens); ckptkit does not write a GGUF that cannot convert back whole"
+        )
 
 
 NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
@@ -116,6 +150,7 @@ def write_gguf(
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
     tensors, ftype = model_tensors(ckpt, hparams, dtype)
+    ckpt.notes.extend(_not_kept(hparams, spec))
     w = gguf.GGUFWriter(None, spec.arch)
     for t in tensors:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)  # shape as given
@@ -127,6 +162,8 @@ def write_gguf(
             meta.name = _model_name(ckpt)
         if meta.size_label is None and total > 0:
             meta.size_label = gguf.size_label(total, shared, expert, experts)
+        if spec.embeddings_to_vocab:
+            _check_vocab_rows(folder, tensors)
         meta.set_gguf_meta_model(w)
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)

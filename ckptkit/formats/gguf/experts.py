@@ -1,0 +1,146 @@
+"""Mixture-of-experts tensors in GGUF: a layer's experts merged into one 3-D tensor per
+projection, as llama.cpp's model classes merge them, and the rules that read them back.
+
+llama.cpp writes ``blk.N.ffn_{gate,up,down}_exps.weight`` [E, rows, cols]: the experts'
+HF matrices stacked in expert order, nothing transposed (the canonical shapes come from the
+config, so two equal dims never swap), and the router as ``blk.N.ffn_gate_inp.weight``.
+A class that reads only one tensor per expert merges a layer once its last expert tensor
+has been read (its :class:`~ckptkit.models.gguf_spec.GGUFExperts` ``order``); one that reads
+transformers' stacked ``gate_up_proj`` / ``down_proj`` writes them where they come. Writing
+needs one merged tensor in memory at a time, never the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ckptkit.errors import CkptkitError
+from ckptkit.models.spec import Rule
+from ckptkit.tensors.transforms import STACKED
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.formats.base import OpenedCheckpoint
+    from ckptkit.models import ModelConfig
+    from ckptkit.models.gguf_spec import GGUFExperts, GGUFSpec
+    from ckptkit.tensors.lazy import Lazy
+
+EXPERT = re.compile(r"layers\.(\d+|\{i\})\.mlp\.experts\.(\d+)\.(w[123])\.weight")
+PROJECTION = {"w1": "FFN_GATE_EXP", "w3": "FFN_UP_EXP", "w2": "FFN_DOWN_EXP"}  # gguf.MODEL_TENSOR names
+Merged = tuple[str, tuple[int, ...], Callable[[], "torch.Tensor"]]  # GGUF name, shape, make
+
+
+def merged_name(layer: int | str, w: str) -> str:
+    """``blk.{layer}.ffn_{gate,up,down}_exps.weight``, from the ``gguf`` package's names."""
+    import gguf
+
+    return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, PROJECTION[w])].replace("{bid}", str(layer)) + ".weight"
+
+
+def per_expert(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with one tensor per expert: the HF layout a GGUF's experts are read through."""
+    return dataclasses.replace(cfg, experts_layout="per-expert")
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts) -> tuple[OpenedCheckpoint, bool]:
+    """``ckpt`` as llama.cpp's class reads it, and whether it was regrouped: a class that
+    takes no stacked experts reads a stacked checkpoint as the per-expert HF copy that
+    ``--to hf --experts per-expert`` writes (its files, and so its tensor order)."""
+    import gguf
+
+    cfg = ckpt.config
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == spec.arch)
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    if dense and gguf.MODEL_TENSOR.FFN_GATE not in gguf.MODEL_TENSORS[arch]:
+        raise CkptkitError(
+            f"{ckpt.path}: llama.cpp's {spec.arch} has experts in every layer, but layer(s) "
+            f"{', '.join(map(str, dense))} of this {ckpt.family.name} model have a dense MLP; "
+            "llama.cpp cannot write it as GGUF"
+        )
+    if experts.takes_stacked or cfg.experts_layout == "per-expert":
+        return ckpt, False
+    view = copy.copy(ckpt)  # the same tensors, named one per expert
+    view.config = per_expert(cfg)
+    return view, True
+
+
+class ExpertMerger:
+    """Walks the tensor names llama.cpp reads, in its order, and says which merged tensors
+    each one completes (None: not an expert tensor; ``[]``: held until its layer is complete)."""
+
+    def __init__(self, ckpt: OpenedCheckpoint, experts: GGUFExperts) -> None:
+        self.tensors = ckpt.tensors
+        self.order = experts.order
+        self.n = ckpt.config.num_experts
+        self.parts: dict[str, tuple[int, list[str]]] = {}  # HF name -> (layer, canonical parts)
+        for rule in ckpt.family.hf_layout(ckpt.config).expand(ckpt.config.num_layers):
+            found = [EXPERT.fullmatch(c) for c in rule.canonical]
+            if found and all(found):
+                self.parts[rule.native] = (int(found[0].group(1)), list(rule.canonical))  # type: ignore[union-attr]
+        self.pending: dict[int, set[str]] = {}
+
+    def take(self, name: str) -> list[Merged] | None:
+        if name not in self.parts:
+            return None
+        layer, canonical = self.parts[name]
+        if len(canonical) > 1:  # a stacked tensor, read as it comes: its projections in order
+            ws = list(dict.fromkeys(EXPERT.fullmatch(c).group(3) for c in canonical))  # type: ignore[union-attr]
+            return [self._merged(layer, w) for w in ws]
+        held = self.pending.setdefault(layer, set())
+        held.add(name)
+        if len(held) < 3 * self.n:
+            return []
+        del self.pending[layer]
+        return [self._merged(layer, w) for w in self.order]
+
+    def _merged(self, layer: int, w: str) -> Merged:
+        lazies = [self.tensors[f"layers.{layer}.mlp.experts.{e}.{w}.weight"] for e in range(self.n)]
+        return merged_name(layer, w), (self.n, *lazies[0].shape), lambda: stack(lazies)
+
+    def check_done(self) -> None:
+        if self.pending:  # pragma: no cover - the layout names every expert of a layer
+            raise CkptkitError(f"experts of layer(s) {sorted(self.pending)} are incomplete")
+
+
+def stack(lazies: list[Lazy]) -> torch.Tensor:
+    """The experts' tensors as one [E, ...] tensor, read one expert at a time into it."""
+    import torch
+
+    first = lazies[0].get()
+    out = torch.empty((len(lazies), *first.shape), dtype=first.dtype)
+    out[0] = first
+    del first
+    for e, lazy in enumerate(lazies[1:], 1):
+        out[e] = lazy.get()
+    return out
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+
+def merged_rules(rules: tuple[Rule, ...], rename: Callable[[Rule], Rule | None]) -> tuple[Rule, ...]:
+    """A per-expert HF layout's rules in GGUF names: the rules of one layer's projection
+    (one per expert) become one ``ffn_*_exps`` rule whose canonical parts, in expert order,
+    are stacked on dim 0; every other rule goes through ``rename``."""
+    out: list[Rule | tuple[str, str]] = []
+    groups: dict[tuple[str, str], list[str]] = {}
+    for rule in rules:
+        found = EXPERT.fullmatch(rule.canonical[0]) if len(rule.canonical) == 1 else None
+        if found is None:
+            if (new := rename(rule)) is not None:
+                out.append(new)
+            continue
+        key = (found.group(1), found.group(3))
+        if key not in groups:
+            groups[key] = []
+            out.append(key)
+        groups[key].append(rule.canonical[0])
+    return tuple(Rule(merged_name(*r), tuple(groups[r]), STACKED) if isinstance(r, tuple) else r for r in out)
