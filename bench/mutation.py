@@ -21,10 +21,12 @@ survivor's diff for that review.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,6 +109,31 @@ def configure(dst: Path, modules: list[str], tests: list[str]) -> None:
     pyproject.write_text(text)
 
 
+def reap_orphans(work: Path) -> None:
+    """Kill what a timed-out mutant left behind: a test's helper process (the CLI driver of
+    test_errors.py) outlives the test process mutmut kills and keeps its children running.
+    Those are the processes inside ``work`` whose parent is gone (re-parented to init), and
+    their descendants. Linux only (reads /proc); elsewhere nothing is reaped."""
+    parent: dict[int, int] = {}
+    inside: set[int] = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if Path(cwd).is_relative_to(work):
+            inside.add(pid)
+    doomed = {pid for pid in inside if parent[pid] == 1}
+    while more := {pid for pid in inside - doomed if parent[pid] in doomed}:
+        doomed |= more
+    for pid in doomed:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def module_of(mutant: str, modules: list[str]) -> str:
     """The module a mutant's name (``package.module.x_function__mutmut_3``) is in."""
     for path in modules:
@@ -116,9 +143,14 @@ def module_of(mutant: str, modules: list[str]) -> str:
 
 
 def mutate(
-    work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int
+    work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int, reuse: bool
 ) -> tuple[dict[str, str], float]:
-    """One mutmut run over a fresh copy: each mutant's status, and the minutes it took."""
+    """One mutmut run over a fresh copy: each mutant's status, and the minutes it took. The
+    outcome is kept in ``work/results.json`` for ``--reuse``."""
+    saved = work / "results.json"
+    if reuse and saved.is_file():
+        kept = json.loads(saved.read_text())
+        return kept["results"], kept["minutes"]
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -127,16 +159,21 @@ def mutate(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     start = time.monotonic()
     with (work / "mutmut.log").open("w") as log:
-        run = subprocess.run(
+        run = subprocess.Popen(
             ["mutmut", "run", "--max-children", str(children)], cwd=work, env=env, stdout=log, stderr=log
         )
+        while run.poll() is None:
+            time.sleep(5)
+            reap_orphans(work)
     if run.returncode != 0:
         raise SystemExit(f"mutmut run failed (exit {run.returncode}); see {work / 'mutmut.log'}")
     listing = subprocess.run(
         ["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True, check=True
     ).stdout
     results = {m["name"]: m["status"] for m in (STATUS.match(line) for line in listing.splitlines()) if m}
-    return results, (time.monotonic() - start) / 60
+    minutes = (time.monotonic() - start) / 60
+    saved.write_text(json.dumps({"minutes": minutes, "results": results}))
+    return results, minutes
 
 
 def table(results: dict[str, str], modules: list[str]) -> None:
@@ -158,6 +195,9 @@ def main() -> int:
     parser.add_argument("--compare", metavar="REV", help="first the same mutants against REV's tests/")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
     parser.add_argument("--only", choices=list(GROUPS), action="append", help="one group (repeatable)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="take a group's results from a finished run in --workdir, if there is one"
+    )
     parser.add_argument("--survivors", type=Path, help="write every mutant this tree's tests leave alive here")
     args = parser.parse_args()
     if shutil.which("mutmut") is None:
@@ -175,7 +215,7 @@ def main() -> int:
         minutes = 0.0
         for group, (mods, tests) in groups.items():
             work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree") / re.sub(r"\W", "_", group)
-            found, took = mutate(work, mods, tests, rev, args.max_children)
+            found, took = mutate(work, mods, tests, rev, args.max_children, args.reuse)
             results.update(found)
             where.update(dict.fromkeys(found, work))
             minutes += took

@@ -248,3 +248,18 @@ def test_add_lora_defaults_and_a_chosen_adapter_dtype() -> None:
     wide = lora_modules(apply_lora(native_model("llama3"), ["v"], rank=2, lora_dtype=torch.float64))
     assert {w.lora_a.dtype for w in wide.values()} == {torch.float64} == {w.lora_b.dtype for w in wide.values()}
     assert decoder_layers(model) is model.layers
+
+
+def test_adapters_live_on_the_base_s_device_and_a_meta_base_allocates_nothing() -> None:
+    """On the meta device (how a model too big for memory is wrapped before loading) every tensor
+    stays on meta: wrapping a 2^24 x 2^24 linear (a PiB in float32) allocates no real storage."""
+    direct = LoRALinear(6, 5, rank=2, alpha=4, bias=True, device="meta")
+    assert all(t.is_meta for t in (direct.weight, direct.bias, direct.lora_a, direct.lora_b))
+    huge = torch.nn.Linear(2**24, 2**24, bias=True, device="meta")
+    lora = LoRALinear.from_linear(huge, rank=2, alpha=4)
+    assert all(t.is_meta for t in (lora.weight, lora.bias, lora.lora_a, lora.lora_b))
+    assert lora.weight.shape == (2**24, 2**24) and lora.bias.shape == (2**24,)
+    assert lora.lora_a.shape == (2, 2**24) and lora.lora_b.shape == (2**24, 2)
+    fresh = LoRALinear(6, 5, rank=2, alpha=4, device="meta")
+    fresh.reset_lora(torch.device("meta"), torch.float64)
+    assert fresh.lora_a.is_meta and fresh.lora_b.is_meta and fresh.lora_b.dtype == torch.float64
