@@ -109,6 +109,36 @@ def configure(dst: Path, modules: list[str], tests: list[str]) -> None:
     pyproject.write_text(text)
 
 
+def mutmut_run(work: Path, env: dict[str, str], log_name: str, *args: str) -> int:
+    """``mutmut run ARGS`` in ``work``, reaping what timed-out mutants leave behind meanwhile."""
+    with (work / log_name).open("w") as log:
+        run = subprocess.Popen(["mutmut", "run", *args], cwd=work, env=env, stdout=log, stderr=log)
+        while run.poll() is None:
+            time.sleep(5)
+            reap_orphans(work)
+    reap_orphans(work)
+    return run.returncode
+
+
+def listing(work: Path, env: dict[str, str]) -> dict[str, str]:
+    """Each mutant's status in a finished mutmut run."""
+    out = subprocess.run(
+        ["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return {m["name"]: m["status"] for m in (STATUS.match(line) for line in out.splitlines()) if m}
+
+
+def retry_timeouts(work: Path, env: dict[str, str]) -> dict[str, str]:
+    """The statuses after trying each timed-out mutant once more, one at a time: on a shared
+    machine a load spike times out mutants the tests would pass, which would count as kills."""
+    results = listing(work, env)
+    timeouts = sorted(n for n, s in results.items() if s == "timeout")
+    if timeouts:
+        mutmut_run(work, env, "mutmut-retry.log", "--max-children", "1", *timeouts)
+        results = listing(work, env)
+    return results
+
+
 def reap_orphans(work: Path) -> None:
     """Kill what a timed-out mutant left behind: a test's helper process (the CLI driver of
     test_errors.py) outlives the test process mutmut kills and keeps its children running.
@@ -158,19 +188,10 @@ def mutate(
     configure(work, modules, tests)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     start = time.monotonic()
-    with (work / "mutmut.log").open("w") as log:
-        run = subprocess.Popen(
-            ["mutmut", "run", "--max-children", str(children)], cwd=work, env=env, stdout=log, stderr=log
-        )
-        while run.poll() is None:
-            time.sleep(5)
-            reap_orphans(work)
-    if run.returncode != 0:
-        raise SystemExit(f"mutmut run failed (exit {run.returncode}); see {work / 'mutmut.log'}")
-    listing = subprocess.run(
-        ["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True, check=True
-    ).stdout
-    results = {m["name"]: m["status"] for m in (STATUS.match(line) for line in listing.splitlines()) if m}
+    code = mutmut_run(work, env, "mutmut.log", "--max-children", str(children))
+    if code != 0:
+        raise SystemExit(f"mutmut run failed (exit {code}); see {work / 'mutmut.log'}")
+    results = retry_timeouts(work, env)
     minutes = (time.monotonic() - start) / 60
     saved.write_text(json.dumps({"minutes": minutes, "results": results}))
     return results, minutes
