@@ -174,13 +174,20 @@ def module_of(mutant: str, modules: list[str]) -> str:
 
 def mutate(
     work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int, reuse: bool
-) -> tuple[dict[str, str], float]:
-    """One mutmut run over a fresh copy: each mutant's status, and the minutes it took. The
-    outcome is kept in ``work/results.json`` for ``--reuse``."""
+) -> tuple[dict[str, str], float, str]:
+    """One mutmut run over a fresh copy: each mutant's status, the minutes it took and the
+    commit of the code it mutated. The outcome is kept in ``work/results.json`` for ``--reuse``."""
     saved = work / "results.json"
     if reuse and saved.is_file():
         kept = json.loads(saved.read_text())
-        return kept["results"], kept["minutes"]
+        return kept["results"], kept["minutes"], kept["commit"]
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "ckptkit", "tests"], capture_output=True
+    ).stdout:
+        commit += " with uncommitted changes"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -193,8 +200,8 @@ def mutate(
         raise SystemExit(f"mutmut run failed (exit {code}); see {work / 'mutmut.log'}")
     results = retry_timeouts(work, env)
     minutes = (time.monotonic() - start) / 60
-    saved.write_text(json.dumps({"minutes": minutes, "results": results}))
-    return results, minutes
+    saved.write_text(json.dumps({"minutes": minutes, "results": results, "commit": commit}))
+    return results, minutes, commit
 
 
 def table(results: dict[str, str], modules: list[str]) -> None:
@@ -234,14 +241,18 @@ def main() -> int:
         results: dict[str, str] = {}
         where: dict[str, Path] = {}
         minutes = 0.0
+        commits = set()
         for group, (mods, tests) in groups.items():
             work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree") / re.sub(r"\W", "_", group)
-            found, took = mutate(work, mods, tests, rev, args.max_children, args.reuse)
+            found, took, commit = mutate(work, mods, tests, rev, args.max_children, args.reuse)
             results.update(found)
             where.update(dict.fromkeys(found, work))
             minutes += took
+            commits.add(commit)
         print()
-        print(f"{label}: {minutes:.0f} min, load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"{label}: {minutes:.0f} min, load average {os.getloadavg()[0]:.1f}; code at {', '.join(sorted(commits))}"
+        )
         print()
         table(results, modules)
     alive = sorted(n for n, s in results.items() if s in ("survived", "no tests"))
