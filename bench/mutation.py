@@ -105,6 +105,9 @@ def configure(dst: Path, modules: list[str], tests: list[str]) -> None:
         f"only_mutate = {json.dumps(modules)}\n"
         f"pytest_add_cli_args = {json.dumps(['-p', 'no:xdist', '-p', 'no:cacheprovider', *DESELECT])}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        # a mutant that hangs costs (its tests' time + 1 s) * 4, not mutmut's * 15; one that only
+        # met a load spike is tried again alone (retry_timeouts)
+        "timeout_multiplier = 4.0\n"
     )
     pyproject.write_text(text)
 
