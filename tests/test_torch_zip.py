@@ -60,6 +60,11 @@ CASES = {
     + [("f0", "float32", (2,)), ("f1", "float32", (3,)), ("f2", "float32", (300,))],
     "sizes of 2 and 4 bytes": [("wide", "int8", (300, 70000)), ("tall", "int8", (70000, 3))],
     "a size past 2**31": [("big", "int8", (2**16, 2**15 + 1))],  # placeholders only: no memory touched
+    # each integer opcode's edges (K < 256 <= M < 65536 <= J < 2**31 <= LONG1), as sizes and strides
+    "integers at the opcode edges": [
+        (f"e{n}", "int8", shape)
+        for n, shape in enumerate([(255,), (256,), (65535,), (65536,), (2**31 - 1,), (2**31,), (256, 1), (65536, 1)])
+    ],
     "a full SETITEMS batch": [(f"t{i}", "float32", (1,)) for i in range(1000)],
     "one tensor": [("only", "int8", (7, 3))],
     "empty": [],
