@@ -263,3 +263,23 @@ def test_adapters_live_on_the_base_s_device_and_a_meta_base_allocates_nothing() 
     fresh = LoRALinear(6, 5, rank=2, alpha=4, device="meta")
     fresh.reset_lora(torch.device("meta"), torch.float64)
     assert fresh.lora_a.is_meta and fresh.lora_b.is_meta and fresh.lora_b.dtype == torch.float64
+
+
+def test_expert_projections_are_targeted_by_experts_only() -> None:
+    """An expert's w1/w3/w2 takes an adapter with ``experts``, never with the dense MLP's
+    ``gate``/``up``/``down`` (qwen3_moe's layer 1 is dense), wherever the experts sit."""
+    from ckptkit.train.lora import targeted
+
+    linears = [n for n, m in native_model("qwen3_moe").named_modules() if isinstance(m, torch.nn.Linear)]
+    experts = sorted(n for n in linears if ".experts." in n)
+    dense = sorted(n for n in linears if n.rsplit(".", 1)[-1] in ("w1", "w3", "w2") and ".experts." not in n)
+    assert len(experts) == 24 and dense == ["layers.1.mlp.w1", "layers.1.mlp.w2", "layers.1.mlp.w3"]
+    assert sorted(lora_modules(apply_lora(native_model("qwen3_moe"), ["gate", "up", "down"]))) == dense
+    assert sorted(lora_modules(apply_lora(native_model("qwen3_moe"), ["experts"]))) == experts
+    assert targeted("experts.0.w1", {"experts"}) and not targeted("experts.0.w1", {"w1"})
+
+
+def test_a_rank_1_adapter_is_allowed() -> None:
+    """PEFT accepts any r > 0, 1 included; the update is then alpha * b a^T."""
+    lora = LoRALinear(6, 5, rank=1, alpha=8)
+    assert lora.lora_a.shape == (1, 6) and lora.scaling == 8.0
