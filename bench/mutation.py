@@ -67,7 +67,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
          *ROUND_TRIPS],
     ),
     "LoRA merge": (["ckptkit/train/lora.py"], ["tests/test_lora.py", "tests/test_peft.py"]),
-    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py"]),
+    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py", "tests/test_router_aux_loss.py"]),
 }  # fmt: skip
 STATUS = re.compile(r"^\s*(?P<name>\S+): (?P<status>.+)$")
 
