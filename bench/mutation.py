@@ -132,11 +132,14 @@ def listing(work: Path, env: dict[str, str]) -> dict[str, str]:
 
 
 def retry_timeouts(work: Path, env: dict[str, str]) -> dict[str, str]:
-    """The statuses after trying each timed-out mutant once more, one at a time: on a shared
-    machine a load spike times out mutants the tests would pass, which would count as kills."""
+    """The statuses after trying each timed-out mutant once more, one at a time and with
+    mutmut's own timeout (15x): on a shared machine a load spike times out mutants the tests
+    would pass, which would count as kills."""
     results = listing(work, env)
     timeouts = sorted(n for n, s in results.items() if s == "timeout")
     if timeouts:
+        pyproject = work / "pyproject.toml"
+        pyproject.write_text(pyproject.read_text().replace("timeout_multiplier = 4.0", "timeout_multiplier = 15.0"))
         mutmut_run(work, env, "mutmut-retry.log", "--max-children", "1", *timeouts)
         results = listing(work, env)
     return results
