@@ -57,8 +57,8 @@ DESELECT = ["--deselect", "tests/test_step.py::test_compiled_layers_give_the_sam
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "transforms": (
         ["ckptkit/tensors/transforms.py"],
-        ["tests/test_transforms.py", "tests/test_rawcopy.py", "tests/test_streamcopy.py", "tests/test_fastpath.py",
-         "tests/test_meta_ffn.py", "tests/test_families.py", *ROUND_TRIPS],
+        ["tests/test_transforms.py", "tests/test_streamcopy.py", "tests/test_fastpath.py", "tests/test_meta_ffn.py",
+         "tests/test_families.py", *ROUND_TRIPS],
     ),
     "readers/writers": (
         ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_zip.py"],

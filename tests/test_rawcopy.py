@@ -316,17 +316,6 @@ def test_fused_and_rank_span_maps_match_the_transforms(tmp_path: Path) -> None:
         assert [_read(p) for p in pieces] == [_raw(s) for s in shards]
         stored = [_stored(s, tmp_path / f"rank{i}-{dim}.bin") for i, s in enumerate(shards)]
         assert _read(RANKS.forward_spans(stored, tuple(shards[0].shape), dim)) == _raw(RANKS.forward(shards, dim))
-        # each shard split over two files at a byte that is no row boundary (a fragmented source)
-        split = [_stored_in_two(s, tmp_path / f"rank{i}-{dim}") for i, s in enumerate(shards)]
-        assert _read(RANKS.forward_spans(split, tuple(shards[0].shape), dim)) == _raw(RANKS.forward(shards, dim))
-
-
-def _stored_in_two(t: torch.Tensor, stem: Path) -> list[Span]:
-    raw = _raw(t)
-    cut = len(raw) // 2 + 2
-    (first := stem.with_suffix(".a")).write_bytes(raw[:cut])
-    (second := stem.with_suffix(".b")).write_bytes(raw[cut:])
-    return [Span(first, 0, cut), Span(second, 0, len(raw) - cut)]
 
 
 def test_writers_refuse_spans_of_the_wrong_size_or_for_an_alias(tmp_path: Path) -> None:
