@@ -180,13 +180,14 @@ def module_of(mutant: str, modules: list[str]) -> str:
 
 def mutate(
     work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int, reuse: bool
-) -> tuple[dict[str, str], float, str]:
-    """One mutmut run over a fresh copy: each mutant's status, the minutes it took and the
-    commit of the code it mutated. The outcome is kept in ``work/results.json`` for ``--reuse``."""
+) -> tuple[dict[str, str], float, str, float]:
+    """One mutmut run over a fresh copy: each mutant's status, the minutes it took, the
+    commit of the code it mutated and the load average when it ended. The outcome is kept
+    in ``work/results.json`` for ``--reuse``."""
     saved = work / "results.json"
     if reuse and saved.is_file():
         kept = json.loads(saved.read_text())
-        return kept["results"], kept["minutes"], kept["commit"]
+        return kept["results"], kept["minutes"], kept["commit"], kept.get("load", float("nan"))
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -206,8 +207,9 @@ def mutate(
         raise SystemExit(f"mutmut run failed (exit {code}); see {work / 'mutmut.log'}")
     results = retry_timeouts(work, env)
     minutes = (time.monotonic() - start) / 60
-    saved.write_text(json.dumps({"minutes": minutes, "results": results, "commit": commit}))
-    return results, minutes, commit
+    load = os.getloadavg()[0]
+    saved.write_text(json.dumps({"minutes": minutes, "results": results, "commit": commit, "load": load}))
+    return results, minutes, commit, load
 
 
 def table(results: dict[str, str], modules: list[str]) -> None:
@@ -243,25 +245,39 @@ def main() -> int:
     print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests, "
           f" {args.max_children} mutant(s) at a time")  # fmt: skip
     suites = ([(f"tests/ from {args.compare}", args.compare)] if args.compare else []) + [("this tree's tests/", None)]
+    checked: list[tuple[str, dict[str, str]]] = []
     for label, rev in suites:
         results: dict[str, str] = {}
         where: dict[str, Path] = {}
         minutes = 0.0
         commits = set()
+        loads = []
         for group, (mods, tests) in groups.items():
             work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree") / re.sub(r"\W", "_", group)
-            found, took, commit = mutate(work, mods, tests, rev, args.max_children, args.reuse)
+            found, took, commit, load = mutate(work, mods, tests, rev, args.max_children, args.reuse)
             results.update(found)
             where.update(dict.fromkeys(found, work))
             minutes += took
             commits.add(commit)
+            loads.append(load)
         print()
         print(
-            f"{label}: {minutes:.0f} min, load average {os.getloadavg()[0]:.1f}; code at {', '.join(sorted(commits))}"
+            f"{label}: {minutes:.0f} min, load average at the end of each group {', '.join(f'{x:.1f}' for x in loads)};"
+            f" code at {', '.join(sorted(commits))}"
         )
         print()
         table(results, modules)
-    alive = sorted(n for n, s in results.items() if s in ("survived", "no tests"))
+        unchecked = sum(s == "not checked" for s in results.values())
+        if unchecked:
+            print(f"\n{unchecked} mutants not checked (in 'other'): the run was stopped before it reached them")
+        checked.append((label, results))
+    both = set.intersection(*({n for n, s in r.items() if s != "not checked"} for _, r in checked))
+    if len(checked) > 1 and any(len(both) < len(r) for _, r in checked):
+        print(f"\nOn the {len(both)} mutants both runs checked:")
+        for label, r in checked:
+            print(f"\n{label}:\n")
+            table({n: r[n] for n in both}, modules)
+    alive = sorted(n for n, s in results.items() if s in ("survived", "no tests", "suspicious"))
     print()
     print(f"not killed by this tree's tests ({len(alive)}):")
     for name in alive:
