@@ -105,9 +105,10 @@ def configure(dst: Path, modules: list[str], tests: list[str]) -> None:
         f"only_mutate = {json.dumps(modules)}\n"
         f"pytest_add_cli_args = {json.dumps(['-p', 'no:xdist', '-p', 'no:cacheprovider', *DESELECT])}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-        # a mutant that hangs costs (its tests' time + 1 s) * 4, not mutmut's * 15; one that only
-        # met a load spike is tried again alone (retry_timeouts)
-        "timeout_multiplier = 4.0\n"
+        # A mutant's time limit is (its tests' time + 60 s) * 4: mutmut times tests without their
+        # fixtures, and test_untrusted's module fixture runs every CLI case at once (tens of
+        # seconds on a loaded machine); one that only met a load spike is tried again alone.
+        "timeout_multiplier = 4.0\ntimeout_constant = 60.0\n"
     )
     pyproject.write_text(text)
 
@@ -132,14 +133,11 @@ def listing(work: Path, env: dict[str, str]) -> dict[str, str]:
 
 
 def retry_timeouts(work: Path, env: dict[str, str]) -> dict[str, str]:
-    """The statuses after trying each timed-out mutant once more, one at a time and with
-    mutmut's own timeout (15x): on a shared machine a load spike times out mutants the tests
-    would pass, which would count as kills."""
+    """The statuses after trying each timed-out mutant once more, one at a time: on a shared
+    machine a load spike times out mutants the tests would pass, which would count as kills."""
     results = listing(work, env)
     timeouts = sorted(n for n, s in results.items() if s == "timeout")
     if timeouts:
-        pyproject = work / "pyproject.toml"
-        pyproject.write_text(pyproject.read_text().replace("timeout_multiplier = 4.0", "timeout_multiplier = 15.0"))
         mutmut_run(work, env, "mutmut-retry.log", "--max-children", "1", *timeouts)
         results = listing(work, env)
     return results
