@@ -158,6 +158,16 @@ def test_safetensors_sample_is_a_tensor_s_first_bytes(sd, tmp_path: Path) -> Non
         assert reader.sample(k, 5) == _raw(t)[:5] and reader.sample(k, 10**9) == _raw(t)
 
 
+def test_a_closed_safetensors_reader_reopens_on_the_next_read(sd, tmp_path: Path) -> None:
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    reader = SafetensorsReader(tmp_path / "m.safetensors")
+    name, t = next(iter(sd.items()))
+    for _ in range(2):
+        assert _raw(reader.read(name)) == _raw(t)
+        reader.close()
+    reader.close()  # closing twice is harmless
+
+
 def _mapping_rss_kib(address: int) -> int:
     """Resident KiB of the mapping holding ``address`` (/proc/self/smaps)."""
     inside = False

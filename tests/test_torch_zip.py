@@ -210,3 +210,18 @@ def test_tied_weights_in_an_archive_named_after_another_file_are_torch_save_byte
     assert sorted(p.name for p in ours.parent.iterdir()) == ["m.pth"]
     loaded = torch.load(ours, weights_only=True)
     assert loaded["lm_head"].untyped_storage().data_ptr() == loaded["embed"].untyped_storage().data_ptr()
+
+
+def test_a_failed_save_of_torch_s_placeholders_is_an_oserror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's torch.save route (tied weights) reports a failed write like save_torch does;
+    the probe byte goes where the whole file would have ended (the placeholders' bytes)."""
+
+    def refuse(obj: object, path: Path, *args: object, **kwargs: object) -> None:
+        Path(path).write_bytes(b"")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    entries = [("embed", torch.float32, (3, 4)), ("lm_head", torch.float32, (3, 4)), ("norm", torch.float32, (4,))]
+    with pytest.raises(OSError) as failed:
+        TorchPickleWriter(tmp_path / "m.pth", entries, aliases={"lm_head": "embed"})
+    assert failed.value.errno == errno.EIO and (tmp_path / "m.pth").stat().st_size == 3 * 4 * 4 * 2 + 4 * 4 + 1
