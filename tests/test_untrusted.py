@@ -603,3 +603,19 @@ def test_a_zero_size_tensor_listed_first_at_the_data_s_end_is_fine(tmp_path: Pat
     path = _safetensors(tmp_path / "m.safetensors", header, 8)
     reader = SafetensorsReader(path)
     assert reader.read("w").tolist() == [0.0, 0.0] and reader.read("z").numel() == 0
+
+
+def test_a_global_hidden_behind_an_opcode_the_index_does_not_know_never_runs(tmp_path: Path) -> None:
+    """The torch-free index stops at the first opcode outside its subset (here POP) and hands
+    the file to torch.load, which must still refuse the os.system call that follows."""
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "src.pth")
+    cmd = f"touch '{tmp_path / 'pwned'}'".encode()
+    pkl = b"\x80\x02N0cposix\nsystem\nX" + struct.pack("<I", len(cmd)) + cmd + b"\x85R."
+    with zipfile.ZipFile(tmp_path / "src.pth") as src, zipfile.ZipFile(tmp_path / "evil.pth", "w") as out:
+        for zi in src.infolist():
+            out.writestr(zi.filename, pkl if zi.filename.endswith("/data.pkl") else src.read(zi))
+    with pytest.raises(CkptkitError, match=r"evil\.pth: not a torch checkpoint \(corrupt or not a pickle\)$"):
+        TorchPickleReader(tmp_path / "evil.pth")
+    assert not (tmp_path / "pwned").exists()
