@@ -350,3 +350,25 @@ def test_writers_refuse_spans_of_the_wrong_size_or_for_an_alias(tmp_path: Path) 
         torch.equal(loaded["w"], t)
         and loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
     )
+
+
+def _file_rss_kib(path: Path) -> int:
+    """Resident KiB of every mapping of ``path`` in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head == "Rss:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_reading_a_pth_leaves_none_of_its_mapped_pages_resident(tmp_path: Path) -> None:
+    """torch.load maps the file; the reader copies the tensor out and hands the file's pages
+    back, so a 16 MiB tensor read leaves no page of the mapping resident."""
+    t = torch.arange(2**22, dtype=torch.float32)
+    torch.save({"w": t, "n": torch.ones(3)}, tmp_path / "m.pth")
+    reader = TorchPickleReader(tmp_path / "m.pth")
+    assert torch.equal(reader.read("w"), t)
+    assert _file_rss_kib(tmp_path / "m.pth") < 256  # KiB (the kernel may map a few pages around a fault)
