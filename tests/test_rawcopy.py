@@ -372,3 +372,26 @@ def test_reading_a_pth_leaves_none_of_its_mapped_pages_resident(tmp_path: Path) 
     reader = TorchPickleReader(tmp_path / "m.pth")
     assert torch.equal(reader.read("w"), t)
     assert _file_rss_kib(tmp_path / "m.pth") < 256  # KiB (the kernel may map a few pages around a fault)
+
+
+def test_a_pth_saved_from_cuda_tensors_reads_on_a_machine_without_cuda(tmp_path: Path) -> None:
+    """The storages' location says cuda:0 (as torch.save writes GPU tensors): plain torch.load
+    fails without CUDA, the reader maps them to the CPU."""
+    t = torch.arange(6, dtype=torch.float32)
+    torch.save({"w": t}, tmp_path / "cpu.pth")
+    with zipfile.ZipFile(tmp_path / "cpu.pth") as src, zipfile.ZipFile(tmp_path / "gpu.pth", "w") as out:
+        for zi in src.infolist():
+            data = src.read(zi)
+            if zi.filename.endswith("/data.pkl"):
+                assert data.count(b"X\x03\x00\x00\x00cpu") == 1
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            out.writestr(zi.filename, data)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(tmp_path / "gpu.pth", weights_only=True)
+    assert torch.equal(TorchPickleReader(tmp_path / "gpu.pth").read("w"), t)
+    torch.save({"w": t}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)  # read whole, no mmap
+    data = (tmp_path / "legacy.pth").read_bytes()
+    assert data.count(b"X\x03\x00\x00\x00cpu") == 1
+    (tmp_path / "legacy.pth").write_bytes(data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0"))
+    assert torch.equal(TorchPickleReader(tmp_path / "legacy.pth").read("w"), t)
