@@ -395,3 +395,12 @@ def test_a_pth_saved_from_cuda_tensors_reads_on_a_machine_without_cuda(tmp_path:
     assert data.count(b"X\x03\x00\x00\x00cpu") == 1
     (tmp_path / "legacy.pth").write_bytes(data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0"))
     assert torch.equal(TorchPickleReader(tmp_path / "legacy.pth").read("w"), t)
+
+
+def test_a_tensor_pickled_without_strides_is_never_one_stored_range() -> None:
+    """``_rebuild_tensor_v2`` always gets strides from torch.save; a pickle without them (or
+    with the wrong number) is not taken as dense, so its bytes go through torch.load."""
+    from ckptkit.formats.torch_io import _dense
+
+    assert _dense((2, 3), (3, 1)) and _dense((2, 1, 3), (3, 7, 1))
+    assert not _dense((2, 3), None) and not _dense((2, 3), (1,)) and not _dense((2, 3), (1, 2))
