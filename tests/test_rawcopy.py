@@ -402,5 +402,6 @@ def test_a_tensor_pickled_without_strides_is_never_one_stored_range() -> None:
     with the wrong number) is not taken as dense, so its bytes go through torch.load."""
     from ckptkit.formats.torch_io import _dense
 
-    assert _dense((2, 3), (3, 1)) and _dense((2, 1, 3), (3, 7, 1))
+    assert _dense((2, 3), (3, 1)) and _dense((2, 1, 3), (3, 7, 1)) and _dense((2, 3, 4), (12, 4, 1))
+    assert not _dense((2, 3, 4), (3, 4, 1)) and not _dense((2, 2), (1, 2))  # strides of a transpose
     assert not _dense((2, 3), None) and not _dense((2, 3), (1,)) and not _dense((2, 3), (1, 2))
