@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ckptkit.errors import CkptkitError
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
 from ckptkit.io import transfer
@@ -405,3 +406,33 @@ def test_a_tensor_pickled_without_strides_is_never_one_stored_range() -> None:
     assert _dense((2, 3), (3, 1)) and _dense((2, 1, 3), (3, 7, 1)) and _dense((2, 3, 4), (12, 4, 1))
     assert not _dense((2, 3, 4), (3, 4, 1)) and not _dense((2, 2), (1, 2))  # strides of a transpose
     assert not _dense((2, 3), None) and not _dense((2, 3), (1,)) and not _dense((2, 3), (1, 2))
+
+
+def test_safetensors_reads_survive_short_reads_and_name_a_file_cut_after_opening(
+    sd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """readinto may return fewer bytes than asked (past 2 GiB on Linux, on network filesystems):
+    the reader keeps reading; a file cut short after the header was checked is one line."""
+    import ckptkit.formats.safetensors_io as st_io
+
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    opened = st_io.open_regular_file
+
+    class Short:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def readinto(self, view) -> int:
+            return self.f.readinto(memoryview(view)[:7])
+
+        def __getattr__(self, name: str):
+            return getattr(self.f, name)
+
+    reader = SafetensorsReader(tmp_path / "m.safetensors")
+    monkeypatch.setattr(st_io, "open_regular_file", lambda *a, **k: Short(opened(*a, **k)))
+    assert all(_raw(reader.read(k)) == _raw(t) for k, t in sd.items())
+    reader.close()
+    name = max(sd, key=lambda k: reader.span(k).offset)  # the last tensor in the file
+    os.truncate(tmp_path / "m.safetensors", reader.span(name).offset + 3)
+    with pytest.raises(CkptkitError, match=rf"m\.safetensors: unexpected end of file reading '{name}'$"):
+        reader.read(name)
