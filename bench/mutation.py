@@ -240,8 +240,9 @@ def main() -> int:
     groups = {g: GROUPS[g] for g in args.only or GROUPS}
     modules = [m for mods, _ in groups.values() for m in mods]
     root = args.workdir or Path(tempfile.mkdtemp(prefix="ckptkit-mutation-"))
-    print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests, "
-          f" {args.max_children} mutant(s) at a time")  # fmt: skip
+    at_once = "" if args.reuse else f", {args.max_children} mutant(s) at a time"
+    print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests"
+          f"{at_once}")  # fmt: skip
     suites = ([(f"tests/ from {args.compare}", args.compare)] if args.compare else []) + [("this tree's tests/", None)]
     checked: list[tuple[str, dict[str, str]]] = []
     for label, rev in suites:
