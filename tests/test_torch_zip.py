@@ -67,6 +67,7 @@ CASES = {
         for n, shape in enumerate([(255,), (256,), (65535,), (65536,), (2**31 - 1,), (2**31,), (256, 1), (65536, 1)])
     ],
     "a full SETITEMS batch": [(f"t{i}", "float32", (1,)) for i in range(1000)],
+    "three SETITEMS batches": [(f"t{i}", "float32", (1,)) for i in range(2500)],
     "one tensor": [("only", "int8", (7, 3))],
     "empty": [],
 }
