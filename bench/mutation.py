@@ -21,10 +21,12 @@ survivor's diff for that review.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,7 +67,7 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
          *ROUND_TRIPS],
     ),
     "LoRA merge": (["ckptkit/train/lora.py"], ["tests/test_lora.py", "tests/test_peft.py"]),
-    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py"]),
+    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py", "tests/test_router_aux_loss.py"]),
 }  # fmt: skip
 STATUS = re.compile(r"^\s*(?P<name>\S+): (?P<status>.+)$")
 
@@ -103,8 +105,67 @@ def configure(dst: Path, modules: list[str], tests: list[str]) -> None:
         f"only_mutate = {json.dumps(modules)}\n"
         f"pytest_add_cli_args = {json.dumps(['-p', 'no:xdist', '-p', 'no:cacheprovider', *DESELECT])}\n"
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        # A mutant's time limit is (its tests' time + 60 s) * 4: mutmut times tests without their
+        # fixtures, and test_untrusted's module fixture runs every CLI case at once (tens of
+        # seconds on a loaded machine); one that only met a load spike is tried again alone.
+        "timeout_multiplier = 4.0\ntimeout_constant = 60.0\n"
     )
     pyproject.write_text(text)
+
+
+def mutmut_run(work: Path, env: dict[str, str], log_name: str, *args: str) -> int:
+    """``mutmut run ARGS`` in ``work``, reaping what timed-out mutants leave behind meanwhile."""
+    with (work / log_name).open("w") as log:
+        run = subprocess.Popen(["mutmut", "run", *args], cwd=work, env=env, stdout=log, stderr=log)
+        while run.poll() is None:
+            time.sleep(5)
+            reap_orphans(work)
+    reap_orphans(work)
+    return run.returncode
+
+
+def listing(work: Path, env: dict[str, str]) -> dict[str, str]:
+    """Each mutant's status in a finished mutmut run."""
+    out = subprocess.run(
+        ["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return {m["name"]: m["status"] for m in (STATUS.match(line) for line in out.splitlines()) if m}
+
+
+def retry_timeouts(work: Path, env: dict[str, str]) -> dict[str, str]:
+    """The statuses after trying each timed-out mutant once more, one at a time: on a shared
+    machine a load spike times out mutants the tests would pass, which would count as kills."""
+    results = listing(work, env)
+    timeouts = sorted(n for n, s in results.items() if s == "timeout")
+    if timeouts:
+        mutmut_run(work, env, "mutmut-retry.log", "--max-children", "1", *timeouts)
+        results = listing(work, env)
+    return results
+
+
+def reap_orphans(work: Path) -> None:
+    """Kill what a timed-out mutant left behind: a test's helper process (the CLI driver of
+    test_errors.py) outlives the test process mutmut kills and keeps its children running.
+    Those are the processes inside ``work`` whose parent is gone (re-parented to init), and
+    their descendants. Linux only (reads /proc); elsewhere nothing is reaped."""
+    parent: dict[int, int] = {}
+    inside: set[int] = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if Path(cwd).is_relative_to(work):
+            inside.add(pid)
+    doomed = {pid for pid in inside if parent[pid] == 1}
+    while more := {pid for pid in inside - doomed if parent[pid] in doomed}:
+        doomed |= more
+    for pid in doomed:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def module_of(mutant: str, modules: list[str]) -> str:
@@ -116,9 +177,22 @@ def module_of(mutant: str, modules: list[str]) -> str:
 
 
 def mutate(
-    work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int
-) -> tuple[dict[str, str], float]:
-    """One mutmut run over a fresh copy: each mutant's status, and the minutes it took."""
+    work: Path, modules: list[str], tests: list[str], tests_from: str | None, children: int, reuse: bool
+) -> tuple[dict[str, str], float, str, float]:
+    """One mutmut run over a fresh copy: each mutant's status, the minutes it took, the
+    commit of the code it mutated and the load average when it ended. The outcome is kept
+    in ``work/results.json`` for ``--reuse``."""
+    saved = work / "results.json"
+    if reuse and saved.is_file():
+        kept = json.loads(saved.read_text())
+        return kept["results"], kept["minutes"], kept["commit"], kept.get("load", float("nan"))
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "ckptkit", "tests"], capture_output=True
+    ).stdout:
+        commit += " with uncommitted changes"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -126,17 +200,14 @@ def mutate(
     configure(work, modules, tests)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     start = time.monotonic()
-    with (work / "mutmut.log").open("w") as log:
-        run = subprocess.run(
-            ["mutmut", "run", "--max-children", str(children)], cwd=work, env=env, stdout=log, stderr=log
-        )
-    if run.returncode != 0:
-        raise SystemExit(f"mutmut run failed (exit {run.returncode}); see {work / 'mutmut.log'}")
-    listing = subprocess.run(
-        ["mutmut", "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True, check=True
-    ).stdout
-    results = {m["name"]: m["status"] for m in (STATUS.match(line) for line in listing.splitlines()) if m}
-    return results, (time.monotonic() - start) / 60
+    code = mutmut_run(work, env, "mutmut.log", "--max-children", str(children))
+    if code != 0:
+        raise SystemExit(f"mutmut run failed (exit {code}); see {work / 'mutmut.log'}")
+    results = retry_timeouts(work, env)
+    minutes = (time.monotonic() - start) / 60
+    load = os.getloadavg()[0]
+    saved.write_text(json.dumps({"minutes": minutes, "results": results, "commit": commit, "load": load}))
+    return results, minutes, commit, load
 
 
 def table(results: dict[str, str], modules: list[str]) -> None:
@@ -158,6 +229,9 @@ def main() -> int:
     parser.add_argument("--compare", metavar="REV", help="first the same mutants against REV's tests/")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
     parser.add_argument("--only", choices=list(GROUPS), action="append", help="one group (repeatable)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="take a group's results from a finished run in --workdir, if there is one"
+    )
     parser.add_argument("--survivors", type=Path, help="write every mutant this tree's tests leave alive here")
     args = parser.parse_args()
     if shutil.which("mutmut") is None:
@@ -166,24 +240,43 @@ def main() -> int:
     groups = {g: GROUPS[g] for g in args.only or GROUPS}
     modules = [m for mods, _ in groups.values() for m in mods]
     root = args.workdir or Path(tempfile.mkdtemp(prefix="ckptkit-mutation-"))
-    print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests, "
-          f" {args.max_children} mutant(s) at a time")  # fmt: skip
+    at_once = "" if args.reuse else f", {args.max_children} mutant(s) at a time"
+    print(f"mutmut {version('mutmut')} over {len(modules)} modules in {len(groups)} groups, each with its fast tests"
+          f"{at_once}")  # fmt: skip
     suites = ([(f"tests/ from {args.compare}", args.compare)] if args.compare else []) + [("this tree's tests/", None)]
+    checked: list[tuple[str, dict[str, str]]] = []
     for label, rev in suites:
         results: dict[str, str] = {}
         where: dict[str, Path] = {}
         minutes = 0.0
+        commits = set()
+        loads = []
         for group, (mods, tests) in groups.items():
             work = root / ("tests-from-" + re.sub(r"\W", "_", rev) if rev else "tree") / re.sub(r"\W", "_", group)
-            found, took = mutate(work, mods, tests, rev, args.max_children)
+            found, took, commit, load = mutate(work, mods, tests, rev, args.max_children, args.reuse)
             results.update(found)
             where.update(dict.fromkeys(found, work))
             minutes += took
+            commits.add(commit)
+            loads.append(load)
         print()
-        print(f"{label}: {minutes:.0f} min, load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"{label}: {minutes:.0f} min, load average at the end of each group {', '.join(f'{x:.1f}' for x in loads)};"
+            f" code at {', '.join(sorted(commits))}"
+        )
         print()
         table(results, modules)
-    alive = sorted(n for n, s in results.items() if s in ("survived", "no tests"))
+        unchecked = sum(s == "not checked" for s in results.values())
+        if unchecked:
+            print(f"\n{unchecked} mutants not checked (in 'other'): the run was stopped before it reached them")
+        checked.append((label, results))
+    both = set.intersection(*({n for n, s in r.items() if s != "not checked"} for _, r in checked))
+    if len(checked) > 1 and any(len(both) < len(r) for _, r in checked):
+        print(f"\nOn the {len(both)} mutants both runs checked:")
+        for label, r in checked:
+            print(f"\n{label}:\n")
+            table({n: r[n] for n in both}, modules)
+    alive = sorted(n for n, s in results.items() if s in ("survived", "no tests", "suspicious"))
     print()
     print(f"not killed by this tree's tests ({len(alive)}):")
     for name in alive:

@@ -248,3 +248,38 @@ def test_add_lora_defaults_and_a_chosen_adapter_dtype() -> None:
     wide = lora_modules(apply_lora(native_model("llama3"), ["v"], rank=2, lora_dtype=torch.float64))
     assert {w.lora_a.dtype for w in wide.values()} == {torch.float64} == {w.lora_b.dtype for w in wide.values()}
     assert decoder_layers(model) is model.layers
+
+
+def test_adapters_live_on_the_base_s_device_and_a_meta_base_allocates_nothing() -> None:
+    """On the meta device (how a model too big for memory is wrapped before loading) every tensor
+    stays on meta: wrapping a 2^24 x 2^24 linear (a PiB in float32) allocates no real storage."""
+    direct = LoRALinear(6, 5, rank=2, alpha=4, bias=True, device="meta")
+    assert all(t.is_meta for t in (direct.weight, direct.bias, direct.lora_a, direct.lora_b))
+    huge = torch.nn.Linear(2**24, 2**24, bias=True, device="meta")
+    lora = LoRALinear.from_linear(huge, rank=2, alpha=4)
+    assert all(t.is_meta for t in (lora.weight, lora.bias, lora.lora_a, lora.lora_b))
+    assert lora.weight.shape == (2**24, 2**24) and lora.bias.shape == (2**24,)
+    assert lora.lora_a.shape == (2, 2**24) and lora.lora_b.shape == (2**24, 2)
+    fresh = LoRALinear(6, 5, rank=2, alpha=4, device="meta")
+    fresh.reset_lora(torch.device("meta"), torch.float64)
+    assert fresh.lora_a.is_meta and fresh.lora_b.is_meta and fresh.lora_b.dtype == torch.float64
+
+
+def test_expert_projections_are_targeted_by_experts_only() -> None:
+    """An expert's w1/w3/w2 takes an adapter with ``experts``, never with the dense MLP's
+    ``gate``/``up``/``down`` (qwen3_moe's layer 1 is dense), wherever the experts sit."""
+    from ckptkit.train.lora import targeted
+
+    linears = [n for n, m in native_model("qwen3_moe").named_modules() if isinstance(m, torch.nn.Linear)]
+    experts = sorted(n for n in linears if ".experts." in n)
+    dense = sorted(n for n in linears if n.rsplit(".", 1)[-1] in ("w1", "w3", "w2") and ".experts." not in n)
+    assert len(experts) == 24 and dense == ["layers.1.mlp.w1", "layers.1.mlp.w2", "layers.1.mlp.w3"]
+    assert sorted(lora_modules(apply_lora(native_model("qwen3_moe"), ["gate", "up", "down"]))) == dense
+    assert sorted(lora_modules(apply_lora(native_model("qwen3_moe"), ["experts"]))) == experts
+    assert targeted("experts.0.w1", {"experts"}) and not targeted("experts.0.w1", {"w1"})
+
+
+def test_a_rank_1_adapter_is_allowed() -> None:
+    """PEFT accepts any r > 0, 1 included; the update is then alpha * b a^T."""
+    lora = LoRALinear(6, 5, rank=1, alpha=8)
+    assert lora.lora_a.shape == (1, 6) and lora.scaling == 8.0

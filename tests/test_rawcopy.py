@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ckptkit.errors import CkptkitError
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
 from ckptkit.io import transfer
@@ -156,6 +157,16 @@ def test_safetensors_sample_is_a_tensor_s_first_bytes(sd, tmp_path: Path) -> Non
     reader = SafetensorsReader(tmp_path / "m.safetensors")
     for k, t in sd.items():
         assert reader.sample(k, 5) == _raw(t)[:5] and reader.sample(k, 10**9) == _raw(t)
+
+
+def test_a_closed_safetensors_reader_reopens_on_the_next_read(sd, tmp_path: Path) -> None:
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    reader = SafetensorsReader(tmp_path / "m.safetensors")
+    name, t = next(iter(sd.items()))
+    for _ in range(2):
+        assert _raw(reader.read(name)) == _raw(t)
+        reader.close()
+    reader.close()  # closing twice is harmless
 
 
 def _mapping_rss_kib(address: int) -> int:
@@ -340,3 +351,88 @@ def test_writers_refuse_spans_of_the_wrong_size_or_for_an_alias(tmp_path: Path) 
         torch.equal(loaded["w"], t)
         and loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
     )
+
+
+def _file_rss_kib(path: Path) -> int:
+    """Resident KiB of every mapping of ``path`` in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head == "Rss:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_reading_a_pth_leaves_none_of_its_mapped_pages_resident(tmp_path: Path) -> None:
+    """torch.load maps the file; the reader copies the tensor out and hands the file's pages
+    back, so a 16 MiB tensor read leaves no page of the mapping resident."""
+    t = torch.arange(2**22, dtype=torch.float32)
+    torch.save({"w": t, "n": torch.ones(3)}, tmp_path / "m.pth")
+    reader = TorchPickleReader(tmp_path / "m.pth")
+    assert torch.equal(reader.read("w"), t)
+    assert _file_rss_kib(tmp_path / "m.pth") < 256  # KiB (the kernel may map a few pages around a fault)
+
+
+def test_a_pth_saved_from_cuda_tensors_reads_on_a_machine_without_cuda(tmp_path: Path) -> None:
+    """The storages' location says cuda:0 (as torch.save writes GPU tensors): plain torch.load
+    fails without CUDA, the reader maps them to the CPU."""
+    t = torch.arange(6, dtype=torch.float32)
+    torch.save({"w": t}, tmp_path / "cpu.pth")
+    with zipfile.ZipFile(tmp_path / "cpu.pth") as src, zipfile.ZipFile(tmp_path / "gpu.pth", "w") as out:
+        for zi in src.infolist():
+            data = src.read(zi)
+            if zi.filename.endswith("/data.pkl"):
+                assert data.count(b"X\x03\x00\x00\x00cpu") == 1
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            out.writestr(zi.filename, data)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(tmp_path / "gpu.pth", weights_only=True)
+    assert torch.equal(TorchPickleReader(tmp_path / "gpu.pth").read("w"), t)
+    torch.save({"w": t}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)  # read whole, no mmap
+    data = (tmp_path / "legacy.pth").read_bytes()
+    assert data.count(b"X\x03\x00\x00\x00cpu") == 1
+    (tmp_path / "legacy.pth").write_bytes(data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0"))
+    assert torch.equal(TorchPickleReader(tmp_path / "legacy.pth").read("w"), t)
+
+
+def test_a_tensor_pickled_without_strides_is_never_one_stored_range() -> None:
+    """``_rebuild_tensor_v2`` always gets strides from torch.save; a pickle without them (or
+    with the wrong number) is not taken as dense, so its bytes go through torch.load."""
+    from ckptkit.formats.torch_io import _dense
+
+    assert _dense((2, 3), (3, 1)) and _dense((2, 1, 3), (3, 7, 1)) and _dense((2, 3, 4), (12, 4, 1))
+    assert not _dense((2, 3, 4), (3, 4, 1)) and not _dense((2, 2), (1, 2))  # strides of a transpose
+    assert not _dense((2, 3), None) and not _dense((2, 3), (1,)) and not _dense((2, 3), (1, 2))
+
+
+def test_safetensors_reads_survive_short_reads_and_name_a_file_cut_after_opening(
+    sd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """readinto may return fewer bytes than asked (past 2 GiB on Linux, on network filesystems):
+    the reader keeps reading; a file cut short after the header was checked is one line."""
+    import ckptkit.formats.safetensors_io as st_io
+
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    opened = st_io.open_regular_file
+
+    class Short:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def readinto(self, view) -> int:
+            return self.f.readinto(memoryview(view)[:7])
+
+        def __getattr__(self, name: str):
+            return getattr(self.f, name)
+
+    reader = SafetensorsReader(tmp_path / "m.safetensors")
+    monkeypatch.setattr(st_io, "open_regular_file", lambda *a, **k: Short(opened(*a, **k)))
+    assert all(_raw(reader.read(k)) == _raw(t) for k, t in sd.items())
+    reader.close()
+    name = max(sd, key=lambda k: reader.span(k).offset)  # the last tensor in the file
+    os.truncate(tmp_path / "m.safetensors", reader.span(name).offset + 3)
+    with pytest.raises(CkptkitError, match=rf"m\.safetensors: unexpected end of file reading '{name}'$"):
+        reader.read(name)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 
 import pytest
 import torch
 
+from ckptkit.errors import CkptkitError
 from ckptkit.train.moe_loss import load_balancing_loss
 from ckptkit.train.samples import IGNORE_INDEX
 from ckptkit.train.step import forward_backward, router_aux_weight
@@ -76,6 +78,8 @@ def test_aux_weight_comes_from_config_json_unless_the_recipe_sets_it() -> None:
     assert router_aux_weight(0.02, cfg) == 0.02 and router_aux_weight(0.0, cfg) == 0.0
     assert router_aux_weight(None, dataclasses.replace(cfg, router_aux_loss_coef=0.5)) == 0.5
     assert router_aux_weight(None, fixture_config("qwen3")) == 0.0  # no experts, no aux loss
+    with pytest.raises(CkptkitError, match=r"^router_aux_loss_coef applies to mixture-of-experts models; qwen3 has no"):
+        router_aux_weight(0.02, fixture_config("qwen3"))
 
 
 def test_aux_weight_zero_trains_on_cross_entropy_alone() -> None:
@@ -110,3 +114,60 @@ def test_aux_loss_summed_over_ranks_is_the_whole_batch_loss_and_gradient() -> No
             g += x
     for g, w in zip(total, whole_grads, strict=True):
         assert torch.allclose(g, w, atol=1e-7)
+
+
+def test_two_micro_batches_average_the_aux_loss_and_its_gradient() -> None:
+    """A step of two micro-batches: the aux loss is the mean of each one's, the cross-entropy
+    the token mean over both, and the gradient the matching mix of single-batch gradients."""
+
+    def batch(seed: int) -> dict[str, torch.Tensor]:
+        ids, mask = right_padded(seed)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, :-1] = ids.masked_fill(mask == 0, IGNORE_INDEX)[:, 1:]
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def step(batches: list[dict[str, torch.Tensor]], weight: float):
+        model = native_model("qwen3_moe").train()
+        stats = forward_backward(model, batches, torch.device("cpu"), aux_weight=weight)
+        return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    w, batches = 0.5, [batch(4), batch(5)]
+    both, grads = step(batches, w)
+    single = [step([b], w) for b in batches]
+    plain = [step([b], 0.0) for b in batches]  # cross-entropy alone
+    tokens = [s.label_tokens for s, _ in single]
+    assert both.label_tokens == sum(tokens)
+    assert both.input_tokens == sum(int(b["attention_mask"].sum()) for b in batches)
+    aux = sum(s.aux_loss for s, _ in single) / 2
+    assert both.aux_loss is not None and math.isclose(both.aux_loss, aux, rel_tol=1e-6)
+    ce = sum(p.loss * t for (p, _), t in zip(plain, tokens, strict=True)) / sum(tokens)
+    assert math.isclose(both.loss, ce + w * aux, rel_tol=1e-6)
+    for name, g in grads.items():  # d(ce)/T-weighted, plus half of each batch's aux gradient
+        expected = sum(
+            (t / sum(tokens)) * p[name] + (s[name] - p[name]) / 2
+            for (_, p), (_, s), t in zip(plain, single, tokens, strict=True)
+        )
+        assert torch.allclose(g, expected, rtol=1e-4, atol=1e-6), name
+
+
+def test_two_ranks_with_halves_of_a_batch_report_the_whole_batch_s_losses() -> None:
+    """``reduce`` (a sum over ranks) reaches the aux loss's sums as well as the loss: each of two
+    "ranks" holding half a batch reports the loss and aux loss of the whole batch."""
+    ids, mask = right_padded(6)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = ids.masked_fill(mask == 0, IGNORE_INDEX)[:, 1:]
+    whole = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    halves = [{k: v[:2] for k, v in whole.items()}, {k: v[2:] for k, v in whole.items()}]
+    tokens = int((labels != IGNORE_INDEX).sum())
+    expected = forward_backward(native_model("qwen3_moe").train(), [whole], torch.device("cpu"), aux_weight=0.5)
+    seen: list[list[torch.Tensor]] = [[], []]
+    for r in (0, 1):  # what each rank's reduce is given, in order
+        forward_backward(native_model("qwen3_moe").train(), [halves[r]], torch.device("cpu"), tokens, 2,
+                         lambda t, r=r: seen[r].append(t.detach().clone()), 0.5)  # fmt: skip
+    for r in (0, 1):
+        calls = iter(seen[1 - r])
+        got = forward_backward(native_model("qwen3_moe").train(), [halves[r]], torch.device("cpu"), tokens, 2,
+                               lambda t, calls=calls: t.add_(next(calls)), 0.5)  # fmt: skip
+        assert got.aux_loss is not None and expected.aux_loss is not None
+        assert math.isclose(got.aux_loss, expected.aux_loss, rel_tol=1e-5)
+        assert math.isclose(got.loss, expected.loss, rel_tol=1e-5)

@@ -215,3 +215,21 @@ def test_compile_layers_compiles_every_block() -> None:
     blocks = list(model.layers)
     assert len(blocks) == 2 and all(b._compiled_call_impl is not None for b in blocks)
     assert compiled_layers(model) == 2
+
+
+def test_a_left_padded_row_s_loss_is_its_loss_without_the_padding() -> None:
+    """The padding mask reaches the model: tokens after left padding attend to none of it."""
+    from train_helpers import padded_batch
+
+    model = native_model("llama2")
+    ids, mask = padded_batch(model.config.vocab_size)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:].masked_fill((mask[:, 1:] == 0) | (mask[:, :-1] == 0), -100)
+    with torch.no_grad():
+        padded = summed_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}).item()
+        rows = [
+            {"input_ids": ids[r, keep][None], "attention_mask": mask[r, keep][None], "labels": labels[r, keep][None]}
+            for r, keep in enumerate(mask.bool())
+        ]
+        apart = sum(summed_loss(model, row).item() for row in rows)
+    assert math.isclose(padded, apart, rel_tol=1e-6)  # float32 sums of ~30 terms in another order

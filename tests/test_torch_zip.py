@@ -4,6 +4,7 @@ serialization id), and the writer built on it loads in torch."""
 from __future__ import annotations
 
 import errno
+import os
 import struct
 import warnings
 import zipfile
@@ -60,7 +61,13 @@ CASES = {
     + [("f0", "float32", (2,)), ("f1", "float32", (3,)), ("f2", "float32", (300,))],
     "sizes of 2 and 4 bytes": [("wide", "int8", (300, 70000)), ("tall", "int8", (70000, 3))],
     "a size past 2**31": [("big", "int8", (2**16, 2**15 + 1))],  # placeholders only: no memory touched
+    # each integer opcode's edges (K < 256 <= M < 65536 <= J < 2**31 <= LONG1), as sizes and strides
+    "integers at the opcode edges": [
+        (f"e{n}", "int8", shape)
+        for n, shape in enumerate([(255,), (256,), (65535,), (65536,), (2**31 - 1,), (2**31,), (256, 1), (65536, 1)])
+    ],
     "a full SETITEMS batch": [(f"t{i}", "float32", (1,)) for i in range(1000)],
+    "three SETITEMS batches": [(f"t{i}", "float32", (1,)) for i in range(2500)],
     "one tensor": [("only", "int8", (7, 3))],
     "empty": [],
 }
@@ -147,6 +154,7 @@ def test_a_failed_torch_save_is_an_oserror_with_the_real_errno(tmp_path: Path, m
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
     assert limited.value.errno == errno.EFBIG and limited.value.filename == str(path)
+    assert limited.value.strerror == os.strerror(errno.EFBIG)
 
     def refuse(*args: object, **kwargs: object) -> None:
         path.write_bytes(b"")
@@ -158,3 +166,63 @@ def test_a_failed_torch_save_is_an_oserror_with_the_real_errno(tmp_path: Path, m
     assert failed.value.errno == errno.EIO and failed.value.filename == str(path)
     assert failed.value.strerror == "torch.save failed (PytorchStreamWriter failed writing file data/0)"
     assert path.stat().st_size == 4097  # the probe byte went where the file would have ended
+
+    for message, said in (("  ", "write failed"), ("x" * 300, "x" * 120)):  # an empty message, a long one
+
+        def refuse_with(*args: object, message: str = message, **kwargs: object) -> None:
+            path.write_bytes(b"")
+            raise RuntimeError(message)
+
+        monkeypatch.setattr(torch, "save", refuse_with)
+        with pytest.raises(OSError) as failed:
+            save_torch({"w": torch.zeros(4)}, path)
+        assert failed.value.errno == errno.EIO and failed.value.strerror == f"torch.save failed ({said})"
+        assert path.stat().st_size == 1  # no size hint: the probe byte at the end of what was written
+
+
+def test_tied_weights_in_an_archive_named_after_another_file_are_torch_save_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One storage under two names (written through torch.save's placeholders) in an archive
+    folder named after the source file: torch's bytes, staged inside the destination folder
+    (never the system temp folder, which may be another filesystem: here it does not exist)."""
+    import tempfile
+
+    from ckptkit.formats.pickle_index import archive_facts
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sd = {"embed": w, "lm_head": w, "norm": torch.ones(4)}
+    (tmp_path / "t").mkdir()
+    torch.save(sd, tmp_path / "t" / "original.pth")
+    theirs = tmp_path / "m.pth"
+    (tmp_path / "t" / "original.pth").rename(theirs)
+    facts = archive_facts(theirs)
+    assert facts is not None and facts["archive"] == "original"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    ours = tmp_path / "out" / "m.pth"
+    ours.parent.mkdir()
+    writer = TorchPickleWriter(
+        ours, [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()], aliases={"lm_head": "embed"}, facts=facts
+    )
+    for k, v in sd.items():
+        writer.write(k, v)
+    writer.close()
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert sorted(p.name for p in ours.parent.iterdir()) == ["m.pth"]
+    loaded = torch.load(ours, weights_only=True)
+    assert loaded["lm_head"].untyped_storage().data_ptr() == loaded["embed"].untyped_storage().data_ptr()
+
+
+def test_a_failed_save_of_torch_s_placeholders_is_an_oserror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's torch.save route (tied weights) reports a failed write like save_torch does;
+    the probe byte goes where the whole file would have ended (the placeholders' bytes)."""
+
+    def refuse(obj: object, path: Path, *args: object, **kwargs: object) -> None:
+        Path(path).write_bytes(b"")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    entries = [("embed", torch.float32, (3, 4)), ("lm_head", torch.float32, (3, 4)), ("norm", torch.float32, (4,))]
+    with pytest.raises(OSError) as failed:
+        TorchPickleWriter(tmp_path / "m.pth", entries, aliases={"lm_head": "embed"})
+    assert failed.value.errno == errno.EIO and (tmp_path / "m.pth").stat().st_size == 3 * 4 * 4 * 2 + 4 * 4 + 1

@@ -260,3 +260,14 @@ def test_rank_span_maps_locate_the_merged_and_split_bytes(
         assert _read(RANKS.forward_spans(shard_spans, shard, dim)) == _bytes(RANKS.forward(shards, dim)) == _bytes(w)
         located = RANKS.inverse_spans(_scattered(Path(tmp), _bytes(w), cuts), shape, ranks, dim)
         assert [_read(s) for s in located] == [_bytes(s) for s in shards]
+
+
+def test_rank_merge_of_shards_that_each_lie_in_pieces() -> None:
+    """Every shard cut inside a row (no shard one span per row): the merged bytes are torch.cat's."""
+    w = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+    with tempfile.TemporaryDirectory() as tmp:
+        for dim in (0, 1):
+            shards = RANKS.inverse(w, 2, dim)
+            pieces = [_scattered(Path(tmp), _bytes(s), [s.nbytes // 2 + 2]) for s in shards]
+            merged = RANKS.forward_spans(pieces, tuple(shards[0].shape), dim)
+            assert _read(merged) == _bytes(RANKS.forward(shards, dim)) == _bytes(w)

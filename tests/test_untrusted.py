@@ -483,6 +483,7 @@ def test_unreadable_legacy_pickles_are_refused_in_one_line(tmp_path: Path) -> No
         (RuntimeError("The archive is damaged. Nothing more to say.\nsecond line"), "The archive is damaged."),
         (ValueError("x" * 200), "x" * 157 + "..."),
         (ValueError("y" * 160), "y" * 160),
+        (ValueError("z" * 161), "z" * 157 + "..."),
         (OSError(), "OSError"),
     ],
 )
@@ -603,3 +604,38 @@ def test_a_zero_size_tensor_listed_first_at_the_data_s_end_is_fine(tmp_path: Pat
     path = _safetensors(tmp_path / "m.safetensors", header, 8)
     reader = SafetensorsReader(path)
     assert reader.read("w").tolist() == [0.0, 0.0] and reader.read("z").numel() == 0
+
+
+def test_a_global_hidden_behind_an_opcode_the_index_does_not_know_never_runs(tmp_path: Path) -> None:
+    """The torch-free index stops at the first opcode outside its subset (here POP) and hands
+    the file to torch.load, which must still refuse the os.system call that follows."""
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "src.pth")
+    cmd = f"touch '{tmp_path / 'pwned'}'".encode()
+    pkl = b"\x80\x02N0cposix\nsystem\nX" + struct.pack("<I", len(cmd)) + cmd + b"\x85R."
+    with zipfile.ZipFile(tmp_path / "src.pth") as src, zipfile.ZipFile(tmp_path / "evil.pth", "w") as out:
+        for zi in src.infolist():
+            out.writestr(zi.filename, pkl if zi.filename.endswith("/data.pkl") else src.read(zi))
+    with pytest.raises(CkptkitError, match=r"evil\.pth: not a torch checkpoint \(corrupt or not a pickle\)$"):
+        TorchPickleReader(tmp_path / "evil.pth")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_weights_only_refusal_that_names_no_global_says_so_without_a_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    from ckptkit.formats.torch_io import TorchPickleReader
+
+    torch.save({"a": torch.zeros(4)}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise pickle.UnpicklingError("Weights only load failed. Unsupported class numpy.dtype")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(CkptkitError) as info:
+        TorchPickleReader(tmp_path / "old.pth")
+    said = "refusing to load: the pickle needs more than weights_only=True allows"
+    assert str(info.value) == f"{tmp_path / 'old.pth'}: {said}"
