@@ -185,14 +185,10 @@ def write_adapter_gguf(
     complete or absent.
     """
     import gguf
-    import numpy as np
 
-    from ckptkit.formats.gguf.quants import quantized_chunks
     from ckptkit.formats.gguf.tensors import spec_of
-    from ckptkit.formats.gguf.writer import NARROWING, quiet_gguf
+    from ckptkit.formats.gguf.writer import NARROWING, add_model_card, planned_writer, publish, quiet_gguf
     from ckptkit.formats.peft_adapter import read_adapter_config, read_adapter_tensors
-    from ckptkit.io import publishing_file
-    from ckptkit.progress import byte_progress
 
     if dst.suffix != ".gguf":
         raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
@@ -204,44 +200,14 @@ def write_adapter_gguf(
         raise CkptkitError(f"{adapter}: an aLoRA with an invocation_string but no alora_invocation_tokens")
     spec = spec_of(base.family, base.path)
     planned, _ = adapter_tensors(adapter, base, tensors, dtype)
-    w = gguf.GGUFWriter(None, spec.arch)
-    for t in planned:
-        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-    total, shared, expert, experts = w.get_total_parameter_count()
+    w = planned_writer(spec.arch, planned)
     with quiet_gguf():
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        meta = gguf.Metadata.load(None, adapter, None, total)
-        if meta.name is None:
-            meta.name = base.path.name if base.path.is_dir() else base.path.stem
-        if meta.size_label is None and total > 0:
-            meta.size_label = gguf.size_label(total, shared, expert, experts)
-        meta.set_gguf_meta_model(w)
+        add_model_card(w, adapter, base.path.name if base.path.is_dir() else base.path.stem)
         w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         if invocation:
             uint32 = gguf.GGUFValueType.UINT32
             w.add_key_value(gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS, invocation, gguf.GGUFValueType.ARRAY, uint32)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    size = sum(t.nbytes for t in planned)
-    checked = dtype in NARROWING and not allow_lossy
-    with publishing_file(dst, force) as tmp:
-        w.write_header_to_file(path=tmp)
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        assert w.fout is not None
-        fout = w.fout[0]
-        try:
-            w.write_padding(fout, fout.tell())
-            with byte_progress("converting", size, quiet) as bar:
-                for t in planned:
-                    data = b"".join(quantized_chunks(t.make(), t.qtype, t.name if checked else None))
-                    if len(data) != t.nbytes:
-                        raise RuntimeError(f"{t.name}: wrote {len(data)} bytes, planned {t.nbytes}")
-                    fout.write(data)
-                    w.write_padding(fout, len(data))
-                    bar.advance(len(data))
-            fout.flush()
-        finally:
-            fout.close()
-            w.fout = None
-    return dst.stat().st_size
+    return publish(w, planned, dst, force, quiet, dtype in NARROWING and not allow_lossy)

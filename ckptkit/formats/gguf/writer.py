@@ -126,48 +126,39 @@ def _chunks(t: GGUFTensor, checked: bool) -> Iterable[bytes | memoryview]:
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
 
 
-def write_gguf(
-    ckpt: OpenedCheckpoint,
-    dst: Path,
-    dtype: str | None,
-    quiet: bool = True,
-    force: bool = False,
-    allow_lossy: bool = False,
-) -> int:
-    """Write ``ckpt`` as the GGUF file ``dst``, as llama.cpp's converter would; returns its size.
-
-    Header, metadata and tensor infos come first, from shapes and types; then each tensor's
-    bytes. The file is written beside ``dst`` under a temporary name, fsynced, and renamed
-    into place: ``dst`` is complete or absent.
-    """
+def planned_writer(arch: str, tensors: list[GGUFTensor]) -> Any:
+    """A ``gguf.GGUFWriter`` for ``arch`` holding the tensor infos of ``tensors`` (shapes and
+    types only: the bytes are streamed by :func:`publish`)."""
     import gguf
     import numpy as np
 
-    from ckptkit.progress import byte_progress
-
-    if dst.suffix != ".gguf":
-        raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
-    spec = spec_of(ckpt.family, ckpt.path)
-    hparams = hf_hparams(ckpt)
-    tensors, ftype = model_tensors(ckpt, hparams, dtype)
-    ckpt.notes.extend(_not_kept(hparams, spec))
-    w = gguf.GGUFWriter(None, spec.arch)
+    w = gguf.GGUFWriter(None, arch)
     for t in tensors:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)  # shape as given
+    return w
+
+
+def add_model_card(w: Any, folder: Path, fallback_name: str) -> None:
+    """The ``general.*`` naming keys llama.cpp's converters take from ``folder`` (its
+    config.json and README model card), with ``fallback_name`` and the size label it computes."""
+    import gguf
+
     total, shared, expert, experts = w.get_total_parameter_count()
-    with hf_folder(ckpt, hparams) as folder, quiet_gguf():
-        w.add_type(gguf.GGUFType.MODEL)
-        meta = gguf.Metadata.load(None, folder, None, total)
-        if meta.name is None:
-            meta.name = _model_name(ckpt)
-        if meta.size_label is None and total > 0:
-            meta.size_label = gguf.size_label(total, shared, expert, experts)
-        if spec.embeddings_to_vocab:
-            _check_vocab_rows(folder, tensors)
-        meta.set_gguf_meta_model(w)
-        add_parameters(w, spec.parameters, hparams, ftype)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_vocab(w, spec.vocab, folder, hparams)
+    meta = gguf.Metadata.load(None, folder, None, total)
+    if meta.name is None:
+        meta.name = fallback_name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, experts)
+    meta.set_gguf_meta_model(w)
+
+
+def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bool, checked: bool) -> int:
+    """Write ``w``'s header, key/values and tensor infos, then each tensor's bytes at its
+    offset a chunk at a time, into a temporary file beside ``dst``, fsynced and renamed onto
+    it: ``dst`` is complete or absent. ``checked``: narrowing casts that overflow or flush a
+    value are errors. Returns the file's size."""
+    from ckptkit.progress import byte_progress
+
     size = sum(t.nbytes for t in tensors)
     with publishing_file(dst, force) as tmp:
         w.write_header_to_file(path=tmp)
@@ -190,7 +181,7 @@ def write_gguf(
             with byte_progress("converting", size, quiet) as bar:
                 for t, offset in zip(tensors, offsets, strict=True):
                     written = 0
-                    for chunk in _chunks(t, dtype in NARROWING and not allow_lossy):
+                    for chunk in _chunks(t, checked):
                         out.write(chunk, offset + written)
                         written += memoryview(chunk).nbytes
                     if written != t.nbytes:
@@ -199,3 +190,37 @@ def write_gguf(
         finally:
             out.close()
     return dst.stat().st_size
+
+
+def write_gguf(
+    ckpt: OpenedCheckpoint,
+    dst: Path,
+    dtype: str | None,
+    quiet: bool = True,
+    force: bool = False,
+    allow_lossy: bool = False,
+) -> int:
+    """Write ``ckpt`` as the GGUF file ``dst``, as llama.cpp's converter would; returns its size.
+
+    Header, metadata and tensor infos come first, from shapes and types; then each tensor's
+    bytes. The file is written beside ``dst`` under a temporary name, fsynced, and renamed
+    into place: ``dst`` is complete or absent.
+    """
+    import gguf
+
+    if dst.suffix != ".gguf":
+        raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
+    spec = spec_of(ckpt.family, ckpt.path)
+    hparams = hf_hparams(ckpt)
+    tensors, ftype = model_tensors(ckpt, hparams, dtype)
+    ckpt.notes.extend(_not_kept(hparams, spec))
+    w = planned_writer(spec.arch, tensors)
+    with hf_folder(ckpt, hparams) as folder, quiet_gguf():
+        w.add_type(gguf.GGUFType.MODEL)
+        if spec.embeddings_to_vocab:
+            _check_vocab_rows(folder, tensors)
+        add_model_card(w, folder, _model_name(ckpt))
+        add_parameters(w, spec.parameters, hparams, ftype)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_vocab(w, spec.vocab, folder, hparams)
+    return publish(w, tensors, dst, force, quiet, dtype in NARROWING and not allow_lossy)
