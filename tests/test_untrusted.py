@@ -69,6 +69,27 @@ def _(tmp: Path) -> Case:
     return converting(src, tmp, "ckptkit-origin.json", "'../pwned'", to="hf")
 
 
+@case("origin-tokenizer-files-null")
+def _(tmp: Path) -> Case:
+    src = converted_meta(tmp)
+    edit_origin(src, lambda o: o["tokenizer"].update(files=None))
+    return converting(src, tmp, "ckptkit-origin.json", "tokenizer files", to="hf")
+
+
+@case("origin-tokenizer-file-dotdot")
+def _(tmp: Path) -> Case:
+    src = converted_meta(tmp)
+    edit_origin(src, lambda o: o["tokenizer"]["files"].update({"../pwned": min(o["tokenizer"]["files"].values())}))
+    return converting(src, tmp, "ckptkit-origin.json", "'../pwned'", to="hf")
+
+
+@case("origin-tokenizer-file-not-packed")
+def _(tmp: Path) -> Case:
+    src = converted_meta(tmp)
+    edit_origin(src, lambda o: o["tokenizer"]["files"].update({"tokenizer.json": "{}"}))
+    return converting(src, tmp, "ckptkit-origin.json", "recorded tokenizer file 'tokenizer.json'", to="hf")
+
+
 @case("origin-index-text-corrupt")
 def _(tmp: Path) -> Case:
     src = converted_meta(tmp)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
+import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,6 +26,8 @@ from ckptkit.tensors.dtypes import ITEMSIZE
 from ckptkit.untrusted import loads_json, plain_name
 
 MAX_RECORDED_TENSOR = 1 << 16  # own_layout records only small unused tensors
+MAX_RECORDED_FILE = 64 << 20  # a recorded tokenizer file (Llama 3's tokenizer.json: 9 MB)
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def recorded_origin(fmt: CheckpointFormat, raw: RawCheckpoint) -> dict[str, Any] | None:
@@ -86,6 +90,7 @@ def check_origin(origin: Any, where: Path) -> dict[str, Any]:
     _check_config(origin.get("config"), fmt, where)
     _check_index(origin.get("index"), fmt, names, placed, where)
     _check_unused(origin.get("unused") or {}, where)
+    _check_tokenizer(origin.get("tokenizer"), where)
     return origin
 
 
@@ -124,3 +129,27 @@ def _check_unused(unused: Any, where: Path) -> None:
             except (binascii.Error, ValueError):
                 ok = False
         _need(ok, where, f"recorded tensor {name!r}")
+
+
+def _check_tokenizer(record: Any, where: Path) -> None:
+    """The recorded HF tokenizer files: plain names, each zlib-compressed base64 text that
+    unpacks to at most :data:`MAX_RECORDED_FILE` bytes."""
+    if record is None:
+        return
+    _need(isinstance(record, dict), where, "tokenizer")
+    sha = record.get("model_sha256")
+    _need(sha is None or (isinstance(sha, str) and SHA256.fullmatch(sha) is not None), where, "tokenizer model_sha256")
+    _need(isinstance(record.get("model_in_hf", False), bool), where, "tokenizer model_in_hf")
+    files = record.get("files")
+    _need(isinstance(files, dict), where, "tokenizer files")
+    for name, text in files.items():
+        plain_name(name, where, None, "recorded tokenizer file name")
+        ok = isinstance(text, str)
+        if ok:
+            try:
+                unpack = zlib.decompressobj()
+                data = unpack.decompress(base64.b64decode(text, validate=True), MAX_RECORDED_FILE)
+                ok = unpack.eof and not unpack.unconsumed_tail and len(data) <= MAX_RECORDED_FILE
+            except (binascii.Error, ValueError, zlib.error):
+                ok = False
+        _need(ok, where, f"recorded tokenizer file {name!r}")
