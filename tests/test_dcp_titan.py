@@ -6,12 +6,12 @@ through HF or internal keeps it."""
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_dcp import _load
 
 from ckptkit.convert import convert
 from ckptkit.formats import detect_format
@@ -36,15 +36,6 @@ def _titan_name(name: str) -> str:
         if f".attention.{w}." in name:
             return name.replace(f".attention.{w}.", f".attention.qkv_linear.{w}.")
     return renames.get(name, name)
-
-
-def _load(folder: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """torch's own reader, one process, no process group."""
-    out = {k: torch.empty_like(v) for k, v in like.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(out, storage_reader=dcp.FileSystemReader(str(folder)))
-    return out
 
 
 def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

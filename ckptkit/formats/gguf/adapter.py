@@ -187,7 +187,7 @@ def write_adapter_gguf(
     import gguf
 
     from ckptkit.formats.gguf.tensors import spec_of
-    from ckptkit.formats.gguf.writer import NARROWING, add_model_card, planned_writer, publish, quiet_gguf
+    from ckptkit.formats.gguf.writer import NARROWING, add_model_card, model_name, planned_writer, publish, quiet_gguf
     from ckptkit.formats.peft_adapter import read_adapter_config, read_adapter_tensors
 
     if dst.suffix != ".gguf":
@@ -204,7 +204,7 @@ def write_adapter_gguf(
     with quiet_gguf():
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        add_model_card(w, adapter, base.path.name if base.path.is_dir() else base.path.stem)
+        add_model_card(w, adapter, model_name(base.path))
         w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         if invocation:
             uint32 = gguf.GGUFValueType.UINT32

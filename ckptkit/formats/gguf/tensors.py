@@ -64,14 +64,9 @@ def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
     if ckpt.raw.config_name == "config.json":
         return dict(ckpt.raw.config)
     recorded = ckpt.origin.get("config") or {}
-    if recorded.get("name") == "config.json":
-        try:
-            config = json.loads(recorded["text"])
-        except (TypeError, ValueError) as e:
-            raise CkptkitError(f"{ckpt.path}: the recorded config.json is not JSON ({e})") from None
-        if isinstance(config, dict):
-            return config
-        raise CkptkitError(f"{ckpt.path}: the recorded config.json is not a JSON object")
+    if recorded.get("name") == "config.json":  # checked to be a JSON object when the origin was read
+        config: dict[str, Any] = json.loads(recorded["text"])
+        return config
     weights = list(ckpt.tensors.values())
     main = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
     return ckpt.family.config_to_hf(ckpt.config, main)

@@ -42,7 +42,7 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
 
     plan = get_format("hf").tokenizer(ckpt)
     with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
-        folder = Path(tmp) / (ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem)
+        folder = Path(tmp) / model_name(ckpt.path)
         folder.mkdir()
         extra = getattr(ckpt, "extra_files", None)
         for src in extra() if extra is not None else []:
@@ -71,8 +71,9 @@ def quiet_gguf() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _model_name(ckpt: OpenedCheckpoint) -> str:
-    return ckpt.path.name if ckpt.path.is_dir() else ckpt.path.stem
+def model_name(path: Path) -> str:
+    """A checkpoint's name as llama.cpp's converters take it: its folder's, or its file's stem."""
+    return path.name if path.is_dir() else path.stem
 
 
 def _not_kept(hparams: dict[str, Any], spec: Any) -> list[str]:
@@ -230,7 +231,7 @@ def write_gguf(
         w.add_type(gguf.GGUFType.MODEL)
         if spec.embeddings_to_vocab:
             _check_vocab_rows(folder, tensors)
-        add_model_card(w, folder, _model_name(ckpt))
+        add_model_card(w, folder, model_name(ckpt.path))
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_vocab(w, spec.vocab, folder, hparams)
