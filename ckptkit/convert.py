@@ -298,7 +298,6 @@ def convert_adapter(
     if extra is not None:
         raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
     check_destination(src, dst, force, folder=False)
-    fmt.check_adapter_options(dtype)
     with open_checkpoint(adapter_base(src, Path(base) if base is not None else None)) as trained_on:
         written = fmt.write_adapter(src, dst, trained_on, dtype, quiet, force, allow_lossy_cast)
     return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), [], written, {COMPUTED: written})

@@ -176,9 +176,6 @@ class CheckpointFormat:
         a value is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
         raise NotImplementedError
 
-    def check_adapter_options(self, dtype: str | None) -> None:
-        """For a format that holds LoRA adapters: a one-line error for a ``dtype`` it cannot write."""
-
     def write_adapter(
         self,
         adapter: Path,

@@ -241,13 +241,8 @@ class GGUFFormat(CheckpointFormat):
     ) -> int:
         from ckptkit.formats.gguf.writer import write_gguf
 
-        if dtype is not None and dtype not in GGUF_DTYPES:
-            raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
+        _check_dtype(dtype)
         return write_gguf(ckpt, dst, dtype, quiet, force, allow_lossy)
-
-    def check_adapter_options(self, dtype: str | None) -> None:
-        if dtype is not None and dtype not in GGUF_DTYPES:
-            raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
 
     def write_adapter(
         self,
@@ -261,8 +256,13 @@ class GGUFFormat(CheckpointFormat):
     ) -> int:
         from ckptkit.formats.gguf.adapter import write_adapter_gguf
 
-        self.check_adapter_options(dtype)
+        _check_dtype(dtype)
         return write_adapter_gguf(adapter, dst, base, dtype, quiet, force, allow_lossy)
+
+
+def _check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in GGUF_DTYPES:
+        raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
 
 
 def _opened(raw: RawCheckpoint) -> GGUFCheckpoint:
