@@ -217,6 +217,102 @@ def test_rows_of_one_span_are_its_byte_ranges_coalesced(nrows: int, row_bytes: i
         take_rows([span], row_bytes, [nrows])
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.sampled_from([1, 3, 8]), st.booleans(), st.data())
+def test_rows_of_several_spans_are_their_byte_ranges_coalesced(
+    nrows: int, row_bytes: int, whole_rows: bool, data: st.DataObject
+) -> None:
+    """take_rows over a tensor in several spans (a Meta Q/K already reordered by rows, or
+    split over files) gives the rows' byte ranges in order, neighbours merged, whether the
+    spans end on row boundaries (rows indexed) or not (ranges cut), and refuses a row
+    outside the tensor, negative ones included."""
+    from ckptkit.io import coalesce, take_ranges, take_rows
+
+    total = nrows * row_bytes
+    step = row_bytes if whole_rows else 1
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, total // step - 1), max_size=6)) if total // step > 1 else []))
+    bounds = [0, *(c * step for c in cuts), total]
+    files = [Path(f"/f{data.draw(st.integers(0, 1))}") for _ in bounds[1:]]
+    spans = [Span(f, 1000 * i + a, b - a) for i, (f, a, b) in enumerate(zip(files, bounds, bounds[1:], strict=False))]
+    wanted = data.draw(st.lists(st.integers(0, nrows - 1), max_size=15))
+    expected = [
+        (s.path, s.offset, s.nbytes) for s in coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in wanted)))
+    ]
+    assert [(s.path, s.offset, s.nbytes) for s in take_rows(spans, row_bytes, wanted)] == expected
+    for outside in ([nrows], [-1], [0, -1]):
+        with pytest.raises(ValueError):
+            take_rows(spans, row_bytes, outside)
+
+
+def checked_lazy(path: Path, data: np.ndarray, dtype: str, crc: int | None = None) -> Lazy:
+    """``data`` in a file that is one zip record's bytes with a recorded CRC-32 (``crc``, or the true one)."""
+    import zlib
+
+    from ckptkit.errors import CkptkitError
+    from ckptkit.io import RecordCheck, Verifier
+
+    raw = data.tobytes()
+    path.write_bytes(raw)
+    verifier = Verifier(path, lambda key: CkptkitError(f"{path}: record {key} fails its CRC-32"))
+    check = RecordCheck(verifier, "0", 0, len(raw), zlib.crc32(raw) if crc is None else crc)
+    return Lazy(tuple(data.shape), dtype, lambda: None, spans=lambda: [Span(path, 0, len(raw), check=check)])  # type: ignore[arg-type,return-value]
+
+
+def test_record_crcs_run_beside_the_conversion_on_the_bytes_as_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CRC-32 of a .pth record read by rows runs in another thread while the rows are
+    converted and written: BF16 quiets signalling NaNs in what it writes, never in the read
+    buffer a slow CRC is still reading (that would fail a sound record), and the output is
+    the package's bytes."""
+    import threading
+    import time
+
+    from gguf import GGMLQuantizationType
+    from gguf import quants as ref
+
+    from ckptkit.io import Verifier
+
+    threads: set[str] = set()
+    feed = Verifier.feed
+
+    def slow_feed(self: Verifier, *args: object) -> None:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.01)  # the main thread converts the chunk meanwhile
+        feed(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Verifier, "feed", slow_feed)
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 256 * 2 * 16)
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)  # every pattern, NaNs too
+    chunks = rows.row_chunks(checked_lazy(tmp_path / "t", bits, "bfloat16"), "BF16", None)
+    assert chunks is not None
+    with np.errstate(all="ignore"):
+        ours = b"".join(bytes(c) for c in chunks)
+        widened = (bits.astype(np.uint32) << 16).view(np.float32)
+        assert ours == ref.quantize(widened, GGMLQuantizationType.BF16).tobytes()
+    assert threads and threading.main_thread().name not in threads
+
+
+def test_a_record_crc_mismatch_found_by_the_crc_thread_is_raised_and_an_abandoned_read_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.errors import CkptkitError
+    from ckptkit.io import SpanReader
+
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 64 * 4 * 4)
+    data = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+    chunks = rows.row_chunks(checked_lazy(tmp_path / "t", data, "float32", crc=1), "F32", None)
+    assert chunks is not None
+    with pytest.raises(CkptkitError, match="fails its CRC-32"):
+        b"".join(bytes(c) for c in chunks)
+    lazy = checked_lazy(tmp_path / "u", data, "float32", crc=1)
+    reader = SpanReader()
+    buf = bytearray(data.nbytes)
+    reader.read_into(lazy.spans(), memoryview(buf))  # type: ignore[arg-type]
+    reader.close(check=False)  # abandoned (the write failed): no CRC verdict, the thread ended
+    assert bytes(buf) == data.tobytes()
+
+
 def test_a_gguf_written_past_the_page_cache_is_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the dirty limit the whole pages of each chunk go O_DIRECT (the edges buffered)."""
     from ckptkit.formats.gguf import writer

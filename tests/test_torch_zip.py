@@ -226,3 +226,45 @@ def test_a_failed_save_of_torch_s_placeholders_is_an_oserror(tmp_path: Path, mon
     with pytest.raises(OSError) as failed:
         TorchPickleWriter(tmp_path / "m.pth", entries, aliases={"lm_head": "embed"})
     assert failed.value.errno == errno.EIO and (tmp_path / "m.pth").stat().st_size == 3 * 4 * 4 * 2 + 4 * 4 + 1
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "via_torch"),
+    [(["float32", "bfloat16", "int64"], False), (["float8_e4m3fn"], True), (["float8_e5m2", "float32"], True)],
+)
+def test_the_skeleton_is_written_without_torch_save_exactly_when_every_dtype_has_a_storage_name(
+    dtypes: list[str], via_torch: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save (slow, in memory) writes the skeleton only for dtypes the torch-free pickle
+    cannot name (float8): the others never reach it, and both give a file torch loads."""
+    import ckptkit.formats.torch_io as torch_io
+
+    calls: list[list[str]] = []
+    skeleton = torch_io._torch_skeleton
+
+    def spy(path: Path, named: list[tuple[str, str, tuple[int, ...]]], *args: object) -> object:
+        calls.append([d for _, d, _ in named])
+        return skeleton(path, named, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch_io, "_torch_skeleton", spy)
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    sd = {f"t{i}": base.to(getattr(torch, d)) for i, d in enumerate(dtypes)}
+    w = TorchPickleWriter(tmp_path / "m.pth", [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()])
+    for k, v in sd.items():
+        w.write(k, v)
+    w.close()
+    assert calls == ([dtypes] if via_torch else [])
+    loaded = torch.load(tmp_path / "m.pth", weights_only=True)
+    assert all(torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8)) for k, v in sd.items())
+
+
+def test_closing_a_writer_before_every_tensor_is_written_names_the_file_and_the_first_five_missing(
+    tmp_path: Path,
+) -> None:
+    names = [f"layers.{i}.w" for i in range(8)]
+    path = tmp_path / "m.pth"
+    w = TorchPickleWriter(path, [(n, torch.float32, (2,)) for n in names])
+    w.write(names[0], torch.ones(2))
+    with pytest.raises(RuntimeError) as e:
+        w.close()
+    assert str(e.value) == f"{path}: tensors never written: {names[1:6]}"

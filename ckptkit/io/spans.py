@@ -107,20 +107,34 @@ def take(spans: list[Span], start: int, nbytes: int) -> list[Span]:
 
 
 def take_rows(spans: list[Span], row_bytes: int, rows: list[int]) -> list[Span]:
-    """The rows ``rows`` (in that order) of a row-major tensor whose bytes are ``spans``."""
-    if len(spans) != 1:
+    """The rows ``rows`` (in that order) of a row-major tensor whose bytes are ``spans``,
+    neighbours merged (as :func:`coalesce` would)."""
+    if not row_bytes or not all(s.nbytes % row_bytes == 0 for s in spans):
         return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in rows)))
-    whole = spans[0]  # one span (a tensor stored whole): runs of consecutive rows, sliced directly
+    # each span whole rows (a tensor stored whole, or rows already reordered: Meta's Q/K):
+    # rows located by arithmetic, one Span made per run of rows that lie end to end
+    starts = [(i, s.offset + k * row_bytes) for i, s in enumerate(spans) for k in range(s.nbytes // row_bytes)]
+    if rows and not 0 <= min(rows) <= max(rows) < len(starts):
+        raise ValueError(f"rows {min(rows)}..{max(rows)} outside a tensor of {len(starts)} rows")
     out: list[Span] = []
     i = 0
     while i < len(rows):
-        j = i + 1
-        while j < len(rows) and rows[j] == rows[j - 1] + 1:
+        first, offset = starts[rows[i]]
+        span, j = spans[first], i + 1
+        while j < len(rows):
+            k, at = starts[rows[j]]
+            if at != offset + (j - i) * row_bytes or (k != first and not _same_record(span, spans[k])):
+                break
             j += 1
-        if row_bytes:
-            out.append(whole.slice(rows[i] * row_bytes, (j - i) * row_bytes))  # raises outside the span
+        nbytes = (j - i) * row_bytes
+        whole = offset == span.offset and nbytes == span.nbytes
+        out.append(span if whole else Span(span.path, offset, nbytes, check=span.check))
         i = j
     return out
+
+
+def _same_record(a: Span, b: Span) -> bool:
+    return (a.path is b.path or a.path == b.path) and a.check == b.check
 
 
 def total_bytes(spans: list[Span]) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.quants import quantize_q8_0
-from ckptkit.io import Span, SpanReader, coalesce, take, take_rows
+from ckptkit.io import Span, SpanReader, take, take_rows
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,9 +42,13 @@ def head_order(rows: int, heads: int) -> list[int]:
     return [h * 2 * half + j * half + i for h in range(heads) for i in range(half) for j in range(2)]
 
 
-def row_chunks(lazy: Lazy, kind: str, heads: int | None) -> Iterator[memoryview] | None:
+def row_chunks(
+    lazy: Lazy, kind: str, heads: int | None, reader: SpanReader | None = None
+) -> Iterator[memoryview] | None:
     """The GGML bytes of ``lazy`` as type ``kind``, Q/K-permuted over ``heads`` heads when
-    given; None when its bytes do not lie in the source as stored."""
+    given; None when its bytes do not lie in the source as stored. With ``reader`` (shared
+    by a whole file's tensors) the source records' CRC-32s are checked by its ``close()``,
+    which the caller must call before publishing; without, before the last chunk is given."""
     spans = lazy.spans()
     if spans is None or not streamable(lazy, kind):
         return None
@@ -52,16 +56,13 @@ def row_chunks(lazy: Lazy, kind: str, heads: int | None) -> Iterator[memoryview]
     if heads is not None and rows % (2 * heads):
         return None  # not whole heads: the torch path says so
     row_bytes = math.prod(lazy.shape[1:]) * ITEMSIZE[lazy.dtype]
-    if heads is not None and len(spans) == rows and all(s.nbytes == row_bytes for s in spans):
-        # one span a row (a source stored permuted, as Meta's): the rows of the spans reordered
-        spans, heads = coalesce([spans[i] for i in head_order(rows, heads)]), None
-    elif heads is not None and len(spans) > 1:
+    if heads is not None and len(spans) > 1:  # rows from here and there (Meta's, stored permuted): reordered
         spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
-    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads)
+    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader)
 
 
 def _chunks(
-    spans: list[Span], dtype: str, kind: str, rows: int, row_bytes: int, heads: int | None
+    spans: list[Span], dtype: str, kind: str, rows: int, row_bytes: int, heads: int | None, shared: SpanReader | None
 ) -> Iterator[memoryview]:
     import numpy as np
 
@@ -69,7 +70,7 @@ def _chunks(
     step = max(1, CHUNK_BYTES // max(1, group * row_bytes)) * group
     buf = np.empty(min(rows, step) * row_bytes, np.uint8)
     moved = np.empty_like(buf) if heads else buf
-    reader = SpanReader()
+    reader = shared or SpanReader()
     try:
         for first in range(0, rows, step):
             n = min(step, rows - first)
@@ -82,9 +83,11 @@ def _chunks(
                 raw = out
             yield _encoded(raw, dtype, kind).reshape(-1).data
     except BaseException:
-        reader.close(check=False)
+        if shared is None:
+            reader.close(check=False)
         raise
-    reader.close()  # the source records' CRC-32s, before the tensor counts as written
+    if shared is None:
+        reader.close()  # the source records' CRC-32s, before the tensor counts as written
 
 
 def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:
@@ -104,7 +107,7 @@ def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:
     if dtype == "bfloat16":  # BF16 as float32 -> BF16 rounding gives it: NaNs get their quiet bit
         bits = raw.view(np.uint16)
         nan = (bits & 0x7FFF) > 0x7F80
-        if nan.any():
-            bits |= np.where(nan, np.uint16(0x0040), np.uint16(0))
+        if nan.any():  # a new array: the read buffer stays as read (its CRC-32 may still be running)
+            return (bits | np.where(nan, np.uint16(0x0040), np.uint16(0))).view(np.uint8)
         return raw
     return raw  # F32 from float32, F16 from float16: the stored bytes

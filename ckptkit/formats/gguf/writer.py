@@ -24,7 +24,7 @@ from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.rows import row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
-from ckptkit.io import OutputFile, direct_pays, publishing_file
+from ckptkit.io import OutputFile, SpanReader, direct_pays, publishing_file
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
@@ -114,14 +114,14 @@ def _aligned(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def _chunks(t: GGUFTensor, checked: bool) -> Iterable[bytes | memoryview]:
+def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader) -> Iterable[bytes | memoryview]:
     """``t``'s GGML bytes a chunk at a time: from the source's bytes with numpy where they lie
-    there as stored (:mod:`~ckptkit.formats.gguf.rows`), else through torch (``checked``: a
-    narrowing cast that overflows or flushes a value is an error naming ``t``)."""
+    there as stored (:mod:`~ckptkit.formats.gguf.rows`, read by ``reader``), else through
+    torch (``checked``: a narrowing cast that overflows or flushes a value is an error naming ``t``)."""
     import gguf
 
     if t.source is not None:
-        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads)
+        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads, reader)
         if chunks is not None:
             return chunks
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
@@ -189,16 +189,21 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
             start = _aligned(start + t.nbytes, w.data_alignment)
         os.truncate(tmp, start)  # the padding: zeros
         out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
+        reader = SpanReader()  # one for the file: source CRC-32s run beside the writes, checked at the end
         try:
             with byte_progress("converting", size, quiet) as bar:
                 for t, offset in sorted(zip(tensors, offsets, strict=True), key=_source_position):
                     written = 0
-                    for chunk in _chunks(t, checked):
+                    for chunk in _chunks(t, checked, reader):
                         out.write(chunk, offset + written)
                         written += memoryview(chunk).nbytes
                     if written != t.nbytes:
                         raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
                     bar.advance(written)
+            reader.close()  # every source record read is checked before the file is published
+        except BaseException:
+            reader.close(check=False)
+            raise
         finally:
             out.close()
     return dst.stat().st_size
