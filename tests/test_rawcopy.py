@@ -436,3 +436,17 @@ def test_safetensors_reads_survive_short_reads_and_name_a_file_cut_after_opening
     os.truncate(tmp_path / "m.safetensors", reader.span(name).offset + 3)
     with pytest.raises(CkptkitError, match=rf"m\.safetensors: unexpected end of file reading '{name}'$"):
         reader.read(name)
+
+
+@pytest.mark.parametrize("writer", [SafetensorsWriter, TorchPickleWriter])
+def test_closing_a_writer_before_every_tensor_is_written_names_the_file_and_the_first_five_missing(
+    writer: type, tmp_path: Path
+) -> None:
+    names = [f"layers.{i}.w" for i in range(8)]
+    path = tmp_path / "m"
+    args = (None,) if writer is SafetensorsWriter else ()
+    w = writer(path, [(n, torch.float32, (2,)) for n in names], *args)
+    w.write(names[0], torch.ones(2))
+    with pytest.raises(RuntimeError) as e:
+        w.close()
+    assert str(e.value) == f"{path}: tensors never written: {names[1:6]}"

@@ -197,8 +197,7 @@ def write_archive(
     contents.append((".data/serialization_id", ident))
     records: list[Record] = []
     for name, content in contents:
-        records.append(_local_record(f, f"{archive}/{name}", content))
-        records[-1].name = name
+        records.append(_local_record(f, archive, name, content))
     central_start = f.tell()
     for r in records:
         r.central_offset = f.tell()
@@ -212,10 +211,10 @@ def write_archive(
     return records
 
 
-def _local_record(f: BinaryIO, name: str, content: bytes | int) -> Record:
-    """A local header, the data (a hole when ``content`` is a size) and its data descriptor."""
+def _local_record(f: BinaryIO, archive: str, name: str, content: bytes | int) -> Record:
+    """A local header of ``archive/name``, the data (a hole when ``content`` is a size) and its data descriptor."""
     pos = f.tell()
-    full = name.encode()
+    full = f"{archive}/{name}".encode()
     data = content if isinstance(content, bytes) else None
     size = len(data) if data is not None else int(content)
     crc = zlib.crc32(data) if data is not None else 0
