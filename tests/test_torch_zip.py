@@ -68,6 +68,8 @@ CASES = {
     ],
     "a full SETITEMS batch": [(f"t{i}", "float32", (1,)) for i in range(1000)],
     "three SETITEMS batches": [(f"t{i}", "float32", (1,)) for i in range(2500)],
+    # 65538 records with data.pkl, byteorder, version and the id: the end record's 16-bit counts say 0xFFFF
+    "more records than 16 bits count": [(f"t{i}", "float32", (1,)) for i in range(65532)],
     "one tensor": [("only", "int8", (7, 3))],
     "empty": [],
 }
