@@ -97,6 +97,25 @@ def test_skeleton_past_4_gib_is_what_torch_save_writes(tmp_path: Path) -> None:
     assert _regions(ours) == _regions(theirs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("edge", ["a record of 4 GiB - 1 byte", "a header at 4 GiB - 1 byte"])
+def test_skeleton_at_the_zip64_edge_is_what_torch_save_writes(edge: str, tmp_path: Path) -> None:
+    """0xFFFFFFFF itself (a size, an offset) already needs zip64, as miniz decides (sparse files)."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    ours, theirs = tmp_path / "a" / "m.bin", tmp_path / "b" / "m.bin"
+    if edge.startswith("a record"):
+        entries = [("edge", "int8", (0xFFFFFFFF,)), ("after", "float32", (3,))]
+    else:  # the first tensor ends where the second record's header must start at 0xFFFFFFFF
+        first = {r.name: r for r in write_skeleton(ours, [("first", "int8", (1,)), ("second", "int8", (5,))])}
+        descriptor = 16  # signature, CRC-32 and two 4-byte sizes
+        size = 0xFFFFFFFF - descriptor - first["data/0"].data_offset
+        entries = [("first", "int8", (size,)), ("second", "int8", (5,))]
+    records = {r.name: r for r in write_skeleton(ours, entries)}
+    _torch_skeleton(theirs, entries)
+    assert 0xFFFFFFFF in (records["data/0"].size, records["data/1"].header_offset)
+    assert _regions(ours) == _regions(theirs)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # the second: via torch.save
 def test_writer_output_loads_in_torch(dtype: torch.dtype, tmp_path: Path) -> None:
     sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype), "n": torch.ones(4)}
