@@ -68,6 +68,26 @@ def test_q8_0_rounds_every_float_in_four_binades_and_every_tie_half_away_from_ze
     assert ours_q8_0(x) == reference_q8_0(x)
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+def test_q8_0_split_over_threads_is_the_gguf_package_quantization(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past two runs of blocks the quantization is shared with worker threads; every part,
+    including one holding NaN, inf and all-zero blocks (the package's own code), gives the
+    package's bytes, and the workers did run."""
+    monkeypatch.setattr(quants._WORKERS, "_count", threads - 1)
+    monkeypatch.setattr(quants._WORKERS, "_pool", None)
+    n = 2 * quants.Q8_BLOCKS + 37
+    x = np.random.default_rng(4).standard_normal((n, 32)).astype(np.float32)
+    x[n - 5, 3], x[n - 9, 0], x[n - 20] = np.nan, np.inf, 0
+    ours = quants.quantize_q8_0(x)
+    assert quants._WORKERS._pool is not None  # started: the split happened
+    assert ours.tobytes() == reference_q8_0(x)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # the same values as bfloat16 bits
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert quants.quantize_q8_0(bits, bf16=True).tobytes() == reference_q8_0(widened)
+
+
 def test_q8_0_of_float16_and_bfloat16_blocks_is_that_of_their_float32_cast() -> None:
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     half = bits.view(np.float16)

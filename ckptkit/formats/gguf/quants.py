@@ -15,7 +15,9 @@ with torch over whole rows of blocks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.tensors.casting import checked_cast
@@ -61,6 +63,27 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
             yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
 
 
+class _Workers:
+    """Threads beside the caller's for Q8_0 quantization: one fewer than the CPUs this process
+    may run on (at most 7), started on first use."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._count = min(cpus, 8) - 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._count, thread_name_prefix="ckptkit-q8")
+        return self._pool
+
+
+_WORKERS = _Workers()
+
+
 def quantize_q8_0(blocks: np.ndarray, bf16: bool = False) -> np.ndarray:
     """The Q8_0 bytes, (n, 34) uint8, of ``blocks``: (n, 32) float32 or float16, or with
     ``bf16`` the bfloat16 bits as uint16, widened to float32 first as llama.cpp does. The
@@ -71,10 +94,31 @@ def quantize_q8_0(blocks: np.ndarray, bf16: bool = False) -> np.ndarray:
     2 and 1 (the first element of each block ends up holding its block's maximum), and the
     rounding is one add of ``0.5 - 2**-25`` carrying the value's sign before the cast."""
     import numpy as np
-    from gguf.quants import Q8_0
 
     n = blocks.shape[0]
     out = np.empty((n, 34), np.uint8)
+    parts = min(len(_WORKERS) + 1, n // Q8_BLOCKS)
+    if parts < 2:
+        return _quantize_q8_0_into(blocks, bf16, out)
+    # the blocks split over this process's CPUs: numpy lets go of the GIL in its loops, and
+    # every block is quantized on its own, so the bytes are those of one pass
+    cut = [n * i // parts for i in range(parts + 1)]
+    pool, spans = _WORKERS.pool(), zip(cut[1:-1], cut[2:], strict=True)
+    pending = [pool.submit(_quantize_q8_0_into, blocks[a:b], bf16, out[a:b]) for a, b in spans]
+    try:
+        _quantize_q8_0_into(blocks[: cut[1]], bf16, out[: cut[1]])
+    finally:
+        for done in pending:
+            done.result()
+    return out
+
+
+def _quantize_q8_0_into(blocks: np.ndarray, bf16: bool, out: np.ndarray) -> np.ndarray:
+    """:func:`quantize_q8_0` of ``blocks`` into ``out`` ((n, 34) uint8), in this thread."""
+    import numpy as np
+    from gguf.quants import Q8_0
+
+    n = blocks.shape[0]
     fields = out.view(np.dtype([("d", "<f2"), ("qs", "V32")])).reshape(n)
     step = max(1, min(n, Q8_BLOCKS))
     x, a, b = (np.empty(step * 32, np.float32) for _ in range(3))
