@@ -182,12 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                     remove(outs[name])
                 load.append(os.getloadavg()[0])
             identical = digests["ckptkit"] == digests["llama.cpp"]
-            # Meta has no HF shards to follow: its tensors come in name order (as llama.cpp
-            # writes them from the HF folder ckptkit makes of it), the HF shards' order here
-            meta_identical = sorted(digests["meta"]) == sorted(digests["llama.cpp"])
+            # the Meta copy records the HF folder it came from: its GGUF follows that folder's order
+            meta_identical = digests["meta"] == digests["llama.cpp"]
             print(
-                f"\n--outtype {outtype} (tensors identical to llama.cpp's: HF {'yes' if identical else 'NO'}, "
-                f"Meta {'yes, in name order' if meta_identical else 'NO'}; "
+                f"\n--outtype {outtype} (tensors identical to llama.cpp's, in its order: "
+                f"HF {'yes' if identical else 'NO'}, Meta {'yes' if meta_identical else 'NO'}; "
                 f"load average {', '.join(f'{x:.1f}' for x in load)})"
             )
             print(f"{'command':<40} {'wall s':>8} {'+sync s':>8} {'peak RSS':>10}")

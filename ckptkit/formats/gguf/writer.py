@@ -153,17 +153,6 @@ def add_model_card(w: Any, folder: Path, fallback_name: str) -> None:
     meta.set_gguf_meta_model(w)
 
 
-def _source_position(planned: tuple[GGUFTensor, int]) -> tuple[str, int]:
-    """Where a tensor's bytes start in the source files (else its place in the output):
-    tensors are written at their offsets in the order the source stores them, so a source
-    whose order is not llama.cpp's (a Meta ``.pth``) is still read front to back."""
-    t, offset = planned
-    spans = t.source.spans() if t.source is not None else None
-    if spans:
-        return (str(spans[0].path), spans[0].offset)
-    return ("", offset)
-
-
 def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bool, checked: bool) -> int:
     """Write ``w``'s header, key/values and tensor infos, then each tensor's bytes at its
     offset a chunk at a time, into a temporary file beside ``dst``, fsynced and renamed onto
@@ -192,7 +181,7 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
         reader = SpanReader()  # one for the file: source CRC-32s run beside the writes, checked at the end
         try:
             with byte_progress("converting", size, quiet) as bar:
-                for t, offset in sorted(zip(tensors, offsets, strict=True), key=_source_position):
+                for t, offset in zip(tensors, offsets, strict=True):  # in file order (see docs/formats.md)
                     written = 0
                     for chunk in _chunks(t, checked, reader):
                         out.write(chunk, offset + written)
