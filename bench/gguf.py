@@ -16,7 +16,8 @@ outtype (``bf16`` and ``q8_0``):
   and with ``--dd`` a durable ``dd`` of the largest shard (past the page cache, fsynced).
 
 Each command is its own process under GNU ``time`` (``bench/convert.py``'s ``run_child``:
-wall, peak RSS) after an untimed read of its source (warm cache), followed by a timed
+wall, peak RSS) after an untimed read of its source (warm cache; the other checkpoint's
+pages dropped first, as both may not fit), followed by a timed
 ``sync``: "until on disk" is command + sync. Medians over rounds; ratios per round; the
 1-minute load average before and after each round (the machine is shared). In the last
 round of each outtype, each file is read with the ``gguf`` package's ``GGUFReader`` once timed
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from convert import Run, durable_copy, remove, run_child, warm  # noqa: E402
+from convert import Run, durable_copy, evict, remove, run_child, warm  # noqa: E402
 from report import reporting  # noqa: E402
 
 # This script is bench/gguf.py: without its folder on the path, ``import gguf`` is the package.
@@ -174,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     remove(outs[name])
                     os.sync()
+                    # the other checkpoint's pages dropped first: at 32 layers both do not fit in
+                    # the page cache, and pages read twice (the last command's source) would stay
+                    # while this one's, read once, were evicted
+                    evict([p for p in (src, meta) if p not in reads.get(name, [src])])
                     warm(reads.get(name, [src]))
                     cwd = llama_cpp if name == "llama.cpp" else None
                     runs[name].append(timed(commands[name], args.out / f"{name}-{outtype}-{r}.log", cwd))
