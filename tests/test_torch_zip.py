@@ -55,6 +55,7 @@ def _regions(path: Path) -> list[bytes]:
 CASES = {
     "small": [("a", "bfloat16", (3, 2)), ("b", "float32", (5,))],
     "odd shapes": [("s", "int64", ()), ("z", "float32", (0,)), ("q", "bfloat16", (2, 3, 4, 5)), ("b", "bool", (3,))],
+    "two and three dims (TUPLE2, TUPLE3)": [("m", "float32", (2, 3)), ("e", "bfloat16", (4, 3, 2))],
     "memo past 255": [(f"layers.{i}.w", "float16", (4, 4)) for i in range(300)],
     # a storage type first pickled past memo 255, then fetched from the memo (4-byte index)
     "a dtype first seen past memo 255": [(f"h{i}", "float16", (2,)) for i in range(90)]

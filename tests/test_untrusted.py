@@ -573,6 +573,11 @@ HEADERS = {  # name: (header JSON or raw bytes, data bytes, the message after "P
         12,
         "tensor 'a' has the wrong size: 12 bytes at offsets 0..12, but shape [2] of float32 needs 8",
     ),
+    "the wrong size after another tensor": (
+        {"a": _entry([0, 8]), "b": _entry([8, 20])},
+        20,
+        "tensor 'b' has the wrong size: 12 bytes at offsets 8..20, but shape [2] of float32 needs 8",
+    ),
     "data left over": (
         {"a": _entry([0, 8])},
         12,
@@ -615,6 +620,56 @@ def test_a_safetensors_length_field_past_the_file_is_named(tmp_path: Path) -> No
             SafetensorsReader(path)
         said = f"truncated or corrupt safetensors header (header length {length}, file size 10)"
         assert str(info.value) == f"{path}: {said}"
+
+
+def test_a_safetensors_header_of_exactly_the_limit_is_read_and_one_byte_more_is_refused_unread(
+    tmp_path: Path,
+) -> None:
+    """The safetensors library's 100 MB header limit: a header of that length is parsed (here:
+    zeros, not JSON), one byte longer is refused by its length alone (sparse files)."""
+    from ckptkit.formats.safetensors_io import MAX_HEADER_BYTES, SafetensorsReader
+
+    for n, said in (
+        (MAX_HEADER_BYTES, "corrupt safetensors header (does not start with '{')"),
+        (MAX_HEADER_BYTES + 1, f"truncated or corrupt safetensors header (header length {MAX_HEADER_BYTES + 1}, "),
+    ):
+        path = tmp_path / f"h{n}.safetensors"
+        with path.open("wb") as f:
+            f.write(struct.pack("<Q", n))
+            f.truncate(8 + MAX_HEADER_BYTES + 1)
+        with pytest.raises(CkptkitError) as info:
+            SafetensorsReader(path)
+        assert str(info.value).startswith(f"{path}: {said}")
+
+
+def test_a_safetensors_header_the_disk_fails_to_read_is_one_line_with_the_os_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+    import errno
+
+    from ckptkit.formats import safetensors_io
+
+    path = _safetensors(tmp_path / "m.safetensors", {"a": _entry([0, 8])}, 8)
+
+    class Failing:  # a file whose reads fail as on a failing disk
+        def __init__(self) -> None:
+            self.fd = os.open(path, os.O_RDONLY)
+
+        def fileno(self) -> int:
+            return self.fd
+
+        def read(self, n: int) -> bytes:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    failing = Failing()
+    monkeypatch.setattr(safetensors_io, "open_regular_file", lambda p: contextlib.nullcontext(failing))
+    try:
+        with pytest.raises(CkptkitError) as info:
+            safetensors_io.SafetensorsReader(path)
+    finally:
+        os.close(failing.fd)
+    assert str(info.value) == f"{path}: cannot read: {os.strerror(errno.EIO)}"
 
 
 def test_a_zero_size_tensor_listed_first_at_the_data_s_end_is_fine(tmp_path: Path) -> None:
