@@ -114,11 +114,13 @@ class SpanReader:
 
     The CRC-32 of each source record the spans draw on is computed from the bytes as they
     are read when they come in order (:meth:`Verifier.feed`, as the stream copy does), in a
-    worker thread while the caller converts and writes them (zlib lets go of the GIL): the
-    caller must leave a buffer's bytes as read until its next :meth:`read_into` or
-    :meth:`close`, which wait for that CRC first. What was not read in order is read again
-    by :meth:`close`, which checks every record seen: the output must not be published
-    before it returns. Source files stay open until then.
+    worker thread once the caller calls :meth:`start_checks` (zlib lets go of the GIL):
+    after converting a buffer, before writing it, so that the CRC does not compete with the
+    conversion's own threads. The caller must leave a buffer's bytes as read until its next
+    :meth:`read_into` or :meth:`close`, which finish that CRC first (in the caller's thread
+    if it was never started). What was not read in order is read again by :meth:`close`,
+    which checks every record seen: the output must not be published before it returns.
+    Source files stay open until then.
     """
 
     def __init__(self) -> None:
@@ -126,6 +128,7 @@ class SpanReader:
         self._checks: dict[tuple[int, str], RecordCheck] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
+        self._read: list[tuple[RecordCheck, int, memoryview]] = []  # read, CRC not started
 
     def read_into(self, spans: list[Span], view: memoryview) -> None:
         """Fill ``view`` (exactly as long as ``spans``) with their bytes."""
@@ -143,16 +146,23 @@ class SpanReader:
             at += span.nbytes
         if at != len(view):
             raise ValueError(f"spans hold {at} bytes, the buffer {len(view)}")
+        self._read = fed
+
+    def start_checks(self) -> None:
+        """Start the CRC-32 of what the last :meth:`read_into` read, in the worker thread."""
+        fed, self._read = self._read, []
         if fed:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-crc")
             self._pending = self._worker.submit(_feed, fed)
 
     def _settle(self) -> None:
-        """Wait for the CRC-32 in flight; a mismatch it found is raised here."""
+        """Finish the CRC-32s of the reads so far (here, those never started); a mismatch is raised here."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+        fed, self._read = self._read, []
+        _feed(fed)
 
     def close(self, check: bool = True) -> None:
         """Check every record read from (reading again what was not read in order) unless
@@ -163,6 +173,7 @@ class SpanReader:
                 for record in self._checks.values():
                     record.verifier.complete(record)
         finally:
+            self._read = []
             if self._pending is not None:
                 self._pending.cancel()
                 wait([self._pending])  # abandoned: its outcome no longer matters, only that it ended

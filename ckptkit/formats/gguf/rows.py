@@ -81,7 +81,9 @@ def _chunks(
                 by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
                 out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
                 raw = out
-            yield _encoded(raw, dtype, kind).reshape(-1).data
+            encoded = _encoded(raw, dtype, kind)
+            reader.start_checks()  # beside the write, not beside the quantization threads
+            yield encoded.reshape(-1).data
     except BaseException:
         if shared is None:
             reader.close(check=False)
