@@ -72,12 +72,7 @@ def coalesce(spans: list[Span]) -> list[Span]:
         if span.nbytes == 0:
             continue
         last = out[-1] if out else None
-        if (
-            last is not None
-            and last.offset + last.nbytes == span.offset
-            and (last.path is span.path or last.path == span.path)
-            and last.check == span.check
-        ):
+        if last is not None and last.offset + last.nbytes == span.offset and _same_record(last, span):
             out[-1] = Span(last.path, last.offset, last.nbytes + span.nbytes, check=last.check)
         else:
             out.append(span)

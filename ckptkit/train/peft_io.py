@@ -345,9 +345,9 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
     replaced: dict[str, torch.Tensor] = {}
     # embedding LoRA (merged only): delta W = (B @ A).T, i.e. a = B.T and b = A.T
     embedding = {".lora_embedding_A": ("lora_B", True), ".lora_embedding_B": ("lora_A", True)} if merging else {}
+    suffixes = {".lora_A.weight": ("lora_A", False), ".lora_B.weight": ("lora_B", False), **embedding}
     for key, tensor in tensors.items():
         body = key.removeprefix(_PREFIX)
-        suffixes = {".lora_A.weight": ("lora_A", False), ".lora_B.weight": ("lora_B", False), **embedding}
         for suffix, (part, flip) in suffixes.items():
             if body.endswith(suffix):
                 hf_module = body.removesuffix(suffix)

@@ -69,8 +69,7 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     if not families:
         return {}
     family = _hf_model_type(h, families)
-    spec = family.gguf_spec()
-    assert spec is not None
+    spec = _spec(family)
     out = hparams_from_metadata(h.metadata, arch)
     for field, value in spec.implied:
         out.setdefault(field, value)

@@ -76,7 +76,7 @@ def _chunks(
             n = min(step, rows - first)
             raw = buf[: n * row_bytes]
             reader.read_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
-            if kind != "Q8_0":  # nothing else runs beside the write
+            if kind != "Q8_0":  # a copy or a widening: the CRC-32 runs beside it and the write
                 reader.start_checks()
             if heads:
                 out = moved[: n * row_bytes]
@@ -84,7 +84,8 @@ def _chunks(
                 out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
                 raw = out
             encoded = _encoded(raw, dtype, kind)
-            reader.start_checks()  # Q8_0: beside the write, not beside the quantization threads
+            if kind == "Q8_0":  # after the quantization threads, beside the write
+                reader.start_checks()
             yield encoded.reshape(-1).data
     except BaseException:
         if shared is None:
