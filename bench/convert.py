@@ -180,11 +180,15 @@ def run_child(argv: list[str], log: Path) -> tuple[Run, int]:
         proc = subprocess.Popen(
             wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
-        while proc.poll() is None:
+        while True:
+            try:
+                proc.wait(timeout=0.05)  # returns as the child ends: the wall time is not rounded up to a poll
+                break
+            except subprocess.TimeoutExpired:
+                pass
             if meminfo()["MemAvailable"] < MIN_AVAILABLE and killed is None:
                 killed = f"killed by the memory watchdog (MemAvailable < {MIN_AVAILABLE / GB:.0f} GiB)"
                 os.killpg(proc.pid, signal.SIGKILL)
-            time.sleep(0.05)
         wall = time.perf_counter() - start
     # GNU time puts "Command exited with non-zero status N" on a line of its own first.
     last = stats.read_text().strip().splitlines()[-1].split() if stats.exists() else ["0", "0", "0"]

@@ -107,24 +107,30 @@ def take_rows(spans: list[Span], row_bytes: int, rows: list[int]) -> list[Span]:
     if not row_bytes or not all(s.nbytes % row_bytes == 0 for s in spans):
         return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in rows)))
     # each span whole rows (a tensor stored whole, or rows already reordered: Meta's Q/K):
-    # rows located by arithmetic, one Span made per run of rows that lie end to end
-    starts = [(i, s.offset + k * row_bytes) for i, s in enumerate(spans) for k in range(s.nbytes // row_bytes)]
-    if rows and not 0 <= min(rows) <= max(rows) < len(starts):
-        raise ValueError(f"rows {min(rows)}..{max(rows)} outside a tensor of {len(starts)} rows")
+    # rows located by arithmetic over arrays, one Span made per run of rows that lie end to
+    # end in one record
+    import numpy as np
+
+    if not rows:
+        return []
+    counts = np.fromiter((s.nbytes // row_bytes for s in spans), np.int64, len(spans))
+    wanted = np.asarray(rows, np.int64)
+    if not 0 <= int(wanted.min()) <= int(wanted.max()) < int(counts.sum()):
+        raise ValueError(f"rows {wanted.min()}..{wanted.max()} outside a tensor of {counts.sum()} rows")
+    records: dict[tuple[Path, RecordCheck | None], int] = {}
+    record = np.fromiter((records.setdefault((s.path, s.check), len(records)) for s in spans), np.int64, len(spans))
+    offset = np.fromiter((s.offset for s in spans), np.int64, len(spans))
+    first_row = np.cumsum(counts) - counts
+    which = np.repeat(np.arange(len(spans)), counts)[wanted]  # the span each wanted row lies in
+    at = offset[which] + (wanted - first_row[which]) * row_bytes  # its file offset
+    joined = (at[1:] == at[:-1] + row_bytes) & (record[which[1:]] == record[which[:-1]])
+    bounds = [0, *(np.flatnonzero(~joined) + 1).tolist(), len(wanted)]
     out: list[Span] = []
-    i = 0
-    while i < len(rows):
-        first, offset = starts[rows[i]]
-        span, j = spans[first], i + 1
-        while j < len(rows):
-            k, at = starts[rows[j]]
-            if at != offset + (j - i) * row_bytes or (k != first and not _same_record(span, spans[k])):
-                break
-            j += 1
-        nbytes = (j - i) * row_bytes
-        whole = offset == span.offset and nbytes == span.nbytes
-        out.append(span if whole else Span(span.path, offset, nbytes, check=span.check))
-        i = j
+    where, starts = which.tolist(), at.tolist()
+    for i, j in itertools.pairwise(bounds):
+        span, start, nbytes = spans[where[i]], starts[i], (j - i) * row_bytes
+        whole = start == span.offset and nbytes == span.nbytes
+        out.append(span if whole else Span(span.path, start, nbytes, check=span.check))
     return out
 
 
