@@ -17,7 +17,7 @@ from hypothesis.extra.numpy import arrays
 
 from ckptkit.convert import convert
 from ckptkit.formats.gguf import quants, rows
-from ckptkit.io import Span
+from ckptkit.io import RecordCheck, Span
 from ckptkit.tensors.lazy import Lazy
 
 from conftest import FIXTURES
@@ -191,6 +191,44 @@ def test_hf_and_meta_to_gguf_without_torch_equal_the_torch_path(
         assert (tmp_path / f"{name}-rows.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("name", ["llama2", "llama3-2rank"])
+def test_meta_q_and_k_go_to_gguf_as_stored_without_a_span_per_row(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's Q/K permutation of Meta's wq/wk seen in HF's layout is the tensor as
+    stored: the two row orders compose before any span is made (a span per row cost
+    milliseconds per tensor), leaving one span per rank, whose bytes are Meta's."""
+    import torch
+
+    from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors
+    from ckptkit.tensors import transforms
+
+    src = FIXTURES / "meta" / name
+    ranks = sorted(src.glob("consolidated.*.pth"))
+    stored = [torch.load(r, map_location="cpu", weights_only=True) for r in ranks]
+    biggest = [0]
+    real_take = transforms.take_rows
+
+    def counted(spans: list[Span], row_bytes: int, order: object) -> list[Span]:
+        got = real_take(spans, row_bytes, order)  # type: ignore[arg-type]
+        biggest[0] = max(biggest[0], len(spans), len(got))
+        return got
+
+    with open_checkpoint(src, None, None, None) as ckpt:
+        tensors, _ = model_tensors(ckpt, hf_hparams(ckpt), "float32")
+        qk = [t for t in tensors if t.heads is not None]
+        assert len(qk) == 2 * ckpt.config.num_layers
+        monkeypatch.setattr(transforms, "take_rows", counted)
+        for t in qk:
+            assert t.source is not None and t.source.rows is not None
+            located = t.source.rows(rows.head_order(t.shape[0], t.heads))
+            assert located is not None and len(located) == len(ranks)
+            layer, which = t.name.split(".")[1], {"attn_q": "wq", "attn_k": "wk"}[t.name.split(".")[2]]
+            key = f"layers.{layer}.attention.{which}.weight"
+            meta = torch.cat([s[key] for s in stored]).contiguous().view(torch.uint8).numpy().tobytes()
+            assert b"".join(sp.path.read_bytes()[sp.offset : sp.offset + sp.nbytes] for sp in located) == meta
+    assert 0 < biggest[0] <= len(ranks)  # rows were taken, and no span was made per row
+
+
 @pytest.mark.parametrize("dtype", ["float32", "q8_0"])
 def test_a_meta_record_whose_bytes_fail_its_crc_writes_no_gguf(dtype: str, tmp_path: Path) -> None:
     """The streamed rows check each .pth record's CRC-32 as they read it: a flipped byte in
@@ -253,12 +291,19 @@ def test_rows_of_several_spans_are_their_byte_ranges_coalesced(
     cuts = sorted(set(data.draw(st.lists(st.integers(1, total // step - 1), max_size=6)) if total // step > 1 else []))
     bounds = [0, *(c * step for c in cuts), total]
     files = [Path(f"/f{data.draw(st.integers(0, 1))}") for _ in bounds[1:]]
-    spans = [Span(f, 1000 * i + a, b - a) for i, (f, a, b) in enumerate(zip(files, bounds, bounds[1:], strict=False))]
-    wanted = data.draw(st.lists(st.integers(0, nrows - 1), max_size=15))
-    expected = [
-        (s.path, s.offset, s.nbytes) for s in coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in wanted)))
+    # spans end to end or apart in their file, in one zip record or another (or none): rows
+    # join across spans only where both hold
+    records = [None, *(RecordCheck(None, f"data/{k}", 0, 0, k) for k in range(2))]  # type: ignore[arg-type]
+    gaps = [data.draw(st.sampled_from([0, 1000])) for _ in files]
+    checks = [data.draw(st.sampled_from(records)) for _ in files]
+    spans = [
+        Span(f, sum(gaps[: i + 1]) + a, b - a, check=c)
+        for i, (f, a, b, c) in enumerate(zip(files, bounds, bounds[1:], checks, strict=False))
     ]
-    assert [(s.path, s.offset, s.nbytes) for s in take_rows(spans, row_bytes, wanted)] == expected
+    wanted = data.draw(st.lists(st.integers(0, nrows - 1), max_size=15))
+    ranges = ((r * row_bytes, row_bytes) for r in wanted)
+    expected = [(s.path, s.offset, s.nbytes, s.check) for s in coalesce(take_ranges(spans, ranges))]
+    assert [(s.path, s.offset, s.nbytes, s.check) for s in take_rows(spans, row_bytes, wanted)] == expected
     for outside in ([nrows], [-1], [0, -1]):
         with pytest.raises(ValueError):
             take_rows(spans, row_bytes, outside)

@@ -183,6 +183,37 @@ def test_rope_span_maps_locate_the_permuted_rows(
 
 
 @settings(max_examples=40, deadline=None)
+@given(heads=st.integers(1, 4), half=st.integers(1, 4), cols=st.integers(0, 5), cuts=CUTS,
+       data=st.data(), seed=st.integers(0, 999))  # fmt: skip
+def test_rope_rows_compose_with_any_row_order_as_taking_rows_of_the_forward_spans(
+    heads: int, half: int, cols: int, cuts: list[int], data: st.DataObject, seed: int
+) -> None:
+    """forward_rows(order) locates rows ``order`` of the forward tensor (composed, not
+    taken from a span per row); the other transforms have none to compose."""
+    cfg = SimpleNamespace(num_heads=heads)
+    shape = (heads * half * 2, cols) if cols else (heads * half * 2,)
+    w = _random(shape, torch.bfloat16, seed)
+    order = data.draw(st.lists(st.integers(0, shape[0] - 1), max_size=2 * shape[0]))
+    with tempfile.TemporaryDirectory() as tmp:
+        spans = _scattered(Path(tmp), _bytes(w), cuts)
+        expected = _bytes(ROPE_Q.forward(w, cfg, [shape])[0][order]) if order else b""
+        assert _read(ROPE_Q.forward_rows(spans, shape, cfg, order)) == expected
+        assert ROPE_Q.permutes_rows and not any(t.permutes_rows for t in (COPY, FUSED, STACKED))
+        assert COPY.forward_rows(spans, shape, cfg, order) is None
+
+
+def test_rope_rows_back_to_meta_order_are_the_stored_span() -> None:
+    """llama.cpp's Q/K permutation (to Meta's order) of the HF view of a Meta tensor is
+    the tensor as stored: one span, whatever the head count."""
+    from ckptkit.formats.gguf.rows import head_order
+
+    for heads, rows in ((1, 2), (4, 64), (32, 4096), (8, 1024)):
+        stored = [Span(Path("/x.pth"), 64, rows * 16)]
+        cfg = SimpleNamespace(num_heads=heads)
+        assert ROPE_Q.forward_rows(stored, (rows, 8), cfg, head_order(rows, heads)) == stored
+
+
+@settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=4).filter(any), cols=st.integers(1, 5),
        dtype=DTYPES, cuts=CUTS, seed=st.integers(0, 999))  # fmt: skip
 def test_fused_span_maps_locate_each_part(

@@ -21,6 +21,8 @@ from ckptkit.tensors.lazy import Lazy
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.io import Rows
+
 
 def canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
     """(canonical name -> tensor, native name -> tensor the model does not use), checked
@@ -51,7 +53,8 @@ def canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tupl
             ) from None
         for j, (name, shape) in enumerate(zip(rule.canonical, shapes, strict=True)):
             getter = _forward_getter(raw, rule, cfg, shapes, j, cache)
-            found[name] = Lazy(shape, info.dtype, getter, info.file, _forward_spans(raw, rule, cfg, shapes, j))
+            spans, rows = _forward_spans(raw, rule, cfg, shapes, j), _forward_rows(raw, rule, cfg)
+            found[name] = Lazy(shape, info.dtype, getter, info.file, spans, rows=rows)
     unused: dict[str, Lazy] = {}
     unknown = []
     for key, info in raw.infos.items():
@@ -110,6 +113,19 @@ def _forward_spans(
     return spans
 
 
+def _forward_rows(raw: RawCheckpoint, rule: Rule, cfg: ModelConfig) -> Callable[[Rows], list[Span] | None] | None:
+    if not rule.kind.permutes_rows:
+        return None
+
+    def rows(order: Rows) -> list[Span] | None:
+        native = raw.spans(rule.native)
+        if native is None:
+            return None
+        return rule.kind.forward_rows(native, raw.infos[rule.native].shape, cfg, order)
+
+    return rows
+
+
 def _checked_duplicate(raw: RawCheckpoint, emb: Lazy, copies: list[str]) -> Lazy:
     pending = list(copies)  # each stored copy is compared once, on the first read
 
@@ -139,7 +155,8 @@ def native_targets(tensors: dict[str, Lazy], layout: Layout, cfg: ModelConfig, w
         parts = [tensors[c] for c in rule.canonical]
         shape = rule.kind.native_shape([p.shape for p in parts])
         getter, spans = _inverse_getter(rule, parts, cfg), _inverse_spans(rule, parts, cfg)
-        out[rule.native] = Lazy(shape, parts[0].dtype, getter, spans=spans)
+        rows = parts[0].rows if rule.kind.is_identity() else None  # the same tensor, its rows where they lie
+        out[rule.native] = Lazy(shape, parts[0].dtype, getter, spans=spans, rows=rows)
     return out
 
 

@@ -24,7 +24,6 @@ import struct
 import tempfile
 import warnings
 import zipfile
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,7 @@ from ckptkit.formats.pickle_index import (
     read_index,
 )
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, total_bytes
+from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, crc32, total_bytes
 from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.untrusted import check_regular
 
@@ -269,7 +268,7 @@ def save_torch(obj: object, path: Path, size_hint: int = 0) -> None:
 
 
 def crc32_of(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor_bytes(tensor))
+    return crc32(tensor_bytes(tensor))
 
 
 class TorchPickleWriter:
@@ -324,7 +323,7 @@ class TorchPickleWriter:
         if memoryview(data).nbytes != nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte record")
         self._out.write(data, offset)
-        self._crcs[record] = zlib.crc32(data)
+        self._crcs[record] = crc32(data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         """Copy a tensor's bytes file to file from ``spans`` (concatenated), with its CRC-32
@@ -411,7 +410,7 @@ def _replace_record(path: Path, record: torch_zip.Record, data: bytes) -> None:
     descriptor and central directory; torch leaves the local header's 0)."""
     if len(data) != record.size:
         return  # a different length would move every later record: keep torch's
-    packed = struct.pack("<I", zlib.crc32(data))
+    packed = struct.pack("<I", crc32(data))
     with path.open("r+b") as f:
         f.seek(record.data_offset)
         f.write(data)
@@ -419,4 +418,4 @@ def _replace_record(path: Path, record: torch_zip.Record, data: bytes) -> None:
         f.write(packed)
         f.seek(record.central_offset + 16)
         f.write(packed)
-    record.crc = zlib.crc32(data)
+    record.crc = crc32(data)

@@ -18,13 +18,13 @@ import hashlib
 import os
 import pickle
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from ckptkit.formats.pickle_index import STORAGES
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import crc32
 
 STORAGE_OF = {dtype: storage for storage, dtype in STORAGES.items()}
 ALIGNMENT = 64
@@ -217,7 +217,7 @@ def _local_record(f: BinaryIO, archive: str, name: str, content: bytes | int) ->
     full = f"{archive}/{name}".encode()
     data = content if isinstance(content, bytes) else None
     size = len(data) if data is not None else int(content)
-    crc = zlib.crc32(data) if data is not None else 0
+    crc = crc32(data) if data is not None else 0
     big = size >= U32 or pos >= U32
     zip64 = b""
     if big:  # miniz's local zip64 field: the size (compressed size 0), the header's offset

@@ -4,6 +4,7 @@ The rest of ckptkit imports only the names below. The modules import each other 
 direction, bottom first (``docs/architecture.md``)::
 
     spans      Span, RecordCheck and the arithmetic of span lists (no I/O)
+    crc        crc32: zip's CRC-32, zlib-ng's where installed (no I/O)
     stream     the reused buffer, positioned reads and writes, the stream pass
     records    recorded CRC-32s of a source's zip records (Verifier), read_spans
     direct     O_DIRECT writes of whole pages, direct_pays
@@ -18,17 +19,18 @@ the fallbacks (``gather``, ``copy_file_range``, ``sendfile``, ``readwrite``) are
 
 from __future__ import annotations
 
+from ckptkit.io.crc import crc32
 from ckptkit.io.direct import direct_pays
 from ckptkit.io.overlap import Overlap
 from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
 from ckptkit.io.records import SpanReader, Verifier, read_spans
-from ckptkit.io.spans import RecordCheck, Span, coalesce, take, take_ranges, take_rows, total_bytes
+from ckptkit.io.spans import RecordCheck, Rows, Span, coalesce, take, take_ranges, take_rows, total_bytes
 from ckptkit.io.transfer import AUTO, COPY_METHODS, OutputFile
 
 __all__ = [
     # where a tensor's bytes lie in the source
-    "Span", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes", "read_spans",
-    "SpanReader",
+    "Span", "Rows", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes",
+    "read_spans", "SpanReader", "crc32",
     # writing them
     "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "direct_pays",
     # putting the output in place

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io.crc import crc32
 from ckptkit.io.spans import RecordCheck, Span
 from ckptkit.io.stream import crc32_range, read_fully
 from ckptkit.untrusted import open_regular
@@ -47,7 +47,7 @@ class Verifier:
         a, b = nxt, min(lo + len(view), end)
         if not lo <= a < b:
             return  # a gap or nothing new: complete() reads the record
-        crc = zlib.crc32(view[a - lo : b - lo], crc)
+        crc = crc32(view[a - lo : b - lo], crc)
         with self._lock:
             if self._progress.get(check.key, (check.offset, 0))[0] != nxt or check.key in self._verified:
                 return  # another thread moved on meanwhile
@@ -114,7 +114,7 @@ class SpanReader:
 
     The CRC-32 of each source record the spans draw on is computed from the bytes as they
     are read when they come in order (:meth:`Verifier.feed`, as the stream copy does), in a
-    worker thread once the caller calls :meth:`start_checks` (zlib lets go of the GIL):
+    worker thread once the caller calls :meth:`start_checks` (the CRC lets go of the GIL):
     after converting a buffer, before writing it, so that the CRC does not compete with the
     conversion's own threads. The caller must leave a buffer's bytes as read until its next
     :meth:`read_into` or :meth:`close`, which finish that CRC first (in the caller's thread

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+#: row indices: a list, or an integer array (the permutations of ckptkit.tensors.transforms)
+Rows: TypeAlias = "Sequence[int] | npt.NDArray[np.integer]"
 
 
 class RecordVerifier(Protocol):
@@ -101,17 +108,18 @@ def take(spans: list[Span], start: int, nbytes: int) -> list[Span]:
     return take_ranges(spans, [(start, nbytes)])
 
 
-def take_rows(spans: list[Span], row_bytes: int, rows: list[int]) -> list[Span]:
-    """The rows ``rows`` (in that order) of a row-major tensor whose bytes are ``spans``,
-    neighbours merged (as :func:`coalesce` would)."""
+def take_rows(spans: list[Span], row_bytes: int, rows: Rows) -> list[Span]:
+    """The rows ``rows`` (in that order; a list or an integer array) of a row-major tensor
+    whose bytes are ``spans``, neighbours merged (as :func:`coalesce` would)."""
     if not row_bytes or not all(s.nbytes % row_bytes == 0 for s in spans):
-        return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in rows)))
+        listed = [int(r) for r in rows]
+        return coalesce(take_ranges(spans, ((r * row_bytes, row_bytes) for r in listed)))
     # each span whole rows (a tensor stored whole, or rows already reordered: Meta's Q/K):
     # rows located by arithmetic over arrays, one Span made per run of rows that lie end to
     # end in one record
     import numpy as np
 
-    if not rows:
+    if len(rows) == 0:
         return []
     counts = np.fromiter((s.nbytes // row_bytes for s in spans), np.int64, len(spans))
     wanted = np.asarray(rows, np.int64)

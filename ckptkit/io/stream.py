@@ -19,11 +19,11 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptkit.io.crc import crc32
 from ckptkit.io.spans import RecordCheck, Span
 
 BUFFER = 4 << 20  # bytes per window: one attention head of a 16k-wide model
@@ -140,7 +140,7 @@ def stream_spans(
             parts = [view[off - w.lo : off - w.lo + n] for off, n in w.pieces]
             if want_crc:
                 for part in parts:
-                    crc = zlib.crc32(part, crc)
+                    crc = crc32(part, crc)
             write(parts, dst_offset)
             dst_offset += w.held
     finally:
@@ -161,7 +161,7 @@ def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: in
         got = pread_into(fd, view, pos)
         if got == 0:
             raise EOFError(f"source ended {end - pos} bytes early")
-        crc = zlib.crc32(view[:got], crc)
+        crc = crc32(view[:got], crc)
         pos += got
     return crc
 

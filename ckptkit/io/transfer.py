@@ -29,7 +29,6 @@ import mmap
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from ckptkit.io import direct as directio
 from ckptkit.io import stream
+from ckptkit.io.crc import crc32
 from ckptkit.io.records import verify_checks
 from ckptkit.io.spans import Span, coalesce, total_bytes
 from ckptkit.io.stream import crc32_range
@@ -337,7 +337,7 @@ def spans_crc32(spans: list[Span]) -> int:
     if len(spans) >= GATHER_FROM:
         with _Mapped(spans) as mapped:
             for i, view in enumerate(mapped.views, start=1):
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
                 if i % stream.IOV_MAX == 0:
                     mapped.release()
         return crc

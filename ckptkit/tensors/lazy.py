@@ -15,6 +15,8 @@ from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.io import Rows
+
 
 def no_spans() -> list[Span] | None:
     return None
@@ -26,6 +28,10 @@ class Lazy:
 
     ``spans()`` says where the bytes ``get()`` would return lie in the source files (byte
     ranges, concatenated in order) when they can be copied file to file, else None.
+    ``rows(order)``, where set, says where its rows ``order`` (in that order) lie, for a
+    tensor stored with its rows permuted (Meta's Q/K in HF's layout): the two permutations
+    composed before any span is made, not one span per row; it returns None when the rows
+    lie in order or not as stored (then ask ``spans()``).
     ``raw``, where set, returns those bytes from memory without torch (generated or
     recorded tensors).
     """
@@ -36,6 +42,7 @@ class Lazy:
     file: str = ""
     spans: Callable[[], list[Span] | None] = no_spans
     raw: Callable[[], bytes] | None = None
+    rows: Callable[[Rows], list[Span] | None] | None = None
 
     @property
     def nbytes(self) -> int:

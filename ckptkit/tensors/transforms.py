@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.io import Span, coalesce, take, take_ranges, take_rows, total_bytes
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import torch
+
+    from ckptkit.io import Rows
 
 Shape = tuple[int, ...]
 Spans = list[Span]
@@ -40,6 +44,9 @@ class Transform:
     #: True when the native tensor only repeats a canonical tensor stored elsewhere
     #: (a tied ``lm_head``): reading checks it instead of taking data from it.
     duplicate = False
+    #: True when the canonical tensor is the native one with its rows permuted
+    #: (:meth:`forward_rows` composes that order with another)
+    permutes_rows = False
 
     def part_shapes(self, native: Shape, expected: Sequence[Shape | None]) -> list[Shape]:
         """The canonical tensors' shapes given the native one (ValueError when they cannot fit)."""
@@ -58,17 +65,24 @@ class Transform:
 
     def forward_spans(self, native: Spans, shape: Shape, cfg: Any, shapes: Sequence[Shape]) -> list[Spans | None]:
         """Where each canonical tensor's bytes lie within the native tensor's ``native``."""
-        if not self._identity():
+        if not self.is_identity():
             return [None] * len(shapes)
         return [native]
 
     def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans | None:
         """Where the native tensor's bytes lie within the canonical tensors' ``parts``."""
-        if not self._identity():
+        if not self.is_identity():
             return None
         return parts[0]
 
-    def _identity(self) -> bool:
+    def forward_rows(self, native: Spans, shape: Shape, cfg: Any, rows: Rows) -> Spans | None:
+        """Where rows ``rows`` (in that order) of the canonical tensor lie within ``native``,
+        for a transform that :attr:`permutes_rows`: the two orders composed before any span
+        is made. None from the rest."""
+        return None
+
+    def is_identity(self) -> bool:
+        """Whether the canonical tensor is the native one, bytes and all."""
         cls = type(self)
         return cls.forward is Transform.forward and cls.inverse is Transform.inverse
 
@@ -90,6 +104,8 @@ class RopePermute(Transform):
     ``num_kv_heads`` for k).
     """
 
+    permutes_rows = True
+
     def __init__(self, heads: str) -> None:
         self.heads = heads
         self.name = f"rope({heads})"
@@ -110,17 +126,34 @@ class RopePermute(Transform):
     def inverse_spans(self, parts: Sequence[Spans], shapes: Sequence[Shape], cfg: Any) -> Spans:
         return self._rows(parts[0], shapes[0], getattr(cfg, self.heads), to_meta=True)
 
+    def forward_rows(self, native: Spans, shape: Shape, cfg: Any, rows: Rows) -> Spans:
+        return self._rows(native, shape, getattr(cfg, self.heads), to_meta=False, then=rows)
+
     @staticmethod
-    def _rows(spans: Spans, shape: Shape, n: int, to_meta: bool) -> Spans:
-        """The row permutation of forward (Meta -> HF) or inverse (HF -> Meta) as row ranges:
-        per head, HF's row ``j * hd/2 + i`` is Meta's row ``2 * i + j``."""
-        hd = shape[0] // n
-        half = hd // 2
-        if to_meta:  # output row h*hd + 2i + j comes from HF row h*hd + j*half + i
-            order = [h * hd + j * half + i for h in range(n) for i in range(half) for j in (0, 1)]
-        else:  # output row h*hd + j*half + i comes from Meta row h*hd + 2i + j
-            order = [h * hd + 2 * i + j for h in range(n) for j in (0, 1) for i in range(half)]
+    def _rows(spans: Spans, shape: Shape, n: int, to_meta: bool, then: Rows | None = None) -> Spans:
+        """The row permutation of forward (Meta -> HF) or inverse (HF -> Meta) as row ranges,
+        followed by taking rows ``then`` of the result."""
+        import numpy as np
+
+        order = rope_rows(shape[0], n, to_meta)
+        if then is not None:
+            order = order[np.asarray(then, dtype=np.int64)]
         return take_rows(spans, total_bytes(spans) // shape[0], order)
+
+
+def rope_rows(rows: int, heads: int, to_meta: bool) -> npt.NDArray[np.int64]:
+    """:class:`RopePermute`'s row permutation as indices (output row ``i`` is input row
+    ``order[i]``): per head of ``hd`` rows, HF's row ``j * hd/2 + i`` is Meta's row ``2 * i + j``.
+    Towards Meta (as llama.cpp's converter permutes too) each head's two halves interleave."""
+    import numpy as np
+
+    hd = rows // heads
+    half = hd // 2
+    h = np.arange(heads, dtype=np.int64)[:, None, None] * hd
+    if to_meta:  # output row h*hd + 2i + j (axes h, i, j) comes from HF row h*hd + j*half + i
+        return (h + np.arange(half)[None, :, None] + half * np.arange(2)[None, None, :]).reshape(-1)
+    # output row h*hd + j*half + i (axes h, j, i) comes from Meta row h*hd + 2i + j
+    return (h + np.arange(2)[None, :, None] + 2 * np.arange(half)[None, None, :]).reshape(-1)
 
 
 class Fused(Transform):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import FilePlan, Plan
 from ckptkit.formats.torch_zip import STORAGE_OF, pickle_tensor, write_archive
-from ckptkit.io import AUTO, OutputFile, Span, total_bytes
+from ckptkit.io import AUTO, OutputFile, Span, crc32, total_bytes
 from ckptkit.tensors.dtypes import ITEMSIZE, tensor_bytes, to_torch
 
 if TYPE_CHECKING:
@@ -115,7 +114,7 @@ class DistcpWriter:
         if memoryview(data).nbytes != place.nbytes:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {place.nbytes}-byte chunk")
         self._out.write(data, place.data_offset)
-        self._crcs[name] = zlib.crc32(data)
+        self._crcs[name] = crc32(data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         place = self.places[name]

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.quants import quantize_q8_0
 from ckptkit.io import Span, SpanReader, take, take_rows
+from ckptkit.tensors.transforms import rope_rows
 
 if TYPE_CHECKING:
     import numpy as np
+    import numpy.typing as npt
 
     from ckptkit.tensors.lazy import Lazy
 
@@ -35,11 +37,10 @@ def streamable(lazy: Lazy, kind: str) -> bool:
     return kind in ("F32", "Q8_0") or SAME[lazy.dtype] == kind
 
 
-def head_order(rows: int, heads: int) -> list[int]:
+def head_order(rows: int, heads: int) -> npt.NDArray[np.int64]:
     """llama.cpp's Q/K permutation as row indices: output row ``i`` is source row ``order[i]``
-    (rows grouped by head, each head's two halves interleaved)."""
-    half = rows // heads // 2
-    return [h * 2 * half + j * half + i for h in range(heads) for i in range(half) for j in range(2)]
+    (rows grouped by head, each head's two halves interleaved): ckptkit's HF -> Meta rope rows."""
+    return rope_rows(rows, heads, to_meta=True)
 
 
 def row_chunks(
@@ -49,15 +50,22 @@ def row_chunks(
     given; None when its bytes do not lie in the source as stored. With ``reader`` (shared
     by a whole file's tensors) the source records' CRC-32s are checked by its ``close()``,
     which the caller must call before publishing; without, before the last chunk is given."""
-    spans = lazy.spans()
-    if spans is None or not streamable(lazy, kind):
+    if not streamable(lazy, kind):
         return None
     rows = lazy.shape[0]
     if heads is not None and rows % (2 * heads):
         return None  # not whole heads: the torch path says so
     row_bytes = math.prod(lazy.shape[1:]) * ITEMSIZE[lazy.dtype]
-    if heads is not None and len(spans) > 1:  # rows from here and there (Meta's, stored permuted): reordered
-        spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
+    # rows stored permuted (Meta's Q/K): the two permutations composed (here, back to the stored order)
+    spans = lazy.rows(head_order(rows, heads)) if heads is not None and lazy.rows is not None else None
+    if spans is not None:
+        heads = None
+    else:
+        spans = lazy.spans()
+        if spans is None:
+            return None
+        if heads is not None and len(spans) > 1:  # rows from here and there: reordered
+            spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
     return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader)
 
 
