@@ -191,6 +191,36 @@ def test_hf_and_meta_to_gguf_without_torch_equal_the_torch_path(
         assert (tmp_path / f"{name}-rows.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "q8_0"])
+def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish writes each chunk on a worker thread while the next is read and converted:
+    a chunk's buffer (the read buffer itself for the bfloat16 fixtures' rows written as
+    BF16, the permuted rows' buffer for HF's Q/K) is not read into again before its write,
+    however late the write comes."""
+    import time
+
+    from ckptkit.formats.gguf import writer
+
+    real = writer._write
+
+    def late(out: object, chunk: memoryview, offset: int) -> str:
+        time.sleep(0.002)  # the main thread makes the next chunk meanwhile
+        return real(out, chunk, offset)  # type: ignore[arg-type]
+
+    for src in (FIXTURES / "hf" / "llama2", FIXTURES / "meta" / "llama2"):
+        name = src.parent.name
+        with monkeypatch.context() as m:
+            m.setattr(writer, "row_chunks", lambda *a: None)  # the torch path: the reference
+            convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype=dtype)
+        with monkeypatch.context() as m:
+            m.setattr(rows, "CHUNK_BYTES", 512)  # several chunks a tensor
+            m.setattr(writer, "_write", late)
+            convert(src, tmp_path / f"{name}-late.gguf", "gguf", dtype=dtype)
+        assert (tmp_path / f"{name}-late.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
+
+
 @pytest.mark.parametrize("name", ["llama2", "llama3-2rank"])
 def test_meta_q_and_k_go_to_gguf_as_stored_without_a_span_per_row(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp's Q/K permutation of Meta's wq/wk seen in HF's layout is the tensor as

@@ -12,6 +12,7 @@ Q8_0. Anything else (a cast that may overflow, Gemma's ``norm + 1``, computed te
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,9 @@ def row_chunks(
     """The GGML bytes of ``lazy`` as type ``kind``, Q/K-permuted over ``heads`` heads when
     given; None when its bytes do not lie in the source as stored. With ``reader`` (shared
     by a whole file's tensors) the source records' CRC-32s are checked by its ``close()``,
-    which the caller must call before publishing; without, before the last chunk is given."""
+    which the caller must call before publishing; without, before the last chunk is given.
+    A chunk's memory holds its bytes until this thread has made two more chunks, of any
+    tensor (:func:`_next_turn`: the caller may write a chunk while the next is made)."""
     if not streamable(lazy, kind):
         return None
     rows = lazy.shape[0]
@@ -72,22 +75,20 @@ def row_chunks(
 def _chunks(
     spans: list[Span], dtype: str, kind: str, rows: int, row_bytes: int, heads: int | None, shared: SpanReader | None
 ) -> Iterator[memoryview]:
-    import numpy as np
 
     group = rows // heads if heads else 1  # rows moved together
     step = max(1, CHUNK_BYTES // max(1, group * row_bytes)) * group
-    buf = np.empty(min(rows, step) * row_bytes, np.uint8)
-    moved = np.empty_like(buf) if heads else buf
     reader = shared or SpanReader()
     try:
         for first in range(0, rows, step):
             n = min(step, rows - first)
-            raw = buf[: n * row_bytes]
+            turn = _next_turn()
+            raw = _buffer(turn, 0, n * row_bytes)
             reader.read_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
             if kind != "Q8_0":  # a copy or a widening: the CRC-32 runs beside it and the write
                 reader.start_checks()
             if heads:
-                out = moved[: n * row_bytes]
+                out = _buffer(turn, 1, n * row_bytes)
                 by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
                 out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
                 raw = out
@@ -101,6 +102,31 @@ def _chunks(
         raise
     if shared is None:
         reader.close()  # the source records' CRC-32s, before the tensor counts as written
+
+
+_turns = threading.local()
+
+
+def _next_turn() -> int:
+    """Which of this thread's two sets of chunk buffers the next chunk uses, whichever
+    tensor it belongs to: they alternate, so a chunk's bytes hold until the next but one
+    is made (the caller writes one chunk while the next is read and converted), and the
+    buffers are reused from tensor to tensor (no fresh pages to fault in for each)."""
+    turn = 1 - getattr(_turns, "turn", 1)
+    _turns.turn = turn
+    return turn
+
+
+def _buffer(turn: int, which: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of buffer ``which`` (0: the rows as read, 1: as permuted) of set ``turn``."""
+    import numpy as np
+
+    key = f"buffer_{turn}_{which}"
+    buf: np.ndarray | None = getattr(_turns, key, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, CHUNK_BYTES), np.uint8)
+        setattr(_turns, key, buf)
+    return buf[:nbytes]
 
 
 def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:

@@ -9,6 +9,7 @@ through float32 with torch), never the whole model in memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -24,7 +25,7 @@ from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.rows import row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
-from ckptkit.io import OutputFile, SpanReader, direct_pays, publishing_file
+from ckptkit.io import OutputFile, Overlap, SpanReader, direct_pays, publishing_file
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
@@ -127,6 +128,11 @@ def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader) -> Iterable[bytes 
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
 
 
+def _write(out: OutputFile, chunk: bytes | memoryview, offset: int) -> str:
+    out.write(chunk, offset)
+    return "write"
+
+
 def planned_writer(arch: str, tensors: list[GGUFTensor]) -> Any:
     """A ``gguf.GGUFWriter`` for ``arch`` holding the tensor infos of ``tensors`` (shapes and
     types only: the bytes are streamed by :func:`publish`)."""
@@ -180,15 +186,17 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
         out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
         reader = SpanReader()  # one for the file: source CRC-32s run beside the writes, checked at the end
         try:
-            with byte_progress("converting", size, quiet) as bar:
+            # each chunk is written on a worker thread while the next is read and converted
+            # (a chunk's memory holds until the next but one is made: rows.row_chunks)
+            with byte_progress("converting", size, quiet) as bar, Overlap(1, 1, bar.advance) as writes:
                 for t, offset in zip(tensors, offsets, strict=True):  # in file order (see docs/formats.md)
                     written = 0
                     for chunk in _chunks(t, checked, reader):
-                        out.write(chunk, offset + written)
-                        written += memoryview(chunk).nbytes
+                        nbytes = memoryview(chunk).nbytes
+                        writes.submit(functools.partial(_write, out, chunk, offset + written), nbytes)
+                        written += nbytes
                     if written != t.nbytes:
                         raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
-                    bar.advance(written)
             reader.close()  # every source record read is checked before the file is published
         except BaseException:
             reader.close(check=False)
