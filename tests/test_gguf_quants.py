@@ -191,14 +191,14 @@ def test_hf_and_meta_to_gguf_without_torch_equal_the_torch_path(
         assert (tmp_path / f"{name}-rows.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "q8_0"])
+@pytest.mark.parametrize("in_flight", [1, 2])
 def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
-    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    in_flight: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """publish writes each chunk on a worker thread while the next is read and converted:
-    a chunk's buffer (the read buffer itself for the bfloat16 fixtures' rows written as
-    BF16, the permuted rows' buffer for HF's Q/K) is not read into again before its write,
-    however late the write comes."""
+    """publish writes chunks on a worker thread while the next is read and converted: a
+    chunk's buffer (the read buffer itself for the bfloat16 fixtures' rows written as BF16,
+    the permuted rows' buffer for HF's Q/K) is not read into again before its write, however
+    late the write comes and however many writes are in flight."""
     import time
 
     from ckptkit.formats.gguf import writer
@@ -206,27 +206,29 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
     real = writer._write
 
     def late(out: object, chunk: memoryview, offset: int) -> str:
-        time.sleep(0.002)  # the main thread makes the next chunk meanwhile
+        time.sleep(0.002)  # the main thread makes the next chunks meanwhile
         return real(out, chunk, offset)  # type: ignore[arg-type]
 
     for src in (FIXTURES / "hf" / "llama2", FIXTURES / "meta" / "llama2"):
         name = src.parent.name
         with monkeypatch.context() as m:
             m.setattr(writer, "row_chunks", lambda *a: None)  # the torch path: the reference
-            convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype=dtype)
+            convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype="bfloat16")
         with monkeypatch.context() as m:
             m.setattr(rows, "CHUNK_BYTES", 512)  # several chunks a tensor
             m.setattr(writer, "_write", late)
-            convert(src, tmp_path / f"{name}-late.gguf", "gguf", dtype=dtype)
+            m.setattr(writer, "WRITES_IN_FLIGHT", in_flight)
+            convert(src, tmp_path / f"{name}-late.gguf", "gguf", dtype="bfloat16")
         assert (tmp_path / f"{name}-late.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
 
 @pytest.mark.parametrize("name", ["llama2", "llama3-2rank"])
 def test_meta_q_and_k_go_to_gguf_as_stored_without_a_span_per_row(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp's Q/K permutation of Meta's wq/wk seen in HF's layout is the tensor as
-    stored: the two row orders compose before any span is made (a span per row cost
-    milliseconds per tensor), leaving one span per rank, whose bytes are Meta's."""
+    stored: row_chunks composes the two row orders before any span is made (a span per row
+    cost milliseconds per tensor) and reads one span per rank, whose bytes are Meta's."""
     import torch
+    from gguf import GGMLQuantizationType
 
     from ckptkit.checkpoint import open_checkpoint
     from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors
@@ -235,28 +237,35 @@ def test_meta_q_and_k_go_to_gguf_as_stored_without_a_span_per_row(name: str, mon
     src = FIXTURES / "meta" / name
     ranks = sorted(src.glob("consolidated.*.pth"))
     stored = [torch.load(r, map_location="cpu", weights_only=True) for r in ranks]
-    biggest = [0]
-    real_take = transforms.take_rows
+    most = [0]  # the most spans any take_rows call made or was given
+    read: list[list[Span]] = []
+    real_take, real_chunks = transforms.take_rows, rows._chunks
 
     def counted(spans: list[Span], row_bytes: int, order: object) -> list[Span]:
         got = real_take(spans, row_bytes, order)  # type: ignore[arg-type]
-        biggest[0] = max(biggest[0], len(spans), len(got))
+        most[0] = max(most[0], len(spans), len(got))
         return got
 
+    def seen(spans: list[Span], *args: object) -> object:
+        read.append(spans)
+        return real_chunks(spans, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transforms, "take_rows", counted)
+    monkeypatch.setattr(rows, "_chunks", seen)
     with open_checkpoint(src, None, None, None) as ckpt:
-        tensors, _ = model_tensors(ckpt, hf_hparams(ckpt), "float32")
+        tensors, _ = model_tensors(ckpt, hf_hparams(ckpt), "bfloat16")
         qk = [t for t in tensors if t.heads is not None]
         assert len(qk) == 2 * ckpt.config.num_layers
-        monkeypatch.setattr(transforms, "take_rows", counted)
         for t in qk:
-            assert t.source is not None and t.source.rows is not None
-            located = t.source.rows(rows.head_order(t.shape[0], t.heads))
-            assert located is not None and len(located) == len(ranks)
+            assert t.source is not None
+            chunks = rows.row_chunks(t.source, GGMLQuantizationType(t.qtype).name, t.heads)
+            assert chunks is not None
+            got = b"".join(bytes(c) for c in chunks)
+            assert len(read[-1]) == len(ranks)
             layer, which = t.name.split(".")[1], {"attn_q": "wq", "attn_k": "wk"}[t.name.split(".")[2]]
-            key = f"layers.{layer}.attention.{which}.weight"
-            meta = torch.cat([s[key] for s in stored]).contiguous().view(torch.uint8).numpy().tobytes()
-            assert b"".join(sp.path.read_bytes()[sp.offset : sp.offset + sp.nbytes] for sp in located) == meta
-    assert 0 < biggest[0] <= len(ranks)  # rows were taken, and no span was made per row
+            meta = torch.cat([s[f"layers.{layer}.attention.{which}.weight"] for s in stored]).contiguous()
+            assert meta.dtype == torch.bfloat16 and got == meta.view(torch.uint8).numpy().tobytes()
+    assert 0 < most[0] <= len(ranks)  # rows were taken, and no span was made per row
 
 
 @pytest.mark.parametrize("dtype", ["float32", "q8_0"])

@@ -190,16 +190,21 @@ def test_rope_rows_compose_with_any_row_order_as_taking_rows_of_the_forward_span
 ) -> None:
     """forward_rows(order) locates rows ``order`` of the forward tensor (composed, not
     taken from a span per row); the other transforms have none to compose."""
-    cfg = SimpleNamespace(num_heads=heads)
-    shape = (heads * half * 2, cols) if cols else (heads * half * 2,)
-    w = _random(shape, torch.bfloat16, seed)
-    order = data.draw(st.lists(st.integers(0, shape[0] - 1), max_size=2 * shape[0]))
-    with tempfile.TemporaryDirectory() as tmp:
-        spans = _scattered(Path(tmp), _bytes(w), cuts)
-        expected = _bytes(ROPE_Q.forward(w, cfg, [shape])[0][order]) if order else b""
-        assert _read(ROPE_Q.forward_rows(spans, shape, cfg, order)) == expected
-        assert ROPE_Q.permutes_rows and not any(t.permutes_rows for t in (COPY, FUSED, STACKED))
-        assert COPY.forward_rows(spans, shape, cfg, order) is None
+    cfg = SimpleNamespace(num_heads=2 * heads, num_kv_heads=heads)  # k: GQA, half the heads
+    for rope in (ROPE_Q, ROPE_K):
+        n = getattr(cfg, rope.heads)
+        shape = (n * half * 2, cols) if cols else (n * half * 2,)
+        w = _random(shape, torch.bfloat16, seed)
+        order = data.draw(st.lists(st.integers(0, shape[0] - 1), max_size=2 * shape[0]))
+        with tempfile.TemporaryDirectory() as tmp:
+            spans = _scattered(Path(tmp), _bytes(w), cuts)
+            expected = _bytes(rope.forward(w, cfg, [shape])[0][order]) if order else b""
+            assert _read(rope.forward_rows(spans, shape, cfg, order)) == expected
+            for outside in ([shape[0]], [-1], [0, -1]):
+                with pytest.raises(ValueError):
+                    rope.forward_rows(spans, shape, cfg, outside)
+            assert rope.permutes_rows and not any(t.permutes_rows for t in (COPY, FUSED, STACKED))
+            assert COPY.forward_rows(spans, shape, cfg, order) is None
 
 
 def test_rope_rows_back_to_meta_order_are_the_stored_span() -> None:

@@ -155,7 +155,8 @@ def native_targets(tensors: dict[str, Lazy], layout: Layout, cfg: ModelConfig, w
         parts = [tensors[c] for c in rule.canonical]
         shape = rule.kind.native_shape([p.shape for p in parts])
         getter, spans = _inverse_getter(rule, parts, cfg), _inverse_spans(rule, parts, cfg)
-        rows = parts[0].rows if rule.kind.is_identity() else None  # the same tensor, its rows where they lie
+        same = rule.kind.is_identity() and not rule.kind.duplicate
+        rows = parts[0].rows if same else None  # the same tensor: its rows lie where the canonical one's do
         out[rule.native] = Lazy(shape, parts[0].dtype, getter, spans=spans, rows=rows)
     return out
 

@@ -28,10 +28,10 @@ class Lazy:
 
     ``spans()`` says where the bytes ``get()`` would return lie in the source files (byte
     ranges, concatenated in order) when they can be copied file to file, else None.
-    ``rows(order)``, where set, says where its rows ``order`` (in that order) lie, for a
-    tensor stored with its rows permuted (Meta's Q/K in HF's layout): the two permutations
-    composed before any span is made, not one span per row; it returns None when the rows
-    lie in order or not as stored (then ask ``spans()``).
+    ``rows(order)`` is set only for a tensor stored with its rows permuted (Meta's Q/K in
+    HF's layout): where its rows ``order`` (in that order) lie, the two permutations
+    composed before any span is made, not one span per row; None when its bytes do not
+    lie in the source as stored (as ``spans()`` would say). Unset: ask ``spans()``.
     ``raw``, where set, returns those bytes from memory without torch (generated or
     recorded tensors).
     """

@@ -137,7 +137,10 @@ class RopePermute(Transform):
 
         order = rope_rows(shape[0], n, to_meta)
         if then is not None:
-            order = order[np.asarray(then, dtype=np.int64)]
+            wanted = np.asarray(then, dtype=np.int64)
+            if len(wanted) and not 0 <= int(wanted.min()) <= int(wanted.max()) < len(order):
+                raise ValueError(f"rows {wanted.min()}..{wanted.max()} outside a tensor of {len(order)} rows")
+            order = order[wanted]
         return take_rows(spans, total_bytes(spans) // shape[0], order)
 
 

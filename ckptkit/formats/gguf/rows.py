@@ -12,7 +12,6 @@ Q8_0. Anything else (a cast that may overflow, Gemma's ``norm + 1``, computed te
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -44,15 +43,40 @@ def head_order(rows: int, heads: int) -> npt.NDArray[np.int64]:
     return rope_rows(rows, heads, to_meta=True)
 
 
+class ChunkBuffers:
+    """The buffers chunks are made in, ``sets`` sets used in turn by consecutive chunks
+    (of one tensor or the next): a chunk's bytes hold while the next ``sets - 1`` chunks
+    are made, so a writer may have that many chunks in flight. Reused from tensor to
+    tensor (no fresh pages to fault in for each); freed with the object."""
+
+    def __init__(self, sets: int = 1) -> None:
+        self._sets: list[dict[int, np.ndarray]] = [{} for _ in range(max(1, sets))]
+        self._turn = -1
+
+    def next_set(self) -> int:
+        """The set the next chunk is made in."""
+        self._turn = (self._turn + 1) % len(self._sets)
+        return self._turn
+
+    def get(self, turn: int, which: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of buffer ``which`` (0: the rows as read, 1: as permuted) of set ``turn``."""
+        import numpy as np
+
+        buf = self._sets[turn].get(which)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._sets[turn][which] = np.empty(max(nbytes, CHUNK_BYTES), np.uint8)
+        return buf[:nbytes]
+
+
 def row_chunks(
-    lazy: Lazy, kind: str, heads: int | None, reader: SpanReader | None = None
+    lazy: Lazy, kind: str, heads: int | None, reader: SpanReader | None = None, buffers: ChunkBuffers | None = None
 ) -> Iterator[memoryview] | None:
     """The GGML bytes of ``lazy`` as type ``kind``, Q/K-permuted over ``heads`` heads when
     given; None when its bytes do not lie in the source as stored. With ``reader`` (shared
     by a whole file's tensors) the source records' CRC-32s are checked by its ``close()``,
     which the caller must call before publishing; without, before the last chunk is given.
-    A chunk's memory holds its bytes until this thread has made two more chunks, of any
-    tensor (:func:`_next_turn`: the caller may write a chunk while the next is made)."""
+    Chunks are made in ``buffers`` (shared by a whole file's tensors; default: a set of its
+    own, each chunk's bytes holding until the next is made)."""
     if not streamable(lazy, kind):
         return None
     rows = lazy.shape[0]
@@ -69,11 +93,18 @@ def row_chunks(
             return None
         if heads is not None and len(spans) > 1:  # rows from here and there: reordered
             spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
-    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader)
+    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader, buffers or ChunkBuffers())
 
 
 def _chunks(
-    spans: list[Span], dtype: str, kind: str, rows: int, row_bytes: int, heads: int | None, shared: SpanReader | None
+    spans: list[Span],
+    dtype: str,
+    kind: str,
+    rows: int,
+    row_bytes: int,
+    heads: int | None,
+    shared: SpanReader | None,
+    buffers: ChunkBuffers,
 ) -> Iterator[memoryview]:
 
     group = rows // heads if heads else 1  # rows moved together
@@ -82,13 +113,13 @@ def _chunks(
     try:
         for first in range(0, rows, step):
             n = min(step, rows - first)
-            turn = _next_turn()
-            raw = _buffer(turn, 0, n * row_bytes)
+            turn = buffers.next_set()
+            raw = buffers.get(turn, 0, n * row_bytes)
             reader.read_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
             if kind != "Q8_0":  # a copy or a widening: the CRC-32 runs beside it and the write
                 reader.start_checks()
             if heads:
-                out = _buffer(turn, 1, n * row_bytes)
+                out = buffers.get(turn, 1, n * row_bytes)
                 by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
                 out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
                 raw = out
@@ -102,31 +133,6 @@ def _chunks(
         raise
     if shared is None:
         reader.close()  # the source records' CRC-32s, before the tensor counts as written
-
-
-_turns = threading.local()
-
-
-def _next_turn() -> int:
-    """Which of this thread's two sets of chunk buffers the next chunk uses, whichever
-    tensor it belongs to: they alternate, so a chunk's bytes hold until the next but one
-    is made (the caller writes one chunk while the next is read and converted), and the
-    buffers are reused from tensor to tensor (no fresh pages to fault in for each)."""
-    turn = 1 - getattr(_turns, "turn", 1)
-    _turns.turn = turn
-    return turn
-
-
-def _buffer(turn: int, which: int, nbytes: int) -> np.ndarray:
-    """``nbytes`` of buffer ``which`` (0: the rows as read, 1: as permuted) of set ``turn``."""
-    import numpy as np
-
-    key = f"buffer_{turn}_{which}"
-    buf: np.ndarray | None = getattr(_turns, key, None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = np.empty(max(nbytes, CHUNK_BYTES), np.uint8)
-        setattr(_turns, key, buf)
-    return buf[:nbytes]
 
 
 def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:

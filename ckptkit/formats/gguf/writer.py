@@ -22,7 +22,7 @@ from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
-from ckptkit.formats.gguf.rows import row_chunks
+from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
 from ckptkit.io import OutputFile, Overlap, SpanReader, direct_pays, publishing_file
@@ -109,20 +109,22 @@ def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
 
 
 NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
+WRITES_IN_FLIGHT = 1  # chunks written on the worker thread while the next is made
 
 
 def _aligned(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader) -> Iterable[bytes | memoryview]:
+def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader, buffers: ChunkBuffers) -> Iterable[bytes | memoryview]:
     """``t``'s GGML bytes a chunk at a time: from the source's bytes with numpy where they lie
-    there as stored (:mod:`~ckptkit.formats.gguf.rows`, read by ``reader``), else through
-    torch (``checked``: a narrowing cast that overflows or flushes a value is an error naming ``t``)."""
+    there as stored (:mod:`~ckptkit.formats.gguf.rows`, read by ``reader`` into ``buffers``),
+    else through torch (``checked``: a narrowing cast that overflows or flushes a value is
+    an error naming ``t``)."""
     import gguf
 
     if t.source is not None:
-        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads, reader)
+        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads, reader, buffers)
         if chunks is not None:
             return chunks
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
@@ -186,12 +188,13 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
         out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
         reader = SpanReader()  # one for the file: source CRC-32s run beside the writes, checked at the end
         try:
-            # each chunk is written on a worker thread while the next is read and converted
-            # (a chunk's memory holds until the next but one is made: rows.row_chunks)
-            with byte_progress("converting", size, quiet) as bar, Overlap(1, 1, bar.advance) as writes:
+            # each chunk is written on a worker thread while the next is read and converted:
+            # WRITES_IN_FLIGHT chunks written while one more is made, each in its own buffers
+            buffers = ChunkBuffers(WRITES_IN_FLIGHT + 1)
+            with byte_progress("converting", size, quiet) as bar, Overlap(1, WRITES_IN_FLIGHT, bar.advance) as writes:
                 for t, offset in zip(tensors, offsets, strict=True):  # in file order (see docs/formats.md)
                     written = 0
-                    for chunk in _chunks(t, checked, reader):
+                    for chunk in _chunks(t, checked, reader, buffers):
                         nbytes = memoryview(chunk).nbytes
                         writes.submit(functools.partial(_write, out, chunk, offset + written), nbytes)
                         written += nbytes
