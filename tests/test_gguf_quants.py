@@ -362,30 +362,25 @@ def checked_lazy(path: Path, data: np.ndarray, dtype: str, crc: int | None = Non
     return Lazy(tuple(data.shape), dtype, lambda: None, spans=lambda: [Span(path, 0, len(raw), check=check)])  # type: ignore[arg-type,return-value]
 
 
-def test_record_crcs_run_beside_the_conversion_on_the_bytes_as_read(
+def test_record_crcs_are_checked_on_the_bytes_as_read_before_they_are_converted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CRC-32 of a .pth record read by rows runs in another thread while the rows are
-    converted and written: BF16 quiets signalling NaNs in what it writes, never in the read
-    buffer a slow CRC is still reading (that would fail a sound record), and the output is
-    the package's bytes."""
-    import threading
-    import time
-
+    """The CRC-32 of a .pth record read by rows is fed the bytes as read, before they are
+    converted: BF16 quiets signalling NaNs in what it writes, never in the read buffer (that
+    would fail a sound record), and the output is the package's bytes."""
     from gguf import GGMLQuantizationType
     from gguf import quants as ref
 
     from ckptkit.io import Verifier
 
-    threads: set[str] = set()
+    fed: list[bytes] = []
     feed = Verifier.feed
 
-    def slow_feed(self: Verifier, *args: object) -> None:
-        threads.add(threading.current_thread().name)
-        time.sleep(0.01)  # the main thread converts the chunk meanwhile
-        feed(self, *args)  # type: ignore[arg-type]
+    def seen(self: Verifier, check: RecordCheck, lo: int, view: memoryview) -> None:
+        fed.append(bytes(view))
+        feed(self, check, lo, view)
 
-    monkeypatch.setattr(Verifier, "feed", slow_feed)
+    monkeypatch.setattr(Verifier, "feed", seen)
     monkeypatch.setattr(rows, "CHUNK_BYTES", 256 * 2 * 16)
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)  # every pattern, NaNs too
     chunks = rows.row_chunks(checked_lazy(tmp_path / "t", bits, "bfloat16"), "BF16", None)
@@ -394,10 +389,10 @@ def test_record_crcs_run_beside_the_conversion_on_the_bytes_as_read(
         ours = b"".join(bytes(c) for c in chunks)
         widened = (bits.astype(np.uint32) << 16).view(np.float32)
         assert ours == ref.quantize(widened, GGMLQuantizationType.BF16).tobytes()
-    assert threads and threading.main_thread().name not in threads
+    assert len(fed) == 16 and b"".join(fed) == bits.tobytes() != ours  # in read order, as read
 
 
-def test_a_record_crc_mismatch_found_by_the_crc_thread_is_raised_and_an_abandoned_read_is_not(
+def test_a_record_crc_mismatch_is_raised_as_its_last_bytes_are_read_and_an_abandoned_read_is_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ckptkit.errors import CkptkitError
@@ -407,14 +402,24 @@ def test_a_record_crc_mismatch_found_by_the_crc_thread_is_raised_and_an_abandone
     data = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
     chunks = rows.row_chunks(checked_lazy(tmp_path / "t", data, "float32", crc=1), "F32", None)
     assert chunks is not None
+    got = []
     with pytest.raises(CkptkitError, match="fails its CRC-32"):
-        b"".join(bytes(c) for c in chunks)
+        for c in chunks:
+            got.append(bytes(c))
+    assert len(got) == 15  # the 16th chunk, the record's end, never came
     lazy = checked_lazy(tmp_path / "u", data, "float32", crc=1)
+    spans = lazy.spans()
+    assert spans is not None
+    half = [spans[0].slice(0, data.nbytes // 2)]
     reader = SpanReader()
-    buf = bytearray(data.nbytes)
-    reader.read_into(lazy.spans(), memoryview(buf))  # type: ignore[arg-type]
-    reader.close(check=False)  # abandoned (the write failed): no CRC verdict, the thread ended
-    assert bytes(buf) == data.tobytes()
+    buf = bytearray(data.nbytes // 2)
+    reader.read_into(half, memoryview(buf))
+    reader.close(check=False)  # abandoned (the write failed): no CRC verdict
+    assert bytes(buf) == data.tobytes()[: data.nbytes // 2]
+    reader = SpanReader()
+    reader.read_into(half, memoryview(buf))
+    with pytest.raises(CkptkitError, match="fails its CRC-32"):
+        reader.close()  # the rest of the record read to check it
 
 
 def test_a_gguf_written_past_the_page_cache_is_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

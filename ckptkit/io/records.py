@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
@@ -110,31 +109,25 @@ def read_spans(spans: list[Span]) -> bytes:
 
 
 class SpanReader:
-    """Reads span lists into reused buffers, for a writer that converts bytes on the way.
+    """Reads span lists into buffers, for a writer that converts bytes on the way.
 
     The CRC-32 of each source record the spans draw on is computed from the bytes as they
-    are read when they come in order (:meth:`Verifier.feed`, as the stream copy does), in a
-    worker thread once the caller calls :meth:`start_checks` (the CRC lets go of the GIL):
-    after converting a buffer, before writing it, so that the CRC does not compete with the
-    conversion's own threads. The caller must leave a buffer's bytes as read until its next
-    :meth:`read_into` or :meth:`close`, which finish that CRC first (in the caller's thread
-    if it was never started). What was not read in order is read again by :meth:`close`,
-    which checks every record seen: the output must not be published before it returns.
-    Source files stay open until then.
+    are read, before :meth:`read_into` returns, when they come in order
+    (:meth:`Verifier.feed`, as the stream copy does): a record whose last bytes were just
+    read and fail its CRC-32 is raised there, before they are converted. (A writer that
+    writes one chunk on another thread while it reads the next has the CRC run beside
+    that write.) What was not read in order is read again by :meth:`close`, which checks
+    every record seen: the output must not be published before it returns. Source files
+    stay open until then.
     """
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._checks: dict[tuple[int, str], RecordCheck] = {}
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
-        self._read: list[tuple[RecordCheck, int, memoryview]] = []  # read, CRC not started
 
     def read_into(self, spans: list[Span], view: memoryview) -> None:
         """Fill ``view`` (exactly as long as ``spans``) with their bytes."""
-        self._settle()  # the last buffer's CRC-32 is done before any buffer is read into again
         at = 0
-        fed: list[tuple[RecordCheck, int, memoryview]] = []
         for span in spans:
             if span.path not in self._fds:
                 self._fds[span.path] = os.open(span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -142,51 +135,20 @@ class SpanReader:
             read_fully(self._fds[span.path], part, span.offset)
             if span.check is not None:
                 self._checks.setdefault((id(span.check.verifier), span.check.key), span.check)
-                fed.append((span.check, span.offset, part))
+                span.check.verifier.feed(span.check, span.offset, part)
             at += span.nbytes
         if at != len(view):
             raise ValueError(f"spans hold {at} bytes, the buffer {len(view)}")
-        self._read = fed
-
-    def start_checks(self) -> None:
-        """Start the CRC-32 of what the last :meth:`read_into` read, in the worker thread."""
-        fed, self._read = self._read, []
-        if fed:
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-crc")
-            self._pending = self._worker.submit(_feed, fed)
-
-    def _settle(self) -> None:
-        """Finish the CRC-32s of the reads so far (here, those never started); a mismatch is raised here."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-        fed, self._read = self._read, []
-        _feed(fed)
 
     def close(self, check: bool = True) -> None:
         """Check every record read from (reading again what was not read in order) unless
         ``check`` is false (the reads were abandoned); close the files."""
         try:
             if check:
-                self._settle()
                 for record in self._checks.values():
                     record.verifier.complete(record)
         finally:
-            self._read = []
-            if self._pending is not None:
-                self._pending.cancel()
-                wait([self._pending])  # abandoned: its outcome no longer matters, only that it ended
-                self._pending = None
-            if self._worker is not None:
-                self._worker.shutdown()
-                self._worker = None
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
             self._checks.clear()
-
-
-def _feed(fed: list[tuple[RecordCheck, int, memoryview]]) -> None:
-    for check, offset, part in fed:
-        check.verifier.feed(check, offset, part)

@@ -115,17 +115,13 @@ def _chunks(
             n = min(step, rows - first)
             turn = buffers.next_set()
             raw = buffers.get(turn, 0, n * row_bytes)
-            reader.read_into(take(spans, first * row_bytes, n * row_bytes), raw.data)
-            if kind != "Q8_0":  # a copy or a widening: the CRC-32 runs beside it and the write
-                reader.start_checks()
+            reader.read_into(take(spans, first * row_bytes, n * row_bytes), raw.data)  # CRC-32s fed here
             if heads:
                 out = buffers.get(turn, 1, n * row_bytes)
                 by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
                 out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
                 raw = out
             encoded = _encoded(raw, dtype, kind)
-            if kind == "Q8_0":  # after the quantization threads, beside the write
-                reader.start_checks()
             yield encoded.reshape(-1).data
     except BaseException:
         if shared is None:
@@ -152,7 +148,7 @@ def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:
     if dtype == "bfloat16":  # BF16 as float32 -> BF16 rounding gives it: NaNs get their quiet bit
         bits = raw.view(np.uint16)
         nan = (bits & 0x7FFF) > 0x7F80
-        if nan.any():  # a new array: the read buffer stays as read (its CRC-32 may still be running)
+        if nan.any():  # a new array: the read buffer stays as read
             return (bits | np.where(nan, np.uint16(0x0040), np.uint16(0))).view(np.uint8)
         return raw
     return raw  # F32 from float32, F16 from float16: the stored bytes

@@ -186,7 +186,7 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
             start = _aligned(start + t.nbytes, w.data_alignment)
         os.truncate(tmp, start)  # the padding: zeros
         out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
-        reader = SpanReader()  # one for the file: source CRC-32s run beside the writes, checked at the end
+        reader = SpanReader()  # one for the file: source CRC-32s fed as read, every record checked at the end
         try:
             # each chunk is written on a worker thread while the next is read and converted:
             # WRITES_IN_FLIGHT chunks written while one more is made, each in its own buffers
