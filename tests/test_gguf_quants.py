@@ -422,13 +422,27 @@ def test_a_record_crc_mismatch_is_raised_as_its_last_bytes_are_read_and_an_aband
         reader.close()  # the rest of the record read to check it
 
 
-def test_a_gguf_written_past_the_page_cache_is_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the dirty limit the whole pages of each chunk go O_DIRECT (the edges buffered)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["hf", "meta"])
+def test_a_gguf_written_past_the_page_cache_is_the_same_file(
+    dtype: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the dirty limit the whole pages of each chunk go O_DIRECT (the edges buffered);
+    rows written as stored (the bfloat16 fixtures as BF16) go from the buffer they were
+    read into, placed in memory as their pages are in the file: never through the staging
+    copy."""
     from ckptkit.formats.gguf import writer
+    from ckptkit.io import direct as directio
 
-    monkeypatch.setattr(rows, "CHUNK_BYTES", 100_000)  # chunks ending off page boundaries
-    src = FIXTURES / "hf" / "llama2"
-    convert(src, tmp_path / "cached.gguf", "gguf", dtype="float32")
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 10_000)  # chunks ending off page boundaries
+    monkeypatch.setattr(directio, "MIN_DIRECT", 2 * directio.ALIGN)  # the fixtures' tensors are small
+    src = FIXTURES / name / "llama2"
+    convert(src, tmp_path / "cached.gguf", "gguf", dtype=dtype)
+    staged, went_direct = [], []
+    staging, write_direct = directio.staging, directio._write_direct
+    monkeypatch.setattr(directio, "staging", lambda: staged.append(1) or staging())
+    monkeypatch.setattr(directio, "_write_direct", lambda *a: went_direct.append(1) or write_direct(*a))
     monkeypatch.setattr(writer, "direct_pays", lambda nbytes: True)
-    convert(src, tmp_path / "direct.gguf", "gguf", dtype="float32")
+    convert(src, tmp_path / "direct.gguf", "gguf", dtype=dtype)
     assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "cached.gguf").read_bytes()
+    assert went_direct and (staged if dtype == "float32" else not staged)  # widened: new arrays, staged

@@ -104,7 +104,8 @@ def staging() -> memoryview:
 def place(offset: int, nbytes: int) -> memoryview:
     """Where to read ``nbytes`` bound for file ``offset`` so that :func:`write_parts` finds
     them in place and skips its copy into the staging buffer: this thread's buffer, at the
-    offset's position within its page. At most :data:`~ckptkit.io.stream.BUFFER` bytes."""
+    offset's position within its page (any writable buffer whose address is so placed is
+    written from where it lies). At most :data:`~ckptkit.io.stream.BUFFER` bytes."""
     lead = offset % ALIGN
     return staging()[lead : lead + nbytes]
 
@@ -137,22 +138,27 @@ def write_parts(
         with lock or nullcontext():
             stream.write_parts(fd, parts, offset)
         return False
-    stage = staging()  # this thread's: filled before taking the lock
     lead = offset % ALIGN  # the range starts this far into its first page
-    if not (len(parts) == 1 and _address(parts[0]) == _address(stage[lead:])):  # else read in place
+    address = _address(parts[0]) if len(parts) == 1 else None
+    if address is not None and address % ALIGN == lead:
+        # laid out in memory as the pages are in the file (read in place into the staging
+        # buffer, or a caller's buffer placed so: GGUF chunks): written from where it lies
+        buf, lo = parts[0], 0
+    else:
+        buf, lo = staging(), lead  # this thread's: filled before taking the lock
         pos = lead
         for part in parts:
-            stage[pos : pos + len(part)] = part
+            buf[pos : pos + len(part)] = part
             pos += len(part)
-    start = lead + head  # 0 or ALIGN: the first whole page, aligned in memory and in the file
-    edges = [(stage[lead:start], offset), (stage[start + body : lead + total], offset + head + body)]
+    start = lo + head  # the first whole page, aligned in memory and in the file
+    edges = [(buf[lo:start], offset), (buf[start + body : lo + total], offset + head + body)]
     with lock or nullcontext():
         for data, at in edges:
             if len(data):
                 stream.write_all(fd, data, at)
-        done = _write_direct(direct, stage[start : start + body], offset + head)
+        done = _write_direct(direct, buf[start : start + body], offset + head)
         if done < body:  # refused, or stopped off a page boundary: the rest buffered
-            stream.write_all(fd, stage[start + done : start + body], offset + head + done)
+            stream.write_all(fd, buf[start + done : start + body], offset + head + done)
     return done > 0
 
 

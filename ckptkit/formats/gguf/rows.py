@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.quants import quantize_q8_0
-from ckptkit.io import Span, SpanReader, take, take_rows
+from ckptkit.io import ALIGN, Span, SpanReader, take, take_rows
 from ckptkit.tensors.transforms import rope_rows
 
 if TYPE_CHECKING:
@@ -47,11 +47,18 @@ class ChunkBuffers:
     """The buffers chunks are made in, ``sets`` sets used in turn by consecutive chunks
     (of one tensor or the next): a chunk's bytes hold while the next ``sets - 1`` chunks
     are made, so a writer may have that many chunks in flight. Reused from tensor to
-    tensor (no fresh pages to fault in for each); freed with the object."""
+    tensor (no fresh pages to fault in for each); freed with the object.
+
+    ``lead``, set by the writer before it asks for a chunk, is where in its page the
+    chunk's destination starts (its file offset modulo :data:`~ckptkit.io.ALIGN`): the
+    buffers start as far into a page, so that the chunk's whole pages go ``O_DIRECT`` from
+    where they lie, not through a staging copy.
+    """
 
     def __init__(self, sets: int = 1) -> None:
         self._sets: list[dict[int, np.ndarray]] = [{} for _ in range(max(1, sets))]
         self._turn = -1
+        self.lead = 0
 
     def next_set(self) -> int:
         """The set the next chunk is made in."""
@@ -59,13 +66,15 @@ class ChunkBuffers:
         return self._turn
 
     def get(self, turn: int, which: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` of buffer ``which`` (0: the rows as read, 1: as permuted) of set ``turn``."""
+        """``nbytes`` of buffer ``which`` (0: the rows as read, 1: as permuted) of set ``turn``,
+        starting :attr:`lead` bytes into a page."""
         import numpy as np
 
         buf = self._sets[turn].get(which)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._sets[turn][which] = np.empty(max(nbytes, CHUNK_BYTES), np.uint8)
-        return buf[:nbytes]
+        if buf is None or buf.nbytes < ALIGN + nbytes:
+            whole = np.empty(2 * ALIGN + max(nbytes, CHUNK_BYTES), np.uint8)
+            buf = self._sets[turn][which] = whole[-whole.ctypes.data % ALIGN :][: ALIGN + max(nbytes, CHUNK_BYTES)]
+        return buf[self.lead % ALIGN :][:nbytes]
 
 
 def row_chunks(

@@ -25,7 +25,7 @@ from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
-from ckptkit.io import OutputFile, Overlap, SpanReader, direct_pays, publishing_file
+from ckptkit.io import ALIGN, OutputFile, Overlap, SpanReader, direct_pays, publishing_file
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
@@ -194,10 +194,12 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
             with byte_progress("converting", size, quiet) as bar, Overlap(1, WRITES_IN_FLIGHT, bar.advance) as writes:
                 for t, offset in zip(tensors, offsets, strict=True):  # in file order (see docs/formats.md)
                     written = 0
+                    buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
                     for chunk in _chunks(t, checked, reader, buffers):
                         nbytes = memoryview(chunk).nbytes
                         writes.submit(functools.partial(_write, out, chunk, offset + written), nbytes)
                         written += nbytes
+                        buffers.lead = (offset + written) % ALIGN
                     if written != t.nbytes:
                         raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
             reader.close()  # every source record read is checked before the file is published
