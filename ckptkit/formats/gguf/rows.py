@@ -115,7 +115,6 @@ def _chunks(
     shared: SpanReader | None,
     buffers: ChunkBuffers,
 ) -> Iterator[memoryview]:
-
     group = rows // heads if heads else 1  # rows moved together
     step = max(1, CHUNK_BYTES // max(1, group * row_bytes)) * group
     reader = shared or SpanReader()
