@@ -150,7 +150,7 @@ def test_q_k_rows_permuted_in_chunks_are_the_torch_permutation(
     monkeypatch.setattr(rows, "CHUNK_BYTES", 3 * 16 * 64 * 2)  # not a whole number of heads
     bits = np.random.default_rng(2).integers(0, 1 << 16, (128, 64), dtype=np.uint32).astype(np.uint16) & 0x3FFF
     one = lazy_in_file(tmp_path / "one", bits, "bfloat16")
-    # the same rows split over two files: the spans are reordered, not the bytes
+    # the same rows split over two files: permuted in memory all the same, read across the files
     (tmp_path / "a").write_bytes(bits[:64].tobytes())
     (tmp_path / "b").write_bytes(bits[64:].tobytes())
     halves = [Span(tmp_path / "a", 0, 64 * 128), Span(tmp_path / "b", 0, 64 * 128)]

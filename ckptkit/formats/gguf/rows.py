@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.quants import quantize_q8_0
-from ckptkit.io import ALIGN, Span, SpanReader, take, take_rows
+from ckptkit.io import ALIGN, Span, SpanReader, take
 from ckptkit.tensors.transforms import rope_rows
 
 if TYPE_CHECKING:
@@ -92,16 +92,13 @@ def row_chunks(
     if heads is not None and rows % (2 * heads):
         return None  # not whole heads: the torch path says so
     row_bytes = math.prod(lazy.shape[1:]) * ITEMSIZE[lazy.dtype]
-    # rows stored permuted (Meta's Q/K): the two permutations composed (here, back to the stored order)
-    spans = lazy.rows(head_order(rows, heads)) if heads is not None and lazy.rows is not None else None
-    if spans is not None:
-        heads = None
+    if heads is not None and lazy.rows is not None:
+        # rows stored permuted (Meta's Q/K): the two permutations composed (back to the stored order)
+        spans, heads = lazy.rows(head_order(rows, heads)), None
     else:
-        spans = lazy.spans()
-        if spans is None:
-            return None
-        if heads is not None and len(spans) > 1:  # rows from here and there: reordered
-            spans, heads = take_rows(spans, row_bytes, head_order(rows, heads)), None
+        spans = lazy.spans()  # permuted in memory, a whole head at a time, if heads are given
+    if spans is None:
+        return None
     return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader, buffers or ChunkBuffers())
 
 
