@@ -97,7 +97,7 @@ def worker(model_dir: Path, out: Path) -> None:
     rank = dist.get_rank()
     with open_checkpoint(model_dir) as ckpt:
         model = build_model(ckpt.config, device="meta", dtype=torch.bfloat16)
-        D.shard_model(model, mesh, None, None, activation_checkpointing=False)
+        D.shard_model(model, mesh, None, None)
         D.load_full_tensors(model, lambda k: ckpt.tensors[k].get(), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for p in model.parameters():

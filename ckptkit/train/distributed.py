@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.dcp import DcpCheckpoint, holds_checkpoint, open_state, state_keys
@@ -106,13 +105,10 @@ def shard_model(
     mesh: DeviceMesh,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
-    activation_checkpointing: bool,
 ) -> None:
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, norm, output)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
-        if activation_checkpointing:
-            layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 

@@ -197,7 +197,7 @@ class FSDP2(Placement):
         tied = D.tied_parameters(model)
         model.to("meta")
         D.tie_parameters(model, tied)
-        D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype, activation_checkpointing=False)
+        D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype)
         D.load_full_tensors(model, lambda k: made[k] if k in made else source(k), self.device, tied)
 
     def model_state(self, trainable: Trainable, model: nn.Module) -> dict[str, torch.Tensor] | None:
