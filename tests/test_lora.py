@@ -283,3 +283,38 @@ def test_a_rank_1_adapter_is_allowed() -> None:
     """PEFT accepts any r > 0, 1 included; the update is then alpha * b a^T."""
     lora = LoRALinear(6, 5, rank=1, alpha=8)
     assert lora.lora_a.shape == (1, 6) and lora.scaling == 8.0
+
+
+def test_dropout_in_training_masks_the_adapter_input_as_peft_s_layer_does() -> None:
+    """lora_dropout > 0 in train mode: the same output as PEFT's ``lora.Linear`` drawing its
+    mask from the same RNG state, bit for bit, and not the dropout-free output; eval mode
+    drops nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 12, bias=True)
+    ours = LoRALinear.from_linear(torch.nn.Linear(16, 12, bias=True), rank=4, alpha=8, dropout=0.5)
+    ours.load_state_dict(linear.state_dict(), strict=False)
+    with torch.no_grad():
+        ours.lora_b.copy_(torch.randn(12, 4))
+    host = torch.nn.Sequential()
+    host.add_module("proj", linear)
+    peft = get_peft_model(host, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["proj"]))
+    theirs = peft.base_model.model.proj
+    with torch.no_grad():
+        theirs.lora_A["default"].weight.copy_(ours.lora_a)
+        theirs.lora_B["default"].weight.copy_(ours.lora_b)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        undropped = ours.eval()(x)
+        assert torch.equal(theirs.eval()(x), undropped)
+        ours.train(), theirs.train()
+        torch.manual_seed(1)
+        dropped = ours(x)
+        torch.manual_seed(1)
+        assert torch.equal(theirs(x), dropped)
+        torch.manual_seed(1)
+        mask = torch.nn.functional.dropout(torch.ones_like(x), 0.5)  # the mask nn.Dropout draws, scaled by 2
+        expected = linear(x) + (x * mask) @ ours.lora_a.T @ ours.lora_b.T * ours.scaling
+        assert torch.equal(dropped, expected)
+        assert (dropped - undropped).abs().max().item() > 0.1

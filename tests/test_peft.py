@@ -86,6 +86,33 @@ def test_per_module_ranks_and_rslora_load_in_peft(tmp_path: Path) -> None:
     assert (_logits(peft_model, "llama3", hf=True) - _logits(model, "llama3")).abs().max().item() <= TOL
 
 
+def test_dropout_trains_as_in_peft_both_ways(tmp_path: Path) -> None:
+    """lora_dropout 0.3 in train mode: ckptkit's model and PEFT's, loaded from the adapter
+    ckptkit saved, draw the same masks from the same seed and give the same logits, bit for
+    bit; so does ckptkit's model loaded back from that adapter. Eval mode drops nothing."""
+    from peft import PeftModel
+
+    model = apply_lora(native_model("llama3"), ALL, rank=4, alpha=8, dropout=0.3)
+    _randomize(model, seed=1)
+    save_adapter(model, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["lora_dropout"] == 0.3
+    peft_model = PeftModel.from_pretrained(hf_model("llama3"), tmp_path)
+    reloaded = load_adapter(native_model("llama3"), tmp_path)
+
+    def logits(train: bool) -> list[torch.Tensor]:
+        out = []
+        for m, hf in ((model, False), (peft_model, True), (reloaded, False)):
+            torch.manual_seed(3)
+            out.append(_logits(m.train(train), "llama3", hf))
+        return out
+
+    ours, theirs, again = logits(train=True)
+    assert torch.equal(ours, theirs) and torch.equal(ours, again)
+    undropped = logits(train=False)
+    assert all(torch.equal(undropped[0], u) for u in undropped)
+    assert (ours - undropped[0]).abs().max().item() > 0.1
+
+
 def test_adapter_config_has_the_fields_peft_writes(tmp_path: Path) -> None:
     _peft_saved("llama3", tmp_path / "peft", r=4, lora_alpha=8, target_modules=["q_proj"])
     model = apply_lora(native_model("llama3"), ["q"], rank=4, alpha=8)
