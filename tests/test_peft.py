@@ -113,6 +113,50 @@ def test_dropout_trains_as_in_peft_both_ways(tmp_path: Path) -> None:
     assert (ours - undropped[0]).abs().max().item() > 0.1
 
 
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [
+        ("llama2", {"target_modules": [*HF_ALL, "lm_head"], "rank_pattern": {"down_proj": 16}}),
+        ("qwen3_moe", {"target_modules": ["k_proj"], "target_parameters": [
+            "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]}),
+    ],
+)  # fmt: skip
+def test_cli_merge_of_an_rslora_adapter_is_peft_s_merge(family: str, targets: dict, tmp_path: Path) -> None:
+    """``ckptkit merge`` of a PEFT adapter saved with ``use_rslora`` (scaling alpha / sqrt(r):
+    8 / 2 at r 4, 8 / 4 where rank_pattern says 16; stacked experts and router too) gives
+    PEFT's ``merge_and_unload``, bit for bit, on a float32 base (one rounding on both sides)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+    from ckptkit.convert import convert
+
+    def base_model() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+
+    convert(hf_dir(family), tmp_path / "base", "hf", dtype="float32")
+    torch.manual_seed(0)
+    peft = get_peft_model(base_model(), LoraConfig(r=4, lora_alpha=8, use_rslora=True, **targets))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    peft.save_pretrained(tmp_path / "adapter")
+    result = CliRunner().invoke(app, ["merge", str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).state_dict()
+    theirs = PeftModel.from_pretrained(base_model(), tmp_path / "adapter").merge_and_unload().state_dict()
+    original = base_model().state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    changed = {k for k in original if not torch.equal(theirs[k], original[k])}
+    # every targeted weight moved: llama2 7 per layer x 2 + lm_head; qwen3_moe k_proj x 3, and in its
+    # 2 MoE layers the stacked gate_up and down and the router
+    assert len(changed) == (15 if family == "llama2" else 9)
+
+
 def test_adapter_config_has_the_fields_peft_writes(tmp_path: Path) -> None:
     _peft_saved("llama3", tmp_path / "peft", r=4, lora_alpha=8, target_modules=["q_proj"])
     model = apply_lora(native_model("llama3"), ["q"], rank=4, alpha=8)
