@@ -149,3 +149,15 @@ def test_compiled_blocks_train_under_fsdp2(tmp_path: Path) -> None:
     eager, compiled = rows(tmp_path / "eager"), rows(tmp_path / "compiled")
     assert compiled[0]["setup"]["compiled_layers"] == 2 and eager[0]["setup"]["compiled_layers"] == 0
     assert_close([r["loss"] for r in eager if "loss" in r], [r["loss"] for r in compiled if "loss" in r])
+
+
+def test_an_epoch_end_between_evaluations_evaluates(tmp_path: Path) -> None:
+    """eval_every_n_steps=2 with 3 steps per epoch, in process: validation loss at steps 2 and 4
+    and at each epoch's end (3, and 6, which is also due: logged once)."""
+    out = tmp_path / "out"
+    overrides = ["epochs=2", "max_steps_per_epoch=3", "eval_every_n_steps=2", "dataset.validation_fraction=0.25",
+                 "lora.save_merged=never", "quiet=true", f"checkpointer.output_dir={out}"]  # fmt: skip
+    recipe_entry("lora_finetune")(load_config("tiny_lora", overrides))
+    evals = [(r["step"], r["epoch"], r["eval_loss"]) for r in rows(out) if "eval_loss" in r]
+    assert [(step, epoch) for step, epoch, _ in evals] == [(2, 0), (3, 0), (4, 1), (6, 1)]
+    assert len({loss for *_, loss in evals}) == 4  # each after another step
