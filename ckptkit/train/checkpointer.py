@@ -32,6 +32,7 @@ from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
 from ckptkit.train.lora import lora_modules, model_config
 from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
+from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import CheckpointerConfig
 
 RECIPE_STATE = "recipe_state.pt"
@@ -39,10 +40,6 @@ RECIPE_STATE_DIR = "recipe_state"
 ADAPTER_DIR = "adapter"
 HF_BASE_DIR = "base_hf"
 CHECKPOINT_NAME = re.compile(r"(epoch|step)_(\d+)")
-STATE_KEYS = (
-    "seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "global_step", "steps_in_epoch",
-    "optimizer", "lr_scheduler", "rng",
-)  # fmt: skip
 
 
 class Checkpointer:
@@ -126,7 +123,7 @@ class Checkpointer:
         self.dtypes = {k: v.dtype for k, v in ckpt.tensors.items()}
         return ckpt
 
-    def load_recipe_state(self) -> dict[str, Any] | None:
+    def load_recipe_state(self) -> RecipeState | None:
         """The state to resume from, or None when not resuming; one-line errors name the key."""
         if not self.resume:
             return None
@@ -146,21 +143,21 @@ class Checkpointer:
             raise CkptkitError(
                 f"{path}: not a readable recipe state ({type(e).__name__}); check checkpointer.recipe_checkpoint"
             ) from None
-        missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+        missing = [k for k in RecipeState.flat_keys() if not isinstance(state, dict) or k not in state]
         if missing:
             raise CkptkitError(
                 f"{path}: not a ckptkit recipe state (no {', '.join(missing[:3])}); "
                 "check checkpointer.recipe_checkpoint"
             )
-        return state
+        return RecipeState.from_flat(state)
 
-    def check_state(self, state: dict[str, Any], seed: int, epochs: int, max_steps: int | None) -> None:
+    def check_state(self, progress: RunProgress, seed: int, epochs: int, max_steps: int | None) -> None:
         """Refuse a recipe state written by a run with a different schedule."""
-        for key, want in (("seed", seed), ("total_epochs", epochs), ("max_steps_per_epoch", max_steps)):
-            if state[key] != want:
-                name = {"total_epochs": "epochs"}.get(key, key)
+        saved = (("seed", progress.seed, seed), ("epochs", progress.total_epochs, epochs))
+        for name, was, want in (*saved, ("max_steps_per_epoch", progress.max_steps_per_epoch, max_steps)):
+            if was != want:
                 raise CkptkitError(
-                    f"{self.recipe_checkpoint}: was written with {name}={state[key]} but the config says {want}; "
+                    f"{self.recipe_checkpoint}: was written with {name}={was} but the config says {want}; "
                     f"set {name} to match or point checkpointer.recipe_checkpoint at the right run"
                 )
 

@@ -36,6 +36,7 @@ from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
 from ckptkit.train.placement import FSDP2, Placement, Save, SingleDevice, open_source
+from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import (
     FullFinetuneConfig,
     FullFinetuneDistributedConfig,
@@ -153,49 +154,47 @@ class Recipe:
             f"output: {self.checkpointer.output_dir}; {self.device.type}, {cfg.dtype}{ranks}{resumed}",
         ]
 
-    def _check_progress(self, progress: dict[str, Any]) -> None:
+    def _check_progress(self, progress: RunProgress) -> None:
         """Refuse a recipe state of another schedule or global batch (the data position counts global batches)."""
         self.checkpointer.check_state(progress, self.seed, self.cfg.epochs, self.cfg.max_steps_per_epoch)
-        saved = progress.get("global_batch")
+        saved = progress.global_batch
         if saved is not None and saved != self.global_batch:
             raise CkptkitError(
                 f"{self.checkpointer.recipe_checkpoint}: was written with a global batch of {saved} samples "
-                f"({progress['world_size']} ranks), this run has {self.global_batch} ({self.placement.world_size} "
+                f"({progress.world_size} ranks), this run has {self.global_batch} ({self.placement.world_size} "
                 f"ranks x batch_size {self.cfg.batch_size}); set batch_size to keep the global batch"
             )
 
-    def _recipe_state(self, epochs_run: int) -> dict[str, Any]:
+    def _recipe_state(self, epochs_run: int) -> RecipeState:
         """What resuming needs besides the checkpoint's files."""
-        state: dict[str, Any] = {
-            "progress": {
-                "seed": self.seed,
-                "epochs_run": epochs_run,
-                "total_epochs": self.cfg.epochs,
-                "max_steps_per_epoch": self.cfg.max_steps_per_epoch,
-                "global_step": self.global_step,
-                "steps_in_epoch": self.steps_in_epoch,
-                "global_batch": self.global_batch,
-                "world_size": self.placement.world_size,
-            },
-            "optimizer": self.placement.optimizer_state(self.model, self.optimizer),
-            "lr_scheduler": self.scheduler.state_dict(),
-            "rng": rng_state(),
-        }
-        tensors = self.placement.model_state(self.trainable, self.model)
-        if tensors is not None:
-            state["model"] = tensors
-        return state
+        progress = RunProgress(
+            seed=self.seed,
+            epochs_run=epochs_run,
+            total_epochs=self.cfg.epochs,
+            max_steps_per_epoch=self.cfg.max_steps_per_epoch,
+            global_step=self.global_step,
+            steps_in_epoch=self.steps_in_epoch,
+            global_batch=self.global_batch,
+            world_size=self.placement.world_size,
+        )
+        return RecipeState(
+            progress,
+            optimizer=self.placement.optimizer_state(self.model, self.optimizer),
+            lr_scheduler=self.scheduler.state_dict(),
+            rng=rng_state(),
+            model=self.placement.model_state(self.trainable, self.model),
+        )
 
-    def _load_state(self, progress: dict[str, Any]) -> None:
+    def _load_state(self, progress: RunProgress) -> None:
         state = self.placement.load_state(self._recipe_state(0))
-        if "model" in state:  # full precision where the checkpoint's dtype rounds; FSDP2: what trains
-            self.model.load_state_dict(state["model"], strict=False)  # (LoRA: the adapters only)
-        self.placement.set_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["lr_scheduler"])
-        if "rng" in state:
-            set_rng_state(state["rng"])
-        self.epochs_run, self.global_step = progress["epochs_run"], progress["global_step"]
-        self.steps_in_epoch = progress["steps_in_epoch"]
+        if state.model is not None:  # full precision where the checkpoint's dtype rounds; FSDP2: what trains
+            self.model.load_state_dict(state.model, strict=False)  # (LoRA: the adapters only)
+        self.placement.set_optimizer_state(self.model, self.optimizer, state.optimizer)
+        self.scheduler.load_state_dict(state.lr_scheduler)
+        if state.rng is not None:
+            set_rng_state(state.rng)
+        self.epochs_run, self.global_step = progress.epochs_run, progress.global_step
+        self.steps_in_epoch = progress.steps_in_epoch
 
     # --- training ------------------------------------------------------------------------
     def train(self) -> None:

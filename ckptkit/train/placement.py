@@ -26,15 +26,10 @@ from ckptkit.errors import CkptkitError
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
 from ckptkit.train.step import DTYPES, Reduce
 from ckptkit.train.trainable import Gather, ModelFiles, Trainable
-
-PROGRESS_KEYS = (
-    "seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "global_step", "steps_in_epoch",
-    "global_batch", "world_size",
-)  # fmt: skip
-"""The data position and the schedule it belongs to, saved in every recipe state."""
 
 TensorSource = Callable[[str], torch.Tensor]
 """A whole tensor by canonical name (read from a checkpoint, or gathered from shards)."""
@@ -44,8 +39,7 @@ TensorSource = Callable[[str], torch.Tensor]
 class Save:
     """One checkpoint to write.
 
-    ``state``: the recipe state (``progress``, ``optimizer``, ``lr_scheduler``, ``rng``, maybe
-    ``model``; None: a final checkpoint). ``tensors``: the model's state dict as placed;
+    ``state``: the recipe state (None: a final checkpoint). ``tensors``: the model's state dict as placed;
     ``sharded()``: the part a sharded checkpoint keeps (``Trainable.sharded_tensors``).
     ``files(full)`` and ``extra(full)`` are the trainable's model files and extras, given
     ``full``, a whole tensor by name. ``epoch_end``: an ``epoch_N`` checkpoint (a sharded
@@ -53,7 +47,7 @@ class Save:
     """
 
     name: str
-    state: dict[str, Any] | None
+    state: RecipeState | None
     tensors: dict[str, torch.Tensor]
     sharded: Callable[[], dict[str, torch.Tensor]]
     files: Callable[[Gather], ModelFiles | None]
@@ -90,13 +84,14 @@ class Placement:
         the model starts from the base and takes them from there)."""
         return False
 
-    def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
+    def read_progress(self, checkpointer: Checkpointer) -> RunProgress | None:
         """The saved position when resuming (None otherwise); the rest is read by ``load_state``."""
         raise NotImplementedError
 
-    def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
-        """The saved ``optimizer``, ``lr_scheduler``, ``rng`` (this rank's; absent for a rank the
-        saving run did not have) and ``model`` (when saved) in the shape of ``template``."""
+    def load_state(self, template: RecipeState) -> RecipeState:
+        """The saved optimizer, scheduler, RNG (this rank's; None for a rank the saving run did
+        not have) and model tensors (when saved) in the shape of ``template``; its progress is
+        the template's (``read_progress`` read the saved one)."""
         raise NotImplementedError
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -136,7 +131,7 @@ class SingleDevice(Placement):
                 "remove it or run the _distributed recipe"
             )
         self.device = torch.device(D.device_type(cfg.device))
-        self._state: dict[str, Any] = {}
+        self._state: RecipeState | None = None
 
     def place(self, model: nn.Module, source: TensorSource) -> None:
         missing = {k: source(k).to(v.dtype) for k, v in model.state_dict().items() if v.is_meta}
@@ -147,22 +142,24 @@ class SingleDevice(Placement):
         tensors = trainable.state_tensors(model)
         return None if tensors is None else {k: v.detach().cpu() for k, v in tensors.items()}
 
-    def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
+    def read_progress(self, checkpointer: Checkpointer) -> RunProgress | None:
         state = checkpointer.load_recipe_state()
         if state is None:
             return None
         self._state = state
-        return {k: state.get(k) for k in PROGRESS_KEYS}  # no global_batch in older states
+        return state.progress
 
-    def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
-        return {k: self._state[k] for k in template if k in self._state}
+    def load_state(self, template: RecipeState) -> RecipeState:
+        saved = self._state
+        assert saved is not None, "read_progress first"
+        model = saved.model if template.model is not None else None
+        return RecipeState(template.progress, saved.optimizer, saved.lr_scheduler, saved.rng, model)
 
     def save(self, checkpointer: Checkpointer, save: Save) -> tuple[Path | None, dict[str, Any]]:
         full = save.tensors.__getitem__
         files = save.files(full)
         weights = None if files is None else {k: files[1](k) for k in files[0]}
-        state = save.state
-        flat = None if state is None else {**state["progress"], **{k: v for k, v in state.items() if k != "progress"}}
+        flat = None if save.state is None else save.state.flat()
         return checkpointer.save(save.name, weights, recipe_state=flat, extra=save.extra(full)), {}
 
 
@@ -206,26 +203,30 @@ class FSDP2(Placement):
     def weights_in_state(self) -> bool:
         return any(k.startswith("model.") for k in self._keys)
 
-    def read_progress(self, checkpointer: Checkpointer) -> dict[str, Any] | None:
+    def read_progress(self, checkpointer: Checkpointer) -> RunProgress | None:
         if not checkpointer.resume:
             return None
         self._path = path = D.recipe_state_dir(Path(checkpointer.recipe_checkpoint or ""))
         self._keys = keys = D.recipe_state_keys(path)
-        progress: dict[str, Any] = {k: None for k in PROGRESS_KEYS}
+        progress: dict[str, Any] = dict.fromkeys(RunProgress.keys())
         if not all(f"progress.{k}" in keys for k in progress):
             raise CkptkitError(f"{path}: not a ckptkit distributed recipe state; check checkpointer.recipe_checkpoint")
         D.load_recipe_state(path, {"progress": progress})
-        return progress
+        return RunProgress.from_dict(progress)
 
-    def load_state(self, template: dict[str, Any]) -> dict[str, Any]:
-        state = {k: v for k, v in template.items() if k != "rng" and any(s.startswith(f"{k}.") for s in self._keys)}
+    def load_state(self, template: RecipeState) -> RecipeState:
+        tree = template.tree()
+        state = {k: v for k, v in tree.items() if k not in ("progress", "rng") and f"{k}." in self._prefixes()}
         mine = f"rank_{self.rank}"
         if f"rng.{mine}.torch" in self._keys:  # absent for ranks the saving run did not have
-            state["rng"] = {mine: template["rng"]}
+            state["rng"] = {mine: template.rng}
         D.load_recipe_state(self._path, state)
-        if "rng" in state:
-            state["rng"] = state["rng"][mine]
-        return state
+        rng = state["rng"][mine] if "rng" in state else None
+        return RecipeState(template.progress, state["optimizer"], state["lr_scheduler"], rng, state.get("model"))
+
+    def _prefixes(self) -> set[str]:
+        """The first part of every key of the state being resumed, with its dot."""
+        return {k.split(".", 1)[0] + "." for k in self._keys}
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -244,7 +245,7 @@ class FSDP2(Placement):
         before, start = D.rss_mib("VmRSS"), time.perf_counter()
         state: dict[str, Any] = {"model": save.sharded()}
         if save.state is not None:
-            state = {**save.state, **state, "rng": {f"rank_{self.rank}": save.state["rng"]}}
+            state = {**save.state.tree(), **state, "rng": {f"rank_{self.rank}": save.state.rng}}
         # what needs the model is taken now: the files are written while training goes on
         dtypes = {k: v.dtype for k, v in save.tensors.items()}
         source: dict[str, Gather] = {}
