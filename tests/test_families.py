@@ -239,3 +239,28 @@ def test_routing_ties_are_broken_as_transformers_breaks_them(name: str) -> None:
         values = torch.sort(probs, descending=True).values
         assert torch.equal(values[:, 1], values[:, 2])  # a tie at the edge of the top 2, every token
         assert torch.equal(torch.topk(probs, m.top_k).indices, indices)  # transformers' experts, also in order
+
+
+def test_gemma3_config_written_keeps_the_sliding_layers_rope_base(tmp_path: Path) -> None:
+    """The config.json ckptkit writes for Gemma 3 (what GGUF -> HF writes) is, to transformers,
+    the model it read: the sliding layers' rope base (set here to 20000, neither the global 1e6
+    nor the default 1e4) included, and the same logits, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+
+    src = shutil.copytree(FIXTURES / "hf" / "gemma3_text", tmp_path / "src")
+    doc = json.loads((src / "config.json").read_text())
+    doc["rope_parameters"]["sliding_attention"]["rope_theta"] = 20000.0
+    (src / "config.json").write_text(json.dumps(doc))
+    with open_checkpoint(src) as ckpt:
+        written = ckpt.family.config_to_hf(ckpt.config, "bfloat16")
+    out = shutil.copytree(src, tmp_path / "out")
+    (out / "config.json").write_text(json.dumps(written))
+    theirs, ours = (transformers.AutoConfig.from_pretrained(p) for p in (src, out))
+    assert ours.rope_parameters == theirs.rope_parameters == doc["rope_parameters"]
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))  # past the window of 5
+    with torch.no_grad():
+        want, got = (
+            transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()(ids).logits
+            for p in (src, out)
+        )
+    assert torch.equal(got, want)
