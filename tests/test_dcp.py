@@ -220,6 +220,51 @@ def _rank_save(rank: int, world: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+# Tensors sharded on a dimension other than the first or last (row-major runs of a chunk are
+# then shorter than its rows), kept under a prefix of their own and read by open_state.
+MIDDLE = {"extra.a": ((3, 7, 5), 1), "extra.b": ((2, 3, 5, 4), 1), "extra.c": ((2, 5, 3, 4), 2)}
+
+
+def _middle_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return {k: torch.randn(shape, generator=gen).to(torch.bfloat16) for k, (shape, _) in MIDDLE.items()}
+
+
+def _rank_save_middle(rank: int, world: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        tensors = _middle_tensors()
+        dcp.save(
+            {k: distribute_tensor(t, mesh, [Shard(MIDDLE[k][1])]) for k, t in tensors.items()},
+            storage_writer=dcp.FileSystemWriter(folder),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensors_sharded_on_a_middle_dimension_stitch_bitwise(tmp_path: Path) -> None:
+    from ckptkit.formats.dcp.folder import open_state
+
+    folder = tmp_path / "ckpt"
+    mp.start_processes(_rank_save_middle, args=(2, _free_port(), str(folder)), nprocs=2, start_method="fork")
+    raw = open_state(folder, "extra.")
+    for fqn, t in _middle_tensors().items():
+        name, dim = fqn.removeprefix("extra."), MIDDLE[fqn][1]
+        half = (t.shape[dim] + 1) // 2  # torch's split: the first rank takes the larger half
+        assert sorted((c.offsets[dim], c.sizes[dim]) for c in raw.entries[name].chunks) == [
+            (0, half),
+            (half, t.shape[dim] - half),
+        ]
+        assert torch.equal(_bits(raw.read(name)), _bits(t)), fqn
+        spans = raw.spans(name)
+        assert spans is not None and read_spans(spans) == _bits(t).numpy().tobytes(), fqn
+
+
 def test_two_ranks_sharded_tensors_stitch_bitwise(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     mp.start_processes(_rank_save, args=(2, _free_port(), str(folder)), nprocs=2, start_method="fork")
@@ -273,6 +318,8 @@ def test_stitching_any_chunk_grid_gives_the_row_major_bytes(tmp_path: Path) -> N
         ((6, 8), ([0, 2, 6], [0, 8])),
         ((6, 8), ([0, 6], [0, 3, 8])),
         ((4, 6, 5), ([0, 1, 4], [0, 6], [0, 2, 5])),
+        ((4, 7, 5), ([0, 4], [0, 4, 7], [0, 5])),  # a middle dimension only
+        ((3, 4, 6, 5), ([0, 3], [0, 1, 4], [0, 2, 6], [0, 5])),  # two middle dimensions
     ]:
         full = torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8)
         blob, pieces, pos = bytearray(), [], 0
@@ -373,3 +420,36 @@ def test_bad_folders_fail_with_one_line_and_write_nothing(tmp_path: Path, case: 
 def test_max_shard_size_is_refused_for_dcp(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="--shards"):
         convert(HF, tmp_path / "dcp", "dcp", max_shard_size="1MB")
+
+
+# Rows of wq (64 x 64) each chunk of a rewritten .metadata holds, and the one line refusing them.
+GRIDS = {
+    "outside": ([(1, 64)], "a chunk of 'layers.0.attention.wq.weight' lies outside its shape [64, 64]"),
+    "overlap": ([(0, 40), (39, 24)], "chunks of 'layers.0.attention.wq.weight' overlap"),  # 64 rows, row 63 in none
+    "gap": ([(0, 32), (33, 31)], "the chunks of 'layers.0.attention.wq.weight' do not cover its shape [64, 64]"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRIDS))
+def test_a_chunk_grid_that_does_not_tile_the_tensor_is_refused(tmp_path: Path, case: str) -> None:
+    """torch's own .metadata, wq's one chunk replaced by row blocks (each pointing at the stored
+    archive): one outside the tensor, two that overlap by a row (as many elements as the tensor,
+    so only the overlap check can tell), two that leave a row out."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    folder = _valid_dcp(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    fqn = "layers.0.attention.wq.weight"
+    record = meta.storage_data.pop(MetadataIndex(fqn, torch.Size([0, 0])))
+    blocks, message = GRIDS[case]
+    meta.state_dict_metadata[fqn].chunks = [
+        ChunkStorageMetadata(torch.Size([start, 0]), torch.Size([rows, 64])) for start, rows in blocks
+    ]
+    for start, _ in blocks:
+        meta.storage_data[MetadataIndex(fqn, torch.Size([start, 0]))] = record
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    code, err, _ = _cli("convert", folder, tmp_path / "out", "--to", "hf")
+    assert code == 1 and err.strip().splitlines() == [f"error: {folder / '.metadata'}: {message}"], err
+    assert not (tmp_path / "out").exists()

@@ -4,11 +4,14 @@ apart from changed bytes (verdict CAST; exit 1 as for any difference, 0 with --a
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from test_errors import copy_fixture, edit_pickle
 
 from ckptkit.convert import convert
@@ -73,6 +76,53 @@ def test_logits_compare_the_models_outputs(tmp_path: Path) -> None:
     same = run("verify", FIXTURES / "hf/llama2", FIXTURES / "hf/llama2", "--logits")
     assert same.returncode == 0
     assert same.stdout.splitlines()[-1].startswith("logits on 4 fixed prompts of 16 tokens: max abs diff 0, KL(A||B)")
+
+
+def _noisy_lm_head(dest: Path) -> Path:
+    """A copy of the llama2 fixture whose output projection carries seeded noise of its own
+    scale: a model whose next-token distributions differ from the fixture's at every position."""
+    shutil.copytree(FIXTURES / "hf/llama2", dest)
+    name = "lm_head.weight"
+    shard = dest / json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    w = tensors[name].float()
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+    tensors[name] = (w + w.std() * noise).to(tensors[name].dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return dest
+
+
+def test_logits_of_a_different_model_are_those_transformers_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KL(A || B) per position over the vocabulary, its mean and max, top-1 agreement and the max
+    abs difference, against the same figures computed here from transformers' logits (both on
+    the CPU, where the two models' float32 logits are bitwise equal: a GPU would run ckptkit's)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+    from ckptkit.train.logit_check import fixed_prompts
+
+    a, b = FIXTURES / "hf/llama2", _noisy_lm_head(tmp_path / "noisy")
+    result = CliRunner().invoke(app, ["verify", str(a), str(b), "--logits", "--json"])
+    got = json.loads(result.stdout)["logits"]
+    ids = fixed_prompts(384, 256)
+    with torch.no_grad():
+        la, lb = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)(ids).logits.double() for p in (a, b))
+    log_pa, log_pb = torch.nn.functional.log_softmax(la, -1), torch.nn.functional.log_softmax(lb, -1)
+    kl = torch.nn.functional.kl_div(log_pb, log_pa, reduction="none", log_target=True).sum(-1)  # KL(A || B)
+    reverse = torch.nn.functional.kl_div(log_pa, log_pb, reduction="none", log_target=True).sum(-1)
+    agree = (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
+    assert ids.shape == (got["prompts"], got["tokens_per_prompt"]) == (4, 16)
+    assert 0.1 < agree < 0.5  # measured 0.234 (15 of 64): neither all nor none
+    assert got["top1_agreement"] == agree
+    assert got["max_abs_logit_diff"] == (la - lb).abs().max().item()  # measured 0.650
+    # Measured 0.0131755 / 0.0150852 (the reverse direction: 0.0131838 / 0.0149429).
+    assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-12, abs=0)
+    assert got["kl_max"] == pytest.approx(kl.max().item(), rel=1e-12, abs=0)
+    assert kl.max() > 1.1 * kl.mean() and abs(reverse.max() / kl.max() - 1) > 5e-3
 
 
 @pytest.mark.parametrize("fixture", ["hf/llama2", "meta/llama2"])
