@@ -348,7 +348,8 @@ def test_a_source_without_tokenizer_is_named_in_one_line(family: str, tmp_path: 
             (src / f.name).write_bytes(f.read_bytes())
     with pytest.raises(CkptkitError) as err:
         convert(src, tmp_path / "out.gguf", "gguf")
-    assert str(err.value) == f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer"
+    message = f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer: pass --tokenizer PATH"
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
 
 

@@ -86,7 +86,11 @@ def sentencepiece_vocab(
 
 def no_tokenizer(where: Path) -> CkptkitError:
     """The error for a source without tokenizer files, named by where the user put them."""
-    return CkptkitError(f"{where}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer")
+    from ckptkit.tokenization import TOKENIZER_OPTION
+
+    return CkptkitError(
+        f"{where}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer: pass {TOKENIZER_OPTION}"
+    )
 
 
 def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[int], str]:

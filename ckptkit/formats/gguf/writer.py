@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
     """The tokenizer side of the source as an HF folder: the source itself when it is one,
     else a temporary folder with what ``--to hf`` would write beside the weights."""
-    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir():
+    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
         yield ckpt.path
         return
     from ckptkit.formats.registry import get_format
