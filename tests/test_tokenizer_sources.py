@@ -145,13 +145,16 @@ def _sentencepiece_types(sp: spm.SentencePieceProcessor) -> list[int]:
 def test_gguf_takes_the_sentencepiece_model_as_llama_cpp_reads_it(family: str, tmp_path: Path) -> None:
     """With a tokenizer.json (llama2) or without one (llama2-nfkc): pieces, scores and types
     from tokenizer.model, padded to the embeddings with llama.cpp's [PADn] fillers."""
-    convert(FIXTURES / "meta" / family, tmp_path / "m.gguf", "gguf")
+    notes = convert(FIXTURES / "meta" / family, tmp_path / "m.gguf", "gguf").notes
     tokens, scores, types = _gguf_vocab(tmp_path / "m.gguf")
     sp = spm.SentencePieceProcessor(model_file=str(FIXTURES / "meta" / family / "tokenizer.model"))
     n = sp.get_piece_size()
     assert tokens == [sp.id_to_piece(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, 384)]
     assert scores == [sp.get_score(i) for i in range(n)] + [-10000.0] * (384 - n)
     assert types == _sentencepiece_types(sp) + [5] * (384 - n)
+    # llama.cpp's sentencepiece tokenizer only escapes spaces and adds the prefix: a note says what it skips
+    skipped = "tokenizer.model maps text by its nmt_nfkc table and removes extra whitespace before splitting it"
+    assert [n.startswith(skipped) for n in notes if "llama.cpp" in n] == ([] if family == "llama2" else [True])
 
 
 # --- sentencepiece's whitespace handling, which tokenizer.json does reproduce ----------------

@@ -241,5 +241,5 @@ def write_gguf(
         add_model_card(w, folder, model_name(ckpt.path))
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_vocab(w, spec.vocab, folder, hparams)
+        ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams))
     return publish(w, tensors, dst, force, quiet, dtype in NARROWING and not allow_lossy)
