@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,12 +17,15 @@ from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
 from ckptkit.tensors.lazy import Lazy, decode_tensor, encode_tensor
-from ckptkit.untrusted import check_source_folder
+from ckptkit.tokenization import TOKENIZER_FILES, supplied_tokenizer
+from ckptkit.untrusted import check_source_folder, copy_regular_file
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "Lazy", "decode_tensor", "encode_tensor", "load_checkpoint", "open_checkpoint"]
+__all__ = [
+    "Checkpoint", "Lazy", "decode_tensor", "encode_tensor", "load_checkpoint", "open_checkpoint", "tokenizer_from",
+]  # fmt: skip
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Checkpoint:
     unused: dict[str, Lazy]
     recorded_origin: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    side_override: Path | None = None  # set by :func:`tokenizer_from`
 
     @property
     def fmt(self) -> CheckpointFormat:
@@ -68,8 +75,9 @@ class Checkpoint:
     @property
     def side_folder(self) -> Path:
         """Where the non-weight files (tokenizer, generation config) are: beside the weights,
-        or in a folder the format made for them (a GGUF's, rebuilt from its metadata)."""
-        return self.raw.files_folder() or self.path
+        or in a folder the format made for them (a GGUF's, rebuilt from its metadata), or
+        their copy with the tokenizer ``--tokenizer`` gives (:func:`tokenizer_from`)."""
+        return self.side_override or self.raw.files_folder() or self.path
 
     def extra_files(self) -> list[Path]:
         """Top-level non-weight files to carry over (tokenizer, generation config, ...)."""
@@ -84,6 +92,30 @@ class Checkpoint:
                 continue  # some format's weights, index or config: another layout shipped alongside
             out.append(p)
         return out
+
+
+@contextlib.contextmanager
+def tokenizer_from(ckpt: Checkpoint, path: str | Path | None) -> Iterator[Checkpoint]:
+    """``ckpt`` with the tokenizer files at ``path`` (``--tokenizer``: see
+    :func:`~ckptkit.tokenization.supplied_tokenizer`) in place of its own, while the context
+    lasts: its side folder is then a temporary copy of its other non-weight files and those."""
+    if path is None:
+        yield ckpt
+        return
+    given = supplied_tokenizer(Path(path))
+    with tempfile.TemporaryDirectory(prefix="ckptkit-tokenizer-") as tmp:
+        side = Path(tmp) / "files"
+        side.mkdir()
+        for extra in ckpt.extra_files():
+            if extra.name not in TOKENIZER_FILES:
+                copy_regular_file(extra, side / extra.name)
+        for name, src in given.items():
+            copy_regular_file(src, side / name)
+        ckpt.side_override = side
+        try:
+            yield ckpt
+        finally:
+            ckpt.side_override = None
 
 
 def open_checkpoint(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptkit.checkpoint import Checkpoint, open_checkpoint
+from ckptkit.checkpoint import Checkpoint, open_checkpoint, tokenizer_from
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
@@ -234,6 +234,7 @@ def convert(
     force_model_type: bool = False,
     experts: str | None = None,
     base: str | Path | None = None,
+    tokenizer: str | Path | None = None,
 ) -> Result:
     """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
 
@@ -242,7 +243,9 @@ def convert(
     ``config`` gives the model config of a source without one (``--config``); ``experts``
     (``per-expert`` / ``stacked``) how a mixture-of-experts model's experts are stored in
     ``dst`` (None: as in the source). A PEFT LoRA adapter folder ``src`` goes to a format
-    that holds adapters (:func:`convert_adapter`), ``base`` its base checkpoint.
+    that holds adapters (:func:`convert_adapter`), ``base`` its base checkpoint. ``tokenizer``
+    (``--tokenizer``) gives the tokenizer files, in place of the source's own (see
+    :func:`~ckptkit.checkpoint.tokenizer_from`).
     """
     src, dst = Path(src), Path(dst)
     if copy_method is not None and copy_method not in COPY_METHODS:
@@ -258,10 +261,12 @@ def convert(
     check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
     if src.is_dir() and is_adapter_folder(src):
         given = {"--from": from_format, "--model-type": model_type, "--config": config, "--experts": experts}
+        given["--tokenizer"] = tokenizer
         return convert_adapter(src, dst, fmt, base, dtype, force, quiet, allow_lossy_cast, given, verify)
     if base is not None and src.exists():
         raise CkptkitError(f"--base applies to a LoRA adapter SRC (a folder with {ADAPTER_CONFIG}); {src} is not one")
-    with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
+    opened = open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type)
+    with opened, tokenizer_from(opened, tokenizer) as ckpt:
         check_lossy(ckpt, dtype)
         check_experts_choice(ckpt, fmt, experts)
         if fmt.writes_file:  # one output file the format writes and publishes itself

@@ -247,6 +247,8 @@ def test_experts_are_read_one_merged_tensor_at_a_time(family: str) -> None:
 META_CASES = [(f, d) for f in ("llama2", "mistral", "mixtral") for d in OUTTYPES] + [
     ("llama3_1-real-tokenizer", d) for d in (None, "q8_0")
 ]
+# sentencepiece's default normalization (no tokenizer.json in the HF folder llama.cpp reads)
+META_CASES += [("llama2-nfkc", None)]
 # Families with no Meta layout come from ckptkit's internal format (Gemma 3's rope bases per
 # layer type, soft-capping, sliding window)
 META_CASES += [("internal/gemma3_text", None)]
@@ -348,7 +350,8 @@ def test_a_source_without_tokenizer_is_named_in_one_line(family: str, tmp_path: 
             (src / f.name).write_bytes(f.read_bytes())
     with pytest.raises(CkptkitError) as err:
         convert(src, tmp_path / "out.gguf", "gguf")
-    assert str(err.value) == f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer"
+    message = f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer: pass --tokenizer PATH"
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
 
 

@@ -4,7 +4,7 @@ model around Llama 3's, a varied corpus, and AutoTokenizer run where tiktoken, p
 sentencepiece cannot load.
 
 The real vocabularies come the way users get them, from PyPI packages: ``llama-models``
-(installed), the ``llama-cpp-python`` sdist and the ``mistral-common`` wheel (fetched once
+(installed), the ``llama-cpp-python`` and ``sentencepiece`` sdists and the ``mistral-common`` wheel (fetched once
 with pip into ``CKPTKIT_TEST_CACHE``, default: the system temp dir). Every file taken from
 them is checked by SHA-256.
 """
@@ -170,6 +170,30 @@ def _fetch_mistral(ready: Path) -> None:
             (staging / name).write_bytes(zf.read(f"mistral_common/data/{name}"))
     wheel.unlink()
     os.replace(staging, ready)
+
+
+SENTENCEPIECE = "0.2.0"
+# A unigram model with the nfkc normalizer, from sentencepiece's own tests (its sdist's test/).
+SENTENCEPIECE_TEST_MODEL_SHA256 = "4884d27bf50494e080aa99dbb868f27b68b6a3b6bd128da37ad6057c5e3cf5a2"
+
+
+def sentencepiece_test_model() -> Path:
+    """``test/test_model.model`` of the sentencepiece sdist: a unigram model (1000 pieces,
+    nfkc) that sentencepiece's own tests use."""
+    path = cache_dir() / f"sentencepiece-{SENTENCEPIECE}" / "test_model.model"
+    with _cache_lock():
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=path.parent))
+            sdist = _pip_download(f"sentencepiece=={SENTENCEPIECE}", staging, sdist=True)
+            with tarfile.open(sdist) as tar:
+                member = tar.extractfile(f"sentencepiece-{SENTENCEPIECE}/test/test_model.model")
+                assert member is not None
+                (staging / path.name).write_bytes(member.read())
+            os.replace(staging / path.name, path)
+            sdist.unlink()
+            staging.rmdir()
+    return _checked(path.parent, {path.name: SENTENCEPIECE_TEST_MODEL_SHA256}) / path.name
 
 
 def gguf_reader(path: Path) -> object:

@@ -137,6 +137,15 @@ def convert(
             "config's base_model_name_or_path, if a local folder).",
         ),
     ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            "--tokenizer",
+            metavar="PATH",
+            help="The tokenizer, for a SRC without one (DCP) or in place of its own: a tokenizer.model or "
+            "tokenizer.json, or a folder with the HF tokenizer files and/or tokenizer.model.",
+        ),
+    ] = None,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
     from ckptkit.convert import COMPUTED
@@ -162,6 +171,7 @@ def convert(
             force_model_type=force_model_type,
             experts=experts,
             base=base,
+            tokenizer=tokenizer,
         )
     if quiet:
         return

@@ -36,7 +36,8 @@ from ckptkit.tokenization.hf_files import HFTokenizer, build_hf_tokenizer
 from ckptkit.tokenization.spm_proto import write_spm_model
 
 MODEL_FILE = "tokenizer.model"
-ADD_TOKENIZER = "to have one, put the model's tokenizer.model in the source folder and convert again"
+TOKENIZER_OPTION = "--tokenizer PATH (its tokenizer.model or tokenizer.json, or a folder with its tokenizer files)"
+ADD_TOKENIZER = f"to have one, convert again with {TOKENIZER_OPTION}"
 HF_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -45,11 +46,16 @@ HF_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# What --tokenizer takes from a folder, and replaces in the source: the tokenizer itself
+TOKENIZER_FILES = (MODEL_FILE, *(name for name in HF_FILES if name != "generation_config.json"))
 __all__ = [
     "HF_FILES",
     "MODEL_FILE",
+    "TOKENIZER_FILES",
+    "TOKENIZER_OPTION",
     "HFTokenizer",
     "TokenizerPlan",
+    "supplied_tokenizer",
     "tokenizer_for_hf",
     "tokenizer_for_meta",
 ]
@@ -96,6 +102,20 @@ def _json_file(path: Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CkptkitError(f"{path}: not a JSON object")
     return doc
+
+
+def supplied_tokenizer(path: Path) -> dict[str, Path]:
+    """The tokenizer files ``--tokenizer PATH`` gives, by the name they take in the output: a
+    file (``tokenizer.json`` if its name ends in ``.json``, else ``tokenizer.model``), or
+    those of :data:`TOKENIZER_FILES` in a folder; a one-line error when there are none."""
+    if path.is_file():
+        return {"tokenizer.json" if path.suffix == ".json" else MODEL_FILE: path}
+    if not path.is_dir():
+        raise CkptkitError(f"--tokenizer {path}: no such file or folder")
+    found = {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
+    if MODEL_FILE not in found and "tokenizer.json" not in found:
+        raise CkptkitError(f"--tokenizer {path}: the folder has no tokenizer.model or tokenizer.json")
+    return found
 
 
 def _model_file(src: Path) -> Path | None:

@@ -2,7 +2,8 @@
 
 Laid out as the official HF Llama 2 / Mistral ``tokenizer.json`` files are: the pieces as
 a BPE vocabulary with byte fallback, merges ordered by the score of the piece they make
-(as sentencepiece applies them), a normalizer that adds sentencepiece's dummy ``▁`` prefix and turns spaces into ``▁``,
+(as sentencepiece applies them), a normalizer that adds sentencepiece's dummy ``▁`` prefix and turns spaces into ``▁``
+(after dropping leading, trailing and repeated spaces for a model that removes extra whitespace),
 control pieces as special added tokens, and a post-processor that puts BOS first.
 User-defined pieces are isolated by a pre-tokenizer and looked up whole, as sentencepiece
 matches them (not added as tokens: HF's layout then puts a ``▁`` after each).
@@ -20,25 +21,32 @@ from ckptkit.tokenization.bpe import bos_template, scored_merges
 from ckptkit.tokenization.spm_proto import BPE, BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Piece, SpmModel
 
 
+class NotExact(CkptkitError):
+    """A sentencepiece model that no ``tokenizer.json`` encodes exactly like (one line naming
+    it); ``why`` says what stands in the way."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: cannot be converted to tokenizer.json exactly: {why}")
+        self.why = why
+
+
 def build_tokenizer(model: SpmModel, path: Path, add_bos: bool = True) -> Any:
-    """A ``tokenizers.Tokenizer`` that encodes like ``model`` (with BOS first when ``add_bos``)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    """A ``tokenizers.Tokenizer`` that encodes like ``model`` (with BOS first when ``add_bos``);
+    :class:`NotExact` when none can."""
+    from tokenizers import AddedToken, Tokenizer, decoders
 
     why = unconvertible(model)
     if why is not None:
-        raise CkptkitError(f"{path}: cannot be converted to tokenizer.json exactly: {why}")
+        raise NotExact(path, why)
     user = [p.text for p in model.pieces if p.type == USER_DEFINED]
     merges = scored_merges([(p.text, p.score) for p in model.pieces])
     tok = Tokenizer(_bpe(model, merges, ignore_merges=bool(user)))
-    # Normalise like sentencepiece (dummy prefix on every text, spaces as ▁) rather than with a
-    # Metaspace pre-tokenizer, which skips the prefix before a leading space.
-    steps = [normalizers.Prepend("▁")] if model.add_dummy_prefix else []
-    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    tok.normalizer = _normalizer(model)
     if user:
         tok.pre_tokenizer = _user_defined_split(user, model.byte_fallback)
         why = _whole_pieces_differ(model, merges, tok.pre_tokenizer)
         if why is not None:
-            raise CkptkitError(f"{path}: cannot be converted to tokenizer.json exactly: {why}")
+            raise NotExact(path, why)
     decoding: list[Any] = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if model.add_dummy_prefix:
         decoding.append(decoders.Strip(" ", 1, 0))
@@ -47,6 +55,26 @@ def build_tokenizer(model: SpmModel, path: Path, add_bos: bool = True) -> Any:
     if add_bos and 0 <= model.bos_id < len(model.pieces):
         tok.post_processor = bos_template(model.pieces[model.bos_id].text, model.bos_id)
     return tok
+
+
+def _normalizer(model: SpmModel) -> Any:
+    """Sentencepiece's whitespace handling as normalizers: the dummy prefix on every text and
+    spaces as ▁; with ``remove_extra_whitespaces``, first leading spaces dropped and each run
+    of spaces kept as one (only U+0020: the identity normalizer maps nothing else to a space),
+    and last every ▁ at the end dropped (sentencepiece strips the escaped text, so a ▁ typed
+    at the end goes too). Normalizers rather than a Metaspace pre-tokenizer, which skips the
+    prefix before a leading space."""
+    from tokenizers import Regex, normalizers
+
+    steps: list[Any] = []
+    if model.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A "), "")]
+    if model.add_dummy_prefix:
+        steps.append(normalizers.Prepend("▁"))
+    steps.append(normalizers.Replace(" ", "▁"))
+    if model.remove_extra_whitespaces:
+        steps.append(normalizers.Replace(Regex(r"▁+\z"), ""))
+    return normalizers.Sequence(steps)
 
 
 def _bpe(model: SpmModel, merges: list[tuple[str, str]], ignore_merges: bool) -> Any:
@@ -107,15 +135,24 @@ def _whole_pieces_differ(model: SpmModel, merges: list[tuple[str, str]], pre_tok
 def unconvertible(model: SpmModel) -> str | None:
     """Why ``model`` would encode differently as this ``tokenizer.json``; None when it would not.
 
-    The layout reproduces sentencepiece's BPE with the identity normalizer, spaces escaped
-    as ``▁`` and kept as they are (Llama 2, Mistral). A unigram model, a normalization
-    map (``nmt_nfkc``), collapsed whitespace or a ``▁`` suffix would need more than that."""
+    The layout reproduces sentencepiece's BPE with the identity normalizer and spaces
+    escaped as ``▁``, kept as they are (Llama 2, Mistral) or with extra ones removed. A
+    unigram model or a ``▁`` suffix would need more than that, and so would a normalization
+    map (``nmt_nfkc``): sentencepiece applies the longest matching entry of its table
+    anywhere in the text, while the ``tokenizers`` library's ``Precompiled`` normalizer (what
+    transformers writes) maps whole grapheme clusters by their first mapped character and
+    never composes across clusters: half-width katakana with a sound mark (``ﾊﾟ``), decomposed
+    Hangul, a full-width letter with an accent come out otherwise."""
     if model.model_type != BPE:
         return "only BPE sentencepiece models can be converted (this one is a unigram model)"
     if model.precompiled_charsmap or model.normalizer_name not in ("", "identity"):
-        return f"its normalizer ({model.normalizer_name or 'a precompiled map'}) is not the identity"
-    if model.remove_extra_whitespaces:
-        return "it removes extra whitespace (remove_extra_whitespaces)"
+        name = model.normalizer_name or "a precompiled map"
+        return (
+            f"its normalizer ({name}) maps text by a table that tokenizer.json cannot apply as sentencepiece "
+            "does (half-width katakana with sound marks, decomposed Hangul...)"
+        )
+    if model.remove_extra_whitespaces and any(p.type == USER_DEFINED for p in model.pieces):
+        return "it removes extra whitespace around user-defined pieces, which sentencepiece matches unnormalized"
     if not model.escape_whitespaces or model.treat_whitespace_as_suffix:
         return "it does not mark spaces with a leading ▁"
     if len({p.text for p in model.pieces}) != len(model.pieces):

@@ -122,16 +122,16 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
     add_eos = meta_bool(h, "tokenizer.ggml.add_eos_token")
     files: dict[str, bytes] = {}
     if kind == "llama":
-        from ckptkit.tokenization.sentencepiece_bpe import build_tokenizer, unconvertible
+        from ckptkit.tokenization.sentencepiece_bpe import NotExact, build_tokenizer
 
         model = sentencepiece_model(h)
-        why = unconvertible(model)
-        if why is not None:
-            fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({why})"
-            return {}, [note(fact, NO_TOKENIZER)]
         add_bos = add_bos is not False
+        try:
+            tok = build_tokenizer(model, h.path, add_bos=add_bos)
+        except NotExact as e:
+            fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({e.why})"
+            return {}, [note(fact, NO_TOKENIZER)]
         files["tokenizer.model"] = spm.write_spm_model(model)
-        tok = build_tokenizer(model, h.path, add_bos=add_bos)
     else:
         bos_id = ids["bos"]
         tok = _bpe_tokenizer(h, bool(add_bos), tokens[bos_id] if bos_id is not None else None, bos_id)

@@ -7,7 +7,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 
 # sha256 of str(ids of CHKTXT) -> tokenizer.ggml.pre, for the byte-level BPE tokenizers of
 # our families (llama.cpp's get_vocab_base_pre knows many more and refuses the rest)
@@ -41,17 +41,33 @@ def _read_json(path: Path) -> dict[str, Any]:
     return read_json(path)[1] if path.is_file() else {}
 
 
+def _normalization_note(path: Path, model: Any) -> list[str]:
+    """A note when the sentencepiece model at ``path`` changes text before splitting it (a
+    normalization table, extra whitespace removed): llama.cpp's sentencepiece tokenizer
+    reads no GGUF key for either, as its converter writes none."""
+    what = [f"maps text by its {model.normalizer_name or 'normalization'} table"] if model.precompiled_charsmap else []
+    if model.remove_extra_whitespaces:
+        what.append("removes extra whitespace")
+    if not what:
+        return []
+    fact = f"{path.name} {' and '.join(what)} before splitting it, which llama.cpp's sentencepiece tokenizer does not"
+    return [note(fact, "to get the model's own ids from llama.cpp, normalize text that way before it tokenizes")]
+
+
 def sentencepiece_vocab(
-    folder: Path, hparams: dict[str, Any], phi3: bool = False
+    folder: Path, hparams: dict[str, Any], phi3: bool = False, notes: list[str] | None = None
 ) -> tuple[list[bytes], list[float], list[int]]:
     """llama.cpp's ``_create_vocab_sentencepiece`` (and Phi-3's variant), from ckptkit's
-    reader of the sentencepiece format."""
+    reader of the sentencepiece format; what llama.cpp will not do as the model does goes
+    into ``notes``."""
     from ckptkit.tokenization import spm_proto as spm
 
     path = folder / "tokenizer.model"
     if not path.is_file():
         raise FileNotFoundError(path)
     model = spm.read_spm_model(path)
+    if notes is not None:
+        notes.extend(_normalization_note(path, model))
     n = len(model.pieces)
     vocab_size = hparams.get("vocab_size") or n
     tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
@@ -86,7 +102,11 @@ def sentencepiece_vocab(
 
 def no_tokenizer(where: Path) -> CkptkitError:
     """The error for a source without tokenizer files, named by where the user put them."""
-    return CkptkitError(f"{where}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer")
+    from ckptkit.tokenization import TOKENIZER_OPTION
+
+    return CkptkitError(
+        f"{where}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer: pass {TOKENIZER_OPTION}"
+    )
 
 
 def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[int], str]:
@@ -147,14 +167,16 @@ def special_vocab(folder: Path, **kwargs: Any) -> Any:
     return special
 
 
-def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> None:
-    """The ``tokenizer.ggml.*`` keys, as the ``set_vocab`` of a spec's ``vocab`` kind adds them."""
+def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> list[str]:
+    """The ``tokenizer.ggml.*`` keys, as the ``set_vocab`` of a spec's ``vocab`` kind adds them;
+    returns notes on what llama.cpp will tokenize otherwise than the model's tokenizer."""
     import gguf
 
     config = _read_json(folder / "tokenizer_config.json")
+    notes: list[str] = []
 
     def spm_keys(phi3: bool = False) -> int:
-        tokens, scores, types = sentencepiece_vocab(folder, hparams, phi3)
+        tokens, scores, types = sentencepiece_vocab(folder, hparams, phi3, notes)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)
@@ -213,3 +235,4 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> None:
         gpt2_keys()
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")
+    return notes

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
     """The tokenizer side of the source as an HF folder: the source itself when it is one,
     else a temporary folder with what ``--to hf`` would write beside the weights."""
-    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir():
+    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
         yield ckpt.path
         return
     from ckptkit.formats.registry import get_format
@@ -241,5 +241,5 @@ def write_gguf(
         add_model_card(w, folder, model_name(ckpt.path))
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_vocab(w, spec.vocab, folder, hparams)
+        ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams))
     return publish(w, tensors, dst, force, quiet, dtype in NARROWING and not allow_lossy)
