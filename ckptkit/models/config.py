@@ -4,6 +4,7 @@ plus the fields only its family has (a :class:`FamilyFields` dataclass the famil
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -37,10 +38,21 @@ class FamilyFields:
     A family declares a subclass (a dataclass, every field with a default) as its
     ``Family.fields`` and its decoder features as ``decoder``; groups of fields several
     families share (a sliding window, experts, soft-capping) are small subclasses to inherit
-    from, which the native decoder and the formats recognise by type.
+    from, which the native decoder and the formats recognise by type. ``checks`` gives each
+    of the class's own fields its check (:mod:`ckptkit.models.fields`), applied where a
+    config.json or ckptkit.json holds the field.
     """
 
     decoder: ClassVar[Decoder] = Decoder()
+    checks: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    @classmethod
+    def all_checks(cls) -> dict[str, Callable[[Any], bool]]:
+        """The checks of every field, the inherited ones included."""
+        out: dict[str, Callable[[Any], bool]] = {}
+        for base in reversed(cls.__mro__):
+            out.update(vars(base).get("checks", {}))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

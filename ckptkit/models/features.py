@@ -7,12 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptkit.models.config import FamilyFields
+from ckptkit.models.fields import optional, positive_float, positive_int
 
 
 @dataclass
 class SlidingWindow(FamilyFields):
     """Attention in a window of ``sliding_window`` tokens, in the layers the family says
     (:meth:`~ckptkit.models.family.Family.sliding_windows`; None: no window)."""
+
+    checks = {"sliding_window": optional(positive_int)}
 
     sliding_window: int | None = None
 
@@ -38,4 +41,5 @@ class LocalRope(FamilyFields):
 class PartialRotary(FamilyFields):
     """Rope on this fraction of ``head_dim`` only (Phi-3)."""
 
+    checks = {"partial_rotary_factor": positive_float}
     partial_rotary_factor: float = 1.0

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import FamilyFields, ModelConfig
 from ckptkit.models.family import Family, MetaSource
+from ckptkit.models.fields import optional, positive_float, positive_int
 from ckptkit.models.gguf_spec import TEXT_MODEL_PARAMETERS, GGUFSpec
 from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
 from ckptkit.models.registry import register
@@ -35,6 +36,8 @@ LLAMA3_SCALING = {
 class MetaFFN(FamilyFields):
     """Meta's params.json spelling of the FFN size (``multiple_of``, ``ffn_dim_multiplier``),
     kept for exact round trips; None when the source did not spell it so."""
+
+    checks = {"multiple_of": optional(positive_int), "ffn_dim_multiplier": optional(positive_float)}
 
     multiple_of: int | None = None
     ffn_dim_multiplier: float | None = None

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
 from ckptkit.models.features import PartialRotary, SlidingWindow
+from ckptkit.models.fields import non_negative_float, optional, positive_int
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
@@ -38,6 +39,12 @@ PHI3_GGUF = GGUFSpec(
 @dataclass
 class Phi3Fields(SlidingWindow, PartialRotary):
     """Carried for exact config.json round trips; None when the source config lacks them."""
+
+    checks = {
+        "original_max_position_embeddings": optional(positive_int),
+        "resid_pdrop": optional(non_negative_float),
+        "embd_pdrop": optional(non_negative_float),
+    }
 
     original_max_position_embeddings: int | None = None
     resid_pdrop: float | None = None

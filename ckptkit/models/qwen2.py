@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Self
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
 from ckptkit.models.features import SlidingWindow
+from ckptkit.models.fields import boolean, non_negative_int, optional
 from ckptkit.models.gguf_spec import TEXT_MODEL_PARAMETERS, GGUFSpec
 from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, hf_common_config, hf_common_fields, hf_llama_layout
@@ -19,6 +20,8 @@ QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), TEXT_MODEL_PARAMETERS, "bp
 @dataclass
 class Qwen2Fields(SlidingWindow):
     """The window slides only with ``use_sliding_window``, in the layers from ``max_window_layers`` on."""
+
+    checks = {"use_sliding_window": boolean, "max_window_layers": optional(non_negative_int)}
 
     use_sliding_window: bool = False
     max_window_layers: int | None = None

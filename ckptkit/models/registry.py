@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.family import Family, MetaSource
+from ckptkit.models.fields import set_family_checks
 
 HFDetector = Callable[[dict[str, Any], str], str | None]
 MetaDetector = Callable[[MetaSource, str], str | None]
@@ -37,6 +38,7 @@ def register(*families: Family, detect_hf: HFDetector | None = None, detect_meta
             raise ValueError(f"model type {family.name!r} is already registered")
     for family in families:
         REGISTRY[family.name] = family
+    _checks_changed()
     if detect_hf is not None:
         _HF_DETECTORS.append(detect_hf)
     if detect_meta is not None:
@@ -47,10 +49,18 @@ def unregister(*names: str, detect_hf: HFDetector | None = None, detect_meta: Me
     """Remove the families registered as ``names`` and their detectors (tests that register their own)."""
     for name in names:
         del REGISTRY[name]
+    _checks_changed()
     if detect_hf is not None:
         _HF_DETECTORS.remove(detect_hf)
     if detect_meta is not None:
         _META_DETECTORS.remove(detect_meta)
+
+
+def _checks_changed() -> None:
+    checks: dict[str, Any] = {}
+    for family in REGISTRY.values():
+        checks |= {k: c for k, c in family.fields.all_checks().items() if k not in checks}
+    set_family_checks(checks)
 
 
 def model_types() -> list[str]:
