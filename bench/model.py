@@ -31,9 +31,9 @@ CONFIG = dict(vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num
 
 
 def canonical_config():
-    from ckptkit.models.config import ModelConfig
+    from ckptkit.models import ModelConfig, get_family
 
-    return ModelConfig(model_type="llama3", **CONFIG)
+    return ModelConfig(model_type="llama3", **CONFIG, extra=get_family("llama3").fields())
 
 
 def hf_config():

@@ -13,6 +13,8 @@ from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
 from ckptkit.models import EXPERTS_LAYOUTS
+from ckptkit.models.moe import MoEFields
+from ckptkit.models.moe import experts as experts_of
 from ckptkit.tensors.casting import checked_cast
 from ckptkit.tensors.dtypes import FLOATING, to_torch
 from ckptkit.tensors.lazy import Lazy, decoded_lazy
@@ -56,7 +58,7 @@ def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str |
         return
     if experts not in EXPERTS_LAYOUTS:
         raise CkptkitError(f"--experts must be one of {', '.join(EXPERTS_LAYOUTS)}, not {experts!r}")
-    if not ckpt.config.num_experts:
+    if experts_of(ckpt.config) is None:
         raise CkptkitError(
             f"--experts applies to mixture-of-experts models; {ckpt.path} ({ckpt.family.name}) has no experts"
         )
@@ -69,9 +71,9 @@ def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str |
 
 
 def _with_experts(ckpt: Checkpoint, layout: str) -> Checkpoint:
-    if ckpt.config.experts_layout == layout:
+    if ckpt.config.fields(MoEFields).experts_layout == layout:
         return ckpt
-    return dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, experts_layout=layout))
+    return dataclasses.replace(ckpt, config=ckpt.config.replace_fields(experts_layout=layout))
 
 
 def _offers_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat) -> bool | None:
@@ -95,12 +97,13 @@ def _experts_view(
     source's (its tensor names, or the config an internal checkpoint recorded). Orientation
     and names come from the layout's rules and the config, never from tensor shapes."""
     check_experts_choice(ckpt, fmt, experts)
-    if not ckpt.config.num_experts:
+    moe = experts_of(ckpt.config)
+    if moe is None:
         return ckpt, restore
-    recorded = ckpt.config.experts_layout
+    recorded = moe.experts_layout
     if restore:
         names = [k for f in ckpt.origin.get("files") or [] for k in f["keys"]]
-        recorded = ckpt.family.refine_config(ckpt.config, names).experts_layout
+        recorded = ckpt.family.refine_config(ckpt.config, names).fields(MoEFields).experts_layout
     want = experts or recorded
     return _with_experts(ckpt, want), restore and want == recorded
 

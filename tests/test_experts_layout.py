@@ -53,7 +53,7 @@ def test_experts_option_writes_what_transformers_saves_in_that_layout(
     assert code == 0, output
     assert _equal(_tensors(tmp_path / "out"), _tensors(FIXTURES / names[want]))
     with open_checkpoint(tmp_path / "out") as ckpt:
-        assert ckpt.config.experts_layout == want
+        assert ckpt.config.extra.experts_layout == want
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -71,7 +71,7 @@ def test_round_trip_through_the_other_layout_comes_back_in_the_source_layout(fam
     src = FIXTURES / family
     convert(src, tmp_path / "bin", "hf-bin", experts="stacked")
     with open_checkpoint(tmp_path / "bin") as ckpt:
-        assert ckpt.config.experts_layout == "stacked"
+        assert ckpt.config.extra.experts_layout == "stacked"
     convert(tmp_path / "bin", tmp_path / "int", "internal")
     convert(tmp_path / "int", tmp_path / "hf", "hf")
     for p in [*src.glob("*.safetensors"), src / "model.safetensors.index.json"]:

@@ -69,7 +69,7 @@ def test_mixtral_meta_round_trip_keeps_every_tensor(meta: str, tmp_path: Path) -
     _convert(src, tmp_path / "hf", "hf")
     _convert(tmp_path / "hf", tmp_path / "meta", "meta")
     with open_checkpoint(src) as a, open_checkpoint(tmp_path / "meta") as b:
-        assert a.family.name == "mixtral" and a.config.num_experts == 4
+        assert a.family.name == "mixtral" and a.config.extra.num_experts == 4
         assert list(a.tensors) == list(b.tensors)
         for k in a.tensors:
             assert torch.equal(a.tensors[k].get(), b.tensors[k].get()), k
@@ -102,7 +102,7 @@ def test_mixtral_is_recognised_in_meta_layout_from_params_or_its_tensors(tmp_pat
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_stacked_and_per_expert_layouts_hold_the_same_canonical_tensors(family: str) -> None:
     with open_checkpoint(FIXTURES / "hf" / family) as a, open_checkpoint(FIXTURES / "hf" / f"{family}-stacked") as b:
-        assert (a.config.experts_layout, b.config.experts_layout) == ("per-expert", "stacked")
+        assert (a.config.extra.experts_layout, b.config.extra.experts_layout) == ("per-expert", "stacked")
         assert list(a.tensors) == list(b.tensors)
         for k in a.tensors:
             assert torch.equal(a.tensors[k].get(), b.tensors[k].get()), k

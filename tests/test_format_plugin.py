@@ -62,7 +62,7 @@ class FlatFormat(CheckpointFormat):
         return get_family(raw.config["model_type"])
 
     def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
-        return ModelConfig.from_dict(raw.config["config"])
+        return ModelConfig.from_dict(raw.config["config"], family.fields)
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return Layout(head=tuple(Rule(name, (name,)) for name in canonical_shapes(cfg)), layer=())

@@ -10,7 +10,6 @@ References: llama.cpp's ``convert_hf_to_gguf.py`` (writes the GGUFs), the HF fix
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import struct
@@ -70,7 +69,7 @@ def test_llama_cpp_gguf_converts_back_to_the_hf_model_bitwise(
     assert verify_paths(src, tmp_path / "hf").identical == verify_paths(src, src).identical
     with open_checkpoint(src) as a, open_checkpoint(tmp_path / "hf") as b, open_checkpoint(gguf) as g:
         assert b.family.name == a.family.name == g.family.name
-        differ = {k for k in dataclasses.asdict(a.config) if getattr(a.config, k) != getattr(b.config, k)}
+        differ = {k for k, v in a.config.to_dict().items() if b.config.to_dict()[k] != v}
         assert differ <= NOT_IN_GGUF, differ
     import sentencepiece
 
@@ -124,7 +123,7 @@ def test_llama_cpp_moe_gguf_converts_back_in_either_experts_layout_bitwise(
         open_checkpoint(gguf) as g,
     ):
         assert a.family.name == b.family.name == g.family.name == family
-        differ = {k for k in dataclasses.asdict(a.config) if getattr(a.config, k) != getattr(b.config, k)}
+        differ = {k for k, v in a.config.to_dict().items() if b.config.to_dict()[k] != v}
         # GGUF holds the tokenizer's pad token (Qwen2's <|endoftext|>), not config.json's null
         assert differ <= NOT_IN_GGUF | {"experts_layout", "pad_token_id"}, differ
     from transformers import AutoModelForCausalLM
@@ -201,7 +200,7 @@ def test_newer_family_gguf_equals_llama_cpp_and_comes_back_bitwise_running_as_th
     assert code == 0 and "IDENTICAL" in out, out + err
     assumed = AS_LLAMA_CPP_RUNS.get(family, {})
     with open_checkpoint(src) as a, open_checkpoint(tmp_path / "hf") as b:
-        differ = {k for k in dataclasses.asdict(a.config) if getattr(a.config, k) != getattr(b.config, k)}
+        differ = {k for k, v in a.config.to_dict().items() if b.config.to_dict()[k] != v}
         # the GGUF's padding id is the tokenizer's pad token (Qwen's <|endoftext|>), null in config.json
         assert differ <= NOT_IN_GGUF | set(assumed) | {"pad_token_id"}, differ
 

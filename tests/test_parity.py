@@ -50,14 +50,12 @@ def test_hf_to_meta_equals_meta_fixture(family: str, tmp_path: Path) -> None:
 
 
 def _meta_ffn(cfg) -> tuple:
-    return cfg.multiple_of, cfg.ffn_dim_multiplier
+    return cfg.extra.multiple_of, cfg.extra.ffn_dim_multiplier
 
 
 def _same_but_ffn(a, b) -> bool:
-    import dataclasses
-
     def plain(c):
-        return dataclasses.replace(c, multiple_of=None, ffn_dim_multiplier=None)
+        return c.replace_fields(multiple_of=None, ffn_dim_multiplier=None)
 
     return plain(a) == plain(b)
 

@@ -13,7 +13,7 @@ import pytest
 from ckptkit.convert import convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import format_names
-from ckptkit.models import MODEL_TYPES
+from ckptkit.models import model_types
 
 from conftest import FIXTURES
 
@@ -33,7 +33,7 @@ def test_docs_support_matrix_is_the_command_output() -> None:
 
 def test_support_matrix_covers_every_registered_model_type_and_format() -> None:
     matrix = json.loads(ckptkit("support", "--json"))
-    assert list(matrix) == list(MODEL_TYPES)
+    assert list(matrix) == model_types()
     assert all(list(row) == list(format_names()) for row in matrix.values())
 
 

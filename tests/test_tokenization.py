@@ -138,7 +138,7 @@ def test_llama2_tokenizer_beside_the_model_folder_is_used(tmp_path: Path) -> Non
 
 def test_llama3_0_uses_the_llama3_special_list(tmp_path: Path) -> None:
     """Llama 3 (not 3.1) names its specials differently; ids of the shared ones agree with Meta's."""
-    from ckptkit.models.tokenizer_spec import LLAMA3_TOKENIZER
+    from ckptkit.models.llama import LLAMA3_TOKENIZER
     from ckptkit.tokenization.hf_files import build_hf_tokenizer
 
     hf = build_hf_tokenizer(LLAMA3_TOKENIZER, llama3_tokenizer_model(), 128256, 8192)

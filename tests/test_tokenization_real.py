@@ -24,7 +24,8 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER, MISTRAL_TOKENIZER
+from ckptkit.models.llama import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER
+from ckptkit.models.mistral import MISTRAL_TOKENIZER
 from ckptkit.tokenization.hf_files import build_hf_tokenizer
 
 from tokenizer_helpers import (

@@ -36,7 +36,9 @@ def native_model(family: str, dtype: torch.dtype = torch.float32, **overrides: A
     from ckptkit.train.transformer import build_model
 
     cfg, sd = _load(family)
-    cfg = dataclasses.replace(cfg, **overrides)
+    common = {f.name for f in dataclasses.fields(cfg)}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if k in common})
+    cfg = cfg.replace_fields(**{k: v for k, v in overrides.items() if k not in common})
     model = build_model(cfg, dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
     return model.eval()

@@ -24,7 +24,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY as FORMATS
 from ckptkit.formats import format_names, load_plugins
 from ckptkit.io import AUTO, COPY_METHODS
-from ckptkit.models import EXPERTS_LAYOUTS, MODEL_TYPES
+from ckptkit.models import EXPERTS_LAYOUTS, model_types
 from ckptkit.tensors.dtypes import CAST_TARGETS, DTYPE_ALIASES
 
 NO_COPY = "off"
@@ -49,7 +49,7 @@ def copy_method_choices() -> list[str]:
 CHOICES: dict[str, Callable[[], list[str]]] = {
     "to": lambda: list(format_names()),
     "from_": lambda: list(format_names()),
-    "model_type": lambda: list(MODEL_TYPES),
+    "model_type": model_types,
     "dtype": dtype_choices,
     "copy_method": copy_method_choices,
     "experts": lambda: list(EXPERTS_LAYOUTS),

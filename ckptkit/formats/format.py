@@ -102,7 +102,7 @@ class CheckpointFormat:
         layout in this format (asked with a small probe config)."""
         from ckptkit.models.config import ModelConfig
 
-        probe = ModelConfig(family.name, 32, 16, 1, 2, 2, 8, 32)
+        probe = ModelConfig(family.name, 32, 16, 1, 2, 2, 8, 32, extra=family.fields())
         try:
             self.layout(family, probe)
         except CkptkitError:

@@ -37,6 +37,35 @@ PATTERN = "weights{suffix}.safetensors"
 VERSION = 1
 FILE_NAME = re.compile(r"weights(-\d{5}-of-\d{5})?\.safetensors")
 
+# The config of ckptkit.json (version 1): every key in this order, a field the model type does
+# not have written as it was when all families shared one config (_V1_ABSENT); a family's own
+# fields not listed here follow them.
+_V1_ORDER = (
+    "model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "intermediate_size", "norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
+    "attention_bias", "hidden_act", "norm_plus_one", "embed_scale", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sliding_window", "use_sliding_window", "max_window_layers", "partial_rotary_factor",
+    "original_max_position_embeddings", "resid_pdrop", "embd_pdrop", "multiple_of", "ffn_dim_multiplier",
+    "input_norms", "post_norms", "qk_norm", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "layer_types", "local_rope_theta", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef", "dense_layers", "experts_layout",
+)  # fmt: skip
+_V1_ABSENT: dict[str, Any] = {
+    "sliding_window": None, "use_sliding_window": False, "max_window_layers": None, "partial_rotary_factor": 1.0,
+    "original_max_position_embeddings": None, "resid_pdrop": None, "embd_pdrop": None, "multiple_of": None,
+    "ffn_dim_multiplier": None, "query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "layer_types": None, "local_rope_theta": None, "num_experts": 0,
+    "num_experts_per_tok": 0, "moe_intermediate_size": None, "norm_topk_prob": True, "router_aux_loss_coef": 0.0,
+    "dense_layers": None, "experts_layout": "per-expert",
+}  # fmt: skip
+
+
+def config_doc(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``config`` of ckptkit.json for ``cfg`` (its keys in version 1's order)."""
+    fields = cfg.to_dict()
+    out = {k: fields.pop(k) if k in fields else _V1_ABSENT[k] for k in _V1_ORDER}
+    return out | fields
+
 
 def detect(root: Path) -> bool:
     return (root / INTERNAL_FILE).is_file()
@@ -111,7 +140,7 @@ class InternalFormat(CheckpointFormat):
         from ckptkit.models import ModelConfig
 
         try:
-            return ModelConfig.from_dict(raw.config["config"])
+            return ModelConfig.from_dict(raw.config["config"], family.fields)
         except (KeyError, TypeError) as e:
             raise CkptkitError(f"{raw.root / INTERNAL_FILE}: invalid config ({e})") from None
 
@@ -174,7 +203,7 @@ class InternalFormat(CheckpointFormat):
             "format": self.name,
             "version": VERSION,
             "model_type": ckpt.family.name,
-            "config": ckpt.config.to_dict(),
+            "config": config_doc(ckpt.config),
             "files": {f.name: f.keys for f in plan.files},
             "origin": ckpt.origin,
         }

@@ -1,10 +1,70 @@
-"""The family-independent model config every format is translated to and from."""
+"""The model config every format is translated to and from: the fields every decoder has,
+plus the fields only its family has (a :class:`FamilyFields` dataclass the family declares)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self, TypeVar
+
+from ckptkit.errors import CkptkitError
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The decoder features a family's model always uses, whatever its config says.
+
+    Attributes:
+        norm_plus_one: RMSNorm scales by ``1 + weight`` (Gemma).
+        embed_scale: the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma).
+        input_norms: norms before attention and MLP (``sa_norm``, ``mlp_norm``).
+        post_norms: norms on their outputs (``attn_post_norm``, ``mlp_post_norm``; Gemma 2/3, OLMo 2).
+        qk_norm: RMSNorm of queries and keys: ``"head"`` (per head, ``head_dim`` wide; Qwen3,
+            Gemma 3) or ``"proj"`` (over the whole projection; OLMo 2); None: none.
+    """
+
+    norm_plus_one: bool = False
+    embed_scale: bool = False
+    input_norms: bool = True
+    post_norms: bool = False
+    qk_norm: str | None = None
+
+
+@dataclass
+class FamilyFields:
+    """The config fields of one family beyond :class:`ModelConfig`'s: none here.
+
+    A family declares a subclass (a dataclass, every field with a default) as its
+    ``Family.fields`` and its decoder features as ``decoder``; groups of fields several
+    families share (a sliding window, experts, soft-capping) are small subclasses to inherit
+    from, which the native decoder and the formats recognise by type. ``checks`` gives each
+    of the class's own fields its check (:mod:`ckptkit.models.fields`), applied where a
+    config.json or ckptkit.json holds the field.
+    """
+
+    decoder: ClassVar[Decoder] = Decoder()
+    checks: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    @classmethod
+    def all_checks(cls) -> dict[str, Callable[[Any], bool]]:
+        """The checks of every field, the inherited ones included."""
+        out: dict[str, Callable[[Any], bool]] = {}
+        for base in reversed(cls.__mro__):
+            out.update(vars(base).get("checks", {}))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The fields of this class that ``data`` holds (the others keep their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+F = TypeVar("F", bound=FamilyFields)
 
 
 @dataclass
@@ -22,6 +82,9 @@ class ModelConfig:
         layers.{i}.mlp.w2.weight  (down)
         norm.scale
         output.weight                            (absent when ``tie_word_embeddings``)
+
+    plus what the family's decoder features add (:func:`ckptkit.models.shapes.canonical_shapes`).
+    ``extra`` holds the fields only the family has (its ``Family.fields``).
     """
 
     model_type: str
@@ -41,98 +104,40 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
-    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight)
-    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # Attention window: Mistral and Phi-3 slide in every layer when ``sliding_window`` is
-    # set; Qwen2 only with ``use_sliding_window``, from layer ``max_window_layers`` on
-    # (the family decides: :meth:`~ckptkit.models.family.Family.sliding_windows`).
-    sliding_window: int | None = None
-    use_sliding_window: bool = False
-    max_window_layers: int | None = None
-    partial_rotary_factor: float = 1.0  # Phi-3: rope on this fraction of head_dim
-    # Carried for exact config round trips; None when the source config lacks them.
-    original_max_position_embeddings: int | None = None  # Phi-3 config.json
-    resid_pdrop: float | None = None  # Phi-3 config.json
-    embd_pdrop: float | None = None  # Phi-3 config.json
-    multiple_of: int | None = None  # Meta params.json FFN spelling (Llama)
-    ffn_dim_multiplier: float | None = None  # Meta params.json FFN spelling (Llama)
-    # Norm placement: ``input_norms`` before attention and MLP (sa_norm, mlp_norm);
-    # ``post_norms`` on their outputs (attn_post_norm, mlp_post_norm; Gemma 2/3, OLMo 2).
-    input_norms: bool = True
-    post_norms: bool = False
-    # RMSNorm of queries and keys: "head" (per head, head_dim wide; Qwen3, Gemma 3) or
-    # "proj" (over the whole projection; OLMo 2); None: none.
-    qk_norm: str | None = None
-    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma 2/3)
-    attn_logit_softcapping: float | None = None  # cap * tanh(scores / cap) (Gemma 2)
-    final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
-    # Per-layer attention kind ("sliding_attention" / "full_attention"), when the config lists them.
-    layer_types: list[str] | None = None
-    local_rope_theta: float | None = None  # rope base of sliding-window layers (Gemma 3)
-    # Mixture of experts (0 experts: dense).  Layers in ``dense_layers`` keep a dense MLP.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int | None = None
-    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    router_aux_loss_coef: float = 0.0
-    dense_layers: list[int] | None = None
-    # How experts lie on disk: one tensor per expert ("per-expert") or stacked 3-D ("stacked").
-    experts_layout: str = "per-expert"
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return self.num_experts > 0 and layer not in (self.dense_layers or [])
+    extra: FamilyFields = field(default_factory=FamilyFields)
 
     @property
-    def expert_size(self) -> int:
-        return self.moe_intermediate_size or self.intermediate_size
+    def decoder(self) -> Decoder:
+        """The decoder features of the family."""
+        return self.extra.decoder
+
+    def fields(self, kind: type[F]) -> F:
+        """``extra`` as the family's own ``kind`` of fields; an error when it holds another's."""
+        if not isinstance(self.extra, kind):
+            raise CkptkitError(f"{self.model_type}: config has {type(self.extra).__name__}, not {kind.__name__}")
+        return self.extra
+
+    def feature(self, kind: type[F]) -> F | None:
+        """``extra`` when the family has the group of fields ``kind`` (a sliding window...), else None."""
+        return self.extra if isinstance(self.extra, kind) else None
+
+    def replace_fields(self, **changes: Any) -> ModelConfig:
+        """A copy with some of the family's own fields changed."""
+        return dataclasses.replace(self, extra=dataclasses.replace(self.extra, **changes))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The common fields, the decoder features, then the family's own fields."""
+        out = dataclasses.asdict(self)
+        del out["extra"]
+        return out | dataclasses.asdict(self.decoder) | self.extra.to_dict()
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """The inverse of :meth:`to_dict`; also reads the ``extra`` dict of older ckptkit.json files."""
-        names = {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, data: dict[str, Any], fields: type[FamilyFields] = FamilyFields) -> ModelConfig:
+        """The inverse of :meth:`to_dict` for a family whose own fields are ``fields``; also
+        reads the ``extra`` dict of older ckptkit.json files."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         merged = {**(data.get("extra") or {}), **data}
-        return cls(**{k: v for k, v in merged.items() if k in names})
-
-
-def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor of ``cfg`` with its shape, in canonical (module) order."""
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            shapes[f"{p}attn.{name}_proj.weight"] = (rows, h)
-            if cfg.attention_bias:
-                shapes[f"{p}attn.{name}_proj.bias"] = (rows,)
-        shapes[f"{p}attn.output_proj.weight"] = (h, q)
-        if cfg.qk_norm:
-            shapes[f"{p}attn.q_norm.scale"] = (hd,) if cfg.qk_norm == "head" else (q,)
-            shapes[f"{p}attn.k_norm.scale"] = (hd,) if cfg.qk_norm == "head" else (kv,)
-        if cfg.is_moe_layer(i):
-            e_inter = cfg.expert_size
-            shapes[f"{p}mlp.router.weight"] = (cfg.num_experts, h)
-            for e in range(cfg.num_experts):
-                shapes[f"{p}mlp.experts.{e}.w1.weight"] = (e_inter, h)
-                shapes[f"{p}mlp.experts.{e}.w3.weight"] = (e_inter, h)
-                shapes[f"{p}mlp.experts.{e}.w2.weight"] = (h, e_inter)
-        else:
-            shapes[f"{p}mlp.w1.weight"] = (inter, h)
-            shapes[f"{p}mlp.w3.weight"] = (inter, h)
-            shapes[f"{p}mlp.w2.weight"] = (h, inter)
-        if cfg.input_norms:
-            shapes[f"{p}sa_norm.scale"] = (h,)
-            shapes[f"{p}mlp_norm.scale"] = (h,)
-        if cfg.post_norms:
-            shapes[f"{p}attn_post_norm.scale"] = (h,)
-            shapes[f"{p}mlp_post_norm.scale"] = (h,)
-    shapes["norm.scale"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["output.weight"] = (cfg.vocab_size, h)
-    return shapes
+        return cls(**{k: v for k, v in merged.items() if k in names}, extra=fields.from_dict(merged))

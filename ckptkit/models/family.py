@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
-from ckptkit.models.config import ModelConfig
+from ckptkit.models.config import FamilyFields, ModelConfig
+from ckptkit.models.features import SlidingWindow
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.spec import Layout
 from ckptkit.models.tokenizer_spec import TokenizerSpec
@@ -35,10 +36,13 @@ class MetaSource:
 
 
 class Family:
-    """A model type. Subclasses fill in the class attributes and the config translation.
+    """A model type. Subclasses fill in the class attributes and the config translation;
+    a family module registers its families (:func:`ckptkit.models.registry.register`).
 
     Attributes:
         name: the model type users pass to ``--model-type``.
+        fields: the config fields only this family has (``ModelConfig.extra``) and the
+            decoder features it uses.
         hf_model_types: ``config.json`` ``model_type`` values this family may have.
         meta_container: ``"pth"`` or ``"safetensors"`` when the family has a Meta
             layout (Mistral publishes ``consolidated.safetensors``), else None.
@@ -53,6 +57,7 @@ class Family:
     name: ClassVar[str]
     hf_model_types: ClassVar[tuple[str, ...]]
     hf_architecture: ClassVar[str]
+    fields: ClassVar[type[FamilyFields]] = FamilyFields
     meta_container: ClassVar[str | None] = None
     vocab_parallel: ClassVar[bool] = False
     tokenizer: ClassVar[TokenizerSpec | None] = None
@@ -98,4 +103,5 @@ class Family:
     def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
         """Per-layer attention window (None: full causal attention); the same in every
         layer unless the family says otherwise."""
-        return [cfg.sliding_window] * cfg.num_layers
+        window = cfg.feature(SlidingWindow)
+        return [window.sliding_window if window else None] * cfg.num_layers

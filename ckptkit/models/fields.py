@@ -2,7 +2,9 @@
 
 ``config.json`` (Hugging Face), ``params.json`` (Meta) and the ``config`` of
 ``ckptkit.json`` (canonical) each have a table: field name -> check. A field that is
-present must pass its check; absent fields keep the defaults the families apply.
+present must pass its check; absent fields keep the defaults the families apply. The
+fields only some families have are checked as their ``FamilyFields.checks`` say (the
+registry hands them here: :func:`set_family_checks`), in config.json and ckptkit.json.
 """
 
 from __future__ import annotations
@@ -92,13 +94,6 @@ _SAME_NAME_IN_HF_AND_CANONICAL: dict[str, Check] = {
     "bos_token_id": optional(token_ids),
     "eos_token_id": optional(token_ids),
     "pad_token_id": optional(token_ids),
-    "sliding_window": optional(positive_int),
-    "use_sliding_window": boolean,
-    "max_window_layers": optional(non_negative_int),
-    "partial_rotary_factor": positive_float,
-    "original_max_position_embeddings": optional(positive_int),
-    "resid_pdrop": optional(non_negative_float),
-    "embd_pdrop": optional(non_negative_float),
 }
 _COMMON_HF = {
     "hidden_size": positive_int,
@@ -153,10 +148,17 @@ _CANONICAL = {
     "norm_plus_one": boolean,
     "embed_scale": boolean,
     **_SAME_NAME_IN_HF_AND_CANONICAL,
-    "multiple_of": optional(positive_int),
-    "ffn_dim_multiplier": optional(positive_float),
 }
 TABLES: dict[str, dict[str, Check]] = {"config.json": _COMMON_HF, "params.json": _META, "ckptkit.json": _CANONICAL}
+_FAMILY_CHECKS: dict[str, Check] = {}  # the registered families' own fields (config.json, ckptkit.json)
+
+
+def set_family_checks(checks: dict[str, Check]) -> None:
+    """The checks of the registered families' own fields (the registry's, on each change)."""
+    _FAMILY_CHECKS.clear()
+    _FAMILY_CHECKS.update(checks)
+
+
 REQUIRED = {
     "ckptkit.json": (
         "model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -169,6 +171,8 @@ def check_config_fields(file_name: str, config: dict[str, Any], where: object) -
     """A one-line error naming ``where`` and the field unless every known field present in
     ``config`` has its type and range (and, for ckptkit.json, every needed one is there)."""
     table = TABLES.get(file_name, {})
+    if file_name in ("config.json", "ckptkit.json"):
+        table = table | {k: c for k, c in _FAMILY_CHECKS.items() if k not in table}
     for key in REQUIRED.get(file_name, ()):
         if key not in config:
             raise CkptkitError(f"{where}: missing field {key!r}")

@@ -1,6 +1,6 @@
 """How llama.cpp's ``convert_hf_to_gguf.py`` writes (and so reads back) a family: data that
-the ``gguf`` format interprets, so that a new family is a :class:`GGUFSpec` on its class,
-not an edit of the format.
+the ``gguf`` format interprets, so that a new family is a :class:`GGUFSpec` on its class
+(in its own module), not an edit of the format.
 
 llama.cpp picks its model class by the HF ``architectures`` name; a family inherits its
 parent's spec only where its own HF architecture is one the spec lists (Mixtral and Qwen3
@@ -75,113 +75,16 @@ class GGUFExperts:
 
 
 # llama.cpp's TextModel.set_gguf_parameters, the keys our families have
-_TEXT = (
+TEXT_MODEL_PARAMETERS = (
     "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
     "rope_scaling", "rope_freq_base?", "layer_norm_rms_eps?", "head_dim?", "file_type",
 )  # fmt: skip
 
-LLAMA_GGUF = GGUFSpec(
-    "llama",
-    ("LlamaForCausalLM", "MistralForCausalLM"),
-    (*_TEXT, "vocab_size", "rope_dimension_count"),
-    "llama",
-    permute_qk=True,
-    rope_freqs=True,
-)
-GEMMA_GGUF = GGUFSpec(
-    "gemma",
-    ("GemmaForCausalLM",),
-    (
-        "context_length",
-        "embedding_length",
-        "block_count",
-        "feed_forward_length",
-        "head_count",
-        "head_count_kv",
-        "layer_norm_rms_eps",
-        "head_dim",
-        "file_type",
-    ),  # fmt: skip
-    "gemma",
-    norm_plus_one=True,
-    drops_output=True,
-)
-PHI3_GGUF = GGUFSpec(
-    "phi3",
-    ("Phi3ForCausalLM",),
-    (
-        "context_length",
-        "rope_original_context",
-        "embedding_length",
-        "feed_forward_length",
-        "block_count",
-        "head_count",
-        "head_count_kv",
-        "layer_norm_rms_eps",
-        "rope_partial_dimensions",
-        "rope_freq_base",
-        "file_type",
-        "sliding_window",
-    ),  # fmt: skip
-    "phi3",
-)
-QWEN2_GGUF = GGUFSpec("qwen2", ("Qwen2ForCausalLM",), _TEXT, "bpe_or_spm")
-
-# --- qwen3 ----------------------------------------------------------------------------------
-QWEN3_GGUF = GGUFSpec("qwen3", ("Qwen3ForCausalLM",), _TEXT, "bpe_or_spm")
-
-# --- gemma2 ---------------------------------------------------------------------------------
-GEMMA2_GGUF = GGUFSpec(
-    "gemma2",
-    ("Gemma2ForCausalLM",),
-    (*GEMMA_GGUF.parameters, "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"),
-    "spm_unprefixed",
-    norm_plus_one=True,
-    drops_output=True,
-    sliding_pattern=2,
-    query_scale_layers=(46,),
-)
-
-# --- gemma3_text ----------------------------------------------------------------------------
-# llama.cpp's Gemma3Model: TextModel's keys (rewritten in place with its defaults), then these
-_GEMMA3 = (
-    "block_count", "context_length?", "embedding_length", "feed_forward_length", "head_count", "head_count_kv?",
-    "rope_scaling", "rope_freq_base?", "rope_freq_base_swa?", "layer_norm_rms_eps?", "head_dim?", "file_type",
-    "final_logit_softcapping?", "sliding_window",
-)  # fmt: skip
-GEMMA3_GGUF = GGUFSpec(
-    "gemma3",
-    ("Gemma3ForCausalLM",),
-    _GEMMA3,
-    "spm_unprefixed_or_bpe",
-    norm_plus_one=True,
-    sliding_pattern=6,
-    query_scale_layers=(62,),
-    embeddings_to_vocab=True,
-)
-
-# --- olmo2 ----------------------------------------------------------------------------------
-OLMO2_GGUF = GGUFSpec("olmo2", ("Olmo2ForCausalLM",), _TEXT, "bpe")
-
-# --- mixture of experts: Mixtral (llama.cpp's LlamaModel) and Qwen3-MoE (Qwen3MoeModel) ---
 # TextModel adds expert_count / expert_used_count after the norm epsilon when config.json has them.
-_EPS = _TEXT.index("layer_norm_rms_eps?") + 1
-_MOE_TEXT = (*_TEXT[:_EPS], "expert_count", "expert_used_count", *_TEXT[_EPS:])
-
-MIXTRAL_GGUF = GGUFSpec(
-    "llama",
-    ("MixtralForCausalLM",),
-    (*_MOE_TEXT, "vocab_size", "rope_dimension_count"),
-    "llama",
-    permute_qk=True,
-    rope_freqs=True,
-    experts=GGUFExperts(("w1", "w2", "w3")),
-)
-QWEN3MOE_GGUF = GGUFSpec(
-    "qwen3moe",
-    ("Qwen3MoeForCausalLM",),
-    (*_MOE_TEXT, "expert_feed_forward_length?"),
-    "bpe",
-    experts=GGUFExperts(("w2", "w1", "w3"), takes_stacked=True),
-    implied=(("norm_topk_prob", True),),  # llama.cpp's qwen3moe graph always renormalises the top k
+_EPS = TEXT_MODEL_PARAMETERS.index("layer_norm_rms_eps?") + 1
+MOE_TEXT_MODEL_PARAMETERS = (
+    *TEXT_MODEL_PARAMETERS[:_EPS],
+    "expert_count",
+    "expert_used_count",
+    *TEXT_MODEL_PARAMETERS[_EPS:],
 )

@@ -8,16 +8,19 @@ the FFN size from ``dim``, ``multiple_of`` and ``ffn_dim_multiplier``.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptkit.errors import CkptkitError
-from ckptkit.models.config import ModelConfig
+from ckptkit.models.config import FamilyFields, ModelConfig
 from ckptkit.models.family import Family, MetaSource
-from ckptkit.models.gguf_spec import LLAMA_GGUF
+from ckptkit.models.fields import optional, positive_float, positive_int
+from ckptkit.models.gguf_spec import TEXT_MODEL_PARAMETERS, GGUFSpec
 from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
+from ckptkit.models.registry import register
 from ckptkit.models.rope_freqs import rope_freqs_bytes
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout, rope_parameters
-from ckptkit.models.tokenizer_spec import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TOKENIZER
+from ckptkit.models.tokenizer_spec import SENTENCEPIECE, TIKTOKEN, TokenizerSpec
 from ckptkit.tensors.lazy import Lazy, bytes_lazy
 from ckptkit.tensors.transforms import COPY, ROPE_K, ROPE_Q, TIED
 
@@ -27,6 +30,107 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+@dataclass
+class MetaFFN(FamilyFields):
+    """Meta's params.json spelling of the FFN size (``multiple_of``, ``ffn_dim_multiplier``),
+    kept for exact round trips; None when the source did not spell it so."""
+
+    checks = {"multiple_of": optional(positive_int), "ffn_dim_multiplier": optional(positive_float)}
+
+    multiple_of: int | None = None
+    ffn_dim_multiplier: float | None = None
+
+
+# llama.cpp's LlamaModel (Mistral's too): q/k rows back in Meta's order, Llama 3 rope scaling
+# as the rope_freqs tensor.
+LLAMA_GGUF = GGUFSpec(
+    "llama",
+    ("LlamaForCausalLM", "MistralForCausalLM"),
+    (*TEXT_MODEL_PARAMETERS, "vocab_size", "rope_dimension_count"),
+    "llama",
+    permute_qk=True,
+    rope_freqs=True,
+)
+
+# --- tokenizers -----------------------------------------------------------------------------
+# Meta's Llama 3.x ship a tiktoken rank file whose special tokens live only in Meta's code:
+# 256 of them, appended after the ranked tokens in a fixed order (Llama 3 and Llama 3.1+ name
+# some differently). Llama 2 ships a sentencepiece model. The HF side (BOS/EOS, stop tokens,
+# sampling defaults, chat template) follows the official HF repos and Meta's own generation code.
+RESERVED_SPECIALS = 256
+
+
+def _llama3_specials(named: list[str], first_reserved: int) -> tuple[str, ...]:
+    reserved = [f"<|reserved_special_token_{first_reserved + i}|>" for i in range(RESERVED_SPECIALS - len(named))]
+    return (*named, *reserved)
+
+
+# Meta Llama 3 (April 2024).
+LLAMA3_SPECIALS = _llama3_specials(
+    [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|reserved_special_token_2|>",
+        "<|reserved_special_token_3|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|reserved_special_token_4|>",
+        "<|eot_id|>",
+    ],
+    5,
+)
+# Meta Llama 3.1 and later (llama_models' tokenizer).
+LLAMA3_1_SPECIALS = _llama3_specials(
+    [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|step_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
+        "<|image|>",
+    ],
+    2,
+)
+
+# Meta's chat format for Llama 3.x (llama_models' ChatFormat): a header per message, the
+# content as given, <|eot_id|> after it; the prompt ends with an open assistant header.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+META_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}  # Meta's generation defaults
+
+
+def _llama3(specials: tuple[str, ...], stop: tuple[str, ...]) -> TokenizerSpec:
+    return TokenizerSpec(
+        TIKTOKEN,
+        specials,
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        stop,
+        META_SAMPLING,
+        LLAMA3_CHAT_TEMPLATE,
+    )
+
+
+LLAMA2_TOKENIZER = TokenizerSpec(SENTENCEPIECE, generation={**META_SAMPLING, "pad_token": "<unk>"})
+LLAMA3_TOKENIZER = _llama3(LLAMA3_SPECIALS, ("<|end_of_text|>", "<|eot_id|>"))
+LLAMA3_1_TOKENIZER = _llama3(LLAMA3_1_SPECIALS, ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
 
 
 def meta_layer_rules() -> tuple[Rule, ...]:
@@ -57,6 +161,7 @@ class Llama2(Family):
     gguf = LLAMA_GGUF
     hf_model_types = ("llama",)
     hf_architecture = "LlamaForCausalLM"
+    fields: ClassVar[type[MetaFFN]] = MetaFFN
     meta_container = "pth"
     vocab_parallel = False
     default_theta: ClassVar[float] = 10000.0
@@ -89,10 +194,10 @@ class Llama2(Family):
         return {**LLAMA3_SCALING, "factor": self.rope_factor}
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
-        return hf_common_config(cfg, self.name)
+        return hf_common_config(cfg, self.name, self.fields())
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-        out = hf_common_fields(cfg, self.hf_architecture, "llama", dtype)
+        out = hf_common_fields(cfg, self.hf_architecture, self.hf_model_types[0], dtype)
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1, initializer_range=0.02)
         return out
 
@@ -139,12 +244,12 @@ class Llama2(Family):
             rope_scaling=self.rope_scaling() if scaled else None,
             max_position_embeddings=self.max_positions,
             tie_word_embeddings=tied,
-            multiple_of=multiple_of,
-            ffn_dim_multiplier=mult,
+            extra=self.fields(multiple_of=multiple_of, ffn_dim_multiplier=mult),
         )
 
     def _meta_ffn(self, cfg: ModelConfig) -> tuple[int, float | None]:
-        mo, mult = cfg.multiple_of, cfg.ffn_dim_multiplier
+        ffn = cfg.fields(MetaFFN)
+        mo, mult = ffn.multiple_of, ffn.ffn_dim_multiplier
         if mo is not None and meta_ffn_size(cfg.hidden_size, mo, mult) == cfg.intermediate_size:
             return mo, mult
         return meta_ffn_params(cfg.hidden_size, cfg.intermediate_size)
@@ -212,9 +317,6 @@ class Llama3_2(Llama3_1):
     rope_factor = 32.0
 
 
-FAMILIES = (Llama2(), Llama3(), Llama3_1(), Llama3_2())
-
-
 def meta_tied(src: MetaSource) -> bool:
     """Whether Meta's output.weight repeats tok_embeddings (Llama 3.2 vs 3.1).
 
@@ -265,3 +367,6 @@ def detect_meta(src: MetaSource, where: str) -> str:
             f"{where}: cannot tell which Llama this is (rope_theta {params.get('rope_theta')}); pass --model-type"
         )
     return name
+
+
+register(Llama2(), Llama3(), Llama3_1(), Llama3_2(), detect_hf=detect_hf, detect_meta=detect_meta)

@@ -1,15 +1,24 @@
-"""Mistral: Llama's naming, GQA, and Meta-style ``consolidated.safetensors`` releases."""
+"""Mistral: Llama's naming, GQA, a sliding window, and Meta-style ``consolidated.safetensors`` releases."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import MetaSource
-from ckptkit.models.llama import Llama3
-from ckptkit.models.spec import hf_common_fields
-from ckptkit.models.tokenizer_spec import MISTRAL_TOKENIZER
+from ckptkit.models.features import SlidingWindow
+from ckptkit.models.llama import Llama3, MetaFFN
+from ckptkit.models.registry import register
+from ckptkit.models.spec import hf_common_config, hf_common_fields
+from ckptkit.models.tokenizer_spec import SENTENCEPIECE, TokenizerSpec
+
+MISTRAL_TOKENIZER = TokenizerSpec(SENTENCEPIECE)  # Mistral's sentencepiece model, nothing more
+
+
+@dataclass
+class MistralFields(MetaFFN, SlidingWindow):
+    """Llama's Meta FFN spelling and a sliding window in every layer."""
 
 
 class Mistral(Llama3):
@@ -17,13 +26,17 @@ class Mistral(Llama3):
     tokenizer = MISTRAL_TOKENIZER
     hf_model_types = ("mistral",)
     hf_architecture = "MistralForCausalLM"
+    fields: ClassVar[type[MistralFields]] = MistralFields
     meta_container = "safetensors"
     default_theta = 1000000.0
     max_positions = 32768
 
+    def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
+        return hf_common_config(cfg, self.name, self.fields(sliding_window=cfg.get("sliding_window")))
+
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = hf_common_fields(cfg, self.hf_architecture, "mistral", dtype)
-        out.update(sliding_window=cfg.sliding_window, initializer_range=0.02)
+        out.update(sliding_window=cfg.fields(SlidingWindow).sliding_window, initializer_range=0.02)
         return out
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -38,13 +51,13 @@ class Mistral(Llama3):
             "vocab_size": cfg.vocab_size,
             "rope_theta": cfg.rope_theta,
         }
-        if cfg.sliding_window:
-            out["sliding_window"] = cfg.sliding_window
+        window = cfg.fields(SlidingWindow).sliding_window
+        if window:
+            out["sliding_window"] = window
         return out
 
     def config_from_meta(self, src: MetaSource) -> ModelConfig:
-        model = super().config_from_meta(src)
-        return dataclasses.replace(model, sliding_window=src.params.get("sliding_window"))
+        return super().config_from_meta(src).replace_fields(sliding_window=src.params.get("sliding_window"))
 
 
 def detect_meta(src: MetaSource, where: str) -> str | None:
@@ -54,4 +67,4 @@ def detect_meta(src: MetaSource, where: str) -> str | None:
     return None
 
 
-FAMILIES = (Mistral(),)
+register(Mistral(), detect_meta=detect_meta)

@@ -6,24 +6,43 @@ section in ``params.json``. Experts and router are whole on every Meta rank."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import MetaSource
-from ckptkit.models.gguf_spec import MIXTRAL_GGUF
+from ckptkit.models.features import SlidingWindow
+from ckptkit.models.gguf_spec import MOE_TEXT_MODEL_PARAMETERS, GGUFExperts, GGUFSpec
 from ckptkit.models.llama import meta_layer_rules, meta_output_rule
-from ckptkit.models.mistral import Mistral
-from ckptkit.models.moe import expert_rules, experts_layout_of
+from ckptkit.models.mistral import Mistral, MistralFields
+from ckptkit.models.moe import MoEFields, expert_rules, experts_layout_of
+from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_llama_layout
+
+# llama.cpp's LlamaModel, with TextModel's expert keys
+MIXTRAL_GGUF = GGUFSpec(
+    "llama",
+    ("MixtralForCausalLM",),
+    (*MOE_TEXT_MODEL_PARAMETERS, "vocab_size", "rope_dimension_count"),
+    "llama",
+    permute_qk=True,
+    rope_freqs=True,
+    experts=GGUFExperts(("w1", "w2", "w3")),
+)
+
+
+@dataclass
+class MixtralFields(MistralFields, MoEFields):
+    """Mistral's fields and experts in every layer."""
 
 
 class Mixtral(Mistral):
     name = "mixtral"
     hf_model_types = ("mixtral",)
     hf_architecture = "MixtralForCausalLM"
+    fields: ClassVar[type[MixtralFields]] = MixtralFields
     meta_container = "pth"
     gguf = MIXTRAL_GGUF
 
@@ -34,7 +53,7 @@ class Mixtral(Mistral):
         moe = expert_rules(
             cfg, 0, p + "block_sparse_moe.", ("w1", "w3", "w2"), p + "block_sparse_moe.gate.weight", p + "mlp."
         )
-        if cfg.experts_layout == "stacked":
+        if cfg.fields(MoEFields).experts_layout == "stacked":
             moe = (Rule(p + "mlp.gate.weight", moe[0].canonical), *moe[1:])
         moe = tuple(
             Rule(r.native, tuple(c.replace("layers.0.", "layers.{i}.") for c in r.canonical), r.kind) for r in moe
@@ -45,7 +64,7 @@ class Mixtral(Mistral):
         f = "layers.{i}.feed_forward."
         layer = tuple(r for r in meta_layer_rules() if ".feed_forward." not in r.native)
         moe: list[Rule] = [Rule(f + "gate.weight", ("layers.{i}.mlp.router.weight",))]
-        for e in range(cfg.num_experts):
+        for e in range(cfg.fields(MoEFields).num_experts):
             for w in ("w1", "w2", "w3"):
                 moe.append(Rule(f"{f}experts.{e}.{w}.weight", (f"layers.{{i}}.mlp.experts.{e}.{w}.weight",)))
         return Layout(
@@ -58,23 +77,24 @@ class Mixtral(Mistral):
         return experts_layout_of(cfg, names)
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
-        return hf_common_config(
-            cfg,
-            self.name,
+        own = self.fields(
+            sliding_window=cfg.get("sliding_window"),
             num_experts=int(cfg.get("num_local_experts") or 8),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 2),
             router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
             norm_topk_prob=True,
         )
+        return hf_common_config(cfg, self.name, own)
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = hf_common_fields(cfg, self.hf_architecture, self.hf_model_types[0], dtype)
+        moe = cfg.fields(MoEFields)
         out.update(
-            sliding_window=cfg.sliding_window,
+            sliding_window=cfg.fields(SlidingWindow).sliding_window,
             initializer_range=0.02,
-            num_local_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            router_aux_loss_coef=cfg.router_aux_loss_coef,
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok,
+            router_aux_loss_coef=moe.router_aux_loss_coef,
             output_router_logits=False,
         )
         return out
@@ -90,19 +110,21 @@ class Mixtral(Mistral):
                     "(Mixtral routes each token to 2)"
                 )
             raise CkptkitError("params.json has no 'moe' section with num_experts: not a Mixtral")
-        model = super().config_from_meta(src)
-        return dataclasses.replace(
-            model,
-            model_type=self.name,
-            num_experts=int(moe["num_experts"]),
-            num_experts_per_tok=int(moe.get("num_experts_per_tok", 2)),
-            norm_topk_prob=True,
-            router_aux_loss_coef=0.001,
+        return (
+            super()
+            .config_from_meta(src)
+            .replace_fields(
+                num_experts=int(moe["num_experts"]),
+                num_experts_per_tok=int(moe.get("num_experts_per_tok", 2)),
+                norm_topk_prob=True,
+                router_aux_loss_coef=0.001,
+            )
         )
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
         out = super().config_to_meta(cfg)
-        out["moe"] = {"num_experts_per_tok": cfg.num_experts_per_tok, "num_experts": cfg.num_experts}
+        moe = cfg.fields(MoEFields)
+        out["moe"] = {"num_experts_per_tok": moe.num_experts_per_tok, "num_experts": moe.num_experts}
         return out
 
 
@@ -112,4 +134,4 @@ def detect_meta(src: MetaSource, where: str) -> str | None:
     return "mixtral" if moe or any(k.startswith("layers.0.feed_forward.experts.") for k in src.shapes) else None
 
 
-FAMILIES = (Mixtral(),)
+register(Mixtral(), detect_meta=detect_meta)

@@ -3,19 +3,59 @@ split into canonical q/k/v and w1/w3 and fused back exactly."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
-from ckptkit.models.gguf_spec import PHI3_GGUF
+from ckptkit.models.features import PartialRotary, SlidingWindow
+from ckptkit.models.fields import non_negative_float, optional, positive_int
+from ckptkit.models.gguf_spec import GGUFSpec
+from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
 from ckptkit.tensors.transforms import FUSED
+
+PHI3_GGUF = GGUFSpec(
+    "phi3",
+    ("Phi3ForCausalLM",),
+    (
+        "context_length",
+        "rope_original_context",
+        "embedding_length",
+        "feed_forward_length",
+        "block_count",
+        "head_count",
+        "head_count_kv",
+        "layer_norm_rms_eps",
+        "rope_partial_dimensions",
+        "rope_freq_base",
+        "file_type",
+        "sliding_window",
+    ),  # fmt: skip
+    "phi3",
+)
+
+
+@dataclass
+class Phi3Fields(SlidingWindow, PartialRotary):
+    """Carried for exact config.json round trips; None when the source config lacks them."""
+
+    checks = {
+        "original_max_position_embeddings": optional(positive_int),
+        "resid_pdrop": optional(non_negative_float),
+        "embd_pdrop": optional(non_negative_float),
+    }
+
+    original_max_position_embeddings: int | None = None
+    resid_pdrop: float | None = None
+    embd_pdrop: float | None = None
 
 
 class Phi3(Family):
     name = "phi3"
     hf_model_types = ("phi3",)
     hf_architecture = "Phi3ForCausalLM"
+    fields: ClassVar[type[Phi3Fields]] = Phi3Fields
     gguf = PHI3_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
@@ -40,23 +80,24 @@ class Phi3(Family):
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        return hf_common_config(
-            cfg,
-            self.name,
+        own = Phi3Fields(
+            sliding_window=cfg.get("sliding_window"),
             partial_rotary_factor=partial,
             original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
             resid_pdrop=cfg.get("resid_pdrop"),
             embd_pdrop=cfg.get("embd_pdrop"),
         )
+        return hf_common_config(cfg, self.name, own)
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = hf_common_fields(cfg, self.hf_architecture, "phi3", dtype)
-        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+        own = cfg.fields(Phi3Fields)
+        out["rope_parameters"]["partial_rotary_factor"] = own.partial_rotary_factor
         for key in ("original_max_position_embeddings", "sliding_window", "resid_pdrop", "embd_pdrop"):
-            if getattr(cfg, key) is not None:
-                out[key] = getattr(cfg, key)
+            if getattr(own, key) is not None:
+                out[key] = getattr(own, key)
         out.update(initializer_range=0.02)
         return out
 
 
-FAMILIES = (Phi3(),)
+register(Phi3())

@@ -4,15 +4,38 @@ keys (``q_norm``/``k_norm``); Qwen3-MoE swaps the MLP of most layers for experts
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from ckptkit.models.config import ModelConfig
-from ckptkit.models.gguf_spec import QWEN3_GGUF, QWEN3MOE_GGUF
-from ckptkit.models.moe import expert_rules, experts_layout_of
-from ckptkit.models.qwen2 import Qwen2
+from ckptkit.models.config import Decoder, ModelConfig
+from ckptkit.models.gguf_spec import MOE_TEXT_MODEL_PARAMETERS, TEXT_MODEL_PARAMETERS, GGUFExperts, GGUFSpec
+from ckptkit.models.moe import MoEFields, expert_rules, expert_size, experts_layout_of, is_moe_layer
+from ckptkit.models.qwen2 import Qwen2, Qwen2Fields
+from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_llama_layout
+
+QWEN3_GGUF = GGUFSpec("qwen3", ("Qwen3ForCausalLM",), TEXT_MODEL_PARAMETERS, "bpe_or_spm")
+QWEN3MOE_GGUF = GGUFSpec(
+    "qwen3moe",
+    ("Qwen3MoeForCausalLM",),
+    (*MOE_TEXT_MODEL_PARAMETERS, "expert_feed_forward_length?"),
+    "bpe",
+    experts=GGUFExperts(("w2", "w1", "w3"), takes_stacked=True),
+    implied=(("norm_topk_prob", True),),  # llama.cpp's qwen3moe graph always renormalises the top k
+)
+
+
+@dataclass
+class Qwen3Fields(Qwen2Fields):
+    """Qwen2's window fields; queries and keys RMS-normed per head."""
+
+    decoder = Decoder(qk_norm="head")
+
+
+@dataclass
+class Qwen3MoeFields(Qwen3Fields, MoEFields):
+    """Qwen3's fields and experts in the layers ``mlp_only_layers`` / ``decoder_sparse_step`` leave them."""
 
 
 def qk_norm_rules() -> tuple[Rule, ...]:
@@ -29,6 +52,7 @@ class Qwen3(Qwen2):
     name = "qwen3"
     hf_model_types = ("qwen3",)
     hf_architecture = "Qwen3ForCausalLM"
+    fields: ClassVar[type[Qwen3Fields]] = Qwen3Fields
     gguf = QWEN3_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
@@ -37,13 +61,7 @@ class Qwen3(Qwen2):
         return Layout(base.head, base.layer[:o] + qk_norm_rules() + base.layer[o:], base.tail, base.unused)
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
-        return hf_common_config(
-            cfg,
-            self.name,
-            qk_norm="head",
-            use_sliding_window=bool(cfg.get("use_sliding_window", False)),
-            max_window_layers=cfg.get("max_window_layers"),
-        )
+        return hf_common_config(cfg, self.name, self.fields.from_hf(cfg))
 
     def attention_fields(self, cfg: ModelConfig) -> dict[str, Any]:
         return {"attention_bias": cfg.attention_bias}
@@ -53,6 +71,7 @@ class Qwen3Moe(Qwen3):
     name = "qwen3_moe"
     hf_model_types = ("qwen3_moe",)
     hf_architecture = "Qwen3MoeForCausalLM"
+    fields: ClassVar[type[Qwen3MoeFields]] = Qwen3MoeFields
     gguf = QWEN3MOE_GGUF
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
@@ -62,10 +81,10 @@ class Qwen3Moe(Qwen3):
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}.mlp."
             for r in base.layer:
-                if ".mlp." in r.native and cfg.is_moe_layer(i):
+                if ".mlp." in r.native and is_moe_layer(cfg, i):
                     continue
                 rules.append(r.at(i))
-                if r.native.endswith("k_norm.weight") and cfg.is_moe_layer(i):
+                if r.native.endswith("k_norm.weight") and is_moe_layer(cfg, i):
                     rules += expert_rules(cfg, i, p, ("gate_proj", "up_proj", "down_proj"), p + "gate.weight", p)
         return Layout(tuple(rules), (), base.tail, base.unused)
 
@@ -78,9 +97,7 @@ class Qwen3Moe(Qwen3):
         step = int(cfg.get("decoder_sparse_step") or 1)
         only = set(cfg.get("mlp_only_layers") or [])
         dense = [i for i in range(model.num_layers) if i in only or not (experts > 0 and (i + 1) % step == 0)]
-        return dataclasses.replace(
-            model,
-            model_type=self.name,
+        return model.replace_fields(
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size"),
@@ -91,18 +108,19 @@ class Qwen3Moe(Qwen3):
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out = super().config_to_hf(cfg, dtype)
+        moe = cfg.fields(MoEFields)
         out.update(
-            num_experts=cfg.num_experts,
-            num_local_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.expert_size,
-            norm_topk_prob=cfg.norm_topk_prob,
-            router_aux_loss_coef=cfg.router_aux_loss_coef,
+            num_experts=moe.num_experts,
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok,
+            moe_intermediate_size=expert_size(cfg),
+            norm_topk_prob=moe.norm_topk_prob,
+            router_aux_loss_coef=moe.router_aux_loss_coef,
             decoder_sparse_step=1,
-            mlp_only_layers=list(cfg.dense_layers or []),
+            mlp_only_layers=list(moe.dense_layers or []),
             output_router_logits=False,
         )
         return out
 
 
-FAMILIES = (Qwen3(), Qwen3Moe())
+register(Qwen3(), Qwen3Moe())

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.models.config import ModelConfig
+from ckptkit.models.config import FamilyFields, ModelConfig
 from ckptkit.tensors.transforms import COPY, TIED, Transform
 
 
@@ -110,8 +110,9 @@ def hf_rope_fields(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def hf_common_config(cfg: dict[str, Any], model_type: str, **overrides: Any) -> ModelConfig:
-    """The ModelConfig fields every HF decoder config spells the same way."""
+def hf_common_config(cfg: dict[str, Any], model_type: str, extra: FamilyFields, **overrides: Any) -> ModelConfig:
+    """The ModelConfig fields every HF decoder config spells the same way, with ``extra``, the
+    family's own (read by the family)."""
     theta, scaling = rope_parameters(cfg)
     heads = cfg["num_attention_heads"]
     values: dict[str, Any] = dict(
@@ -133,10 +134,9 @@ def hf_common_config(cfg: dict[str, Any], model_type: str, **overrides: Any) -> 
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         pad_token_id=cfg.get("pad_token_id"),
-        sliding_window=cfg.get("sliding_window"),
     )
     values.update(overrides)
-    return ModelConfig(**values)
+    return ModelConfig(**values, extra=extra)
 
 
 def hf_common_fields(cfg: ModelConfig, architecture: str, hf_model_type: str, dtype: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
+from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
 
@@ -22,8 +23,9 @@ def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
     from ckptkit.models import get_family
     from ckptkit.tensors.transforms import FUSED
 
-    cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True)
-    rules = get_family(model_type).hf_layout(cfg).expand(1)
+    family = get_family(model_type)
+    cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True, extra=family.fields())
+    rules = family.hf_layout(cfg).expand(1)
     return {
         r.native.removesuffix(".weight"): tuple(c.removesuffix(".weight") for c in r.canonical)
         for r in rules
@@ -50,12 +52,13 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
     leaves = resolve_targets(targets)
     short = {leaf: name for name, leaf in TARGETS.items()}
     moe = sorted(leaves & {EXPERTS, "router"})
-    if moe and not cfg.num_experts:
+    has_experts = experts(cfg)
+    if moe and has_experts is None:
         raise CkptkitError(
             f"lora.targets: {cfg.model_type} has no experts; remove {' and '.join(moe)} from lora.targets"
         )
     dense_mlp = sorted(leaves & {"w1", "w2", "w3"})
-    if dense_mlp and cfg.num_experts and not cfg.dense_layers:
+    if dense_mlp and has_experts is not None and not has_experts.dense_layers:
         names = " ".join(short.get(leaf, leaf) for leaf in dense_mlp)
         raise CkptkitError(
             f"lora.targets: {names} adapt dense MLPs and every {cfg.model_type} layer has experts instead: "

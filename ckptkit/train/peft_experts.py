@@ -33,6 +33,7 @@ import torch
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
+from ckptkit.models.moe import experts
 from ckptkit.tensors.transforms import Stacked
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -60,9 +61,9 @@ class MoeParam:
 def moe_params(cfg: ModelConfig) -> list[MoeParam]:
     """Every stacked expert tensor, router and dense MLP weight of ``cfg``'s HF model
     (transformers 5) that PEFT adapts as a parameter, in order."""
-    if not cfg.num_experts:
+    if experts(cfg) is None:
         return []
-    stacked = dataclasses.replace(cfg, experts_layout="stacked")
+    stacked = cfg.replace_fields(experts_layout="stacked")
     out = []
     for rule in get_family(cfg.model_type).hf_layout(stacked).expand(cfg.num_layers):
         modules = tuple(c.removesuffix(".weight") for c in rule.canonical)

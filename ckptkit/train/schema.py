@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from ckptkit.formats import torchtune_checkpointers
-from ckptkit.models import MODEL_TYPES
+from ckptkit.models import model_types
 from ckptkit.train.config import (
     Bool,
     NonNegativeFloat,
@@ -33,8 +33,8 @@ def _model_type(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     name = _TORCHTUNE_MODEL_TYPES.get(value.lower(), value.lower())
-    if name not in MODEL_TYPES:
-        raise ValueError(f"unknown model type {value!r}; supported: {', '.join(MODEL_TYPES)}")
+    if name not in model_types():
+        raise ValueError(f"unknown model type {value!r}; supported: {', '.join(model_types())}")
     return name
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
+from ckptkit.models.moe import experts
 from ckptkit.train.data import TokenizedDataset, collate
 from ckptkit.train.lora import decoder_layers
 from ckptkit.train.samples import IGNORE_INDEX, Sample
@@ -52,13 +53,14 @@ class StepStats:
 def router_aux_weight(coef: float | None, model: ModelConfig) -> float:
     """The weight of the router's load-balancing loss: ``coef`` (the recipe's
     ``router_aux_loss_coef``), else the model's own (``config.json``); 0 without experts."""
-    if not model.num_experts:
+    moe = experts(model)
+    if moe is None:
         if coef:
             raise CkptkitError(
                 f"router_aux_loss_coef applies to mixture-of-experts models; {model.model_type} has no experts"
             )
         return 0.0
-    return model.router_aux_loss_coef if coef is None else coef
+    return moe.router_aux_loss_coef if coef is None else coef
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:

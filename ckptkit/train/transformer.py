@@ -1,9 +1,11 @@
 """One readable decoder-only transformer for every ckptkit model type.
 
-Llama 2/3/3.1/3.2, Mistral, Qwen2, Gemma and Phi-3 differ only in a few knobs of
-:class:`~ckptkit.models.config.ModelConfig` (biases, tied output, Gemma's
-``(1 + w)`` norm and scaled embeddings, GeGLU, Llama 3 rope scaling), so one
-module tree serves them all. Module and parameter names are the canonical
+The families differ only in the decoder features they use: the knobs of
+:class:`~ckptkit.models.config.ModelConfig` (biases, tied output, GeGLU, Llama 3 rope
+scaling), their :class:`~ckptkit.models.config.Decoder` (Gemma's ``(1 + w)`` norm and
+scaled embeddings, norm placement, q/k norms) and the groups of fields they carry
+(:mod:`ckptkit.models.features`, experts), so one module tree composes them all and never
+asks which family it runs. Module and parameter names are the canonical
 tensor names, so ``Transformer(cfg).load_state_dict(canonical_sd)`` just works.
 
 q/k weights are in the HF rotate-half layout, hence :func:`rotate_half` rope.
@@ -23,6 +25,8 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models import get_family
 from ckptkit.models.config import ModelConfig
+from ckptkit.models.features import LocalRope, PartialRotary, SoftCapping
+from ckptkit.models.moe import MoEFields, expert_size, is_moe_layer
 from ckptkit.train.moe_loss import load_balancing_loss
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -50,12 +54,19 @@ class RMSNorm(nn.Module):
         return self.scale * normed.type_as(x)  # Llama: cast, then x * w
 
 
+def _local_theta(cfg: ModelConfig) -> float | None:
+    local = cfg.feature(LocalRope)
+    return local.local_rope_theta if local else None
+
+
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse rotary frequencies (float32), with Llama 3 scaling if configured; ``local``:
     those of sliding-window layers with their own base (``local_rope_theta``, unscaled)."""
-    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    partial = cfg.feature(PartialRotary)
+    dim = int(cfg.head_dim * (partial.partial_rotary_factor if partial else 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    theta = cfg.local_rope_theta if local and cfg.local_rope_theta else cfg.rope_theta
+    local_theta = _local_theta(cfg)
+    theta = local_theta if local and local_theta else cfg.rope_theta
     inv_freq = 1.0 / (theta**exponents)
     scaling = None if local else cfg.rope_scaling
     rope_type = (scaling or {}).get("rope_type", scaling and scaling.get("type")) or "default"
@@ -139,18 +150,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.output_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            head = cfg.qk_norm == "head"
+        decoder = cfg.decoder
+        self.qk_norm = decoder.qk_norm
+        if decoder.qk_norm:
+            head = decoder.qk_norm == "head"
             q_dim, k_dim = (
                 (cfg.head_dim, cfg.head_dim)
                 if head
                 else (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
             )
-            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, cfg.norm_plus_one)
-            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, cfg.norm_plus_one)
-        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
-        self.softcap = cfg.attn_logit_softcapping
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, decoder.norm_plus_one)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, decoder.norm_plus_one)
+        caps = cfg.feature(SoftCapping)
+        scalar = caps.query_pre_attn_scalar if caps else None
+        self.scale = scalar**-0.5 if scalar else None
+        self.softcap = caps.attn_logit_softcapping if caps else None
 
     def forward(
         self,
@@ -227,9 +241,10 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.expert_size) for _ in range(cfg.num_experts))
+        moe = cfg.fields(MoEFields)
+        self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(cfg, expert_size(cfg)) for _ in range(moe.num_experts))
         self.router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,15 +270,16 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        h, eps, plus = cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one
-        self.input_norms, self.post_norms = cfg.input_norms, cfg.post_norms
-        if cfg.input_norms:
+        decoder = cfg.decoder
+        h, eps, plus = cfg.hidden_size, cfg.norm_eps, decoder.norm_plus_one
+        self.input_norms, self.post_norms = decoder.input_norms, decoder.post_norms
+        if decoder.input_norms:
             self.sa_norm = RMSNorm(h, eps, plus)
         self.attn = Attention(cfg, layer_idx)
-        if cfg.input_norms:
+        if decoder.input_norms:
             self.mlp_norm = RMSNorm(h, eps, plus)
-        self.mlp: nn.Module = SparseMoE(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg)
-        if cfg.post_norms:  # Gemma 2/3, OLMo 2: norms on the sublayers' outputs
+        self.mlp: nn.Module = SparseMoE(cfg) if is_moe_layer(cfg, layer_idx) else GatedMLP(cfg)
+        if decoder.post_norms:  # Gemma 2/3, OLMo 2: norms on the sublayers' outputs
             self.attn_post_norm = RMSNorm(h, eps, plus)
             self.mlp_post_norm = RMSNorm(h, eps, plus)
 
@@ -284,10 +300,10 @@ class Transformer(nn.Module):
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_plus_one)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.decoder.norm_plus_one)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
-        self.local_rope = RotaryEmbedding(cfg, local=True) if cfg.local_rope_theta else None
+        self.local_rope = RotaryEmbedding(cfg, local=True) if _local_theta(cfg) else None
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
 
     def forward(
@@ -314,7 +330,7 @@ class Transformer(nn.Module):
                 position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
 
         x = self.tok_embeddings(input_ids)
-        if self.config.embed_scale:  # Gemma; the normalizer is rounded to the weight dtype like transformers
+        if self.config.decoder.embed_scale:  # Gemma; the normalizer is rounded to the weight dtype like transformers
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rope(position_ids, x.dtype)
         # Sliding-window layers with their own rope base (Gemma 3) use the local tables.
@@ -327,7 +343,8 @@ class Transformer(nn.Module):
             cache.length += T
         x = self.norm(x)
         logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
-        cap = self.config.final_logit_softcapping
+        caps = self.config.feature(SoftCapping)
+        cap = caps.final_logit_softcapping if caps else None
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
@@ -344,8 +361,8 @@ class Transformer(nn.Module):
         logits = self.router_logits()
         if not logits:
             return None
-        cfg = self.config
-        return load_balancing_loss(logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask, reduce)
+        moe = self.config.fields(MoEFields)
+        return load_balancing_loss(logits, moe.num_experts, moe.num_experts_per_tok, attention_mask, reduce)
 
     @staticmethod
     def _attention_mask(
@@ -382,7 +399,7 @@ class Transformer(nn.Module):
         """Random init for training from scratch (normal linears/embeddings, unit norms)."""
         for name, p in self.named_parameters():
             if name.endswith(".scale"):
-                nn.init.zeros_(p) if self.config.norm_plus_one else nn.init.ones_(p)
+                nn.init.zeros_(p) if self.config.decoder.norm_plus_one else nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
             else:

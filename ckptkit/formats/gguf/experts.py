@@ -13,12 +13,12 @@ needs one merged tensor in memory at a time, never the model.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
+from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.models.spec import Rule
 from ckptkit.tensors.transforms import STACKED
 
@@ -44,7 +44,7 @@ def merged_name(layer: int | str, w: str) -> str:
 
 def per_expert(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` with one tensor per expert: the HF layout a GGUF's experts are read through."""
-    return dataclasses.replace(cfg, experts_layout="per-expert")
+    return cfg.replace_fields(experts_layout="per-expert")
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -58,14 +58,14 @@ def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts)
 
     cfg = ckpt.config
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == spec.arch)
-    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    dense = [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]
     if dense and gguf.MODEL_TENSOR.FFN_GATE not in gguf.MODEL_TENSORS[arch]:
         raise CkptkitError(
             f"{ckpt.path}: llama.cpp's {spec.arch} has experts in every layer, but layer(s) "
             f"{', '.join(map(str, dense))} of this {ckpt.family.name} model have a dense MLP; "
             "llama.cpp cannot write it as GGUF"
         )
-    if experts.takes_stacked or cfg.experts_layout == "per-expert":
+    if experts.takes_stacked or cfg.fields(MoEFields).experts_layout == "per-expert":
         return ckpt, False
     view = copy.copy(ckpt)  # the same tensors, named one per expert
     view.config = per_expert(cfg)
@@ -79,7 +79,7 @@ class ExpertMerger:
     def __init__(self, ckpt: OpenedCheckpoint, experts: GGUFExperts) -> None:
         self.tensors = ckpt.tensors
         self.order = experts.order
-        self.n = ckpt.config.num_experts
+        self.n = ckpt.config.fields(MoEFields).num_experts
         self.parts: dict[str, tuple[int, list[str]]] = {}  # HF name -> (layer, canonical parts)
         for rule in ckpt.family.hf_layout(ckpt.config).expand(ckpt.config.num_layers):
             found = [EXPERT.fullmatch(c) for c in rule.canonical]

@@ -20,6 +20,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
 from ckptkit.formats.gguf.params import rope
 from ckptkit.models.gguf_spec import GGUFSpec
+from ckptkit.models.moe import experts
 
 if TYPE_CHECKING:
     import torch
@@ -190,7 +191,7 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
 
     spec = spec_of(ckpt.family, ckpt.path)
     merger, regrouped = None, False
-    if spec.experts is not None and ckpt.config.num_experts:
+    if spec.experts is not None and experts(ckpt.config) is not None:
         ckpt, regrouped = llama_cpp_view(ckpt, spec, spec.experts)
         merger = ExpertMerger(ckpt, spec.experts)
     hf_targets, _ = get_format("hf").targets(ckpt, {}, with_optional=False)
