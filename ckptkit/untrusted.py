@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -96,12 +95,6 @@ def check_source_folder(root: Path) -> None:
     for p in entries:
         if not p.name.startswith("."):
             check_entry(root, p)
-
-
-def copy_regular_file(src: Path, dst: Path) -> None:
-    """Copy the bytes of a regular file (its permissions come from the umask, not ``src``)."""
-    with open_regular_file(src) as f, open(dst, "xb") as out:
-        shutil.copyfileobj(f, out, 1 << 20)
 
 
 # --- names ------------------------------------------------------------------------------
