@@ -49,11 +49,6 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def open_regular_file(path: Path, buffering: int = -1) -> Any:
-    """:func:`open_regular` as a binary file object."""
-    return os.fdopen(open_regular(path), "rb", buffering=buffering)
-
-
 def check_regular(path: Path) -> None:
     """A one-line error unless ``path`` (followed) is a regular file."""
     os.close(open_regular(path))
