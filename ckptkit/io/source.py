@@ -155,6 +155,7 @@ def is_dir(path: Path) -> bool:
 
 
 def exists(path: Path) -> bool:
+    """Whether ``path`` is a mounted file or folder, or anything on this disk."""
     return is_file(path) or is_dir(path) or path.exists()
 
 
