@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import CheckpointFormat, detect_format, get_format, is_checkpoint_file, recorded_origin
 from ckptkit.formats.base import RawCheckpoint
+from ckptkit.io import entries, is_file
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
@@ -85,8 +86,8 @@ class Checkpoint:
         if self.raw.index:
             skip.add(self.raw.index["name"])
         out = []
-        for p in sorted(self.side_folder.iterdir()):
-            if not p.is_file() or p.name in skip or p.name.startswith("."):
+        for p in entries(self.side_folder):
+            if not is_file(p) or p.name in skip or p.name.startswith("."):
                 continue
             if is_checkpoint_file(p.name):
                 continue  # some format's weights, index or config: another layout shipped alongside

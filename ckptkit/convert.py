@@ -19,12 +19,11 @@ from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
-from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
+from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, copy_file, direct_pays, publishing, total_bytes
 from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.tensors.transforms import RANKS
-from ckptkit.untrusted import copy_regular_file
 
 __all__ = [
     "COMPUTED", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_files",
@@ -343,7 +342,7 @@ def write_files(
     target_format(plan.format).finish(ckpt, plan, folder)
     for extra in ckpt.extra_files():
         if extra.name not in plan.tokenizer.skip:
-            copy_regular_file(extra, folder / extra.name)
+            copy_file(extra, folder / extra.name)
     for name, data in plan.tokenizer.files.items():
         (folder / name).write_bytes(data)
     return by_method

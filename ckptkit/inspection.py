@@ -11,6 +11,7 @@ from ckptkit.formats import detect_format, source_file_format
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.single_file import read_single_file
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import exists, is_dir
 
 
 def inspect_path(path: str | Path, model_type: str | None = None, config: str | Path | None = None) -> dict[str, Any]:
@@ -19,9 +20,9 @@ def inspect_path(path: str | Path, model_type: str | None = None, config: str | 
     Returns the object ``ckptkit inspect --json`` prints.
     """
     p = Path(path)
-    if not p.exists():
+    if not exists(p):
         raise CkptkitError(f"{p}: no such file or directory")
-    if p.is_dir() or source_file_format(p) is not None:  # a checkpoint, folder or one file (GGUF)
+    if is_dir(p) or source_file_format(p) is not None:  # a checkpoint, folder or one file (GGUF)
         return _inspect_dir(p, model_type, None if config is None else Path(config))
     single = read_single_file(p)  # a weight file or an index: which ones, the format knows
     return _describe(single.format, None, single.files, single.infos, {i.name: i for i in single.infos})

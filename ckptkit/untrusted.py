@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -48,11 +47,6 @@ def open_regular(path: Path) -> int:
         raise CkptkitError(f"{path}: is {_kind(mode)}, not a regular file; refusing to read it")
     os.set_blocking(fd, True)
     return fd
-
-
-def open_regular_file(path: Path, buffering: int = -1) -> Any:
-    """:func:`open_regular` as a binary file object."""
-    return os.fdopen(open_regular(path), "rb", buffering=buffering)
 
 
 def check_regular(path: Path) -> None:
@@ -96,12 +90,6 @@ def check_source_folder(root: Path) -> None:
     for p in entries:
         if not p.name.startswith("."):
             check_entry(root, p)
-
-
-def copy_regular_file(src: Path, dst: Path) -> None:
-    """Copy the bytes of a regular file (its permissions come from the umask, not ``src``)."""
-    with open_regular_file(src) as f, open(dst, "xb") as out:
-        shutil.copyfileobj(f, out, 1 << 20)
 
 
 # --- names ------------------------------------------------------------------------------

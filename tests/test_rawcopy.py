@@ -416,20 +416,23 @@ def test_safetensors_reads_survive_short_reads_and_name_a_file_cut_after_opening
     import ckptkit.formats.safetensors_io as st_io
 
     save_file(sd, str(tmp_path / "m.safetensors"))
-    opened = st_io.open_regular_file
+    opened = st_io.open_source
 
-    class Short:
+    class Short:  # a source file read 7 bytes at a time, never through its descriptor
         def __init__(self, f) -> None:
             self.f = f
 
-        def readinto(self, view) -> int:
-            return self.f.readinto(memoryview(view)[:7])
+        def readinto(self, view, offset: int) -> int:
+            return self.f.readinto(memoryview(view)[:7], offset)
+
+        def fileno(self) -> None:
+            return None
 
         def __getattr__(self, name: str):
             return getattr(self.f, name)
 
     reader = SafetensorsReader(tmp_path / "m.safetensors")
-    monkeypatch.setattr(st_io, "open_regular_file", lambda *a, **k: Short(opened(*a, **k)))
+    monkeypatch.setattr(st_io, "open_source", lambda *a, **k: Short(opened(*a, **k)))
     assert all(_raw(reader.read(k)) == _raw(t) for k, t in sd.items())
     reader.close()
     name = max(sd, key=lambda k: reader.span(k).offset)  # the last tensor in the file

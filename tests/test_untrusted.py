@@ -645,30 +645,28 @@ def test_a_safetensors_header_of_exactly_the_limit_is_read_and_one_byte_more_is_
 def test_a_safetensors_header_the_disk_fails_to_read_is_one_line_with_the_os_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import contextlib
     import errno
 
     from ckptkit.formats import safetensors_io
 
     path = _safetensors(tmp_path / "m.safetensors", {"a": _entry([0, 8])}, 8)
 
-    class Failing:  # a file whose reads fail as on a failing disk
-        def __init__(self) -> None:
-            self.fd = os.open(path, os.O_RDONLY)
+    class Failing:  # a source file whose reads fail as on a failing disk
+        def size(self) -> int:
+            return path.stat().st_size
 
-        def fileno(self) -> int:
-            return self.fd
-
-        def read(self, n: int) -> bytes:
+        def readinto(self, view: memoryview, offset: int) -> int:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    failing = Failing()
-    monkeypatch.setattr(safetensors_io, "open_regular_file", lambda p: contextlib.nullcontext(failing))
-    try:
-        with pytest.raises(CkptkitError) as info:
-            safetensors_io.SafetensorsReader(path)
-    finally:
-        os.close(failing.fd)
+        def fileno(self) -> None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(safetensors_io, "open_source", lambda p: Failing())
+    with pytest.raises(CkptkitError) as info:
+        safetensors_io.SafetensorsReader(path)
     assert str(info.value) == f"{path}: cannot read: {os.strerror(errno.EIO)}"
 
 

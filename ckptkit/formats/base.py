@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import Span, read_spans, take
+from ckptkit.io import Span, open_source, read_at, read_spans, take
 from ckptkit.models.fields import check_config_fields
 from ckptkit.tensors.transforms import RANKS
 from ckptkit.tokenization import TokenizerPlan
-from ckptkit.untrusted import loads_json, open_regular_file
+from ckptkit.untrusted import loads_json
 
 if TYPE_CHECKING:
     import torch
@@ -199,8 +199,13 @@ class OpenedCheckpoint(Protocol):
 def read_json(path: Path) -> tuple[str, dict[str, Any]]:
     """A JSON object file as (text, parsed); one-line errors for unreadable or invalid ones."""
     try:
-        with open_regular_file(path) as f:
-            text = f.read(MAX_JSON_BYTES + 1).decode("utf-8")
+        src = open_source(path)
+        try:
+            text = read_at(src, 0, min(src.size(), MAX_JSON_BYTES + 1)).decode("utf-8")
+        finally:
+            src.close()
+    except EOFError:
+        raise CkptkitError(f"{path}: changed while it was read (shorter than its size)") from None
     except OSError as e:
         raise CkptkitError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
+from ckptkit.io import is_file, size_of
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
@@ -131,12 +132,12 @@ class CheckpointFormat:
         unchecked, with the file it came from (:func:`ckptkit.formats.sidecar.recorded_origin`
         checks it)."""
         path = raw.root / ORIGIN_FILE
-        if not path.is_file():
+        if not is_file(path):
             return None
         try:
             _, doc = read_json(path)
             written = doc["written"]
-            sizes = {name: (raw.root / name).stat().st_size for name in raw.files}
+            sizes = {name: size_of(raw.root / name) for name in raw.files}
             if written["format"] != raw.format or written["files"] != sizes:
                 return None
             return doc["origin"], path

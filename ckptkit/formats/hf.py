@@ -26,6 +26,7 @@ from ckptkit.formats.containers import is_safetensors, open_tensor_file
 from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import entries, is_file
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
 
@@ -39,7 +40,7 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
     config_text, config = read_config(root / "config.json")
     index_path = root / fmt.index_name
     index = None
-    if index_path.is_file():
+    if is_file(index_path):
         text, data = read_json(index_path)
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -48,7 +49,7 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
             plain_name(shard, index_path, fmt.weight_file, "shard name")
         names = sorted(set(weight_map.values()), key=natural_key)
         for name in names:
-            if not (root / name).is_file():
+            if not is_file(root / name):
                 raise CkptkitError(f"{index_path}: names shard {name}, which does not exist")
         index = {"name": index_path.name, "text": text}
     else:
@@ -132,12 +133,12 @@ class HFFormat(CheckpointFormat):
         self.weight_file = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
 
     def weight_files(self, root: Path) -> list[Path]:
-        found = (p for p in root.iterdir() if self.weight_file.fullmatch(p.name))
+        found = (p for p in entries(root) if self.weight_file.fullmatch(p.name))
         return sorted(found, key=lambda p: natural_key(p.name))
 
     def detect(self, root: Path) -> bool:
-        has_weights = bool(self.weight_files(root)) or (root / self.index_name).is_file()
-        return (root / "config.json").is_file() and has_weights
+        has_weights = bool(self.weight_files(root)) or is_file(root / self.index_name)
+        return is_file(root / "config.json") and has_weights
 
     def open(self, root: Path) -> RawCheckpoint:
         if not self.detect(root):

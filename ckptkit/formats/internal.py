@@ -24,6 +24,7 @@ from ckptkit.formats.format import CheckpointFormat, size_sharded_files
 from ckptkit.formats.registry import find_format, register
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import is_file
 from ckptkit.models.fields import check_config_fields
 from ckptkit.untrusted import plain_name
 
@@ -68,7 +69,7 @@ def config_doc(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def detect(root: Path) -> bool:
-    return (root / INTERNAL_FILE).is_file()
+    return is_file(root / INTERNAL_FILE)
 
 
 def open_raw(root: Path) -> RawCheckpoint:
@@ -88,7 +89,7 @@ def open_raw(root: Path) -> RawCheckpoint:
         raise CkptkitError(f"{root / INTERNAL_FILE}: invalid 'files' (expected file name -> list of tensor names)")
     for name, keys in listed.items():
         path = root / plain_name(name, root / INTERNAL_FILE, FILE_NAME, "weight file name")
-        if not path.is_file():
+        if not is_file(path):
             raise CkptkitError(f"{root / INTERNAL_FILE}: names weight file {name}, which does not exist")
         reader: Any = SafetensorsReader(path)
         if set(reader.infos) != set(keys):

@@ -30,6 +30,7 @@ from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
 from ckptkit.formats.torchtune import torchtune_files
+from ckptkit.io import entries, is_file
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_meta
 
 if TYPE_CHECKING:
@@ -64,13 +65,13 @@ def split_dim(name: str, ndim: int, vocab_parallel: bool) -> int | None:
 
 def rank_files(root: Path) -> list[Path]:
     """Meta's own naming: ``consolidated.NN.pth``, one per model-parallel rank."""
-    return sorted((p for p in root.iterdir() if RANK_FILE.fullmatch(p.name)), key=lambda p: natural_key(p.name))
+    return sorted((p for p in entries(root) if RANK_FILE.fullmatch(p.name)), key=lambda p: natural_key(p.name))
 
 
 def mistral_file(root: Path) -> list[Path]:
     """Mistral's releases: one ``consolidated.safetensors``."""
     single = root / SAFETENSORS_FILE
-    return [single] if single.is_file() else []
+    return [single] if is_file(single) else []
 
 
 # The file namings Meta-layout weights come in, tried in order; the first that finds files wins.
@@ -89,7 +90,7 @@ def weight_files(root: Path) -> list[Path]:
 
 
 def detect(root: Path) -> bool:
-    return (root / "params.json").is_file() and bool(weight_files(root))
+    return is_file(root / "params.json") and bool(weight_files(root))
 
 
 def open_raw(root: Path) -> RawCheckpoint:

@@ -4,11 +4,13 @@ keys and config mean for a model is :mod:`ckptkit.train.peft_io`'s business."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import is_file, is_local, read_file
 
 if TYPE_CHECKING:
     import torch
@@ -20,16 +22,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def is_adapter_folder(folder: Path) -> bool:
     """Whether ``folder`` holds a PEFT adapter (its config file; weights are checked on read)."""
-    return (folder / ADAPTER_CONFIG).is_file()
+    return is_file(folder / ADAPTER_CONFIG)
 
 
 def read_adapter_config(folder: Path) -> dict[str, Any]:
     """The adapter's ``adapter_config.json``, or a one-line error naming the folder."""
     path = folder / ADAPTER_CONFIG
-    if not path.is_file():
+    if not is_file(path):
         raise CkptkitError(f"{folder} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_file(path).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CkptkitError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
@@ -51,11 +53,15 @@ def adapter_base(folder: Path, base: Path | None) -> Path:
 
 def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """The adapter's tensors, keys as stored; a ``.bin`` one without running pickled code."""
-    from safetensors.torch import load_file
+    from ckptkit.formats.safetensors_io import SafetensorsReader
 
-    if (folder / ADAPTER_WEIGHTS).is_file():
-        return load_file(str(folder / ADAPTER_WEIGHTS))
-    if (folder / ADAPTER_WEIGHTS_BIN).is_file():
+    if is_file(folder / ADAPTER_WEIGHTS):
+        reader = SafetensorsReader(folder / ADAPTER_WEIGHTS)
+        try:
+            return {name: reader.read(name) for name in reader.infos}  # in data order, as load_file gives
+        finally:
+            reader.close()
+    if is_file(folder / ADAPTER_WEIGHTS_BIN):
         return _load_bin(folder / ADAPTER_WEIGHTS_BIN)
     raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
 
@@ -79,7 +85,8 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
     try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        where = path if is_local(path) else io.BytesIO(read_file(path))
+        tensors = torch.load(where, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickled objects, truncated zips...: the message says which file
         raise CkptkitError(
             f"{path}: not a plain file of tensors ({type(exc).__name__}); ckptkit runs no pickled code: "

@@ -10,19 +10,21 @@ subset raises :class:`UnsupportedPickle` and the caller falls back to ``torch.lo
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickletools
 import re
 import struct
 import zipfile
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, cast
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import Window, open_source
 from ckptkit.tensors.dtypes import ITEMSIZE
-from ckptkit.untrusted import open_regular_file
 
 STORAGES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
@@ -215,7 +217,8 @@ class StoredRecord(NamedTuple):
 def read_index(path: Path) -> tuple[dict[str, TensorMeta], dict[str, StoredRecord]]:
     """The tensors of a zip-format ``torch.save`` file and its checked storage records
     (by key); UnsupportedPickle for a file that is not a zip archive."""
-    with open_regular_file(path) as f:
+    src = open_source(path)
+    with closing(src), io.BufferedReader(Window(src)) as f:
         try:
             z = zipfile.ZipFile(f)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
@@ -248,7 +251,8 @@ def archive_facts(path: Path) -> dict[str, str] | None:
     or hashed id). Recorded so that converting back writes the same bytes; None for a file
     that is not such an archive."""
     try:
-        with open_regular_file(path) as f, zipfile.ZipFile(f) as z:
+        src = open_source(path)
+        with closing(src), io.BufferedReader(Window(src)) as f, zipfile.ZipFile(f) as z:
             prefix, members, _ = check_members(path, z, f)
             facts = {"archive": prefix}
             zi = members.get(f"{prefix}/.data/serialization_id")
@@ -284,7 +288,7 @@ def check_members(
     directory (what torch's reader checks). ``size``: the archive's size, when it is a
     window of a larger file (a DCP chunk); default the file's."""
     if size is None:
-        size = os.fstat(f.fileno()).st_size
+        size = f.seek(0, os.SEEK_END)
     members: dict[str, zipfile.ZipInfo] = {}
     offsets: dict[str, int] = {}
     for zi in z.infolist():

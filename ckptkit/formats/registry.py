@@ -14,6 +14,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import ORIGIN_FILE, OpenedCheckpoint
 from ckptkit.formats.containers import holds_weights
 from ckptkit.formats.format import CheckpointFormat
+from ckptkit.io import entries, exists, is_dir
 
 REGISTRY: dict[str, CheckpointFormat] = {}
 
@@ -96,9 +97,9 @@ def transformers_format() -> CheckpointFormat:
 
 def detect_format(root: Path) -> CheckpointFormat:
     """The format of a checkpoint directory (or of a one-file checkpoint), or a one-line error."""
-    if not root.exists():
+    if not exists(root):
         raise CkptkitError(f"{root}: no such file or directory")
-    if not root.is_dir():
+    if not is_dir(root):
         found = source_file_format(root)
         if found is not None:
             return found
@@ -107,9 +108,9 @@ def detect_format(root: Path) -> CheckpointFormat:
     for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
         if fmt.detect(root):
             return fmt
-    if not any(root.iterdir()):
+    if not entries(root):
         raise CkptkitError(f"{root}: directory is empty")
-    present = sorted(p.name for p in root.iterdir())
+    present = sorted(p.name for p in entries(root))
     for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
         weights = [n for n in present if fmt.weight_file.fullmatch(n)]
         needed = fmt.config_file or next(iter(fmt.metadata_names), None)
@@ -124,7 +125,7 @@ def detect_format(root: Path) -> CheckpointFormat:
 
 def source_file_format(path: Path) -> CheckpointFormat | None:
     """The format of a checkpoint that is one file (GGUF), if some format reads ``path`` as one."""
-    if path.is_dir():
+    if is_dir(path):
         return None
     return next(
         (f for f in sorted(REGISTRY.values(), key=lambda f: f.detect_order) if f.reads_file and f.detect(path)), None

@@ -9,18 +9,16 @@ the same tensors, metadata and order.
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import AUTO, OutputFile, Span, total_bytes
+from ckptkit.io import AUTO, OutputFile, SourceFile, Span, open_source, read_at, read_fully, total_bytes
 from ckptkit.tensors.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
-from ckptkit.untrusted import loads_json, open_regular_file
+from ckptkit.untrusted import loads_json
 
 if TYPE_CHECKING:
     import torch
@@ -37,20 +35,21 @@ def read_layout(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None, in
         and each tensor's offset in the data section. Raises CkptkitError naming the file
         when the header is damaged.
     """
+    src = open_source(path)
     try:
-        with open_regular_file(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CkptkitError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CkptkitError(
-                    f"{path}: truncated or corrupt safetensors header (header length {n}, file size {size})"
-                )
-            raw = f.read(n)
+        size = src.size()
+        if size < 8:
+            raise CkptkitError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", read_at(src, 0, 8))
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CkptkitError(f"{path}: truncated or corrupt safetensors header (header length {n}, file size {size})")
+        raw = bytes(read_at(src, 8, n))
     except OSError as e:
         raise CkptkitError(f"{path}: cannot read: {e.strerror}") from None
+    except EOFError:
+        raise CkptkitError(f"{path}: truncated or corrupt safetensors header (the file changed)") from None
+    finally:
+        src.close()
     header = parse_header_json(path, raw)
     metadata = header.pop("__metadata__", None)
     check_metadata(path, metadata)
@@ -127,24 +126,22 @@ class SafetensorsReader:
         self.path = path
         infos, self.metadata, self._data_start, self._offsets = read_layout(path)
         self.infos = {i.name: i for i in infos}
-        self._file: io.FileIO | None = None
+        self._file: SourceFile | None = None
+
+    def _source(self) -> SourceFile:
+        if self._file is None:
+            self._file = open_source(self.path)
+        return self._file
 
     def read(self, name: str) -> torch.Tensor:
         import torch
 
         info = self.infos[name]
-        if self._file is None:
-            self._file = open_regular_file(self.path, buffering=0)
-        f = self._file
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
-        f.seek(self._data_start + self._offsets[name])
-        view = buf.numpy().data
-        got = 0
-        while got < info.nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise CkptkitError(f"{self.path}: unexpected end of file reading {name!r}")
-            got += n
+        try:
+            read_fully(self._source(), buf.numpy().data, self._data_start + self._offsets[name])
+        except EOFError:
+            raise CkptkitError(f"{self.path}: unexpected end of file reading {name!r}") from None
         return buf.view(to_torch(info.dtype)).reshape(info.shape)
 
     def span(self, name: str) -> Span:
@@ -154,9 +151,7 @@ class SafetensorsReader:
     def sample(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of a tensor's data."""
         info = self.infos[name]
-        with open_regular_file(self.path) as f:
-            f.seek(self._data_start + self._offsets[name])
-            return f.read(min(nbytes, info.nbytes))
+        return bytes(read_at(self._source(), self._data_start + self._offsets[name], min(nbytes, info.nbytes)))
 
     def close(self) -> None:
         if self._file is not None:

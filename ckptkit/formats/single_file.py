@@ -11,6 +11,7 @@ from ckptkit.formats.base import read_json
 from ckptkit.formats.containers import READABLE_DESCRIPTION, container_name, is_index, is_readable, open_tensor_file
 from ckptkit.formats.registry import file_format
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.io import is_file
 
 
 @dataclass
@@ -51,7 +52,7 @@ def _index(path: Path) -> SingleFile:
     infos: list[TensorInfo] = []
     for name in names:
         shard = path.parent / name
-        if not shard.is_file():
+        if not is_file(shard):
             raise CkptkitError(f"{path}: names shard {name}, which does not exist")
         reader = open_tensor_file(shard)
         infos += list(reader.infos.values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import mmap
 import os
 import pickle
@@ -38,7 +39,19 @@ from ckptkit.formats.pickle_index import (
     read_index,
 )
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import AUTO, OutputFile, RecordCheck, Span, Verifier, crc32, total_bytes
+from ckptkit.io import (
+    AUTO,
+    OutputFile,
+    RecordCheck,
+    Span,
+    Verifier,
+    crc32,
+    is_local,
+    open_source,
+    read_at,
+    read_file,
+    total_bytes,
+)
 from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.untrusted import check_regular
 
@@ -69,16 +82,22 @@ def release_pages(tensor: torch.Tensor) -> None:
 
 
 def _load(path: Path) -> tuple[object, bool]:
-    """``torch.load`` with weights_only=True, mmap when the file allows it.
+    """``torch.load`` with weights_only=True, mmap when the file allows it (a local file;
+    one elsewhere is read whole into memory).
 
     Returns the loaded object and whether its tensors are backed by the mapped file.
     """
     import torch
 
-    check_regular(path)  # torch.load would block on a FIFO and read a device forever
+    if not is_local(path):
+        data = read_file(path)
+    else:
+        check_regular(path)  # torch.load would block on a FIFO and read a device forever
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if not is_local(path):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), False
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
             except RuntimeError as e:
@@ -156,6 +175,8 @@ class TorchPickleReader:
     def _copy(self, name: str) -> torch.Tensor:
         import torch
 
+        if name in self._index and not is_local(self.path):  # not on this disk: no mapping
+            return self._read_stored(name)
         src = self._load_tensors()[name]
         if not self._mapped or not src.is_contiguous():
             out = src.clone(memory_format=torch.contiguous_format)
@@ -170,6 +191,31 @@ class TorchPickleReader:
             out_bytes[start : start + COPY_CHUNK].copy_(chunk)
             release_pages(chunk)
         return out
+
+    def _read_stored(self, name: str) -> torch.Tensor:
+        """A tensor read from its storage record as the index places it (stride included)."""
+        import torch
+
+        meta, info = self._index[name], self.infos[name]
+        dtype = to_torch(meta.dtype)
+        if info.nbytes == 0:
+            return torch.empty(meta.shape, dtype=dtype)
+        span = self.span(name)
+        if span is not None:  # row-major in one range: read just its bytes
+            return torch.frombuffer(self._read(span.offset, span.nbytes), dtype=dtype).reshape(meta.shape)
+        data_offset, size, _ = self._stored[meta.storage]
+        storage = torch.frombuffer(self._read(data_offset, size), dtype=dtype)
+        stride = meta.stride if meta.stride is not None else _row_major_stride(meta.shape)
+        return storage.as_strided(meta.shape, stride, meta.offset).contiguous()
+
+    def _read(self, offset: int, nbytes: int) -> bytearray:
+        src = open_source(self.path)
+        try:
+            return read_at(src, offset, nbytes)
+        except EOFError:
+            raise CkptkitError(f"{self.path}: unexpected end of file (truncated while reading)") from None
+        finally:
+            src.close()
 
     def _check_crc(self, name: str, tensor: torch.Tensor) -> None:
         """Compare the CRC-32 of the tensor's storage record with the zip directory's."""
@@ -195,7 +241,8 @@ class TorchPickleReader:
         """The first ``nbytes`` of a tensor's data."""
         import torch
 
-        flat = self._load_tensors()[name].reshape(-1).view(torch.uint8)
+        whole = self._copy(name) if name in self._index and not is_local(self.path) else self._load_tensors()[name]
+        flat = whole.reshape(-1).view(torch.uint8)
         return flat[:nbytes].numpy().tobytes()
 
     def span(self, name: str) -> Span | None:
@@ -215,6 +262,14 @@ class TorchPickleReader:
 
     def close(self) -> None:
         self._tensors = None
+
+
+def _row_major_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> bool:

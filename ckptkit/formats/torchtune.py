@@ -13,13 +13,14 @@ import re
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import entries, is_file
 
 SINGLE_FILE = re.compile(r"meta_model_\d+\.pt|model-00001-of-00001\.bin")
 
 
 def torchtune_files(root: Path) -> list[Path]:
     """The one torchtune Meta weight file in ``root`` (none: empty; several: an error)."""
-    found = sorted(p for p in root.iterdir() if SINGLE_FILE.fullmatch(p.name) and p.is_file())
+    found = sorted(p for p in entries(root) if SINGLE_FILE.fullmatch(p.name) and is_file(p))
     if len(found) > 1:
         names = ", ".join(p.name for p in found[:3])
         raise CkptkitError(f"{root}: holds {len(found)} torchtune checkpoints ({names}); keep one per directory")

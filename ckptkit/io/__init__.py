@@ -3,6 +3,8 @@
 The rest of ckptkit imports only the names below. The modules import each other in one
 direction, bottom first (``docs/architecture.md``)::
 
+    source     SourceFile: what every reader reads through; open_source(path), the one
+               place that opens a source (a local file, or one mounted from elsewhere)
     spans      Span, RecordCheck and the arithmetic of span lists (no I/O)
     crc        crc32: zip's CRC-32, zlib-ng's where installed (no I/O)
     stream     the reused buffer, positioned reads and writes, the stream pass
@@ -24,10 +26,31 @@ from ckptkit.io.direct import ALIGN, direct_pays
 from ckptkit.io.overlap import Overlap
 from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
 from ckptkit.io.records import SpanReader, Verifier, read_spans
+from ckptkit.io.source import (
+    LocalFile,
+    SourceFile,
+    Window,
+    all_local,
+    copy_file,
+    entries,
+    exists,
+    is_dir,
+    is_file,
+    is_local,
+    mounted,
+    open_source,
+    read_at,
+    read_file,
+    read_fully,
+    size_of,
+)
 from ckptkit.io.spans import RecordCheck, Rows, Span, coalesce, take, take_ranges, take_rows, total_bytes
 from ckptkit.io.transfer import AUTO, COPY_METHODS, OutputFile
 
 __all__ = [
+    # the source files, wherever they are
+    "SourceFile", "LocalFile", "open_source", "mounted", "Window", "read_at", "read_fully", "read_file", "copy_file",
+    "entries", "exists", "is_dir", "is_file", "is_local", "all_local", "size_of",
     # where a tensor's bytes lie in the source
     "Span", "Rows", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes",
     "read_spans", "SpanReader", "crc32",

@@ -4,16 +4,15 @@ way, before the output is published)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
 from ckptkit.io.crc import crc32
+from ckptkit.io.source import SourceFile, open_source, read_at
 from ckptkit.io.spans import RecordCheck, Span
 from ckptkit.io.stream import crc32_range, read_fully
-from ckptkit.untrusted import open_regular
 
 
 class Verifier:
@@ -68,14 +67,14 @@ class Verifier:
         with busy:
             if check.key in self._verified:
                 return
-            fd = open_regular(self.path)
+            src = open_source(self.path)
             try:
-                got = crc32_range(fd, check.offset, check.size)
+                got = crc32_range(src, check.offset, check.size)
             except EOFError:
                 why = f"record data/{check.key} is cut short: the file is truncated"
                 raise CkptkitError(f"{self.path}: {why}") from None
             finally:
-                os.close(fd)
+                src.close()
             self.settle(check, got)
 
     def settle(self, check: RecordCheck, got: int) -> None:
@@ -99,12 +98,13 @@ def read_spans(spans: list[Span]) -> bytes:
     verify_checks(spans)
     out = bytearray()
     for span in spans:
-        with span.path.open("rb") as f:
-            f.seek(span.offset)
-            data = f.read(span.nbytes)
-        if len(data) != span.nbytes:
-            raise EOFError(f"{span.path}: ends inside bytes {span.offset}..{span.offset + span.nbytes}")
-        out += data
+        src = open_source(span.path)
+        try:
+            out += read_at(src, span.offset, span.nbytes)
+        except EOFError:
+            raise EOFError(f"{span.path}: ends inside bytes {span.offset}..{span.offset + span.nbytes}") from None
+        finally:
+            src.close()
     return bytes(out)
 
 
@@ -122,17 +122,17 @@ class SpanReader:
     """
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        self._sources: dict[Path, SourceFile] = {}
         self._checks: dict[tuple[int, str], RecordCheck] = {}
 
     def read_into(self, spans: list[Span], view: memoryview) -> None:
         """Fill ``view`` (exactly as long as ``spans``) with their bytes."""
         at = 0
         for span in spans:
-            if span.path not in self._fds:
-                self._fds[span.path] = os.open(span.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            if span.path not in self._sources:
+                self._sources[span.path] = open_source(span.path)
             part = view[at : at + span.nbytes]
-            read_fully(self._fds[span.path], part, span.offset)
+            read_fully(self._sources[span.path], part, span.offset)
             if span.check is not None:
                 self._checks.setdefault((id(span.check.verifier), span.check.key), span.check)
                 span.check.verifier.feed(span.check, span.offset, part)
@@ -148,7 +148,7 @@ class SpanReader:
                 for record in self._checks.values():
                     record.verifier.complete(record)
         finally:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            for src in self._sources.values():
+                src.close()
+            self._sources.clear()
             self._checks.clear()

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptkit.io.crc import crc32
+from ckptkit.io.source import IO_CHUNK, SourceFile, open_source, pread_into, read_fully
 from ckptkit.io.spans import RecordCheck, Span
 
 BUFFER = 4 << 20  # bytes per window: one attention head of a 16k-wide model
 DENSE = 2  # stream only when it reads at most this many times the bytes it writes
 IOV_MAX = 1024
 AVAILABLE = hasattr(os, "preadv") and hasattr(os, "pwritev")  # what stream_spans needs
-IO_CHUNK = 1 << 20  # bytes per read or write call: larger writes ran 2-3x slower (docs/benchmarks.md)
 
 _local = threading.local()
 
@@ -125,15 +125,15 @@ def stream_spans(
     staging buffer, :func:`~ckptkit.io.direct.place`, which then needs no copy)."""
     buf = buffer()
     crc = 0
-    fds: dict[Path, int] = {}
+    sources: dict[Path, SourceFile] = {}
     seen: dict[tuple[int, str], RecordCheck] = {}
     try:
         for w in windows(spans):
-            if w.path not in fds:
-                fds[w.path] = os.open(w.path, os.O_RDONLY)
+            if w.path not in sources:
+                sources[w.path] = open_source(w.path)
             n = w.hi - w.lo
             view = place(dst_offset, n) if place is not None and len(w.pieces) == 1 else buf[:n]
-            read_fully(fds[w.path], view, w.lo)
+            read_fully(sources[w.path], view, w.lo)
             for key, check in w.checks.items():
                 seen[key] = check
                 check.verifier.feed(check, w.lo, view)
@@ -144,15 +144,16 @@ def stream_spans(
             write(parts, dst_offset)
             dst_offset += w.held
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for src in sources.values():
+            src.close()
     for check in seen.values():
         check.verifier.complete(check)
     return crc if want_crc else None
 
 
-def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: int = 0) -> int:
-    """CRC-32 of ``nbytes`` of ``fd`` from ``offset`` (continuing ``crc``), read ``window``
+def crc32_range(fd: int | SourceFile, offset: int, nbytes: int, window: int = BUFFER, crc: int = 0) -> int:
+    """CRC-32 of ``nbytes`` of ``fd`` (a descriptor or a source file) from ``offset``
+    (continuing ``crc``), read ``window``
     bytes at a time into this thread's reused buffer (bounded memory whatever ``nbytes``)."""
     buf = buffer()[: max(1, min(window, BUFFER))]
     pos, end = offset, offset + nbytes
@@ -164,24 +165,6 @@ def crc32_range(fd: int, offset: int, nbytes: int, window: int = BUFFER, crc: in
         crc = crc32(view[:got], crc)
         pos += got
     return crc
-
-
-def pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """Read up to ``len(view)`` bytes at ``offset`` into ``view``; returns how many."""
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [view], offset)
-    data = os.pread(fd, len(view), offset)
-    view[: len(data)] = data
-    return len(data)
-
-
-def read_fully(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        got = pread_into(fd, view[done : done + IO_CHUNK], offset + done)
-        if got == 0:
-            raise EOFError(f"source ended {len(view) - done} bytes early")
-        done += got
 
 
 def write_all(fd: int, data: memoryview, offset: int) -> None:

@@ -33,11 +33,13 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptkit.io import direct as directio
 from ckptkit.io import stream
 from ckptkit.io.crc import crc32
 from ckptkit.io.records import verify_checks
+from ckptkit.io.source import SourceFile, all_local, open_source
 from ckptkit.io.spans import Span, coalesce, total_bytes
 from ckptkit.io.stream import crc32_range
 
@@ -58,8 +60,11 @@ BUFFER = stream.BUFFER  # the read/write fallback's buffer (the stream buffer)
 _UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF, errno.EPERM}
 
 
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, method: str = AUTO) -> str:
-    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset``.
+def copy_range(
+    src: int | SourceFile, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int, method: str = AUTO
+) -> str:
+    """Copy ``nbytes`` from ``src`` (a descriptor, or a source file: ``readwrite`` only
+    unless it is local) at ``src_offset`` to ``dst_fd`` at ``dst_offset``.
 
     ``method`` is ``auto`` (each method in :data:`RANGE_METHODS` order, falling back when the
     kernel refuses one for these files) or one of them, forced. The ``sendfile`` method
@@ -70,12 +75,15 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbyte
     if method != AUTO and method not in RANGE_METHODS:
         raise ValueError(f"not a method for one range: {method!r}")
     order = RANGE_METHODS if method == AUTO else (method,)
+    src_fd = src if isinstance(src, int) else src.fileno()
+    if src_fd is None:  # not on this disk: read and written
+        order = ("readwrite",)
     done = 0
     for i, name in enumerate(order):
         step = _STEPS[name]
         try:
             while done < nbytes:
-                n = step(src_fd, src_offset + done, dst_fd, dst_offset + done, nbytes - done)
+                n = step(src if src_fd is None else src_fd, src_offset + done, dst_fd, dst_offset + done, nbytes - done)
                 if n == 0:
                     raise EOFError(f"source ended {nbytes - done} bytes early")
                 done += n
@@ -100,14 +108,18 @@ def _sendfile(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count:
     return os.sendfile(dst_fd, src_fd, src_offset, min(count, CHUNK))
 
 
-def _read_write(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
+def _read_write(src_fd: int | SourceFile, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> int:
     view = stream.buffer()[: min(count, BUFFER)]
     got = stream.pread_into(src_fd, view, src_offset)
     stream.write_all(dst_fd, view[:got], dst_offset)
     return got
 
 
-_STEPS = {"copy_file_range": _copy_file_range, "sendfile": _sendfile, "readwrite": _read_write}
+_STEPS: dict[str, Callable[[Any, int, int, int, int], int]] = {
+    "copy_file_range": _copy_file_range,
+    "sendfile": _sendfile,
+    "readwrite": _read_write,
+}
 
 
 @dataclass(frozen=True)
@@ -141,9 +153,13 @@ def transfer(
     """
     spans = coalesce(spans)
     nbytes = total_bytes(spans)
+    local = all_local(s.path for s in spans)
+    if not local and method in (GATHER, *RANGE_METHODS):  # they need descriptors of local files
+        log.debug("%s needs local files: %d bytes not on this disk streamed", method, nbytes)
+        method = STREAM if stream.AVAILABLE else "readwrite"
     if method == AUTO and stream.AVAILABLE:  # else (no preadv/pwritev): the range methods
         dense = DIRECT if direct is not None and direct.auto else STREAM
-        method = GATHER if stream.sparse(spans) else dense
+        method = GATHER if local and stream.sparse(spans) else dense
         if method == GATHER:
             log.debug("%d bytes in %d scattered spans: gathered from a mapping", nbytes, len(spans))
     elif method == AUTO:
@@ -169,18 +185,20 @@ def transfer(
         _gather(spans, dst_fd, dst_offset)
         used = GATHER
     else:  # one range method, or auto's fallback order
+        if method == AUTO and not local:
+            method = "readwrite"
         used = RANGE_METHODS[0] if method == AUTO else method
-        fds: dict[Path, int] = {}
+        sources: dict[Path, SourceFile] = {}
         try:
             at = dst_offset
             for span in spans:
-                if span.path not in fds:
-                    fds[span.path] = os.open(span.path, os.O_RDONLY)
-                used = copy_range(fds[span.path], span.offset, dst_fd, at, span.nbytes, method)
+                if span.path not in sources:
+                    sources[span.path] = open_source(span.path)
+                used = copy_range(sources[span.path], span.offset, dst_fd, at, span.nbytes, method)
                 at += span.nbytes
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for src in sources.values():
+                src.close()
     start_writeback(dst_fd, dst_offset, nbytes)
     return Transfer(used, spans_crc32(spans) if want_crc else None)
 
@@ -334,7 +352,7 @@ def spans_crc32(spans: list[Span]) -> int:
         return spans[0].crc
     spans = coalesce(spans)
     crc = 0
-    if len(spans) >= GATHER_FROM:
+    if len(spans) >= GATHER_FROM and all_local(s.path for s in spans):
         with _Mapped(spans) as mapped:
             for i, view in enumerate(mapped.views, start=1):
                 crc = crc32(view, crc)
@@ -342,9 +360,9 @@ def spans_crc32(spans: list[Span]) -> int:
                     mapped.release()
         return crc
     for span in spans:
-        fd = os.open(span.path, os.O_RDONLY)
+        src = open_source(span.path)
         try:
-            crc = crc32_range(fd, span.offset, span.nbytes, crc=crc)
+            crc = crc32_range(src, span.offset, span.nbytes, crc=crc)
         finally:
-            os.close(fd)
+            src.close()
     return crc

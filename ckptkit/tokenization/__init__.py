@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError, note
+from ckptkit.io import is_file, read_file
 from ckptkit.models.tokenizer_spec import TIKTOKEN, TokenizerSpec
 from ckptkit.tokenization import sentencepiece_bpe, tiktoken_bpe
 from ckptkit.tokenization.hf_files import HFTokenizer, build_hf_tokenizer
@@ -93,10 +94,10 @@ def _unpacked(text: str) -> bytes:
 
 def _json_file(path: Path) -> dict[str, Any]:
     """A JSON object from ``path`` ({} when absent); a one-line error naming it when unreadable."""
-    if not path.is_file():
+    if not is_file(path):
         return {}
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_file(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CkptkitError(f"{path}: unreadable JSON ({e})") from None
     if not isinstance(doc, dict):
@@ -121,7 +122,7 @@ def supplied_tokenizer(path: Path) -> dict[str, Path]:
 def _model_file(src: Path) -> Path | None:
     """Meta's ``tokenizer.model``: in the folder, or beside it as Meta's Llama 2 downloads keep it."""
     for candidate in (src / MODEL_FILE, src.parent / MODEL_FILE):
-        if candidate.is_file():
+        if is_file(candidate):
             return candidate
     return None
 
@@ -141,26 +142,26 @@ def tokenizer_for_hf(
         return TokenizerPlan()
     plan = TokenizerPlan()
     model = src / MODEL_FILE
-    if model.is_file() and tiktoken_bpe.is_rank_file(model):
+    if is_file(model) and tiktoken_bpe.is_rank_file(model):
         plan.skip.add(MODEL_FILE)
-    current = _digest(model.read_bytes()) if model.is_file() else None
+    current = _digest(bytes(read_file(model))) if is_file(model) else None
     if recorded and recorded.get("model_sha256") == current:
         plan.files = {name: _unpacked(text) for name, text in recorded["files"].items()}
         plan.skip.update(HF_FILES)
         if not recorded.get("model_in_hf", False):
             plan.skip.add(MODEL_FILE)
         return plan
-    if (src / "tokenizer.json").is_file():
+    if is_file(src / "tokenizer.json"):
         return plan
     found = _model_file(src)
     if found is None:
         plan.notes.append(note("no tokenizer.model found: the output has no tokenizer", ADD_TOKENIZER))
         return plan
     hf = build_hf_tokenizer(spec, found, vocab_size, max_positions)
-    plan.files = {name: data for name, data in hf.files.items() if not (src / name).is_file()}
+    plan.files = {name: data for name, data in hf.files.items() if not is_file(src / name)}
     plan.notes = hf.notes
     if found != model and spec.kind != TIKTOKEN:
-        plan.files[MODEL_FILE] = found.read_bytes()
+        plan.files[MODEL_FILE] = bytes(read_file(found))
     plan.ids = {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
     return plan
 
@@ -173,16 +174,16 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None, from_hf: bool = Fa
         return TokenizerPlan()
     kind = spec.kind
     plan = TokenizerPlan(skip=set(HF_FILES))
-    present = {name: (src / name).read_bytes() for name in HF_FILES if (src / name).is_file()}
+    present = {name: bytes(read_file(src / name)) for name in HF_FILES if is_file(src / name)}
     model = src / MODEL_FILE
     data: bytes | None = None
-    if model.is_file():
-        data = model.read_bytes()
-    elif kind == TIKTOKEN and (src / "tokenizer.json").is_file():
+    if is_file(model):
+        data = bytes(read_file(model))
+    elif kind == TIKTOKEN and is_file(src / "tokenizer.json"):
         ranks = tiktoken_bpe.ranks_from_tokenizer_json(src / "tokenizer.json")
         if ranks is not None:
             data = plan.files[MODEL_FILE] = tiktoken_bpe.ranks_text(ranks)
-    elif (src / "tokenizer.json").is_file():
+    elif is_file(src / "tokenizer.json"):
         spm = sentencepiece_bpe.model_from_tokenizer_json(
             _json_file(src / "tokenizer.json"), _json_file(src / "tokenizer_config.json")
         )
@@ -196,7 +197,7 @@ def tokenizer_for_meta(src: Path, spec: TokenizerSpec | None, from_hf: bool = Fa
     if present or from_hf:
         plan.record = {
             "model_sha256": _digest(data) if data is not None else None,
-            "model_in_hf": model.is_file(),
+            "model_in_hf": is_file(model),
             "files": {name: _packed(content) for name, content in present.items()},
         }
     return plan

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import read_file
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 UNIGRAM, BPE = 1, 2
@@ -104,7 +105,7 @@ def read_spm_model(path: Path) -> SpmModel:
     """Parse ``path`` as a sentencepiece model; a one-line error naming it when it is not one."""
     try:
         model = SpmModel()
-        for number, value in _fields(path.read_bytes()):
+        for number, value in _fields(bytes(read_file(path))):
             if number == 1 and isinstance(value, bytes):
                 model.pieces.append(_piece(value))
             elif number == 2 and isinstance(value, bytes):  # TrainerSpec

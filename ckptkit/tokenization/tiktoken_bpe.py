@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import open_source, read_at, read_file
 from ckptkit.tokenization.bpe import bos_template, bytes_to_text, ranked_merges, text_to_bytes
 
 # Llama 3's pre-tokenizer split (the ``pat_str`` of Meta's tokenizer).
@@ -27,8 +28,11 @@ LLAMA3_PATTERN = (
 
 def is_rank_file(path: Path) -> bool:
     """Whether ``path`` starts like a tiktoken rank file (rather than a sentencepiece protobuf)."""
-    with open(path, "rb") as f:
-        head = f.read(256)
+    src = open_source(path)
+    try:
+        head = bytes(read_at(src, 0, min(256, src.size())))
+    finally:
+        src.close()
     try:
         first = head.decode("ascii").split("\n", 1)[0].split()
         if len(first) == 2 and first[1].isdigit():
@@ -43,7 +47,7 @@ def read_ranks(path: Path) -> dict[bytes, int]:
     """Token bytes -> rank, from a rank file; a one-line error naming it when malformed."""
     ranks: dict[bytes, int] = {}
     try:
-        text = path.read_text(encoding="ascii")
+        text = read_file(path).decode("ascii")
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -105,7 +109,7 @@ def ranks_from_tokenizer_json(path: Path) -> dict[bytes, int] | None:
     """The rank table behind a Llama-3-style byte-level BPE ``tokenizer.json``; None when the
     file is not one (another model type, another pre-tokenizer, or ids that are not ranks)."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_file(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CkptkitError(f"{path}: unreadable tokenizer.json ({e})") from None
     model = doc.get("model") or {}

@@ -19,6 +19,7 @@ from ckptkit.formats.dcp.metadata import METADATA, Entry, check_tiling, read_met
 from ckptkit.formats.dcp.reading import DcpCheckpoint, FileInfos
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torch_zip import STORAGE_OF
+from ckptkit.io import entries, is_file, is_local, size_of
 from ckptkit.models.fields import check_config_fields
 
 DISTCP = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -61,6 +62,8 @@ def spelled_2026(root: Path) -> bool:
     folder = checkpoint_folder(root)
     if folder is None:
         return False
+    if not is_local(folder / METADATA):  # no modification time to cache it by
+        return bool(_spelled_2026.__wrapped__(folder / METADATA, 0, 0))
     try:
         st = os.stat(folder / METADATA)
     except OSError:
@@ -81,10 +84,10 @@ def _spelled_2026(path: Path, mtime_ns: int, size: int) -> bool:
 
 def checkpoint_folder(root: Path) -> Path | None:
     """The DCP folder of ``root``: itself, or its newest ``step-N`` folder with a ``.metadata``."""
-    if (root / METADATA).is_file():
+    if is_file(root / METADATA):
         return root
     try:
-        steps = [p for p in root.iterdir() if STEP.fullmatch(p.name) and (p / METADATA).is_file()]
+        steps = [p for p in entries(root) if STEP.fullmatch(p.name) and is_file(p / METADATA)]
     except OSError:
         return None
     if not steps:
@@ -107,7 +110,7 @@ def find_config(folder: Path, root: Path, given: Path | None) -> Path:
         return given
     for where in dict.fromkeys((folder, root)):
         for name in (PARAMS, HF_CONFIG):
-            if (where / name).is_file():
+            if is_file(where / name):
                 return where / name
     raise CkptkitError(
         f"{folder}: a DCP folder without a model config (params.json or config.json) names no model type or dims; "
@@ -127,7 +130,7 @@ def check_entry(folder: Path, entry: Entry, sizes: dict[str, int]) -> None:
             raise CkptkitError(f"{folder / METADATA}: invalid storage file name {c.file!r} (expected __R_N.distcp)")
         if c.file not in sizes:
             try:
-                sizes[c.file] = os.stat(folder / c.file).st_size
+                sizes[c.file] = size_of(folder / c.file)
             except OSError:
                 raise CkptkitError(f"{folder / c.file}: missing (.metadata places {fqn!r} there)") from None
         if c.offset < 0 or c.length <= 0 or c.offset + c.length > sizes[c.file]:

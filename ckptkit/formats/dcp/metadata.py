@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import itertools
 import math
-import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,8 @@ from typing import Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.pickle_index import ForbiddenGlobal
+from ckptkit.io import open_source, read_at
 from ckptkit.tensors.dtypes import ITEMSIZE
-from ckptkit.untrusted import open_regular
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30  # a 405B model's .metadata is a few MB
@@ -166,14 +165,16 @@ class DcpMetadata:
 def read_metadata(path: Path) -> DcpMetadata:
     """``.metadata`` as plain data, read by a restricted unpickler (nothing in it runs);
     a one-line error for anything torch does not write there."""
-    fd = open_regular(path)
+    src = open_source(path)
     try:
-        size = os.fstat(fd).st_size
+        size = src.size()
         if size > MAX_METADATA:
             raise CkptkitError(f"{path}: larger than {MAX_METADATA >> 20} MiB; not a DCP .metadata file")
-        data = os.pread(fd, size, 0)
+        data = read_at(src, 0, size)
+    except EOFError:
+        raise CkptkitError(f"{path}: changed while it was read (shorter than its size)") from None
     finally:
-        os.close(fd)
+        src.close()
     try:
         obj = _Unpickler(io.BytesIO(data)).load()
         return _metadata(obj)

@@ -13,52 +13,32 @@ from __future__ import annotations
 import io
 import itertools
 import math
-import os
 import struct
 import zipfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.dcp.metadata import Chunk, Entry
 from ckptkit.formats.pickle_index import ForbiddenGlobal, TensorMeta, UnsupportedPickle, check_members, scan_tensor
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import RecordCheck, Span, Verifier, coalesce, read_spans, take, total_bytes
+from ckptkit.io import (
+    RecordCheck,
+    Span,
+    Verifier,
+    Window,
+    coalesce,
+    open_source,
+    read_at,
+    read_spans,
+    take,
+    total_bytes,
+)
 from ckptkit.tensors.dtypes import ITEMSIZE, tensor_bytes, to_torch
-from ckptkit.untrusted import open_regular
 
 if TYPE_CHECKING:
     import torch
-
-
-class _Window(io.RawIOBase):
-    """Bytes ``offset .. offset + length`` of an open file, as a seekable file of their own."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        self._fd, self._base, self._len, self._pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = {0: 0, 1: self._pos, 2: self._len}[whence] + pos
-        if self._pos < 0:
-            raise ValueError("negative seek position")
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        data = os.pread(self._fd, n, self._base + self._pos) if n else b""
-        memoryview(b).cast("B")[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 @dataclass
@@ -102,9 +82,9 @@ class DcpCheckpoint(RawCheckpoint):
 
     def _index_chunk(self, entry: Entry, chunk: Chunk) -> _Stored:
         path = self.root / chunk.file
-        fd = open_regular(path)
+        src = open_source(path)
         try:
-            window = _Window(fd, chunk.offset, chunk.length)
+            window = Window(src, chunk.offset, chunk.length)
             try:
                 with zipfile.ZipFile(window) as z:
                     if any(zi.header_offset < 0 for zi in z.infolist()):  # an archive that starts before the chunk
@@ -114,7 +94,7 @@ class DcpCheckpoint(RawCheckpoint):
             except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error):
                 raise self._bad(entry, chunk, "is not a torch.save archive (truncated file or wrong offsets)") from None
         finally:
-            os.close(fd)
+            src.close()
         try:
             meta = scan_tensor(data)
         except ForbiddenGlobal as e:
@@ -158,11 +138,13 @@ class DcpCheckpoint(RawCheckpoint):
     def _loaded_chunk(self, entry: Entry, chunk: Chunk) -> torch.Tensor:
         import torch
 
-        fd = open_regular(self.root / chunk.file)
+        src = open_source(self.root / chunk.file)
         try:
-            data = os.pread(fd, chunk.length, chunk.offset)
+            data = read_at(src, chunk.offset, chunk.length)
+        except EOFError:
+            raise self._bad(entry, chunk, "is cut short: the file is truncated") from None
         finally:
-            os.close(fd)
+            src.close()
         try:
             t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # what torch.load raises on damaged archives varies

@@ -25,8 +25,7 @@ from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import Span
-from ckptkit.untrusted import open_regular_file
+from ckptkit.io import Span, is_file, open_source, read_at
 
 if TYPE_CHECKING:
     import torch
@@ -49,15 +48,13 @@ class GGUFTensors:
         }
         self._file: Any = None
 
-    def _pread(self, offset: int, n: int) -> bytes:
-        import os
-
+    def _pread(self, offset: int, n: int) -> bytearray:
         if self._file is None:
-            self._file = open_regular_file(self.path, buffering=0)
-        data = os.pread(self._file.fileno(), n, offset)
-        if len(data) != n:
-            raise CkptkitError(f"{self.path}: unexpected end of file (truncated while reading)")
-        return data
+            self._file = open_source(self.path)
+        try:
+            return read_at(self._file, offset, n)
+        except EOFError:
+            raise CkptkitError(f"{self.path}: unexpected end of file (truncated while reading)") from None
 
     def read(self, name: str) -> torch.Tensor:
         import torch
@@ -67,7 +64,7 @@ class GGUFTensors:
 
         t, info = self.stored[name], self.infos[name]
         if t.kind in PLAIN:
-            data = bytearray(self._pread(t.offset, t.nbytes))
+            data = self._pread(t.offset, t.nbytes)
             return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(info.dtype)).reshape(info.shape)
         if t.kind not in DEQUANTIZE:
             raise CkptkitError(
@@ -83,7 +80,7 @@ class GGUFTensors:
 
     def sample(self, name: str, nbytes: int) -> bytes:
         t = self.stored[name]
-        return self._pread(t.offset, min(nbytes, t.nbytes))
+        return bytes(self._pread(t.offset, min(nbytes, t.nbytes)))
 
     def close(self) -> None:
         if self._file is not None:
@@ -135,7 +132,7 @@ class GGUFFormat(CheckpointFormat):
 
     # --- reading ------------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
-        return root.is_file() and root.suffix == ".gguf"
+        return is_file(root) and root.suffix == ".gguf"
 
     def owns_file(self, name: str) -> bool:
         return name.endswith(".gguf")

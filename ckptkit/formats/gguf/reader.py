@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import struct
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.untrusted import open_regular_file
+from ckptkit.io import Window, open_source
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -177,10 +178,9 @@ def _ggml_types() -> dict[int, tuple[str, int, int]]:
 
 def read_header(path: Path) -> GGUFHeader:
     """Parse ``path``'s header, metadata and tensor infos; a one-line error for any lie."""
-    with open_regular_file(path, buffering=0) as f:
-        import os
-
-        size = os.fstat(f.fileno()).st_size
+    src = open_source(path)
+    with closing(src), Window(src) as f:
+        size = src.size()
         c = _Cursor(f, path, size)
         if size < 4 or c.take(4, "magic") != MAGIC:
             raise CkptkitError(f"{path}: not a GGUF file (it does not start with 'GGUF')")

@@ -25,8 +25,7 @@ from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
-from ckptkit.io import ALIGN, OutputFile, Overlap, SpanReader, direct_pays, publishing_file
-from ckptkit.untrusted import copy_regular_file
+from ckptkit.io import ALIGN, OutputFile, Overlap, SpanReader, copy_file, direct_pays, is_dir, publishing_file
 
 if TYPE_CHECKING:
     from ckptkit.formats.base import OpenedCheckpoint
@@ -39,6 +38,18 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
     if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
         yield ckpt.path
         return
+    if ckpt.raw.config_name == "config.json" and is_dir(ckpt.path):  # not on this disk: its files copied here
+        with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
+            folder = Path(tmp) / ckpt.path.name
+            folder.mkdir()
+            extra = getattr(ckpt, "extra_files", None)
+            for src in [ckpt.path / "config.json", *(extra() if extra is not None else [])]:
+                copy_file(src, folder / src.name)
+            try:
+                yield folder
+            except CkptkitError as e:  # named by the source, not this temporary folder
+                raise CkptkitError(str(e).replace(str(folder), str(ckpt.path))) from None
+        return
     from ckptkit.formats.registry import get_format
 
     plan = get_format("hf").tokenizer(ckpt)
@@ -48,7 +59,7 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
         extra = getattr(ckpt, "extra_files", None)
         for src in extra() if extra is not None else []:
             if src.name not in plan.skip:
-                copy_regular_file(src, folder / src.name)
+                copy_file(src, folder / src.name)
         for name, data in plan.files.items():
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
@@ -74,7 +85,7 @@ def quiet_gguf() -> Iterator[None]:
 
 def model_name(path: Path) -> str:
     """A checkpoint's name as llama.cpp's converters take it: its folder's, or its file's stem."""
-    return path.name if path.is_dir() else path.stem
+    return path.name if is_dir(path) else path.stem
 
 
 def _not_kept(hparams: dict[str, Any], spec: Any) -> list[str]:
