@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import CheckpointFormat, detect_format, get_format, is_checkpoint_file, recorded_origin
 from ckptkit.formats.base import RawCheckpoint
-from ckptkit.io import entries, is_file
+from ckptkit.io import copy_file, entries, is_file
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
 from ckptkit.tensors.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.tokenization import TOKENIZER_FILES, supplied_tokenizer
-from ckptkit.untrusted import check_source_folder, copy_regular_file
+from ckptkit.untrusted import check_source_folder
 
 if TYPE_CHECKING:
     import torch
@@ -109,9 +109,9 @@ def tokenizer_from(ckpt: Checkpoint, path: str | Path | None) -> Iterator[Checkp
         side.mkdir()
         for extra in ckpt.extra_files():
             if extra.name not in TOKENIZER_FILES:
-                copy_regular_file(extra, side / extra.name)
+                copy_file(extra, side / extra.name)
         for name, src in given.items():
-            copy_regular_file(src, side / name)
+            copy_file(src, side / name)
         ckpt.side_override = side
         try:
             yield ckpt
