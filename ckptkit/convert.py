@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint, tokenizer_from
 from ckptkit.errors import CkptkitError, note
@@ -22,6 +22,7 @@ from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapte
 from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, copy_file, direct_pays, publishing, total_bytes
 from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.progress import byte_progress
+from ckptkit.tensors.casting import counted_casts
 from ckptkit.tensors.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.tensors.transforms import RANKS
 
@@ -214,6 +215,23 @@ def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
     ckpt.notes.append(note(fact))
 
 
+_P = ParamSpec("_P")
+
+
+def _noting_underflows(fn: Callable[_P, Result]) -> Callable[_P, Result]:
+    """``fn`` with the underflows of all its casts counted into one note on its result."""
+
+    @functools.wraps(fn)
+    def counted(*args: _P.args, **kwargs: _P.kwargs) -> Result:
+        with counted_casts() as underflows:
+            result = fn(*args, **kwargs)
+        result.notes.extend(underflows.notes())
+        return result
+
+    return counted
+
+
+@_noting_underflows
 def convert(
     src: str | Path,
     dst: str | Path,

@@ -137,13 +137,50 @@ def test_llama_cpp_moe_gguf_converts_back_in_either_experts_layout_bitwise(
 
 
 @pytest.mark.slow
-def test_a_gguf_keeps_its_stored_dtypes_without_dtype_and_verifies_as_casts(llama_cpp: Path, tmp_path: Path) -> None:
-    gguf = llama_cpp_gguf(llama_cpp, FIXTURES / "hf" / "llama2", tmp_path / "m.gguf", "bf16")
+def test_an_f32_gguf_keeps_float32_without_dtype_and_verifies_as_casts(llama_cpp: Path, tmp_path: Path) -> None:
+    gguf = llama_cpp_gguf(llama_cpp, FIXTURES / "hf" / "llama2", tmp_path / "m.gguf", "f32")
     convert(gguf, tmp_path / "hf", "hf")
     report = verify_paths(FIXTURES / "hf" / "llama2", tmp_path / "hf")
-    assert report.differences and report.cast_only  # the F32 norms: the same values in float32
+    assert report.cast_only and len(report.differences) == report.compared  # every tensor, in float32
     assert {d.dtype_b for d in report.differences} == {"float32"}
     assert verify_paths(gguf, tmp_path / "hf").ok  # and the GGUF itself verifies against its output
+
+
+def _set_first_value(gguf: Path, name: str, value: float) -> None:
+    from gguf import GGUFReader
+
+    at = next(int(t.data_offset) for t in GGUFReader(gguf).tensors if t.name == name)
+    data = bytearray(gguf.read_bytes())
+    data[at : at + 4] = struct.pack("<f", value)
+    gguf.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [("bfloat16", 1.2345678), ("float16", 2.0**-20 * (1 + 2.0**-7))],
+    ids=["bf16-file,float32-value", "f16-file,bf16-value"],
+)
+def test_a_widened_tensor_comes_back_in_the_file_type_only_where_every_value_is_exact(
+    dtype: str, value: float, tmp_path: Path
+) -> None:
+    """A norm holding one value the file type cannot hold (a full float32 mantissa in a bf16
+    file; a bf16 value under float16's subnormal step in an f16 one) stays float32; the other
+    F32 tensors come back in the file type. (ckptkit's GGUF: llama.cpp's bytes, test_gguf.py.)"""
+    from safetensors.torch import load_file
+
+    src = FIXTURES / "hf" / "llama2"
+    gguf = tmp_path / "m.gguf"
+    convert(src, gguf, "gguf", dtype=dtype)
+    _set_first_value(gguf, "blk.0.attn_norm.weight", value)
+    convert(gguf, tmp_path / "hf", "hf")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    patched = "model.layers.0.input_layernorm.weight"
+    assert got[patched].dtype == torch.float32 and got[patched][0].item() == np.float32(value)
+    assert {t.dtype for k, t in got.items() if k != patched} == {getattr(torch, dtype)}
+    assert verify_paths(gguf, tmp_path / "hf").ok  # read as --to hf wrote it
+    report = verify_paths(src, tmp_path / "hf")
+    if dtype == "bfloat16":  # the source cast to float16 and back differs from it elsewhere too
+        assert [(d.name_b, d.kind) for d in report.differences] == [(patched, "values")]
 
 
 @pytest.mark.slow

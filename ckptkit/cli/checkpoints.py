@@ -100,9 +100,7 @@ def convert(
     ] = False,
     allow_lossy_cast: Annotated[
         bool,
-        typer.Option(
-            "--allow-lossy-cast", help="Let --dtype overflow values to inf or flush them to 0 (an error otherwise)."
-        ),
+        typer.Option("--allow-lossy-cast", help="Let --dtype overflow values to inf (an error otherwise)."),
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
     force_model_type: Annotated[

@@ -47,7 +47,7 @@ class Options:
     dtype: str | None = None
     shards: int | None = None
     max_shard_size: str | None = None
-    allow_lossy_cast: bool = False  # let --dtype overflow to inf or flush to 0
+    allow_lossy_cast: bool = False  # let --dtype overflow values to inf
     experts: str | None = None  # MoE experts on disk: "per-expert" or "stacked" (None: as the source)
 
 

@@ -173,8 +173,8 @@ class CheckpointFormat:
         self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool, allow_lossy: bool = False
     ) -> int:
         """For a format whose DST is one file (``writes_file``): write it, published
-        atomically, streamed; returns its size. A ``dtype`` cast that overflows or flushes
-        a value is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
+        atomically, streamed; returns its size. A ``dtype`` cast that overflows a value
+        is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
         raise NotImplementedError
 
     def write_adapter(

@@ -3,7 +3,8 @@
 Modules: ``reader`` (the header, as untrusted input), ``params`` (the ``<arch>.*`` keys both
 ways), ``vocab`` (the ``tokenizer.ggml.*`` keys written), ``tokenizer`` (tokenizer files
 rebuilt from them), ``tensors`` (names, order, types and transforms written), ``model``
-(family, config and layout read back), ``adapter`` (LoRA adapters written), ``quants`` (Q8_0 written; Q8_0 and k-quants
+(family, config and layout read back), ``widened`` (F32 tensors read back in the model's
+dtype), ``adapter`` (LoRA adapters written), ``quants`` (Q8_0 written; Q8_0 and k-quants
 dequantized), ``writer`` (the streaming write). Which families llama.cpp converts, and how,
 is family data (:mod:`ckptkit.models.gguf_spec`).
 """
@@ -23,6 +24,7 @@ from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.gguf import model
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
+from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import Span, is_file, open_source, read_at
@@ -36,8 +38,9 @@ if TYPE_CHECKING:
 
 
 class GGUFTensors:
-    """Lazy reads of one GGUF's tensors: F32/F16/BF16 as stored (and as byte spans), Q8_0 and
-    k-quants dequantized to float32 a chunk of blocks at a time."""
+    """Lazy reads of one GGUF's tensors: F32/F16/BF16 as stored (and as byte spans), but the
+    F32 tensors llama.cpp widened from a bf16 or f16 model in that dtype where exact
+    (:meth:`restore_dtypes`); Q8_0 and k-quants dequantized to float32 a chunk of blocks at a time."""
 
     def __init__(self, header: GGUFHeader) -> None:
         self.header = header
@@ -46,7 +49,24 @@ class GGUFTensors:
         self.infos = {
             t.name: TensorInfo(t.name, t.shape, PLAIN.get(t.kind, "float32"), header.path.name) for t in header.tensors
         }
+        self.narrow: dict[str, str] = {}  # F32 tensors read back as this dtype (:mod:`.widened`)
+        self._kept: dict[str, torch.Tensor] = {}  # 1-D tensors as read() gives them, from that decision's read
         self._file: Any = None
+
+    def restore_dtypes(self) -> None:
+        """Read each F32 tensor llama.cpp widened from the file type (bf16, f16) back in that
+        dtype when all its values are exact there (:mod:`.widened`); the 1-D ones (small) are
+        kept from this read."""
+        dtype = file_dtype(self.header)
+        for t in widened(self.header):
+            assert dtype is not None
+            stored = self._as_stored(t.name)
+            narrow = narrowed(stored, dtype)
+            if narrow is not None:
+                self.narrow[t.name] = dtype
+                self.infos[t.name] = TensorInfo(t.name, t.shape, dtype, self.path.name)
+            if len(t.shape) <= 1:
+                self._kept[t.name] = stored if narrow is None else narrow
 
     def _pread(self, offset: int, n: int) -> bytearray:
         if self._file is None:
@@ -56,16 +76,30 @@ class GGUFTensors:
         except EOFError:
             raise CkptkitError(f"{self.path}: unexpected end of file (truncated while reading)") from None
 
+    def _as_stored(self, name: str) -> torch.Tensor:
+        import torch
+
+        from ckptkit.tensors.dtypes import to_torch
+
+        t = self.stored[name]
+        data = self._pread(t.offset, t.nbytes)
+        return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(PLAIN[t.kind])).reshape(t.shape)
+
     def read(self, name: str) -> torch.Tensor:
         import torch
 
         from ckptkit.formats.gguf.quants import DEQUANTIZE, dequantize_into
-        from ckptkit.tensors.dtypes import to_torch
 
         t, info = self.stored[name], self.infos[name]
+        if name in self._kept:
+            return self._kept[name].clone()
+        if name in self.narrow:
+            narrow = narrowed(self._as_stored(name), self.narrow[name])
+            if narrow is None:
+                raise CkptkitError(f"{self.path}: tensor {name!r} changed while it was read")
+            return narrow
         if t.kind in PLAIN:
-            data = self._pread(t.offset, t.nbytes)
-            return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(info.dtype)).reshape(info.shape)
+            return self._as_stored(name)
         if t.kind not in DEQUANTIZE:
             raise CkptkitError(
                 f"{self.path}: tensor {name!r} is {t.kind}; ckptkit dequantizes {', '.join(DEQUANTIZE)} "
@@ -76,7 +110,7 @@ class GGUFTensors:
 
     def span(self, name: str) -> Span | None:
         t = self.stored[name]
-        return Span(self.path, t.offset, t.nbytes) if t.kind in PLAIN else None
+        return Span(self.path, t.offset, t.nbytes) if t.kind in PLAIN and name not in self.narrow else None
 
     def sample(self, name: str, nbytes: int) -> bytes:
         t = self.stored[name]
@@ -144,11 +178,13 @@ class GGUFFormat(CheckpointFormat):
         tensors = GGUFTensors(header)
         unsure = None
         try:
-            if meta_str(header, "general.type") == "adapter":  # what --to gguf writes for a LoRA adapter
-                raise CkptkitError("it is a LoRA adapter GGUF (general.type adapter), not a model")
-            config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
-        except CkptkitError as e:  # inspect still lists the tensors; family() says why
-            config, unsure = {}, str(e)
+            tensors.restore_dtypes()
+            try:
+                if meta_str(header, "general.type") == "adapter":  # what --to gguf writes for a LoRA adapter
+                    raise CkptkitError("it is a LoRA adapter GGUF (general.type adapter), not a model")
+                config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
+            except CkptkitError as e:  # inspect still lists the tensors; family() says why
+                config, unsure = {}, str(e)
         except BaseException:
             tensors.close()
             raise
@@ -187,16 +223,24 @@ class GGUFFormat(CheckpointFormat):
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
     ) -> tuple[dict[str, Lazy], dict[str, Lazy]]:
         """The HF layout's canonical tensors; Gemma's ``1 + w`` norms undone exactly (or refused
-        when read); ``rope_freqs.weight`` is the config's rope scaling, not carried."""
+        when read), in the file type's dtype where ``w`` is exact there (as other widened
+        tensors, :mod:`.widened`); ``rope_freqs.weight`` is the config's rope scaling, not carried."""
         from ckptkit.tensors.lazy import Lazy
 
         tensors, unused = super().canonical_view(raw, family, cfg)
         unused.pop(model.ROPE_FREQS, None)
         where = raw.root / raw.config_name
+        dtype = file_dtype(_header(raw))
         for name in model.plus_one_norms(family, cfg) & set(tensors):
             lazy = tensors[name]
-            get = functools.partial(_minus_one, lazy, name, where)
-            tensors[name] = Lazy(lazy.shape, "float32", get, lazy.file)
+            restored = None
+            if dtype is not None:
+                try:  # a norm is 1-D: the tensors keep it from their own decision's read
+                    restored = dtype if narrowed(_minus_one(lazy, name, where), dtype) is not None else None
+                except CkptkitError:  # refused when read, as for any other file type
+                    pass
+            get = functools.partial(_minus_one, lazy, name, where, restored)
+            tensors[name] = Lazy(lazy.shape, restored or "float32", get, lazy.file)
         return tensors, unused
 
     def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
@@ -272,8 +316,15 @@ def _header(raw: RawCheckpoint) -> GGUFHeader:
     return _opened(raw).header
 
 
-def _minus_one(lazy: Lazy, name: str, where: Path) -> torch.Tensor:
-    return model.minus_one(lazy.get(), name, where)
+def _minus_one(lazy: Lazy, name: str, where: Path, dtype: str | None = None) -> torch.Tensor:
+    """``w`` of the stored ``1 + w``: float32, or ``dtype`` (where it was found exact)."""
+    w = model.minus_one(lazy.get(), name, where)
+    if dtype is None:
+        return w
+    narrow = narrowed(w, dtype)
+    if narrow is None:
+        raise CkptkitError(f"{where}: tensor {name!r} changed while it was read")
+    return narrow
 
 
 register(GGUFFormat())

@@ -37,8 +37,9 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
     blocks quantize independently and the cast is per element, so the bytes are those of
     quantizing it whole. A bfloat16 tensor written as BF16 is its own bytes, NaNs quieted
     as the package's rounding quiets them (no float32 copy, no rounding to do). With
-    ``checked_as`` (the tensor's name), a cast to F16 / BF16 that overflows or flushes a
-    value is a one-line error naming it (:func:`~ckptkit.tensors.casting.checked_cast`)."""
+    ``checked_as`` (the tensor's name), a cast to F16 / BF16 that overflows a value is a
+    one-line error naming it, and its underflows are counted for the conversion's note
+    (:func:`~ckptkit.tensors.casting.checked_cast`)."""
     import gguf
     import torch
 
