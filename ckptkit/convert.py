@@ -9,22 +9,34 @@ directory beside the destination, put in place at the end by :func:`ckptkit.io.p
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
-from ckptkit.formats.containers import Entries
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
-from ckptkit.io import AUTO, COPY_METHODS, Overlap, check_replaceable, direct_pays, publishing, total_bytes
+from ckptkit.formats.writers import Job, TensorWriter
+from ckptkit.io import (
+    AUTO,
+    COPY_METHODS,
+    Overlap,
+    check_replaceable,
+    direct_pays,
+    publishing,
+    publishing_file,
+    total_bytes,
+)
 from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import CAST_TARGETS, dtype_name
 from ckptkit.tensors.transforms import RANKS
-from ckptkit.untrusted import copy_regular_file
+
+if TYPE_CHECKING:
+    from ckptkit.verify import Report
 
 __all__ = [
     "COMPUTED", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_files",
@@ -38,34 +50,33 @@ COMPUTED = "computed"  # bytes_by_method label of tensors materialised and writt
 
 
 def write_plan(
-    plan: Plan, out_dir: Path, quiet: bool = False, label: str = "converting", copy_method: str | None = AUTO
+    plan: Plan, out: Path, quiet: bool = False, label: str = "converting", copy_method: str | None = AUTO
 ) -> dict[str, int]:
-    """Stream every target tensor into the output files.
+    """Write every target tensor of ``plan`` into its files: under the folder ``out``, or
+    ``out`` itself for a format whose output is one file.
 
     A tensor whose bytes the source holds as they are to be written (its lazy has spans:
     unchanged, or rows moved by a transform) is copied file to file on worker threads with
     ``copy_method`` (one of :data:`~ckptkit.io.COPY_METHODS`, or, for tests, a fallback of
     :data:`ckptkit.io.transfer.METHODS` forced; None: never), while this thread computes the
     others (casts, generated tensors: those with ``raw`` bytes, unless split across ranks,
-    without torch). ``auto`` writes whole pages past the page cache when the output is
-    larger than the kernel's dirty limit (:func:`~ckptkit.io.direct_pays`). Returns the
-    bytes written by each method
+    without torch; a writer that makes a tensor's bytes itself, a chunk at a time, has each
+    chunk written on the workers while the next is made). ``auto`` writes whole pages past
+    the page cache when the output is larger than the kernel's dirty limit
+    (:func:`~ckptkit.io.direct_pays`). Returns the bytes written by each method
     (:data:`COMPUTED` for those computed in memory).
     """
     where: dict[str, list[FilePlan]] = {}
-    entries: dict[str, Entries] = {}
     for f in plan.files:
         for k in f.keys:
-            shape = RANKS.shard_shape(plan.targets[k].shape, f.ranks, plan.split_dims.get(k))
-            entries.setdefault(f.name, []).append((k, plan.targets[k].dtype, tuple(shape)))
             where.setdefault(k, []).append(f)
-    total = sum(plan.targets[k].nbytes for k in where)
+    total = sum(plan.nbytes(k) for k in where)
     direct = direct_pays(total)  # auto: whole pages past the page cache when the output is big
     fmt = target_format(plan.format)
-    writers: dict[str, Any] = {}
+    writers: dict[str, TensorWriter] = {}
     try:
         for f in plan.files:  # the format says which writer writes each file
-            writers[f.name] = fmt.writer(out_dir / f.name, f, entries.get(f.name, []), direct)
+            writers[f.name] = fmt.writer(out if fmt.file_suffix else out / f.name, plan, f, direct)
         by_method = _write_tensors(plan, where, writers, total, label, quiet, copy_method)
         for w in writers.values():
             w.close()
@@ -73,15 +84,13 @@ def write_plan(
         for w in writers.values():  # no descriptor outlives a failure (ENOSPC: blocks held)
             w.discard()
         raise
-    for name, text in plan.metadata_files.items():
-        (out_dir / name).write_text(text, encoding="utf-8")
     return by_method
 
 
 def _write_tensors(
     plan: Plan,
     where: dict[str, list[FilePlan]],
-    writers: dict[str, Any],
+    writers: dict[str, TensorWriter],
     total: int,
     label: str,
     quiet: bool,
@@ -96,8 +105,7 @@ def _write_tensors(
                 bar.advance(lazy.nbytes)
                 continue
             ranks, dim = files[0].ranks, plan.split_dims.get(key)
-            spans = lazy.spans() if copy_method is not None else None
-            if spans is not None:
+            if copy_method is not None and (spans := lazy.spans()) is not None:
                 if total_bytes(spans) != lazy.nbytes:
                     raise RuntimeError(f"{key}: {total_bytes(spans)} stored bytes, planned {lazy.nbytes}")
                 pieces = RANKS.inverse_spans(spans, lazy.shape, ranks, dim) if ranks > 1 else [spans]
@@ -114,6 +122,11 @@ def _write_tensors(
                 computed += lazy.nbytes
                 bar.advance(lazy.nbytes)
                 continue
+            chunks = writers[files[0].name].chunks(key, lazy) if len(files) == 1 else None
+            if chunks is not None:  # made by the writer a chunk at a time, each written on a worker
+                for write, nbytes in chunks:
+                    copies.submit(functools.partial(_computed, write), nbytes)
+                continue
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
                 raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
@@ -125,16 +138,31 @@ def _write_tensors(
             bar.advance(lazy.nbytes)
     by_method = dict(copies.bytes_by_label)
     if computed:
-        by_method[COMPUTED] = computed
+        by_method[COMPUTED] = by_method.get(COMPUTED, 0) + computed
     return by_method
+
+
+def _computed(write: Job) -> str:
+    write()
+    return COMPUTED
+
+
+@contextmanager
+def publishing_output(fmt: CheckpointFormat, dst: Path, force: bool) -> Iterator[Path]:
+    """A temporary output beside ``dst`` (a folder, or one file for a format whose output is
+    one), fsynced and put in place of ``dst`` when the block succeeds (:mod:`ckptkit.io`)."""
+    with (publishing_file if fmt.file_suffix else publishing)(dst, force) as tmp:
+        yield tmp
 
 
 # --- the command ---------------------------------------------------------------------
 
 
-def check_destination(src: Path, dst: Path, force: bool, folder: bool = True) -> None:
+def check_destination(src: Path, dst: Path, force: bool, fmt: CheckpointFormat | None = None) -> None:
     """A one-line error for a DST under a regular file, the source itself, inside it or
-    holding it, and (a folder DST) one that is not empty without ``force``."""
+    holding it, (a folder DST) one that is not empty without ``force``, and (``fmt`` writes
+    one file) one its file names do not match."""
+    suffix = None if fmt is None else fmt.file_suffix
     blocking = next((p for p in dst.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise CkptkitError(f"{dst}: {blocking} is a file, not a folder; choose a DST outside it")
@@ -143,8 +171,10 @@ def check_destination(src: Path, dst: Path, force: bool, folder: bool = True) ->
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
     if d in s.parents:
         raise CkptkitError(f"{dst}: the destination contains the source; choose another directory")
-    if folder:
+    if suffix is None:
         check_replaceable(dst, force)
+    elif dst.suffix != suffix:
+        raise CkptkitError(f"{dst}: a {fmt.name if fmt else ''} destination is a file path ending in {suffix}")
 
 
 @dataclass
@@ -258,20 +288,15 @@ def convert(
     check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
     if src.is_dir() and is_adapter_folder(src):
         given = {"--from": from_format, "--model-type": model_type, "--config": config, "--experts": experts}
-        return convert_adapter(src, dst, fmt, base, dtype, force, quiet, allow_lossy_cast, given, verify)
+        opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
+        return convert_adapter(src, dst, fmt, base, opts, force, quiet, given, verify)
     if base is not None and src.exists():
         raise CkptkitError(f"--base applies to a LoRA adapter SRC (a folder with {ADAPTER_CONFIG}); {src} is not one")
+    opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
     with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
         check_lossy(ckpt, dtype)
         check_experts_choice(ckpt, fmt, experts)
-        if fmt.writes_file:  # one output file the format writes and publishes itself
-            if verify:
-                raise CkptkitError(f"--verify is not available for --to {fmt.name}; run ckptkit verify on the result")
-            check_destination(src, dst, force, folder=False)
-            written = fmt.write_file(ckpt, dst, dtype, quiet, force, allow_lossy_cast)
-            return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), list(ckpt.notes), written, {COMPUTED: written})
-        check_destination(src, dst, force)
-        opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
+        check_destination(src, dst, force, fmt)
         return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)
 
 
@@ -280,10 +305,9 @@ def convert_adapter(
     dst: Path,
     fmt: CheckpointFormat,
     base: str | Path | None,
-    dtype: str | None,
+    opts: Options,
     force: bool,
     quiet: bool,
-    allow_lossy_cast: bool,
     given: dict[str, Any],
     verify: bool = False,
 ) -> Result:
@@ -297,10 +321,12 @@ def convert_adapter(
     extra = next((flag for flag, value in given.items() if value is not None), "--verify" if verify else None)
     if extra is not None:
         raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
-    check_destination(src, dst, force, folder=False)
+    check_destination(src, dst, force, fmt)
     with open_checkpoint(adapter_base(src, Path(base) if base is not None else None)) as trained_on:
-        written = fmt.write_adapter(src, dst, trained_on, dtype, quiet, force, allow_lossy_cast)
-    return Result(Plan(fmt.name, {}, [FilePlan(dst.name, [])]), [], written, {COMPUTED: written})
+        plan = fmt.plan_adapter(src, trained_on, opts)
+    with publishing_output(fmt, dst, force) as tmp:
+        by_method = write_plan(plan, tmp, quiet)
+    return Result(plan, plan.notes, _size(dst), by_method)
 
 
 def write_checkpoint(
@@ -315,30 +341,42 @@ def write_checkpoint(
 ) -> Result:
     """Write ``ckpt`` to ``dst`` (replaced only with ``force``), published atomically."""
     plan = plan_conversion(ckpt, opts)
-    with publishing(dst, replace=force) as tmp:
+    with publishing_output(target_format(plan.format), dst, force) as tmp:
         by_method = write_files(ckpt, plan, tmp, quiet, copy_method)
         if verify:
             from ckptkit.verify import verify_against
 
-            report = verify_against(ckpt, tmp, opts.dtype, quiet=quiet)
+            report = verify_against(ckpt, tmp, plan.format, plan.verify_cast, quiet=quiet)
             if on_verify:
                 on_verify(report)
-            if not report.ok:
+            if not _as_planned(plan, report):
                 raise CkptkitError(f"{dst}: verification failed: {report.summary()}")
-    written = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
-    return Result(plan, ckpt.notes + plan.notes, written, by_method)
+    return Result(plan, ckpt.notes + plan.notes, _size(dst), by_method)
+
+
+def _as_planned(plan: Plan, report: Report) -> bool:
+    """Whether the output read back is the source as ``plan`` writes it: bitwise equal, or
+    differing only where the format stores tensors approximately (GGUF's types)."""
+    if report.ok:
+        return True
+    if report.only_in_a or report.only_in_b:
+        return False
+    return all(plan.approximates(d.name_b.split(" (part ")[0], d.kind, d.rounded_to) for d in report.differences)
+
+
+def _size(dst: Path) -> int:
+    """The bytes of the output ``dst``: one file, or the files of a folder."""
+    if dst.is_file():
+        return dst.stat().st_size
+    return sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
 
 
 def write_files(
-    ckpt: Checkpoint, plan: Plan, folder: Path, quiet: bool = True, copy_method: str | None = AUTO
+    ckpt: Checkpoint, plan: Plan, out: Path, quiet: bool = True, copy_method: str | None = AUTO
 ) -> dict[str, int]:
-    """Every file of the converted checkpoint, into an existing (temporary) folder; returns
-    the bytes written per copy method (see :func:`write_plan`)."""
-    by_method = write_plan(plan, folder, quiet, copy_method=copy_method)
-    target_format(plan.format).finish(ckpt, plan, folder)
-    for extra in ckpt.extra_files():
-        if extra.name not in plan.tokenizer.skip:
-            copy_regular_file(extra, folder / extra.name)
-    for name, data in plan.tokenizer.files.items():
-        (folder / name).write_bytes(data)
+    """Every file of the converted checkpoint, into an existing (temporary) folder, or the
+    one file of a one-file format; returns the bytes written per copy method (see
+    :func:`write_plan`)."""
+    by_method = write_plan(plan, out, quiet, copy_method=copy_method)
+    target_format(plan.format).finish(ckpt, plan, out)
     return by_method

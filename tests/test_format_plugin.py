@@ -7,7 +7,6 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from ckptkit.formats import REGISTRY, detect_format, is_checkpoint_file, registe
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
+from ckptkit.formats.writers import TensorWriter
 from ckptkit.inspection import inspect_path
 from ckptkit.models import Family, ModelConfig, canonical_shapes, get_family
 from ckptkit.models.spec import Layout, Rule
@@ -72,8 +72,8 @@ class FlatFormat(CheckpointFormat):
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         return [FilePlan(WEIGHTS, list(targets))], {}
 
-    def writer(self, path: Path, file: FilePlan, entries: Any, direct: bool) -> Any:
-        return SafetensorsWriter(path, entries, None, direct=direct)
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        return SafetensorsWriter(path, plan.entries(file), None, direct=direct)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         doc = {"model_type": ckpt.family.name, "config": ckpt.config.to_dict()}

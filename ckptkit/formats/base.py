@@ -76,6 +76,25 @@ class Plan:
     restored: bool = False
     notes: list[str] = field(default_factory=list)
     tokenizer: TokenizerPlan = field(default_factory=TokenizerPlan)
+    verify_cast: str | None = None  # --verify compares the output with the source cast to this dtype
+
+    def entries(self, file: FilePlan) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``file``'s tensors as (name, dtype, shape stored in this file), in stored order."""
+        shape = RANKS.shard_shape
+        return [(k, t.dtype, tuple(shape(t.shape, file.ranks, self.split_dims.get(k)))) for k, t in self._of(file)]
+
+    def _of(self, file: FilePlan) -> list[tuple[str, Lazy]]:
+        return [(k, self.targets[k]) for k in file.keys]
+
+    def nbytes(self, key: str) -> int:
+        """The bytes tensor ``key`` takes in the output (all its ranks together)."""
+        return self.targets[key].nbytes
+
+    def approximates(self, name: str, kind: str, rounded_to: str) -> bool:
+        """Whether the output's tensor ``name`` read back may differ from the source by
+        ``kind`` (:mod:`ckptkit.verify`'s kinds; ``rounded_to``: for "rounded", the dtype):
+        never, unless the format stores tensors approximately (GGUF's types)."""
+        return False
 
 
 @dataclass
@@ -194,6 +213,8 @@ class OpenedCheckpoint(Protocol):
 
     @property
     def side_folder(self) -> Path: ...
+
+    def extra_files(self) -> list[Path]: ...
 
 
 def read_json(path: Path) -> tuple[str, dict[str, Any]]:

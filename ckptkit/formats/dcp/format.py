@@ -27,6 +27,7 @@ from ckptkit.formats.dcp.metadata import METADATA
 from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.registry import register
+from ckptkit.formats.writers import TensorWriter
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
@@ -117,8 +118,8 @@ class DcpFormat(CheckpointFormat):
         ]
         return files, split if n > 1 else {}
 
-    def writer(self, path: Path, file: FilePlan, entries: Any, direct: bool) -> Any:
-        return DistcpWriter(path, entries, direct)
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        return DistcpWriter(path, plan.entries(file), direct)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}

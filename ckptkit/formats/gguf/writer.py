@@ -15,21 +15,28 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
+from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
-from ckptkit.io import ALIGN, OutputFile, Overlap, SpanReader, direct_pays, publishing_file
+from ckptkit.formats.writers import FileWriter, Job
+from ckptkit.io import ALIGN, DEPTH, SpanReader
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
-    from ckptkit.formats.base import OpenedCheckpoint
+    import gguf
+    import torch
+
+    from ckptkit.tensors.lazy import Lazy
 
 
 @contextmanager
@@ -109,7 +116,6 @@ def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
 
 
 NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
-WRITES_IN_FLIGHT = 1  # chunks written on the worker thread while the next is made
 
 
 def _aligned(n: int, alignment: int) -> int:
@@ -130,14 +136,9 @@ def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader, buffers: ChunkBuff
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
 
 
-def _write(out: OutputFile, chunk: bytes | memoryview, offset: int) -> str:
-    out.write(chunk, offset)
-    return "write"
-
-
-def planned_writer(arch: str, tensors: list[GGUFTensor]) -> Any:
+def planned_writer(arch: str, tensors: list[GGUFTensor]) -> gguf.GGUFWriter:
     """A ``gguf.GGUFWriter`` for ``arch`` holding the tensor infos of ``tensors`` (shapes and
-    types only: the bytes are streamed by :func:`publish`)."""
+    types only: the bytes are written by :class:`GGUFFileWriter`)."""
     import gguf
     import numpy as np
 
@@ -161,16 +162,51 @@ def add_model_card(w: Any, folder: Path, fallback_name: str) -> None:
     meta.set_gguf_meta_model(w)
 
 
-def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bool, checked: bool) -> int:
-    """Write ``w``'s header, key/values and tensor infos, then each tensor's bytes at its
-    offset a chunk at a time, into a temporary file beside ``dst``, fsynced and renamed onto
-    it: ``dst`` is complete or absent. ``checked``: narrowing casts that overflow or flush a
-    value are errors. Returns the file's size."""
-    from ckptkit.progress import byte_progress
+@dataclass
+class GGUFPlan(Plan):
+    """A GGUF's plan: its header (key/values and tensor infos, encoded by ``gguf``) and, by
+    name in file order, how each tensor is made and which GGML type it is stored as."""
 
-    size = sum(t.nbytes for t in tensors)
-    with publishing_file(dst, force) as tmp:
-        w.write_header_to_file(path=tmp)
+    header: gguf.GGUFWriter | None = None
+    tensors: dict[str, GGUFTensor] = field(default_factory=dict)
+    checked: bool = False  # a narrowing cast that overflows or flushes a value is an error
+
+    def nbytes(self, key: str) -> int:
+        return self.tensors[key].nbytes
+
+    def approximates(self, name: str, kind: str, rounded_to: str) -> bool:
+        """The read-back tensor ``name`` differs from the source as its stored type says:
+        widened (same values), rounded to its F16/BF16, or quantized."""
+        import gguf
+
+        t = self.tensors.get(name)
+        if t is None:
+            return False
+        stored = gguf.GGMLQuantizationType(t.qtype).name
+        if kind == "cast":
+            return True
+        if kind == "rounded":
+            return PLAIN.get(stored) == rounded_to
+        return kind == "values" and stored not in PLAIN
+
+
+def gguf_plan(fmt: str, w: gguf.GGUFWriter, tensors: list[GGUFTensor], file_name: str, checked: bool) -> GGUFPlan:
+    """The plan of one GGUF file (format ``fmt``): header ``w`` and ``tensors`` in file order."""
+    from ckptkit.tensors.lazy import Lazy
+
+    targets = {t.name: Lazy(t.shape, t.source.dtype if t.source is not None else "float32", t.make) for t in tensors}
+    files = [FilePlan(file_name, list(targets))]
+    return GGUFPlan(fmt, targets, files, header=w, tensors={t.name: t for t in tensors}, checked=checked)
+
+
+class GGUFFileWriter(FileWriter):
+    """One GGUF file: header, key/values and tensor infos written when it is made, then each
+    tensor's bytes at its aligned offset, made a chunk at a time (:meth:`chunks`)."""
+
+    def __init__(self, path: Path, plan: GGUFPlan, direct: bool = False) -> None:
+        w = plan.header
+        assert w is not None
+        w.write_header_to_file(path=path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         assert w.fout is not None
@@ -180,55 +216,68 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
         finally:
             fout.close()
             w.fout = None
-        offsets = []
-        for t in tensors:
-            offsets.append(start)
+        self._places: dict[str, tuple[int, int]] = {}
+        for t in plan.tensors.values():  # in file order (see docs/formats.md)
+            self._places[t.name] = (start, t.nbytes)
             start = _aligned(start + t.nbytes, w.data_alignment)
-        os.truncate(tmp, start)  # the padding: zeros
-        out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
-        reader = SpanReader()  # one for the file: source CRC-32s fed as read, every record checked at the end
-        try:
-            # each chunk is written on a worker thread while the next is read and converted:
-            # WRITES_IN_FLIGHT chunks written while one more is made, each in its own buffers
-            buffers = ChunkBuffers(WRITES_IN_FLIGHT + 1)
-            with byte_progress("converting", size, quiet) as bar, Overlap(1, WRITES_IN_FLIGHT, bar.advance) as writes:
-                for t, offset in zip(tensors, offsets, strict=True):  # in file order (see docs/formats.md)
-                    written = 0
-                    buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
-                    for chunk in _chunks(t, checked, reader, buffers):
-                        nbytes = memoryview(chunk).nbytes
-                        writes.submit(functools.partial(_write, out, chunk, offset + written), nbytes)
-                        written += nbytes
-                        buffers.lead = (offset + written) % ALIGN
-                    if written != t.nbytes:
-                        raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
-            reader.close()  # every source record read is checked before the file is published
-        except BaseException:
-            reader.close(check=False)
-            raise
-        finally:
-            out.close()
-    return dst.stat().st_size
+        os.truncate(path, start)  # the padding: zeros
+        super().__init__(path, direct)
+        self._tensors = plan.tensors
+        self._checked = plan.checked
+        self._pending = set(self._places)
+        self._reader = SpanReader()  # one for the file: source CRC-32s fed as read, every record checked at the end
+        # each chunk is written on a worker thread while the next is made: as many chunks
+        # in flight as the engine queues, plus the one being made, each in its own buffers
+        self._buffers = ChunkBuffers(DEPTH + 1)
+
+    def _place(self, name: str) -> tuple[int, int]:
+        return self._places[name]
+
+    def _done(self, name: str, crc: int | None) -> None:
+        self._pending.discard(name)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """``tensor`` converted to the tensor's GGML type (a narrowing cast checked if asked)."""
+        offset, _ = self._places[name]
+        t = self._tensors[name]
+        for chunk in quantized_chunks(tensor, t.qtype, name if self._checked else None):
+            self._out.write(chunk, offset)
+            offset += memoryview(chunk).nbytes
+        self._done(name, None)
+
+    def chunks(self, name: str, lazy: Lazy) -> Iterator[tuple[Job, int]]:
+        return self._chunk_jobs(name)
+
+    def _chunk_jobs(self, name: str) -> Iterator[tuple[Job, int]]:
+        t = self._tensors[name]
+        offset, nbytes = self._places[name]
+        written = 0
+        self._buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
+        for chunk in _chunks(t, self._checked, self._reader, self._buffers):
+            n = memoryview(chunk).nbytes
+            yield functools.partial(self._out.write, chunk, offset + written), n
+            written += n
+            self._buffers.lead = (offset + written) % ALIGN
+        if written != nbytes:
+            raise RuntimeError(f"{name}: wrote {written} bytes, planned {nbytes}")
+        self._done(name, None)
+
+    def _finish(self) -> None:
+        self._reader.close()  # every source record read is checked before the file is published
+        if self._pending:
+            raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+
+    def discard(self) -> None:
+        self._reader.close(check=False)
+        super().discard()
 
 
-def write_gguf(
-    ckpt: OpenedCheckpoint,
-    dst: Path,
-    dtype: str | None,
-    quiet: bool = True,
-    force: bool = False,
-    allow_lossy: bool = False,
-) -> int:
-    """Write ``ckpt`` as the GGUF file ``dst``, as llama.cpp's converter would; returns its size.
-
-    Header, metadata and tensor infos come first, from shapes and types; then each tensor's
-    bytes. The file is written beside ``dst`` under a temporary name, fsynced, and renamed
-    into place: ``dst`` is complete or absent.
-    """
+def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
+    """``ckpt`` as llama.cpp's converter would write it: header, metadata and tensor infos
+    from shapes and types, and how each tensor's bytes are made."""
     import gguf
 
-    if dst.suffix != ".gguf":
-        raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
+    dtype = opts.dtype
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
     tensors, ftype = model_tensors(ckpt, hparams, dtype)
@@ -242,4 +291,5 @@ def write_gguf(
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         add_vocab(w, spec.vocab, folder, hparams)
-    return publish(w, tensors, dst, force, quiet, dtype in NARROWING and not allow_lossy)
+    checked = dtype in NARROWING and not opts.allow_lossy_cast
+    return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)
