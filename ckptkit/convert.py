@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError, note
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from ckptkit.verify import Report
 
 __all__ = [
-    "COMPUTED", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint", "write_files",
-    "write_plan",
+    "COMPUTED", "ConvertOptions", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint",
+    "write_files", "write_plan",
 ]  # fmt: skip
 
 COMPUTED = "computed"  # bytes_by_method label of tensors materialised and written from memory
@@ -245,87 +245,89 @@ def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
     ckpt.notes.append(note(fact))
 
 
-def convert(
-    src: str | Path,
-    dst: str | Path,
-    to: str,
-    from_format: str | None = None,
-    model_type: str | None = None,
-    dtype: str | None = None,
-    shards: int | None = None,
-    max_shard_size: str | None = None,
-    force: bool = False,
-    verify: bool = False,
-    quiet: bool = True,
-    on_verify: Callable[[Any], None] | None = None,
-    copy_method: str | None = AUTO,
-    allow_lossy_cast: bool = False,
-    config: str | Path | None = None,
-    force_model_type: bool = False,
-    experts: str | None = None,
-    base: str | Path | None = None,
-) -> Result:
-    """Convert ``src`` into ``dst`` in format ``to``; ``dst`` is complete or absent afterwards.
+@dataclass
+class ConvertOptions:
+    """What a conversion is asked (the CLI's ``convert`` builds one from its options).
 
-    ``model_type`` that contradicts what the files say is refused unless ``force_model_type``.
-    ``copy_method`` picks how tensors travel file to file (see :func:`write_plan`);
-    ``config`` gives the model config of a source without one (``--config``); ``experts``
-    (``per-expert`` / ``stacked``) how a mixture-of-experts model's experts are stored in
-    ``dst`` (None: as in the source). A PEFT LoRA adapter folder ``src`` goes to a format
-    that holds adapters (:func:`convert_adapter`), ``base`` its base checkpoint.
+    ``to``: the target format; ``model_type`` that contradicts what the files say is refused
+    unless ``force_model_type``; ``copy_method`` picks how tensors travel file to file (see
+    :func:`write_plan`); ``config`` gives the model config of a source without one
+    (``--config``); ``experts`` (``per-expert`` / ``stacked``) how a mixture-of-experts
+    model's experts are stored (None: as in the source); ``base``: a LoRA adapter source's
+    base checkpoint; ``on_verify`` receives ``--verify``'s report.
+    """
+
+    to: str
+    from_format: str | None = None
+    model_type: str | None = None
+    dtype: str | None = None
+    shards: int | None = None
+    max_shard_size: str | None = None
+    force: bool = False
+    verify: bool = False
+    quiet: bool = True
+    on_verify: Callable[[Report], None] | None = None
+    copy_method: str | None = AUTO
+    allow_lossy_cast: bool = False
+    config: str | Path | None = None
+    force_model_type: bool = False
+    experts: str | None = None
+    base: str | Path | None = None
+
+    def plan_options(self) -> Options:
+        """What the target format plans from."""
+        return Options(self.to, self.dtype, self.shards, self.max_shard_size, self.allow_lossy_cast, self.experts)
+
+
+def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
+    """Convert ``src`` into ``dst`` as ``opts`` asks; ``dst`` is complete or absent afterwards.
+
+    A PEFT LoRA adapter folder ``src`` goes to a format that holds adapters
+    (:func:`convert_adapter`), ``opts.base`` its base checkpoint.
     """
     src, dst = Path(src), Path(dst)
-    if copy_method is not None and copy_method not in COPY_METHODS:
-        raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {copy_method!r}")
-    fmt = target_format(to)
-    if dtype is not None and dtype not in CAST_TARGETS + fmt.extra_dtypes:
-        takers = [f.name for f in REGISTRY.values() if dtype in f.extra_dtypes]
+    o = opts
+    if o.copy_method is not None and o.copy_method not in COPY_METHODS:
+        raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {o.copy_method!r}")
+    fmt = target_format(o.to)
+    if o.dtype is not None and o.dtype not in CAST_TARGETS + fmt.extra_dtypes:
+        takers = [f.name for f in REGISTRY.values() if o.dtype in f.extra_dtypes]
         if takers:
-            raise CkptkitError(f"--dtype {dtype} applies only to --to {' or '.join(takers)}")
-        raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {dtype!r}")
-    if shards is not None and shards < 1:
+            raise CkptkitError(f"--dtype {o.dtype} applies only to --to {' or '.join(takers)}")
+        raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {o.dtype!r}")
+    if o.shards is not None and o.shards < 1:
         raise CkptkitError("--shards must be at least 1")
-    check_options(fmt, dtype, shards, max_shard_size, allow_lossy_cast)
+    check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
     if src.is_dir() and is_adapter_folder(src):
-        given = {"--from": from_format, "--model-type": model_type, "--config": config, "--experts": experts}
-        opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
-        return convert_adapter(src, dst, fmt, base, opts, force, quiet, given, verify)
-    if base is not None and src.exists():
+        return convert_adapter(src, dst, fmt, o)
+    if o.base is not None and src.exists():
         raise CkptkitError(f"--base applies to a LoRA adapter SRC (a folder with {ADAPTER_CONFIG}); {src} is not one")
-    opts = Options(to, dtype, shards, max_shard_size, allow_lossy_cast, experts)
-    with open_checkpoint(src, from_format, model_type, config, check_model_type=not force_model_type) as ckpt:
-        check_lossy(ckpt, dtype)
-        check_experts_choice(ckpt, fmt, experts)
-        check_destination(src, dst, force, fmt)
-        return write_checkpoint(ckpt, dst, opts, verify, quiet, on_verify, copy_method, force=force)
+    with open_checkpoint(src, o.from_format, o.model_type, o.config, check_model_type=not o.force_model_type) as ckpt:
+        check_lossy(ckpt, o.dtype)
+        check_experts_choice(ckpt, fmt, o.experts)
+        check_destination(src, dst, o.force, fmt)
+        return write_checkpoint(ckpt, dst, o.plan_options(), o.verify, o.quiet, o.on_verify, o.copy_method, o.force)
 
 
-def convert_adapter(
-    src: Path,
-    dst: Path,
-    fmt: CheckpointFormat,
-    base: str | Path | None,
-    opts: Options,
-    force: bool,
-    quiet: bool,
-    given: dict[str, Any],
-    verify: bool = False,
-) -> Result:
-    """The PEFT LoRA adapter folder ``src`` as ``fmt``'s adapter file ``dst`` (``base``: its base)."""
+def convert_adapter(src: Path, dst: Path, fmt: CheckpointFormat, opts: ConvertOptions) -> Result:
+    """The PEFT LoRA adapter folder ``src`` as ``fmt``'s adapter file ``dst`` (``opts.base``: its base)."""
     if not fmt.writes_adapters:
         takers = " or ".join(f"--to {f.name}" for f in REGISTRY.values() if f.writes_adapters)
         raise CkptkitError(
             f"{src}: a LoRA adapter; --to {fmt.name} takes models. Convert the adapter {takers}, or fold it into "
             f"its base with ckptkit merge BASE {src} MERGED"
         )
-    extra = next((flag for flag, value in given.items() if value is not None), "--verify" if verify else None)
+    given = {"--from": opts.from_format, "--model-type": opts.model_type, "--config": opts.config}
+    extra = next((flag for flag, value in given.items() if value is not None), None)
+    extra = extra or ("--experts" if opts.experts is not None else "--verify" if opts.verify else None)
     if extra is not None:
         raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
-    check_destination(src, dst, force, fmt)
-    with open_checkpoint(adapter_base(src, Path(base) if base is not None else None)) as trained_on:
-        plan = fmt.plan_adapter(src, trained_on, opts)
-    with publishing_output(fmt, dst, force) as tmp:
-        by_method = write_plan(plan, tmp, quiet)
+    check_destination(src, dst, opts.force, fmt)
+    base = Path(opts.base) if opts.base is not None else None
+    with open_checkpoint(adapter_base(src, base)) as trained_on:
+        plan = fmt.plan_adapter(src, trained_on, opts.plan_options())
+    with publishing_output(fmt, dst, opts.force) as tmp:
+        by_method = write_plan(plan, tmp, opts.quiet)
     return Result(plan, plan.notes, _size(dst), by_method)
 
 
@@ -335,7 +337,7 @@ def write_checkpoint(
     opts: Options,
     verify: bool = False,
     quiet: bool = True,
-    on_verify: Callable[[Any], None] | None = None,
+    on_verify: Callable[[Report], None] | None = None,
     copy_method: str | None = AUTO,
     force: bool = False,
 ) -> Result:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import tree_hashes
@@ -37,7 +37,7 @@ def test_lossy_cast_is_an_error_naming_the_tensor(value: float, problem: str, tm
     src = _hf_with(tmp_path / "src", [value])
     before = tree_hashes(src)
     with pytest.raises(CkptkitError) as err:
-        convert(src, tmp_path / "out", "hf", dtype="float16")
+        convert(src, tmp_path / "out", ConvertOptions("hf", dtype="float16"))
     message = str(err.value)
     assert PROBE in message and problem in message and "--allow-lossy-cast" in message and "\n" not in message
     assert not (tmp_path / "out").exists() and tree_hashes(src) == before
@@ -46,7 +46,7 @@ def test_lossy_cast_is_an_error_naming_the_tensor(value: float, problem: str, tm
 
 def test_allow_lossy_cast_writes_what_torch_casts(tmp_path: Path) -> None:
     src = _hf_with(tmp_path / "src", [1e6, 1e-9, -3.5])
-    convert(src, tmp_path / "out", "hf", dtype="float16", allow_lossy_cast=True, verify=True)
+    convert(src, tmp_path / "out", ConvertOptions("hf", dtype="float16", allow_lossy_cast=True, verify=True))
     got = load_file(tmp_path / "out" / "model.safetensors")[PROBE].view(-1)[:3]
     assert torch.isinf(got[0]) and got[1] == 0 and got[2] == -3.5
 
@@ -57,14 +57,14 @@ def test_exact_casts_need_no_flag(tmp_path: Path) -> None:
     safetensors and torch.load (Meta's q/k rows are permuted: compared as sorted values)."""
     src = _hf_with(tmp_path / "src", [0.5, -2.0, 1e-3])
     source = load_file(src / "model.safetensors")
-    convert(src, tmp_path / "f32", "hf", dtype="float32", verify=True)
+    convert(src, tmp_path / "f32", ConvertOptions("hf", dtype="float32", verify=True))
     f32 = load_file(tmp_path / "f32" / "model.safetensors")
     assert f32.keys() == source.keys()
     for k, v in source.items():
         assert f32[k].dtype == torch.float32 and torch.equal(f32[k], v.float()), k
         assert torch.equal(f32[k].to(torch.bfloat16).view(torch.int16), v.view(torch.int16)), k  # lossless
     assert f32[PROBE].view(-1)[:3].tolist() == [0.5, -2.0, torch.tensor(1e-3, dtype=torch.bfloat16).item()]
-    convert(src, tmp_path / "f16", "meta", dtype="float16", verify=True)
+    convert(src, tmp_path / "f16", ConvertOptions("meta", dtype="float16", verify=True))
     meta = torch.load(tmp_path / "f16" / "consolidated.00.pth", weights_only=True)
     assert {t.dtype for t in meta.values()} == {torch.float16}
     assert meta["layers.0.feed_forward.w2.weight"].equal(source[PROBE].to(torch.float16))  # down_proj: not permuted

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.gguf import rows
 from ckptkit.verify import Report
@@ -27,7 +27,7 @@ from conftest import FIXTURES
 
 def _verified(src: Path, dst: Path, dtype: str | None = None) -> Report:
     reports: list[Report] = []
-    convert(src, dst, "gguf", dtype=dtype, verify=True, on_verify=reports.append)
+    convert(src, dst, ConvertOptions("gguf", dtype=dtype, verify=True, on_verify=reports.append))
     assert dst.is_file() and len(reports) == 1
     return reports[0]
 
@@ -95,7 +95,7 @@ def test_a_gguf_that_reads_back_otherwise_is_not_published(
     monkeypatch.setattr(rows, "_encoded", flipped)
     dst = tmp_path / "m.gguf"
     with pytest.raises(CkptkitError, match=r"m\.gguf: verification failed: .*differ"):
-        convert(FIXTURES / "hf" / "llama2", dst, "gguf", dtype="float32", verify=True)
+        convert(FIXTURES / "hf" / "llama2", dst, ConvertOptions("gguf", dtype="float32", verify=True))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -106,3 +106,28 @@ def test_verify_reads_the_written_bytes(tmp_path: Path) -> None:
     with open_checkpoint(src) as a, open_checkpoint(dst) as b:
         for k, t in a.tensors.items():
             assert torch.equal(t.get().float(), b.tensors[k].get()), k
+
+
+def test_chunks_written_out_of_order_keep_their_bytes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The engine's two workers may finish chunk writes out of order: a chunk whose write is
+    held up keeps its bytes while later chunks are made (its buffers are not reused before)."""
+    import threading
+    import time
+
+    from ckptkit.io import OutputFile
+
+    src = FIXTURES / "hf" / "llama2"
+    convert(src, tmp_path / "reference.gguf", ConvertOptions("gguf"))
+    monkeypatch.setattr(rows, "CHUNK_BYTES", 4096)  # many chunks per tensor, many in flight
+    write, held = OutputFile.write, threading.Event()
+
+    def slow_first(self, data, offset, writeback=True):  # type: ignore[no-untyped-def]
+        if memoryview(data).nbytes >= 4096 and not held.is_set():
+            held.set()
+            time.sleep(0.5)  # the other worker writes the chunks behind this one meanwhile
+        return write(self, data, offset, writeback)
+
+    monkeypatch.setattr(OutputFile, "write", slow_first)
+    convert(src, tmp_path / "held.gguf", ConvertOptions("gguf"))
+    assert held.is_set()
+    assert (tmp_path / "held.gguf").read_bytes() == (tmp_path / "reference.gguf").read_bytes()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 
 from conftest import FIXTURES
 from tokenizer_helpers import write_tiny_meta_llama3
@@ -40,7 +40,7 @@ def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:
 @pytest.mark.slow
 def test_llama3_meta_to_hf_converts_to_gguf(llama_cpp: Path, tmp_path: Path) -> None:
     write_tiny_meta_llama3(tmp_path / "meta")
-    convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
     # "llama-bpe": llama.cpp recognised Llama 3's pre-tokenizer from how the tokenizer encodes its probe text.
     assert meta == {
@@ -54,7 +54,7 @@ def test_llama3_meta_to_hf_converts_to_gguf(llama_cpp: Path, tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama2", "mistral"])
 def test_sentencepiece_meta_to_hf_converts_to_gguf(family: str, llama_cpp: Path, tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / family, tmp_path / "hf", "hf")
+    convert(FIXTURES / "meta" / family, tmp_path / "hf", ConvertOptions("hf"))
     meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
     assert meta["tokenizer.ggml.model"] == "llama"
     assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)

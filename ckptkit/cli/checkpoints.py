@@ -142,15 +142,13 @@ def convert(
     ] = None,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
-    from ckptkit.convert import COMPUTED
+    from ckptkit.convert import COMPUTED, ConvertOptions
     from ckptkit.convert import convert as run_convert
 
     start = time.perf_counter()
     reports: list[Report] = []
     with logging_to_stderr("ckptkit", logging.INFO if verbose else None):
-        result = run_convert(
-            src,
-            dst,
+        opts = ConvertOptions(
             to,
             from_format=from_,
             model_type=model_type,
@@ -168,6 +166,7 @@ def convert(
             experts=experts,
             base=base,
         )
+        result = run_convert(src, dst, opts)
     if quiet:
         return
     for note in result.notes:

@@ -111,6 +111,8 @@ class RawCheckpoint:
         file_metadata: safetensors ``__metadata__`` per file (None for pickles).
         split_dims: Meta rank-split dim per tensor (None: replicated); empty otherwise.
         file_aliases: per pickle file, tensors stored as another tensor of it -> that tensor.
+        ignored: entries the files hold besides the model (a DCP folder's optimizer and
+            train state), listed by ``inspect``, never converted.
         lossy: tensors read only approximately (native name -> stored type): quantized
             tensors, dequantized to float32 on read; a conversion needs an explicit --dtype.
         notes: what the format says about the conversion (a tokenizer it could not rebuild).
@@ -130,6 +132,7 @@ class RawCheckpoint:
     file_aliases: dict[str, dict[str, str]] = field(default_factory=dict)
     lossy: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # entries besides the model (optimizer state)
 
     def files_folder(self) -> Path | None:
         """A folder the format made with the checkpoint's non-weight files (tokenizer,

@@ -279,8 +279,6 @@ def size_sharded_files(
 
     from ckptkit.formats.safetensors_io import library_order
 
-    if opts.shards is not None:
-        raise CkptkitError("--shards applies to --to meta (model-parallel ranks); use --max-shard-size for HF formats")
     try:
         split = split_state_dict_into_shards_factory(
             targets,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.models import gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3
 from ckptkit.models.config import ModelConfig, canonical_shapes
 from ckptkit.models.family import Family, MetaSource
@@ -35,7 +35,7 @@ def get_family(model_type: str) -> Family:
     try:
         return REGISTRY[model_type]
     except KeyError:
-        raise CkptkitError(f"unknown model type {model_type!r}; supported: {', '.join(MODEL_TYPES)}") from None
+        raise UnknownModel(f"unknown model type {model_type!r}; supported: {', '.join(MODEL_TYPES)}") from None
 
 
 def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
@@ -53,7 +53,7 @@ def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
     for family in REGISTRY.values():
         if hf_type in family.hf_model_types:
             return family
-    raise CkptkitError(
+    raise UnknownModel(
         f"{where}: unsupported model_type {hf_type!r}; supported: {', '.join(MODEL_TYPES)} "
         "(pass --model-type to force one)"
     )

@@ -13,13 +13,12 @@ import re
 from torch import nn
 
 from ckptkit.errors import CkptkitError
-from ckptkit.models import ModelConfig
+from ckptkit.models import ModelConfig, get_family
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
 
 def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
     """HF module -> the canonical modules it stacks on dim 0, for layer 0 (``{i}`` unset)."""
-    from ckptkit.models import get_family
     from ckptkit.tensors.transforms import FUSED
 
     cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True)

@@ -20,7 +20,7 @@ from ckptkit.formats.base import Plan
 from ckptkit.formats.torch_zip import STORAGE_OF, pickle_tensor, write_archive
 from ckptkit.formats.writers import FileWriter
 from ckptkit.io import OutputFile
-from ckptkit.tensors.dtypes import ITEMSIZE, to_torch
+from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, to_torch
 
 if TYPE_CHECKING:
     pass
@@ -89,7 +89,6 @@ class DistcpWriter(FileWriter):
     unit = "chunk"
 
     def __init__(self, path: Path, entries: list[tuple[str, Any, tuple[int, ...]]], direct: bool = False) -> None:
-        from ckptkit.tensors.dtypes import dtype_name
 
         named = [(n, dtype_name(d), tuple(s)) for n, d, s in entries]
         odd = [d for _, d, _ in named if d not in STORAGE_OF]

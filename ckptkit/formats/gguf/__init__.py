@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.gguf import model
@@ -173,12 +173,12 @@ class GGUFFormat(CheckpointFormat):
     def family(self, raw: RawCheckpoint) -> Family:
         unsure = _opened(raw).unsure
         if unsure is not None:
-            raise CkptkitError(f"cannot tell the model type: {unsure}")
+            raise UnknownModel(f"cannot tell the model type: {unsure}")
         return model.family_of(_header(raw), raw.config)
 
     def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
         if not raw.config:
-            raise CkptkitError(f"{raw.root / raw.config_name}: no model type ckptkit knows; see inspect")
+            raise UnknownModel(f"{raw.root / raw.config_name}: no model type ckptkit knows; see inspect")
         try:
             return family.config_from_hf(raw.config)
         except (KeyError, TypeError, ValueError) as e:

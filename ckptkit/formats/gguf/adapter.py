@@ -118,16 +118,16 @@ def adapter_tensors(
         file_type,
         gguf_name,
         hf_hparams,
+        hf_targets,
         name_map,
         permute,
         qtype,
         spec_of,
     )
-    from ckptkit.formats.registry import get_format
 
     spec = spec_of(base.family, base.path)
     hparams = hf_hparams(base)  # config.json as llama.cpp reads it
-    shapes = {k: v.shape for k, v in get_format("hf").targets(base, {}, with_optional=False)[0].items()}
+    shapes = {k: v.shape for k, v in hf_targets(base).items()}
     tmap = name_map(spec, hparams["num_hidden_layers"])
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head

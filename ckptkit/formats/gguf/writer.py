@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,16 +21,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
-from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
+from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, is_hf_config, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
 from ckptkit.formats.writers import FileWriter, Job
-from ckptkit.io import ALIGN, DEPTH, SpanReader
+from ckptkit.io import ALIGN, DEPTH, OutputFile, SpanReader
 from ckptkit.untrusted import copy_regular_file
 
 if TYPE_CHECKING:
@@ -43,23 +44,23 @@ if TYPE_CHECKING:
 def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
     """The tokenizer side of the source as an HF folder: the source itself when it is one,
     else a temporary folder with what ``--to hf`` would write beside the weights."""
-    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir():
+    if is_hf_config(ckpt.raw.config_name) and ckpt.path.is_dir():
         yield ckpt.path
         return
-    from ckptkit.formats.registry import get_format
+    from ckptkit.formats.registry import transformers_format
 
-    plan = get_format("hf").tokenizer(ckpt)
+    hf = transformers_format()
+    plan = hf.tokenizer(ckpt)
     with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
         folder = Path(tmp) / model_name(ckpt.path)
         folder.mkdir()
-        extra = getattr(ckpt, "extra_files", None)
-        for src in extra() if extra is not None else []:
+        for src in ckpt.extra_files():
             if src.name not in plan.skip:
                 copy_regular_file(src, folder / src.name)
         for name, data in plan.files.items():
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
-        (folder / "config.json").write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
+        (folder / str(hf.config_file)).write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
         if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
             raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
         yield folder
@@ -103,7 +104,6 @@ def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
     tokenizer (no ``tokenizer.model``) with fewer tokens than the embeddings have rows."""
     if (folder / "tokenizer.model").is_file() or not (folder / "tokenizer.json").is_file():
         return
-    from ckptkit.formats.base import read_json
 
     doc = read_json(folder / "tokenizer.json")[1]
     n = len((doc.get("model") or {}).get("vocab") or {}) + len(doc.get("added_tokens") or [])
@@ -199,6 +199,41 @@ def gguf_plan(fmt: str, w: gguf.GGUFWriter, tensors: list[GGUFTensor], file_name
     return GGUFPlan(fmt, targets, files, header=w, tensors={t.name: t for t in tensors}, checked=checked)
 
 
+class HeldBuffers(ChunkBuffers):
+    """:class:`ChunkBuffers` whose sets are handed out again only once the write of the chunk
+    made in them is done (:meth:`release`): the engine's workers may finish writes out of
+    order, so the oldest chunk in flight is not always the one whose set comes round next."""
+
+    def __init__(self, sets: int) -> None:
+        super().__init__(sets)
+        self._free = [threading.Event() for _ in range(max(1, sets))]
+        for e in self._free:
+            e.set()
+        self.made = 0  # chunks made in a set so far
+        self.turn = -1  # the set the last of them was made in
+
+    def next_set(self) -> int:
+        turn = super().next_set()
+        self._free[turn].wait()  # its chunk's write is done (a worker runs it whatever this thread does)
+        self._free[turn].clear()
+        self.made, self.turn = self.made + 1, turn
+        return turn
+
+    def release(self, turn: int) -> None:
+        self._free[turn].set()
+
+
+def _write_then_release(
+    out: OutputFile, chunk: bytes | memoryview, offset: int, buffers: HeldBuffers, turn: int
+) -> None:
+    """Write ``chunk`` at ``offset``, then hand its buffer set (``turn``; -1: none) back."""
+    try:
+        out.write(chunk, offset)
+    finally:
+        if turn >= 0:
+            buffers.release(turn)
+
+
 class GGUFFileWriter(FileWriter):
     """One GGUF file: header, key/values and tensor infos written when it is made, then each
     tensor's bytes at its aligned offset, made a chunk at a time (:meth:`chunks`)."""
@@ -228,7 +263,7 @@ class GGUFFileWriter(FileWriter):
         self._reader = SpanReader()  # one for the file: source CRC-32s fed as read, every record checked at the end
         # each chunk is written on a worker thread while the next is made: as many chunks
         # in flight as the engine queues, plus the one being made, each in its own buffers
-        self._buffers = ChunkBuffers(DEPTH + 1)
+        self._buffers = HeldBuffers(DEPTH + 1)
 
     def _place(self, name: str) -> tuple[int, int]:
         return self._places[name]
@@ -253,9 +288,12 @@ class GGUFFileWriter(FileWriter):
         offset, nbytes = self._places[name]
         written = 0
         self._buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
+        made = self._buffers.made
         for chunk in _chunks(t, self._checked, self._reader, self._buffers):
             n = memoryview(chunk).nbytes
-            yield functools.partial(self._out.write, chunk, offset + written), n
+            turn = self._buffers.turn if self._buffers.made != made else -1  # -1: not made in a set
+            made = self._buffers.made
+            yield functools.partial(_write_then_release, self._out, chunk, offset + written, self._buffers, turn), n
             written += n
             self._buffers.lead = (offset + written) % ALIGN
         if written != nbytes:
