@@ -16,6 +16,11 @@ class CkptkitError(Exception):
     """A problem with the user's input (file, flag or config), explained in one line."""
 
 
+class UnknownModel(CkptkitError):
+    """The files (or ``--model-type``) do not say which model they hold, or say one ckptkit
+    does not know: ``inspect`` still lists what is there."""
+
+
 class WriteError(CkptkitError, OSError):
     """An OS error while writing a destination (disk full, permission denied...), in one
     line naming the destination; still an OSError for callers that catch those."""

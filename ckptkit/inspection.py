@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import open_checkpoint
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats import detect_format, source_file_format
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.single_file import read_single_file
@@ -53,9 +53,8 @@ def _inspect_dir(root: Path, model_type: str | None, config: Path | None) -> dic
             raw = ckpt.raw
             info = _describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos)
             return reader.describe(raw, _with_ignored(info, raw))
-    except CkptkitError as e:
-        if "model type" not in str(e) and "model_type" not in str(e) and "which Llama" not in str(e):
-            raise
+    except UnknownModel:
+        pass
     raw = reader.open_with_config(root, config)  # an unknown model: still list what is there
     try:
         return reader.describe(
@@ -67,5 +66,4 @@ def _inspect_dir(root: Path, model_type: str | None, config: Path | None) -> dic
 
 def _with_ignored(info: dict[str, Any], raw: RawCheckpoint) -> dict[str, Any]:
     """``ignored``: entries besides the model (optimizer, train state) a format lists, if any."""
-    ignored = getattr(raw, "ignored", None)
-    return info | {"ignored": list(ignored)} if ignored else info
+    return info | {"ignored": list(raw.ignored)} if raw.ignored else info

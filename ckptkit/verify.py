@@ -252,7 +252,9 @@ def verify_paths(a: str | Path, b: str | Path, quiet: bool = True) -> Report:
     return report
 
 
-def verify_against(src: Checkpoint, out_dir: Path, dtype: str | None, quiet: bool = True) -> Report:
-    """Check a freshly written output against its (still open) source."""
-    with open_checkpoint(out_dir, model_type=src.family.name) as out:
-        return compare(src, out, to_torch(dtype) if dtype else None, quiet=quiet)
+def verify_against(src: Checkpoint, out: Path, fmt: str, dtype: str | None, quiet: bool = True) -> Report:
+    """Check a freshly written output ``out`` (a folder, or the one file of a one-file
+    format), of format ``fmt``, against its (still open) source; ``dtype``: the source's
+    floating tensors cast to it first."""
+    with open_checkpoint(out, fmt, model_type=src.family.name) as written:
+        return compare(src, written, to_torch(dtype) if dtype else None, quiet=quiet)

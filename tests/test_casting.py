@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES, tree_hashes
@@ -41,7 +41,7 @@ def test_overflow_is_an_error_naming_the_tensor(to: str, name: str, tmp_path: Pa
     src = _hf_with(tmp_path / "src", [1e6, 1e-9])
     before = tree_hashes(src)
     with pytest.raises(CkptkitError) as err:
-        convert(src, tmp_path / "out", to, dtype="float16")
+        convert(src, tmp_path / "out", ConvertOptions(to, dtype="float16"))
     message = str(err.value)
     assert message.startswith(f"{name}: casting to float16, 1 value(s) overflow to inf (largest magnitude 999424)")
     assert "--allow-lossy-cast" in message and "\n" not in message
@@ -71,7 +71,7 @@ def test_underflow_is_one_note_with_exact_counts_and_torch_s_bytes(tmp_path: Pat
     source["model.norm.weight"][3] = 1e-9
     save_file(source, src / "model.safetensors", metadata={"format": "pt"})
     for to in ("hf", "meta"):
-        result = convert(src, tmp_path / to, to, dtype="float16", verify=True)
+        result = convert(src, tmp_path / to, ConvertOptions(to, dtype="float16", verify=True))
         casts = [n for n in result.notes if n.startswith("casting to")]
         assert casts == [
             "casting to float16: 3 non-zero value(s) underflow to 0 and 2 round to a subnormal, in 2 tensor(s) "
@@ -88,7 +88,7 @@ def test_underflow_is_one_note_with_exact_counts_and_torch_s_bytes(tmp_path: Pat
 
 def test_allow_lossy_cast_writes_what_torch_casts(tmp_path: Path) -> None:
     src = _hf_with(tmp_path / "src", [1e6, 1e-9, -3.5])
-    convert(src, tmp_path / "out", "hf", dtype="float16", allow_lossy_cast=True, verify=True)
+    convert(src, tmp_path / "out", ConvertOptions("hf", dtype="float16", allow_lossy_cast=True, verify=True))
     got = load_file(tmp_path / "out" / "model.safetensors")[PROBE].view(-1)[:3]
     assert torch.isinf(got[0]) and got[1] == 0 and got[2] == -3.5
 
@@ -99,14 +99,14 @@ def test_exact_casts_need_no_flag(tmp_path: Path) -> None:
     safetensors and torch.load (Meta's q/k rows are permuted: compared as sorted values)."""
     src = _hf_with(tmp_path / "src", [0.5, -2.0, 1e-3])
     source = load_file(src / "model.safetensors")
-    convert(src, tmp_path / "f32", "hf", dtype="float32", verify=True)
+    convert(src, tmp_path / "f32", ConvertOptions("hf", dtype="float32", verify=True))
     f32 = load_file(tmp_path / "f32" / "model.safetensors")
     assert f32.keys() == source.keys()
     for k, v in source.items():
         assert f32[k].dtype == torch.float32 and torch.equal(f32[k], v.float()), k
         assert torch.equal(f32[k].to(torch.bfloat16).view(torch.int16), v.view(torch.int16)), k  # lossless
     assert f32[PROBE].view(-1)[:3].tolist() == [0.5, -2.0, torch.tensor(1e-3, dtype=torch.bfloat16).item()]
-    convert(src, tmp_path / "f16", "meta", dtype="float16", verify=True)
+    convert(src, tmp_path / "f16", ConvertOptions("meta", dtype="float16", verify=True))
     meta = torch.load(tmp_path / "f16" / "consolidated.00.pth", weights_only=True)
     assert {t.dtype for t in meta.values()} == {torch.float16}
     assert meta["layers.0.feed_forward.w2.weight"].equal(source[PROBE].to(torch.float16))  # down_proj: not permuted
@@ -160,7 +160,7 @@ def test_gguf_float16_of_a_real_bf16_model_is_written_with_one_note(tmp_path: Pa
     src = FIXTURES / "hf" / "mistral"
     zeros, subnormals, tensors = _float16_underflows(src)
     assert (zeros, subnormals) == (1, 23)  # measured (353 values lie under 2**-14; most fit a subnormal)
-    result = convert(src, tmp_path / "m.gguf", "gguf", dtype="float16")
+    result = convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", dtype="float16"))
     assert [n for n in result.notes if n.startswith("casting to")] == [
         f"casting to float16: {zeros} non-zero value(s) underflow to 0 and {subnormals} round to a subnormal, "
         f"in {tensors} tensor(s) (as torch and llama.cpp cast them); to keep every bit of them, convert without "
@@ -176,5 +176,5 @@ def test_gguf_float16_of_a_real_bf16_model_is_written_with_one_note(tmp_path: Pa
     shard["model.embed_tokens.weight"][0, 0] = 1e6
     save_file(shard, bad / "model-00001-of-00003.safetensors", metadata={"format": "pt"})
     with pytest.raises(CkptkitError, match=r"^token_embd\.weight: casting to float16, 1 value\(s\) overflow to inf"):
-        convert(bad, tmp_path / "bad.gguf", "gguf", dtype="float16")
+        convert(bad, tmp_path / "bad.gguf", ConvertOptions("gguf", dtype="float16"))
     assert not (tmp_path / "bad.gguf").exists()

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import detect_format
 from ckptkit.formats.dcp.metadata import Chunk
@@ -84,7 +84,7 @@ def _verified(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_torch_dcp_load_fills_meta_named_tensors_bitwise(tmp_path: Path, shards: int) -> None:
-    convert(HF, tmp_path / "dcp", "dcp", shards=shards)
+    convert(HF, tmp_path / "dcp", ConvertOptions("dcp", shards=shards))
     files = sorted(p.name for p in (tmp_path / "dcp").glob("*.distcp"))
     assert files == [f"__{r}_0.distcp" for r in range(shards)]
     assert detect_format(tmp_path / "dcp").name == "dcp"
@@ -93,14 +93,14 @@ def test_torch_dcp_load_fills_meta_named_tensors_bitwise(tmp_path: Path, shards:
     _verified(tmp_path / "dcp", META)
     # params.json beside it: read back without --config, and back to HF as it was.
     assert json.loads((tmp_path / "dcp" / "params.json").read_text())["n_layers"] == 2
-    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
+    convert(tmp_path / "dcp", tmp_path / "hf", ConvertOptions("hf"))
     assert_same_files(HF, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("fixture", ["llama2-2rank", "mixtral-2rank"])  # Mixtral: experts whole on each rank
 def test_meta_to_dcp_and_back_to_meta_keeps_every_tensor(fixture: str, tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / fixture, tmp_path / "dcp", "dcp", shards=2)
-    convert(tmp_path / "dcp", tmp_path / "meta", "meta")
+    convert(FIXTURES / "meta" / fixture, tmp_path / "dcp", ConvertOptions("dcp", shards=2))
+    convert(tmp_path / "dcp", tmp_path / "meta", ConvertOptions("meta"))
     _verified(tmp_path / "meta", FIXTURES / "meta" / fixture)
     a = torch.load(tmp_path / "meta" / "consolidated.01.pth", weights_only=True)
     b = torch.load(FIXTURES / "meta" / fixture / "consolidated.01.pth", weights_only=True)
@@ -110,7 +110,7 @@ def test_meta_to_dcp_and_back_to_meta_keeps_every_tensor(fixture: str, tmp_path:
 def test_written_chunks_are_torch_save_archives_torch_reads(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    convert(HF, tmp_path / "dcp", "dcp", shards=2)
+    convert(HF, tmp_path / "dcp", ConvertOptions("dcp", shards=2))
     dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "all.pt"))
     _assert_equal(torch.load(tmp_path / "all.pt", weights_only=True), _meta_tensors())
 
@@ -152,15 +152,15 @@ def test_a_single_process_save_converts_to_the_same_weights(tmp_path: Path, spel
     assert {t["name"] for t in info["tensors"]} == set(_meta_tensors())
     assert "train_state.step" in info["ignored"] and any(k.startswith("optimizer.") for k in info["ignored"])
 
-    convert(folder, tmp_path / "hf", "hf", config=tmp_path / "params.json")
+    convert(folder, tmp_path / "hf", ConvertOptions("hf", config=tmp_path / "params.json"))
     _verified(tmp_path / "hf", HF)
-    convert(folder, tmp_path / "meta", "meta", config=tmp_path / "params.json")
+    convert(folder, tmp_path / "meta", ConvertOptions("meta", config=tmp_path / "params.json"))
     _verified(tmp_path / "meta", META)
 
 
 def test_config_json_names_the_model_too(tmp_path: Path) -> None:
     _save(_meta_tensors(), tmp_path / "ckpt")
-    convert(tmp_path / "ckpt", tmp_path / "hf", "hf", config=HF / "config.json")
+    convert(tmp_path / "ckpt", tmp_path / "hf", ConvertOptions("hf", config=HF / "config.json"))
     _verified(tmp_path / "hf", HF)
 
 
@@ -181,9 +181,9 @@ def test_the_newest_step_folder_is_chosen_or_the_one_named(tmp_path: Path) -> No
     _save(_torchtitan_state(model), tmp_path / "run" / "step-20")
     (tmp_path / "run" / "step-30").mkdir()  # being written: no .metadata yet
     shutil.copy(META / "params.json", tmp_path / "run" / "params.json")
-    convert(tmp_path / "run", tmp_path / "newest", "meta")
+    convert(tmp_path / "run", tmp_path / "newest", ConvertOptions("meta"))
     _verified(tmp_path / "newest", META)
-    convert(tmp_path / "run" / "step-5", tmp_path / "named", "meta", config=META / "params.json")
+    convert(tmp_path / "run" / "step-5", tmp_path / "named", ConvertOptions("meta", config=META / "params.json"))
     with open_checkpoint(tmp_path / "named") as ckpt:
         assert all(not torch.any(_bits(t.get())) for t in ckpt.tensors.values())
 
@@ -281,9 +281,9 @@ def test_two_ranks_sharded_tensors_stitch_bitwise(tmp_path: Path) -> None:
             assert torch.equal(_bits(raw.read(name)), _bits(t)), name
             spans = raw.spans(name)
             assert spans is not None and read_spans(spans) == _bits(t).numpy().tobytes(), name
-    convert(folder, tmp_path / "meta", "meta")
+    convert(folder, tmp_path / "meta", ConvertOptions("meta"))
     _verified(tmp_path / "meta", META)
-    convert(folder, tmp_path / "hf", "hf")
+    convert(folder, tmp_path / "hf", ConvertOptions("hf"))
     _verified(tmp_path / "hf", HF)
 
 
@@ -307,8 +307,8 @@ def test_dcp_to_gguf_is_the_gguf_of_the_same_meta_checkpoint(tmp_path: Path, sou
     else:  # two gloo ranks, DTensors sharded on dim 0 and 1 or replicated
         mp.start_processes(_rank_save, args=(2, _free_port(), str(folder)), nprocs=2, start_method="fork")
     _with_tokenizer(folder)
-    convert(folder, tmp_path / "dcp.gguf", "gguf", dtype=dtype)
-    convert(META, tmp_path / "meta.gguf", "gguf", dtype=dtype)
+    convert(folder, tmp_path / "dcp.gguf", ConvertOptions("gguf", dtype=dtype))
+    convert(META, tmp_path / "meta.gguf", ConvertOptions("gguf", dtype=dtype))
     assert (tmp_path / "dcp.gguf").read_bytes() == (tmp_path / "meta.gguf").read_bytes()
 
 
@@ -419,7 +419,7 @@ def test_bad_folders_fail_with_one_line_and_write_nothing(tmp_path: Path, case: 
 
 def test_max_shard_size_is_refused_for_dcp(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="--shards"):
-        convert(HF, tmp_path / "dcp", "dcp", max_shard_size="1MB")
+        convert(HF, tmp_path / "dcp", ConvertOptions("dcp", max_shard_size="1MB"))
 
 
 # Rows of wq (64 x 64) each chunk of a rewritten .metadata holds, and the one line refusing them.

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_dcp import _load
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats import detect_format
 from ckptkit.verify import verify_paths
 
@@ -57,7 +57,7 @@ def _verified(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("shards", [1, 2])
 def test_torch_dcp_load_fills_2026_named_tensors_bitwise(tmp_path: Path, shards: int) -> None:
     out = tmp_path / "titan"
-    convert(HF, out, "dcp-titan", shards=shards)
+    convert(HF, out, ConvertOptions("dcp-titan", shards=shards))
     assert detect_format(out).name == "dcp-titan"
     meta = _meta_tensors()
     titan = {_titan_name(k): v for k, v in meta.items()}
@@ -66,7 +66,7 @@ def test_torch_dcp_load_fills_2026_named_tensors_bitwise(tmp_path: Path, shards:
     # layers.0.attention.qkv_linear.wq.weight is the Meta source's layers.0.attention.wq.weight.
     _assert_bitwise(_load(out, titan), titan)
     _verified(META, out)
-    convert(out, tmp_path / "hf", "hf")
+    convert(out, tmp_path / "hf", ConvertOptions("hf"))
     assert_same_files(HF, tmp_path / "hf")
 
 
@@ -80,27 +80,27 @@ def test_a_2026_spelled_folder_torch_saved_is_dcp_titan_and_reads_as_meta(tmp_pa
 @pytest.mark.parametrize("via", ["hf", "internal", None])
 def test_a_round_trip_keeps_the_2026_spelling(tmp_path: Path, via: str | None) -> None:
     first = tmp_path / "first"
-    convert(HF, first, "dcp-titan")
+    convert(HF, first, ConvertOptions("dcp-titan"))
     src = first
     if via is not None:
-        convert(first, tmp_path / "mid", via)
+        convert(first, tmp_path / "mid", ConvertOptions(via))
         src = tmp_path / "mid"
-    convert(src, tmp_path / "back", "dcp-titan")
+    convert(src, tmp_path / "back", ConvertOptions("dcp-titan"))
     assert_same_files(first, tmp_path / "back")
     # torch's 2026 save through the same trip: the names torch wrote, the same tensors.
     if via is not None:
-        convert(TITAN, tmp_path / "mid2", via)
-        convert(tmp_path / "mid2", tmp_path / "back2", "dcp-titan")
+        convert(TITAN, tmp_path / "mid2", ConvertOptions(via))
+        convert(tmp_path / "mid2", tmp_path / "back2", ConvertOptions("dcp-titan"))
         titan = {_titan_name(k): v for k, v in _meta_tensors().items()}
         assert _stored_keys(tmp_path / "back2") == set(titan)
         _assert_bitwise(_load(tmp_path / "back2", titan), _load(TITAN / "step-10", titan))
 
 
 def test_either_spelling_converts_to_the_other(tmp_path: Path) -> None:
-    convert(TITAN, tmp_path / "meta-names", "dcp")
+    convert(TITAN, tmp_path / "meta-names", ConvertOptions("dcp"))
     assert detect_format(tmp_path / "meta-names").name == "dcp"
     _assert_bitwise(_load(tmp_path / "meta-names", _meta_tensors()), _meta_tensors())
     shutil.copytree(FIXTURES / "dcp" / "llama2", tmp_path / "old")
-    convert(tmp_path / "old", tmp_path / "new-names", "dcp-titan")
+    convert(tmp_path / "old", tmp_path / "new-names", ConvertOptions("dcp-titan"))
     titan = {_titan_name(k): v for k, v in _meta_tensors().items()}
     _assert_bitwise(_load(tmp_path / "new-names", titan), titan)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.convert import COMPUTED, convert
+from ckptkit.convert import COMPUTED, ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.io import direct as directio
 from ckptkit.io import stream
@@ -221,7 +221,7 @@ def test_a_failed_conversion_leaves_no_descriptor_open(
 
     monkeypatch.setattr(directio, "_write_direct", full)
     with pytest.raises((OSError, CkptkitError)):
-        convert(llama_hf, tmp_path / "meta", "meta", copy_method=DIRECT)
+        convert(llama_hf, tmp_path / "meta", ConvertOptions("meta", copy_method=DIRECT))
     held = [
         os.readlink(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{n}")
     ]
@@ -262,8 +262,8 @@ def llama_hf(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("via", ["meta", "hf-bin", "internal"])
 def test_a_conversion_writes_its_whole_pages_direct_and_round_trips(via: str, llama_hf: Path, tmp_path: Path) -> None:
-    there = convert(llama_hf, tmp_path / via, via, copy_method=DIRECT)
-    back = convert(tmp_path / via, tmp_path / "back", "hf", copy_method=DIRECT)
+    there = convert(llama_hf, tmp_path / via, ConvertOptions(via, copy_method=DIRECT))
+    back = convert(tmp_path / via, tmp_path / "back", ConvertOptions("hf", copy_method=DIRECT))
     for result in (there, back):
         by = result.bytes_by_method
         copied = by.get(DIRECT, 0) + by.get(STREAM, 0)
@@ -280,9 +280,9 @@ def test_auto_writes_direct_only_past_the_dirty_limit(
     """The model is about 10 MB: past a 1 MiB dirty limit auto goes direct, under 1 TiB
     (or where the limit is unknown) not."""
     monkeypatch.setattr(directio, "dirty_limit", lambda: limit)
-    result = convert(llama_hf, tmp_path / "meta", "meta")
+    result = convert(llama_hf, tmp_path / "meta", ConvertOptions("meta"))
     assert (DIRECT in result.bytes_by_method) == (limit == 1 << 20), result.bytes_by_method
-    back = convert(tmp_path / "meta", tmp_path / "back", "hf")
+    back = convert(tmp_path / "meta", tmp_path / "back", ConvertOptions("hf"))
     assert (DIRECT in back.bytes_by_method) == (limit == 1 << 20), back.bytes_by_method
     assert_same_files(llama_hf, tmp_path / "back")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import launch_torchrun, recipe_entry
@@ -91,7 +91,7 @@ def merged_by_ckptkit_and_peft(run: Path, hf: Path) -> tuple[dict[str, torch.Ten
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    convert(run, hf, "hf")
+    convert(run, hf, ConvertOptions("hf"))
     ours = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
     config = json.loads((run / "adapter" / "adapter_config.json").read_text())
     base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
@@ -105,7 +105,7 @@ def full_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     device with batch 8 and on 2 processes with batch 4 each."""
     root = tmp_path_factory.mktemp("full")
     base = root / "base"
-    convert(FIXTURES / "hf" / "llama2", base, "hf", dtype="float32")
+    convert(FIXTURES / "hf" / "llama2", base, ConvertOptions("hf", dtype="float32"))
     common = ["epochs=1", "save_every_n_steps=2", "quiet=true", f"checkpointer.checkpoint_dir={base}"]
     run_single("full_finetune", "tiny_full", *common, f"checkpointer.output_dir={root / 'single'}")
     target = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES
@@ -551,7 +551,7 @@ def _(tmp: Path) -> Case:
 
 def internal_copy(tmp: Path) -> Path:
     src = tmp / "src"
-    convert(FIXTURES / "hf/llama2", src, "internal")
+    convert(FIXTURES / "hf/llama2", src, ConvertOptions("internal"))
     return src
 
 
@@ -990,7 +990,7 @@ def test_malicious_pickle_is_live(tmp_path: Path) -> None:
 def test_undamaged_fixtures_convert(tmp_path: Path) -> None:
     """The undamaged fixtures the cases start from convert fine (sanity of the setup)."""
     for rel, to in (("hf/llama2", "meta"), ("meta/llama2", "hf"), ("hf-bin/qwen2", "hf"), ("hf/llama3", "meta")):
-        convert(FIXTURES / rel, tmp_path / rel.replace("/", "-"), to)
+        convert(FIXTURES / rel, tmp_path / rel.replace("/", "-"), ConvertOptions(to))
 
 
 # --- follow-ups ------------------------------------------------------------------------
@@ -999,10 +999,10 @@ def test_undamaged_fixtures_convert(tmp_path: Path) -> None:
 def test_force_replaces_nonempty_destination(tmp_path: Path) -> None:
     src, dst = nonempty_dst(tmp_path)
     with pytest.raises(CkptkitError, match="not empty"):
-        convert(src, dst, "hf")
+        convert(src, dst, ConvertOptions("hf"))
     assert (dst / "keep.txt").read_text() == "mine\n"
     before = snapshot(src)
-    convert(src, dst, "hf", force=True)
+    convert(src, dst, ConvertOptions("hf", force=True))
     assert not (dst / "keep.txt").exists()
     assert (dst / "config.json").is_file() and (dst / "model.safetensors").is_file()
     assert not leftovers(dst)
@@ -1013,8 +1013,8 @@ def test_model_type_resolves_ambiguous_rope(tmp_path: Path) -> None:
     src = ambiguous_rope(tmp_path)
     before = snapshot(src)
     with pytest.raises(CkptkitError, match="--model-type"):
-        convert(src, tmp_path / "out", "meta")
-    convert(src, tmp_path / "out", "meta", model_type="llama2")
+        convert(src, tmp_path / "out", ConvertOptions("meta"))
+    convert(src, tmp_path / "out", ConvertOptions("meta", model_type="llama2"))
     assert json.loads((tmp_path / "out" / "params.json").read_text())["rope_theta"] == 12345.0
     assert snapshot(src) == before
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
@@ -59,7 +59,7 @@ def test_experts_option_writes_what_transformers_saves_in_that_layout(
 @pytest.mark.parametrize("family", MOE)
 def test_experts_option_that_names_the_source_layout_restores_it_bitwise(family: str, tmp_path: Path) -> None:
     src = FIXTURES / f"{family}-stacked"
-    convert(src, tmp_path / "out", "hf", experts="stacked")
+    convert(src, tmp_path / "out", ConvertOptions("hf", experts="stacked"))
     for p in src.glob("*.safetensors"):
         assert (tmp_path / "out" / p.name).read_bytes() == p.read_bytes()
 
@@ -69,15 +69,15 @@ def test_round_trip_through_the_other_layout_comes_back_in_the_source_layout(fam
     # hf (per-expert) -> hf-bin stacked -> internal -> hf: the recorded hf layout is restored,
     # file names, partition and bytes.
     src = FIXTURES / family
-    convert(src, tmp_path / "bin", "hf-bin", experts="stacked")
+    convert(src, tmp_path / "bin", ConvertOptions("hf-bin", experts="stacked"))
     with open_checkpoint(tmp_path / "bin") as ckpt:
         assert ckpt.config.extra.experts_layout == "stacked"
-    convert(tmp_path / "bin", tmp_path / "int", "internal")
-    convert(tmp_path / "int", tmp_path / "hf", "hf")
+    convert(tmp_path / "bin", tmp_path / "int", ConvertOptions("internal"))
+    convert(tmp_path / "int", tmp_path / "hf", ConvertOptions("hf"))
     for p in [*src.glob("*.safetensors"), src / "model.safetensors.index.json"]:
         assert (tmp_path / "hf" / p.name).read_bytes() == p.read_bytes(), p.name
     # Asked for on the way back, the other layout wins over the recorded one.
-    convert(tmp_path / "int", tmp_path / "hf2", "hf", experts="stacked")
+    convert(tmp_path / "int", tmp_path / "hf2", ConvertOptions("hf", experts="stacked"))
     assert _equal(_tensors(tmp_path / "hf2"), _tensors(FIXTURES / f"{family}-stacked"))
 
 
@@ -89,7 +89,7 @@ def test_stacked_output_with_equal_dims_gives_transformers_the_same_logits(tmp_p
     src = FIXTURES / "qwen3_moe"
     cfg = json.loads((src / "config.json").read_text())
     assert cfg["moe_intermediate_size"] == cfg["hidden_size"]
-    convert(src, tmp_path / "stacked", "hf-bin", experts="stacked")
+    convert(src, tmp_path / "stacked", ConvertOptions("hf-bin", experts="stacked"))
     ids = torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(3))
     logits = []
     for d in (src, tmp_path / "stacked"):
@@ -154,5 +154,5 @@ def test_unknown_experts_layout_is_refused(tmp_path: Path) -> None:
     assert code == 2
     assert "--experts stack: not one of per-expert, stacked; did you mean 'stacked'?" in output
     with pytest.raises(CkptkitError, match="--experts must be one of per-expert, stacked, not 'fused'"):
-        convert(FIXTURES / "mixtral", tmp_path / "out", "hf", experts="fused")
+        convert(FIXTURES / "mixtral", tmp_path / "out", ConvertOptions("hf", experts="fused"))
     assert not (tmp_path / "out").exists()

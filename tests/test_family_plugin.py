@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import pytest
 
 from ckptkit.checkpoint import open_checkpoint
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, detect_from_hf, model_types, register, unregister
 from ckptkit.models.llama import LLAMA_GGUF, Llama2, MetaFFN
@@ -85,12 +85,12 @@ def test_a_registered_family_is_detected_and_converts_bitwise(llamette: Path, tm
         written = ckpt.family.config_to_hf(ckpt.config, "float32")
         assert (written["model_type"], written["attention_temperature"]) == ("llamette", 0.5)
 
-    convert(llamette, tmp_path / "internal", "internal")
+    convert(llamette, tmp_path / "internal", ConvertOptions("internal"))
     doc = json.loads((tmp_path / "internal" / "ckptkit.json").read_text())
     assert doc["model_type"] == "llamette" and doc["config"]["attention_temperature"] == 0.5
     with open_checkpoint(tmp_path / "internal") as ckpt:
         assert ckpt.config.fields(LlametteFields).attention_temperature == 0.5
-    convert(tmp_path / "internal", tmp_path / "back", "hf")
+    convert(tmp_path / "internal", tmp_path / "back", ConvertOptions("hf"))
     assert_same_files(llamette, tmp_path / "back")
 
 
@@ -98,8 +98,8 @@ def test_a_registered_family_converts_to_gguf_as_llama_cpp_s_llama(llamette: Pat
     """Its GGUF is llama.cpp's ``llama``: the same tensors, bytes and types as Llama 2's."""
     from gguf import GGUFReader
 
-    convert(llamette, tmp_path / "llamette.gguf", "gguf")
-    convert(FIXTURES / "hf" / "llama2", tmp_path / "llama2.gguf", "gguf")
+    convert(llamette, tmp_path / "llamette.gguf", ConvertOptions("gguf"))
+    convert(FIXTURES / "hf" / "llama2", tmp_path / "llama2.gguf", ConvertOptions("gguf"))
     ours, theirs = GGUFReader(tmp_path / "llamette.gguf"), GGUFReader(tmp_path / "llama2.gguf")
     assert ours.fields["general.architecture"].contents() == "llama"
     assert [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == [

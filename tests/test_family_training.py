@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
@@ -50,7 +50,7 @@ def float32(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     class Bases(dict):
         def __missing__(self, name: str) -> Path:
-            convert(FIXTURES / "hf" / name, root / name, "hf", dtype="float32")
+            convert(FIXTURES / "hf" / name, root / name, ConvertOptions("hf", dtype="float32"))
             self[name] = root / name
             return root / name
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptkit.checkpoint import open_checkpoint
-from ckptkit.convert import COMPUTED, Options, Result, convert, write_checkpoint
+from ckptkit.convert import COMPUTED, ConvertOptions, Options, Result, convert, write_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.io import COPY_METHODS
 from ckptkit.io.transfer import DIRECT, GATHER, METHODS, STREAM
@@ -37,8 +37,8 @@ CASES = [
 
 @pytest.mark.parametrize(("src", "to", "kw"), CASES, ids=[f"{s}>{t}{'+' if k else ''}" for s, t, k in CASES])
 def test_fast_path_writes_the_same_bytes_as_the_slow_path(src: str, to: str, kw: dict, tmp_path: Path) -> None:
-    slow = convert(FIXTURES / src, tmp_path / "slow", to, copy_method=None, **kw)
-    fast = convert(FIXTURES / src, tmp_path / "fast", to, **kw)
+    slow = convert(FIXTURES / src, tmp_path / "slow", ConvertOptions(to, copy_method=None, **kw))
+    fast = convert(FIXTURES / src, tmp_path / "fast", ConvertOptions(to, **kw))
     assert_same_files(tmp_path / "slow", tmp_path / "fast")
     assert set(slow.bytes_by_method) == {COMPUTED}
     total = sum(slow.bytes_by_method.values())
@@ -54,7 +54,7 @@ def _forced(src: Path, dst: Path, to: str, method: str) -> Result:
     """A conversion with ``method`` forced: a user's choice through :func:`convert`, a
     fallback (gather, copy_file_range...) through the internal :func:`write_checkpoint`."""
     if method in COPY_METHODS:
-        return convert(src, dst, to, copy_method=method)
+        return convert(src, dst, ConvertOptions(to, copy_method=method))
     with open_checkpoint(src) as ckpt:
         return write_checkpoint(ckpt, dst, Options(to), copy_method=method)
 
@@ -62,7 +62,7 @@ def _forced(src: Path, dst: Path, to: str, method: str) -> Result:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(("src", "to"), [("hf/llama2", "meta"), ("meta/llama2", "hf-bin")])
 def test_each_forced_copy_method_gives_the_same_output(src: str, to: str, method: str, tmp_path: Path) -> None:
-    convert(FIXTURES / src, tmp_path / "slow", to, copy_method=None)
+    convert(FIXTURES / src, tmp_path / "slow", ConvertOptions(to, copy_method=None))
     result = _forced(FIXTURES / src, tmp_path / "fast", to, method)
     # direct writes whole pages past the page cache; these tensors have too few, so they stream
     allowed = {method, STREAM} if method == DIRECT else {method}
@@ -97,11 +97,11 @@ def test_permuted_rows_and_whole_tensors_are_streamed_file_to_file(tmp_path: Pat
             total += nbytes
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 permuted += nbytes
-    result = convert(src, tmp_path / "meta", "meta")
+    result = convert(src, tmp_path / "meta", ConvertOptions("meta"))
     generated = torch.load(tmp_path / "meta" / "consolidated.00.pth", weights_only=True)["rope.freqs"].nbytes
     assert permuted > 0
     assert _copied(result.bytes_by_method) == total and result.bytes_by_method[COMPUTED] == generated
-    back = convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    back = convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     assert _copied(back.bytes_by_method) == total and COMPUTED not in back.bytes_by_method
     for shard in src.glob("*.safetensors"):
         assert (tmp_path / "hf" / shard.name).read_bytes() == shard.read_bytes(), shard.name
@@ -121,7 +121,7 @@ TORCH_FREE = [
 @pytest.mark.parametrize(("src", "to"), TORCH_FREE)
 def test_a_conversion_without_tensor_operations_never_imports_torch(src: str, to: str, tmp_path: Path) -> None:
     if src == "internal":
-        convert(FIXTURES / "hf" / "llama2", tmp_path / "internal", "internal")
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "internal", ConvertOptions("internal"))
         source = tmp_path / "internal"
     else:
         source = FIXTURES / src
@@ -165,7 +165,7 @@ def test_the_copy_method_choices_are_four(tmp_path: Path) -> None:
 
 def test_convert_refuses_a_fallback_as_copy_method(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="--copy-method must be one of auto, direct, stream, not 'sendfile'"):
-        convert(FIXTURES / "hf" / "llama3", tmp_path / "out", "hf", copy_method="sendfile")
+        convert(FIXTURES / "hf" / "llama3", tmp_path / "out", ConvertOptions("hf", copy_method="sendfile"))
     assert not (tmp_path / "out").exists()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats import REGISTRY
 
 from conftest import FIXTURES
@@ -55,9 +55,13 @@ def test_contradictory_options_are_refused_in_one_line(args: list[str], message:
 
 
 def test_force_model_type_overrides_what_the_files_say(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf/llama3", tmp_path / "out", "internal", model_type="llama3_1", force_model_type=True)
+    convert(
+        FIXTURES / "hf/llama3",
+        tmp_path / "out",
+        ConvertOptions("internal", model_type="llama3_1", force_model_type=True),
+    )
     assert (tmp_path / "out" / "ckptkit.json").read_text().count('"model_type": "llama3_1"') >= 1
 
 
 def test_a_model_type_that_agrees_with_the_files_is_accepted(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta/llama3", tmp_path / "out", "hf", model_type="llama3")
+    convert(FIXTURES / "meta/llama3", tmp_path / "out", ConvertOptions("hf", model_type="llama3"))

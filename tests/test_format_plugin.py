@@ -7,19 +7,19 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from ckptkit.checkpoint import open_checkpoint
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY, detect_format, is_checkpoint_file, register, unregister
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
+from ckptkit.formats.writers import TensorWriter
 from ckptkit.inspection import inspect_path
 from ckptkit.models import Family, ModelConfig, canonical_shapes, get_family
 from ckptkit.models.spec import Layout, Rule
@@ -72,8 +72,8 @@ class FlatFormat(CheckpointFormat):
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         return [FilePlan(WEIGHTS, list(targets))], {}
 
-    def writer(self, path: Path, file: FilePlan, entries: Any, direct: bool) -> Any:
-        return SafetensorsWriter(path, entries, None, direct=direct)
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        return SafetensorsWriter(path, plan.entries(file), None, direct=direct)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         doc = {"model_type": ckpt.family.name, "config": ckpt.config.to_dict()}
@@ -101,7 +101,7 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_a_registered_format_round_trips_hf_bitwise(flat: FlatFormat, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / "llama2"
-    convert(src, tmp_path / "flat", flat.name)
+    convert(src, tmp_path / "flat", ConvertOptions(flat.name))
     assert sorted(p.name for p in (tmp_path / "flat").iterdir() if is_checkpoint_file(p.name)) == [
         "ckptkit-origin.json",
         CONFIG,
@@ -127,20 +127,20 @@ def test_a_registered_format_round_trips_hf_bitwise(flat: FlatFormat, tmp_path: 
     for canonical, native in pairs.items():
         assert _bitwise_equal(mine[canonical], hf[native]), canonical
 
-    convert(tmp_path / "flat", tmp_path / "back", "hf")
+    convert(tmp_path / "flat", tmp_path / "back", ConvertOptions("hf"))
     assert_same_files(src, tmp_path / "back")
 
 
 def test_a_registered_format_round_trips_meta_bitwise(flat: FlatFormat, tmp_path: Path) -> None:
     src = FIXTURES / "meta" / "llama2"
-    convert(src, tmp_path / "flat", flat.name)
+    convert(src, tmp_path / "flat", ConvertOptions(flat.name))
     with open_checkpoint(tmp_path / "flat") as ckpt:
         assert ckpt.format == flat.name and ckpt.origin["format"] == "meta"
     original = torch.load(src / "consolidated.00.pth", weights_only=True)
     mine = _safetensors(tmp_path / "flat" / WEIGHTS)
     assert _bitwise_equal(mine["layers.0.mlp.w1.weight"], original["layers.0.feed_forward.w1.weight"])
 
-    convert(tmp_path / "flat", tmp_path / "back", "meta")
+    convert(tmp_path / "flat", tmp_path / "back", ConvertOptions("meta"))
     # Pickles come back with the same tensors and size (as every round trip through .pth
     # does, test_roundtrip.py); the other files byte for byte.
     assert_same_layout(src, tmp_path / "back")
@@ -161,7 +161,7 @@ def test_unregistering_removes_the_format(tmp_path: Path) -> None:
     unregister(fmt.name)
     assert fmt.name not in REGISTRY
     with pytest.raises(Exception, match="unknown target format 'flat-test'"):
-        convert(FIXTURES / "hf" / "llama2", tmp_path / "out", "flat-test")
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "out", ConvertOptions("flat-test"))
 
 
 def test_a_name_is_registered_once(flat: FlatFormat) -> None:
@@ -235,7 +235,7 @@ def test_a_format_tells_training_which_torchtune_checkpointer_reads_it(tmp_path:
 
     fmt = register(FlatCheckpointerFormat())
     try:
-        convert(FIXTURES / "hf" / "llama2", tmp_path / "flat", fmt.name)
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "flat", ConvertOptions(fmt.name))
         assert checkpointer(tmp_path / "flat").model_config().num_layers == 2
         with pytest.raises(CkptkitError, match="is a hf checkpoint but checkpointer._component_ names torchtune's "
                                                "checkpointer for flat-test; ckptkit's reads any format"):  # fmt: skip
@@ -244,3 +244,24 @@ def test_a_format_tells_training_which_torchtune_checkpointer_reads_it(tmp_path:
         unregister(fmt.name)
     with pytest.raises(CkptkitError, match="_component_ 'acme.training.FlatCheckpointer' is not a ckptkit component"):
         checkpointer(tmp_path / "flat")
+
+
+def _members(cls: type) -> set[str]:
+    """A class's own public methods and attributes, annotated-only attributes included."""
+    return {n for n in vars(cls) if not n.startswith("_")} | set(vars(cls).get("__annotations__", {}))
+
+
+# Counted, so that the interface cannot grow back (issue 35): 42 members before the one
+# write engine, 43 since (plan, plan_adapter and record_origin in; write_file and
+# write_adapter out; writes_file became file_suffix). The goal is at most 15, of which a new
+# format overrides at most 6: lower these bounds as members go, never raise them.
+INTERFACE_MEMBERS = 43
+PLUGIN_OVERRIDES = 14
+
+
+def test_the_format_interface_does_not_grow() -> None:
+    members = _members(CheckpointFormat)
+    assert len(members) <= INTERFACE_MEMBERS, sorted(members)
+    overridden = _members(FlatFormat)
+    assert overridden <= members, sorted(overridden - members)  # a plugin adds nothing the engine ignores
+    assert len(overridden) <= PLUGIN_OVERRIDES, sorted(overridden)

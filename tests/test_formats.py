@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ckptkit.checkpoint import open_checkpoint
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter, library_order
 from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
 from ckptkit.inspection import inspect_path
@@ -112,7 +112,7 @@ def test_inspect_single_files() -> None:
 
 
 def test_dtype_cast_and_verify(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf" / "qwen2", tmp_path / "f32", "hf", dtype="float32", verify=True)
+    convert(FIXTURES / "hf" / "qwen2", tmp_path / "f32", ConvertOptions("hf", dtype="float32", verify=True))
     with open_checkpoint(tmp_path / "f32") as ck:
         assert {t.dtype for t in ck.tensors.values()} == {"float32"}
     cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
@@ -132,21 +132,21 @@ def test_dtype_cast_and_verify(tmp_path: Path) -> None:
 def test_non_weight_files_are_carried(tmp_path: Path) -> None:
     """HF -> Meta keeps Meta's tokenizer.model; the HF-only files come back with HF."""
     src = FIXTURES / "hf" / "mistral"
-    convert(src, tmp_path / "m", "meta")
+    convert(src, tmp_path / "m", ConvertOptions("meta"))
     assert (tmp_path / "m" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
     hf_only = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
     assert not any((tmp_path / "m" / name).exists() for name in (*hf_only, "config.json"))
-    convert(tmp_path / "m", tmp_path / "back", "hf")
+    convert(tmp_path / "m", tmp_path / "back", ConvertOptions("hf"))
     for name in (*hf_only, "tokenizer.model"):
         assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes()
     assert json.loads((tmp_path / "m" / "params.json").read_text())["n_kv_heads"] == 2
 
 
 def test_max_shard_size_reshards_hf(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf" / "llama2", tmp_path / "one", "hf", max_shard_size="10GB")
+    convert(FIXTURES / "hf" / "llama2", tmp_path / "one", ConvertOptions("hf", max_shard_size="10GB"))
     assert sorted(p.name for p in (tmp_path / "one").glob("*.safetensors")) == ["model.safetensors"]
     assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
-    convert(tmp_path / "one", tmp_path / "many", "hf-bin", max_shard_size="100KB")
+    convert(tmp_path / "one", tmp_path / "many", ConvertOptions("hf-bin", max_shard_size="100KB"))
     shards = sorted(p.name for p in (tmp_path / "many").glob("*.bin"))
     assert len(shards) > 2 and shards[0] == f"pytorch_model-00001-of-{len(shards):05d}.bin"
     index = json.loads((tmp_path / "many" / "pytorch_model.bin.index.json").read_text())
@@ -178,8 +178,8 @@ def test_reads_the_transformers_4_config_spelling(tmp_path: Path) -> None:
     with open_checkpoint(src) as v4, open_checkpoint(FIXTURES / "hf" / "llama3_1") as v5:
         assert v4.family.name == "llama3_1"
         assert v4.config == v5.config
-    convert(src, tmp_path / "meta", "meta")
-    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    convert(src, tmp_path / "meta", ConvertOptions("meta"))
+    convert(tmp_path / "meta", tmp_path / "back", ConvertOptions("hf"))
     assert (tmp_path / "back" / "config.json").read_text() == (src / "config.json").read_text()
 
 

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 
 from conftest import FIXTURES, FUZZ_SEED, raw_layout, tree_hashes
 
@@ -61,8 +61,8 @@ class Seed:
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory: pytest.TempPathFactory) -> list[Seed]:
     made = tmp_path_factory.mktemp("seeds")
-    convert(FIXTURES / "hf/llama2", made / "meta-with-origin", "meta")  # ckptkit-origin.json
-    convert(FIXTURES / "meta/llama3", made / "internal", "internal")  # ckptkit.json
+    convert(FIXTURES / "hf/llama2", made / "meta-with-origin", ConvertOptions("meta"))  # ckptkit-origin.json
+    convert(FIXTURES / "meta/llama3", made / "internal", ConvertOptions("internal"))  # ckptkit.json
     return [
         Seed(FIXTURES / "hf/llama2", "hf"),
         Seed(FIXTURES / "hf-bin/llama2", "hf-bin"),

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES
@@ -178,16 +178,16 @@ def hf_reference(
                 src = ref = qwen3_moe["stacked" if name.endswith("-stacked") else "per-expert"]
             elif name.startswith("meta/"):  # Meta's ranks: the HF folder ckptkit writes
                 src, ref = FIXTURES / name, tmp / "hf"
-                convert(src, ref, "hf")
+                convert(src, ref, ConvertOptions("hf"))
             elif name.startswith("internal/"):
                 src, ref = tmp / "internal", tmp / "hf"
-                convert(FIXTURES / "hf" / name.removeprefix("internal/"), src, "internal")
-                convert(src, ref, "hf")
+                convert(FIXTURES / "hf" / name.removeprefix("internal/"), src, ConvertOptions("internal"))
+                convert(src, ref, ConvertOptions("hf"))
             else:
                 src = ref = FIXTURES / "hf" / name
             if name == "mixtral-stacked":
                 ref = tmp / "per-expert"
-                convert(src, ref, "hf", experts="per-expert")
+                convert(src, ref, ConvertOptions("hf", experts="per-expert"))
             outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
             made[name] = (src, ref, llama_cpp_ggufs(llama_cpp, ref, outs, pre), pre)
         src, ref, refs, pre = made[name]
@@ -207,14 +207,14 @@ def test_hf_to_gguf_equals_llama_cpp(
     src, _, theirs, _ = hf_reference(family, dtype)
     tiny_bpe_as(monkeypatch, family)
     # llama.cpp's casts are lossy (a weight under float16's range becomes 0): so are ours, asked to be
-    convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
 
 
 def test_dense_layers_of_a_qwen3_moe_are_refused_as_llama_cpp_has_none(tmp_path: Path) -> None:
     # llama.cpp's converter fails on this fixture too (mlp_only_layers = [1]): qwen3moe has no dense FFN
     with pytest.raises(CkptkitError, match=r"experts in every layer, but layer\(s\) 1 .* dense MLP"):
-        convert(FIXTURES / "hf" / "qwen3_moe", tmp_path / "m.gguf", "gguf")
+        convert(FIXTURES / "hf" / "qwen3_moe", tmp_path / "m.gguf", ConvertOptions("gguf"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -266,15 +266,15 @@ def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
     if family.startswith("llama3_1"):
         src, hf = tmp_path / "meta", tmp_path / "hf"
         write_tiny_meta_llama3(src)
-        convert(src, hf, "hf")
+        convert(src, hf, ConvertOptions("hf"))
         theirs = llama_cpp_gguf(llama_cpp, hf, tmp_path / "theirs.gguf", OUTTYPES[dtype])
     else:
         src, hf, theirs, _ = hf_reference(family if "/" in family else f"meta/{family}", dtype)
         tiny_bpe_as(monkeypatch, family)
-    convert(src, tmp_path / "ours.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
     if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
-        convert(hf, tmp_path / "from-hf.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+        convert(hf, tmp_path / "from-hf.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
         assert_same_gguf(tmp_path / "from-hf.gguf", theirs)
 
 
@@ -287,15 +287,15 @@ def test_internal_and_dcp_copies_give_llama_cpp_s_gguf_of_the_hf_folder_they_cam
     src = FIXTURES / "hf" / "llama2"
     theirs = llama_cpp_gguf(llama_cpp, src, tmp_path / "theirs.gguf", "auto")
     for fmt in ("internal", "dcp"):
-        convert(src, tmp_path / fmt, fmt)
-        convert(tmp_path / fmt, tmp_path / f"{fmt}.gguf", "gguf")
+        convert(src, tmp_path / fmt, ConvertOptions(fmt))
+        convert(tmp_path / fmt, tmp_path / f"{fmt}.gguf", ConvertOptions("gguf"))
         assert_same_gguf(tmp_path / f"{fmt}.gguf", theirs)
 
 
 @pytest.mark.parametrize("family", ["llama2", "mixtral"])
 def test_two_meta_ranks_give_the_gguf_of_one(family: str, tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / f"{family}-2rank", tmp_path / "two.gguf", "gguf", dtype="q8_0")
-    convert(FIXTURES / "meta" / family, tmp_path / "one.gguf", "gguf", dtype="q8_0")
+    convert(FIXTURES / "meta" / f"{family}-2rank", tmp_path / "two.gguf", ConvertOptions("gguf", dtype="q8_0"))
+    convert(FIXTURES / "meta" / family, tmp_path / "one.gguf", ConvertOptions("gguf", dtype="q8_0"))
     a, b = contents(tmp_path / "two.gguf"), contents(tmp_path / "one.gguf")
     assert a == b
 
@@ -318,25 +318,25 @@ def test_q8_0_bytes_are_the_gguf_package_quantization_in_chunks(monkeypatch: pyt
 
 def test_gguf_output_is_published_atomically_and_refuses_to_overwrite(tmp_path: Path) -> None:
     dst = tmp_path / "out" / "model.gguf"
-    convert(FIXTURES / "hf" / "llama2", dst, "gguf")
+    convert(FIXTURES / "hf" / "llama2", dst, ConvertOptions("gguf"))
     before = dst.read_bytes()
     with pytest.raises(CkptkitError, match="exists"):
-        convert(FIXTURES / "hf" / "llama2", dst, "gguf", dtype="q8_0")
+        convert(FIXTURES / "hf" / "llama2", dst, ConvertOptions("gguf", dtype="q8_0"))
     assert dst.read_bytes() == before
     assert sorted(p.name for p in dst.parent.iterdir()) == ["model.gguf"]
-    convert(FIXTURES / "hf" / "llama2", dst, "gguf", dtype="q8_0", force=True)
+    convert(FIXTURES / "hf" / "llama2", dst, ConvertOptions("gguf", dtype="q8_0", force=True))
     assert dst.read_bytes() != before
 
 
 def test_q8_0_is_refused_for_other_targets(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="--dtype q8_0 applies only to --to gguf"):
-        convert(FIXTURES / "hf" / "llama2", tmp_path / "x", "hf", dtype="q8_0")
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "x", ConvertOptions("hf", dtype="q8_0"))
     assert not (tmp_path / "x").exists()
 
 
 def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=r"ending in \.gguf"):
-        convert(FIXTURES / "hf" / "llama2", tmp_path / "model.bin", "gguf")
+        convert(FIXTURES / "hf" / "llama2", tmp_path / "model.bin", ConvertOptions("gguf"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -349,7 +349,7 @@ def test_a_source_without_tokenizer_is_named_in_one_line(family: str, tmp_path: 
         if not f.name.startswith("tokenizer"):
             (src / f.name).write_bytes(f.read_bytes())
     with pytest.raises(CkptkitError) as err:
-        convert(src, tmp_path / "out.gguf", "gguf")
+        convert(src, tmp_path / "out.gguf", ConvertOptions("gguf"))
     message = f"{src}: no tokenizer.json or tokenizer.model; llama.cpp needs a tokenizer: pass --tokenizer PATH"
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer"]
@@ -391,7 +391,7 @@ def test_gemma3_bpe_tokenizer_shorter_than_its_embeddings_is_refused(tmp_path: P
     (src / "tokenizer.json").write_text(json.dumps(doc))
     n = 300 + len(doc["added_tokens"])
     with pytest.raises(CkptkitError, match=f"keeps only the first {n} of the 384 embedding rows"):
-        convert(src, tmp_path / "g.gguf", "gguf")
+        convert(src, tmp_path / "g.gguf", ConvertOptions("gguf"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma3"]
 
 
@@ -401,7 +401,7 @@ def test_gemma_settings_a_gguf_cannot_hold_are_noted_when_llama_cpp_would_run_ot
     fixtures' 16 and [sliding, full, sliding] are noted where they differ."""
     notes = {}
     for family in ("gemma2", "gemma3_text"):
-        result = convert(FIXTURES / "hf" / family, tmp_path / f"{family}.gguf", "gguf")
+        result = convert(FIXTURES / "hf" / family, tmp_path / f"{family}.gguf", ConvertOptions("gguf"))
         notes[family] = [n for n in result.notes if "GGUF has no key for" in n]
     assert len(notes["gemma2"]) == 1 and "query_pre_attn_scalar 16 (llama.cpp assumes 12)" in notes["gemma2"][0]
     assert "layer_types" not in notes["gemma2"][0]  # its layers already alternate as llama.cpp's do

@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_gguf import assert_same_gguf
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES
@@ -93,7 +93,11 @@ def test_peft_adapter_gguf_equals_llama_cpp(
     """Same keys, tensors, GGML types and bytes: Llama 2 (heads) and Llama 3 (grouped KV
     heads) permute Q/K, Qwen2 does not; float32/bfloat16/float16 adapters, every --dtype."""
     base = FIXTURES / "hf" / family
-    convert(adapters[name], tmp_path / "ours.gguf", "gguf", dtype=dtype, base=base, allow_lossy_cast=dtype is not None)
+    convert(
+        adapters[name],
+        tmp_path / "ours.gguf",
+        ConvertOptions("gguf", dtype=dtype, base=base, allow_lossy_cast=dtype is not None),
+    )
     theirs = llama_cpp_lora(llama_cpp, adapters[name], base, tmp_path / "theirs.gguf", OUTTYPES.get(dtype or ""))
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
 
@@ -114,11 +118,11 @@ def test_a_llama_3_1_adapter_converts_with_the_hf_base_or_its_gguf(
     renamed = shutil.copytree(base, tmp_path / "llama3_1", ignore=shutil.ignore_patterns("tokenizer*"))
     for f in (FIXTURES / "hf" / "llama2").glob("tokenizer*"):
         shutil.copy(f, renamed)
-    convert(renamed, tmp_path / "base.gguf", "gguf")
+    convert(renamed, tmp_path / "base.gguf", ConvertOptions("gguf"))
     assert "rope_freqs.weight" in [t.name for t in GGUFReader(tmp_path / "base.gguf").tensors]
     theirs = llama_cpp_lora(llama_cpp, adapters["llama3_1"], base, tmp_path / "theirs.gguf", None)
     for i, b in enumerate((base, tmp_path / "base.gguf")):
-        convert(adapters["llama3_1"], tmp_path / f"ours{i}.gguf", "gguf", base=b)
+        convert(adapters["llama3_1"], tmp_path / f"ours{i}.gguf", ConvertOptions("gguf", base=b))
         assert_same_gguf(tmp_path / f"ours{i}.gguf", theirs)
 
 
@@ -134,7 +138,7 @@ def test_the_trainers_lora_output_converts_without_base_as_llama_cpp_does_it(lla
     )
     adapter = tmp_path / "epoch_0" / "adapter"
     base = Path(json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
-    convert(adapter, tmp_path / "ours.gguf", "gguf")
+    convert(adapter, tmp_path / "ours.gguf", ConvertOptions("gguf"))
     assert_same_gguf(tmp_path / "ours.gguf", llama_cpp_lora(llama_cpp, adapter, base, tmp_path / "theirs.gguf", None))
 
 
@@ -159,7 +163,7 @@ def test_lora_on_the_embeddings_and_output_layer_holds_peft_tensors(tmp_path: Pa
 
     family = "llama3"
     adapter = make_adapter(tmp_path / "a", family, ["q_proj", "k_proj", "embed_tokens", "lm_head"])
-    convert(adapter, tmp_path / "a.gguf", "gguf", base=FIXTURES / "hf" / family)
+    convert(adapter, tmp_path / "a.gguf", ConvertOptions("gguf", base=FIXTURES / "hf" / family))
     got = _gguf_tensors(tmp_path / "a.gguf")
     peft = {k.removeprefix("base_model.model."): v for k, v in load_file(adapter / "adapter_model.safetensors").items()}
     cfg = json.loads((FIXTURES / "hf" / family / "config.json").read_text())
@@ -184,7 +188,7 @@ def test_lora_on_the_embeddings_and_output_layer_holds_peft_tensors(tmp_path: Pa
 def _refused(tmp_path: Path, match: str, src: Path, **kw: Any) -> None:
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(CkptkitError, match=match) as e:
-        convert(src, tmp_path / "out.gguf", kw.pop("to", "gguf"), **kw)
+        convert(src, tmp_path / "out.gguf", ConvertOptions(kw.pop("to", "gguf"), **kw))
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -231,7 +235,7 @@ def test_modules_to_save_and_embedding_lora_merge_as_peft_merges_them_then_conve
     from ckptkit.train.export import merge_adapter_into_checkpoint
 
     base = tmp_path / "base"
-    convert(FIXTURES / "hf" / "llama2", base, "hf", dtype="float32")  # float32: one rounding, as PEFT's
+    convert(FIXTURES / "hf" / "llama2", base, ConvertOptions("hf", dtype="float32"))  # float32: one rounding, as PEFT's
     adapter = make_adapter(tmp_path / "a", str(base), ["q_proj", "embed_tokens"], modules_to_save=["lm_head"])
     merge_adapter_into_checkpoint(base, adapter, tmp_path / "merged")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
@@ -242,7 +246,7 @@ def test_modules_to_save_and_embedding_lora_merge_as_peft_merges_them_then_conve
         assert not torch.equal(theirs[key], original[key]), key
     assert ours.keys() == theirs.keys()
     assert max((v - theirs[k]).abs().max().item() for k, v in ours.items()) < 1e-6
-    convert(tmp_path / "merged", tmp_path / "merged.gguf", "gguf")
+    convert(tmp_path / "merged", tmp_path / "merged.gguf", ConvertOptions("gguf"))
     assert (tmp_path / "merged.gguf").stat().st_size > 0
 
 
@@ -258,13 +262,15 @@ def _edited(adapter: Path, out: Path, **changes: Any) -> Path:
 
 def test_the_base_comes_from_a_local_base_model_name_or_path_or_base(adapters: dict[str, Path], tmp_path: Path) -> None:
     local = _edited(adapters["llama3"], tmp_path / "local", base_model_name_or_path=str(FIXTURES / "hf" / "llama3"))
-    convert(local, tmp_path / "local.gguf", "gguf")
-    convert(adapters["llama3"], tmp_path / "given.gguf", "gguf", base=FIXTURES / "hf" / "llama3")
+    convert(local, tmp_path / "local.gguf", ConvertOptions("gguf"))
+    convert(adapters["llama3"], tmp_path / "given.gguf", ConvertOptions("gguf", base=FIXTURES / "hf" / "llama3"))
     assert_same_gguf(tmp_path / "local.gguf", tmp_path / "given.gguf")
-    convert(adapters["llama3"], tmp_path / "meta.gguf", "gguf", base=FIXTURES / "meta" / "llama3")  # any format
+    convert(
+        adapters["llama3"], tmp_path / "meta.gguf", ConvertOptions("gguf", base=FIXTURES / "meta" / "llama3")
+    )  # any format
     assert_same_gguf(tmp_path / "meta.gguf", tmp_path / "given.gguf")
     with pytest.raises(CkptkitError, match="LoRA adapter GGUF"):  # read back: no model in it
-        convert(tmp_path / "meta.gguf", tmp_path / "hf", "hf")
+        convert(tmp_path / "meta.gguf", tmp_path / "hf", ConvertOptions("hf"))
     hub = _edited(adapters["llama3"], tmp_path / "hub", base_model_name_or_path="meta-llama/Llama-3.2-1B")
     _refused(tmp_path, r"'meta-llama/Llama-3.2-1B'.*not a local folder.*pass --base BASE", hub)
 
@@ -277,8 +283,8 @@ def test_a_bin_adapter_gives_the_gguf_of_its_safetensors(adapters: dict[str, Pat
     torch.save(load_file(src / "adapter_model.safetensors"), binary / "adapter_model.bin")
     (binary / "adapter_model.safetensors").unlink()
     base = FIXTURES / "hf" / "llama2"
-    convert(binary, tmp_path / "bin.gguf", "gguf", base=base, dtype="q8_0")
-    convert(src, tmp_path / "st.gguf", "gguf", base=base, dtype="q8_0")
+    convert(binary, tmp_path / "bin.gguf", ConvertOptions("gguf", base=base, dtype="q8_0"))
+    convert(src, tmp_path / "st.gguf", ConvertOptions("gguf", base=base, dtype="q8_0"))
     assert_same_gguf(tmp_path / "bin.gguf", tmp_path / "st.gguf")
 
 
@@ -287,7 +293,7 @@ def test_rslora_is_written_with_the_alpha_that_scales_as_it_does(tmp_path: Path)
     from gguf import GGUFReader
 
     adapter = make_adapter(tmp_path / "a", "qwen2", ["q_proj"], use_rslora=True)
-    convert(adapter, tmp_path / "a.gguf", "gguf", base=FIXTURES / "hf" / "qwen2")
+    convert(adapter, tmp_path / "a.gguf", ConvertOptions("gguf", base=FIXTURES / "hf" / "qwen2"))
     alpha = GGUFReader(tmp_path / "a.gguf").fields["adapter.lora.alpha"].contents()
     assert alpha / 4 == pytest.approx(8 / 4**0.5)
 
@@ -311,5 +317,5 @@ def test_bad_adapters_and_options_are_one_line_and_nothing_written(adapters: dic
     _refused(tmp_path, "has no adapter_model.safetensors", half, base=base)
     dora = _edited(llama3, tmp_path / "dora", use_dora=True)
     _refused(tmp_path, "DoRA", dora, base=base)
-    convert(llama3, tmp_path / "out.gguf", "gguf", base=base)
+    convert(llama3, tmp_path / "out.gguf", ConvertOptions("gguf", base=base))
     _refused(tmp_path, "exists", llama3, base=base, dtype="q8_0")

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats.gguf import quants, rows
 from ckptkit.io import RecordCheck, Span
 from ckptkit.tensors.lazy import Lazy
@@ -182,12 +182,20 @@ def test_hf_and_meta_to_gguf_without_torch_equal_the_torch_path(
 
         with monkeypatch.context() as m:
             m.setattr(writer, "row_chunks", counted)
-            convert(src, tmp_path / f"{name}-rows.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+            convert(
+                src,
+                tmp_path / f"{name}-rows.gguf",
+                ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None),
+            )
         if dtype in ("float32", "q8_0"):  # the fixtures are float32: narrowing casts go through torch
             assert sum(streamed) > len(streamed) // 2
         with monkeypatch.context() as m:
             m.setattr(writer, "row_chunks", lambda *a: None)
-            convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype=dtype, allow_lossy_cast=dtype is not None)
+            convert(
+                src,
+                tmp_path / f"{name}-torch.gguf",
+                ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None),
+            )
         assert (tmp_path / f"{name}-rows.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
 
@@ -213,12 +221,12 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
         name = src.parent.name
         with monkeypatch.context() as m:
             m.setattr(writer, "row_chunks", lambda *a: None)  # the torch path: the reference
-            convert(src, tmp_path / f"{name}-torch.gguf", "gguf", dtype="bfloat16")
+            convert(src, tmp_path / f"{name}-torch.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         with monkeypatch.context() as m:
             m.setattr(rows, "CHUNK_BYTES", 512)  # several chunks a tensor
             m.setattr(writer, "_write", late)
             m.setattr(writer, "WRITES_IN_FLIGHT", in_flight)
-            convert(src, tmp_path / f"{name}-late.gguf", "gguf", dtype="bfloat16")
+            convert(src, tmp_path / f"{name}-late.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         assert (tmp_path / f"{name}-late.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
 
@@ -291,7 +299,7 @@ def test_a_meta_record_whose_bytes_fail_its_crc_writes_no_gguf(dtype: str, tmp_p
         f.seek(at)
         f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(CkptkitError, match="CRC|corrupt"):
-        convert(src, tmp_path / "out.gguf", "gguf", dtype=dtype)
+        convert(src, tmp_path / "out.gguf", ConvertOptions("gguf", dtype=dtype))
     assert not (tmp_path / "out.gguf").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta"]
 
@@ -437,12 +445,12 @@ def test_a_gguf_written_past_the_page_cache_is_the_same_file(
     monkeypatch.setattr(rows, "CHUNK_BYTES", 10_000)  # chunks ending off page boundaries
     monkeypatch.setattr(directio, "MIN_DIRECT", 2 * directio.ALIGN)  # the fixtures' tensors are small
     src = FIXTURES / name / "llama2"
-    convert(src, tmp_path / "cached.gguf", "gguf", dtype=dtype)
+    convert(src, tmp_path / "cached.gguf", ConvertOptions("gguf", dtype=dtype))
     staged, went_direct = [], []
     staging, write_direct = directio.staging, directio._write_direct
     monkeypatch.setattr(directio, "staging", lambda: staged.append(1) or staging())
     monkeypatch.setattr(directio, "_write_direct", lambda *a: went_direct.append(1) or write_direct(*a))
     monkeypatch.setattr(writer, "direct_pays", lambda nbytes: True)
-    convert(src, tmp_path / "direct.gguf", "gguf", dtype=dtype)
+    convert(src, tmp_path / "direct.gguf", ConvertOptions("gguf", dtype=dtype))
     assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "cached.gguf").read_bytes()
     assert went_direct and (staged if dtype == "float32" else not staged)  # widened: new arrays, staged

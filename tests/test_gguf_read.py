@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.verify import verify_paths
 
@@ -63,7 +63,7 @@ def test_llama_cpp_gguf_converts_back_to_the_hf_model_bitwise(
         shutil.copytree(FIXTURES / "hf" / "qwen2", src, ignore=shutil.ignore_patterns("tokenizer*"))
         shutil.copy(FIXTURES / "hf" / "llama2" / "tokenizer.model", src)
     gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", outtype)
-    convert(gguf, tmp_path / "hf", "hf", dtype="bfloat16")
+    convert(gguf, tmp_path / "hf", ConvertOptions("hf", dtype="bfloat16"))
     code, out, err = cli("verify", src, tmp_path / "hf")
     assert code == 0, out + err
     assert verify_paths(src, tmp_path / "hf").identical == verify_paths(src, src).identical
@@ -139,7 +139,7 @@ def test_llama_cpp_moe_gguf_converts_back_in_either_experts_layout_bitwise(
 @pytest.mark.slow
 def test_an_f32_gguf_keeps_float32_without_dtype_and_verifies_as_casts(llama_cpp: Path, tmp_path: Path) -> None:
     gguf = llama_cpp_gguf(llama_cpp, FIXTURES / "hf" / "llama2", tmp_path / "m.gguf", "f32")
-    convert(gguf, tmp_path / "hf", "hf")
+    convert(gguf, tmp_path / "hf", ConvertOptions("hf"))
     report = verify_paths(FIXTURES / "hf" / "llama2", tmp_path / "hf")
     assert report.cast_only and len(report.differences) == report.compared  # every tensor, in float32
     assert {d.dtype_b for d in report.differences} == {"float32"}
@@ -170,9 +170,9 @@ def test_a_widened_tensor_comes_back_in_the_file_type_only_where_every_value_is_
 
     src = FIXTURES / "hf" / "llama2"
     gguf = tmp_path / "m.gguf"
-    convert(src, gguf, "gguf", dtype=dtype)
+    convert(src, gguf, ConvertOptions("gguf", dtype=dtype))
     _set_first_value(gguf, "blk.0.attn_norm.weight", value)
-    convert(gguf, tmp_path / "hf", "hf")
+    convert(gguf, tmp_path / "hf", ConvertOptions("hf"))
     got = load_file(tmp_path / "hf" / "model.safetensors")
     patched = "model.layers.0.input_layernorm.weight"
     assert got[patched].dtype == torch.float32 and got[patched][0].item() == np.float32(value)
@@ -188,10 +188,10 @@ def test_llama3_1_gguf_gives_back_rope_scaling_and_meta_tokenizer(llama_cpp: Pat
     """rope_freqs.weight becomes Llama 3 rope scaling again; the byte-level BPE vocabulary
     becomes Meta's tiktoken tokenizer.model, byte for byte."""
     write_tiny_meta_llama3(tmp_path / "meta")
-    convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     gguf = llama_cpp_gguf(llama_cpp, tmp_path / "hf", tmp_path / "m.gguf", "auto")
     for to in ("hf", "meta", "internal"):
-        convert(gguf, tmp_path / f"back-{to}", to, dtype="bfloat16")
+        convert(gguf, tmp_path / f"back-{to}", ConvertOptions(to, dtype="bfloat16"))
         assert verify_paths(tmp_path / "hf", tmp_path / f"back-{to}").ok, to
     assert (tmp_path / "back-meta" / "tokenizer.model").read_bytes() == (
         tmp_path / "meta" / "tokenizer.model"
@@ -230,9 +230,9 @@ def test_newer_family_gguf_equals_llama_cpp_and_comes_back_bitwise_running_as_th
 
     src = FIXTURES / "hf" / family
     gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", "auto", tiny_bpe_as(monkeypatch, family))
-    convert(src, tmp_path / "ours.gguf", "gguf")
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf"))
     assert_same_gguf(tmp_path / "ours.gguf", gguf)
-    convert(gguf, tmp_path / "hf", "hf", dtype="bfloat16")
+    convert(gguf, tmp_path / "hf", ConvertOptions("hf", dtype="bfloat16"))
     code, out, err = cli("verify", src, tmp_path / "hf")
     assert code == 0 and "IDENTICAL" in out, out + err
     assumed = AS_LLAMA_CPP_RUNS.get(family, {})
@@ -389,8 +389,8 @@ def test_k_quant_gguf_converts_with_dtype_to_the_reference_values(tmp_path: Path
              "token_embd.weight": "Q8_0"}  # fmt: skip
     values = write_llama_gguf(tmp_path / "k.gguf", kinds, np.random.default_rng(3))
     with pytest.raises(CkptkitError, match=r"4 tensors are quantized \(Q4_K, Q5_K, Q6_K, Q8_0\)"):
-        convert(tmp_path / "k.gguf", tmp_path / "no", "hf")
-    result = convert(tmp_path / "k.gguf", tmp_path / "hf", "hf", dtype="float32")
+        convert(tmp_path / "k.gguf", tmp_path / "no", ConvertOptions("hf"))
+    result = convert(tmp_path / "k.gguf", tmp_path / "hf", ConvertOptions("hf", dtype="float32"))
     assert any(n.startswith("lossy: 4 quantized tensors") for n in result.notes)
     assert any("holds no tokenizer" in n for n in result.notes)
     from safetensors.numpy import load_file

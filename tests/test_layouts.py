@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.save_like import save_checkpoint_like
 
 from conftest import FIXTURES, assert_same_layout, tree_hashes
@@ -42,8 +42,8 @@ def single_shard_with_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("to", ["hf", "hf-bin", "meta", "internal"])
 def test_single_shard_with_index_round_trips_exactly(single_shard_with_index: Path, to: str, tmp_path: Path) -> None:
     src = single_shard_with_index
-    convert(src, tmp_path / "mid", to, verify=True)
-    convert(tmp_path / "mid", tmp_path / "back", "hf", verify=True)
+    convert(src, tmp_path / "mid", ConvertOptions(to, verify=True))
+    convert(tmp_path / "mid", tmp_path / "back", ConvertOptions("hf", verify=True))
     assert_same_layout(src, tmp_path / "back")
     back = tree_hashes(tmp_path / "back")
     assert {k: back.get(k) for k in tree_hashes(src)} == tree_hashes(src)
@@ -75,8 +75,8 @@ def test_single_shard_with_index_survives_save_like(single_shard_with_index: Pat
 @pytest.mark.parametrize("via", ["hf", "internal"])
 def test_tied_bin_alias_is_restored(via: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf-bin" / "qwen2"
-    convert(src, tmp_path / "mid", via)
-    convert(tmp_path / "mid", tmp_path / "back", "hf-bin", verify=True)
+    convert(src, tmp_path / "mid", ConvertOptions(via))
+    convert(tmp_path / "mid", tmp_path / "back", ConvertOptions("hf-bin", verify=True))
     name = "pytorch_model.bin"
     assert (tmp_path / "back" / name).stat().st_size == (src / name).stat().st_size
     assert_same_layout(src, tmp_path / "back")

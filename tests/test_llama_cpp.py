@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 from test_gguf import all_moe_qwen3, llama_cpp_gguf
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES
@@ -44,7 +44,7 @@ def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:
 @pytest.mark.slow
 def test_llama3_meta_to_hf_converts_to_gguf(llama_cpp: Path, tmp_path: Path) -> None:
     write_tiny_meta_llama3(tmp_path / "meta")
-    convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
     # "llama-bpe": llama.cpp recognised Llama 3's pre-tokenizer from how the tokenizer encodes its probe text.
     assert meta == {
@@ -58,7 +58,7 @@ def test_llama3_meta_to_hf_converts_to_gguf(llama_cpp: Path, tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama2", "mistral"])
 def test_sentencepiece_meta_to_hf_converts_to_gguf(family: str, llama_cpp: Path, tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / family, tmp_path / "hf", "hf")
+    convert(FIXTURES / "meta" / family, tmp_path / "hf", ConvertOptions("hf"))
     meta = _to_gguf(llama_cpp, tmp_path / "hf", tmp_path / "model.gguf")
     assert meta["tokenizer.ggml.model"] == "llama"
     assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)
@@ -119,10 +119,10 @@ def test_llama_cpp_bf16_and_f16_ggufs_convert_back_identical(family: str, llama_
     back within that rounding (2**-11) of it."""
     src = all_moe_qwen3(tmp_path / "moe")["per-expert"] if family == "qwen3_moe" else FIXTURES / "hf" / family
     f16 = tmp_path / "float16" / family
-    convert(src, f16, "hf", dtype="float16")
+    convert(src, f16, ConvertOptions("hf", dtype="float16"))
     for outtype, origin in (("bf16", src), ("f16", f16)):
         gguf = llama_cpp_gguf(llama_cpp, origin, tmp_path / f"{outtype}.gguf", outtype, READ_BACK[family])
-        convert(gguf, tmp_path / f"back-{outtype}", "hf")
+        convert(gguf, tmp_path / f"back-{outtype}", ConvertOptions("hf"))
         report = verify_paths(origin, tmp_path / f"back-{outtype}")
         if outtype == "f16" and family.startswith("gemma"):
             norms = {k for f in origin.glob("*.safetensors") for k in load_file(f) if k.endswith("norm.weight")}

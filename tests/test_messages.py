@@ -200,7 +200,7 @@ VERDICT = re.compile(r".+; (nothing to do|to [^;]+)")  # "<fact>; nothing to do"
 
 @pytest.mark.slow
 def test_every_note_of_the_fixture_conversions_says_whether_action_is_needed(tmp_path: Path) -> None:
-    from ckptkit.convert import convert
+    from ckptkit.convert import ConvertOptions, convert
     from ckptkit.errors import CkptkitError
 
     notes: dict[str, str] = {}
@@ -210,7 +210,7 @@ def test_every_note_of_the_fixture_conversions_says_whether_action_is_needed(tmp
             for dtype in (None, "bfloat16"):
                 dst = tmp_path / ("o.gguf" if to == "gguf" else "o")
                 try:
-                    result = convert(src, dst, to, dtype=dtype, config=config, force=True)
+                    result = convert(src, dst, ConvertOptions(to, dtype=dtype, config=config, force=True))
                 except CkptkitError:  # a pair ckptkit refuses (no Meta layout for qwen2, ...): no notes
                     continue
                 finally:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.models.meta_ffn import meta_ffn_params, meta_ffn_size
 
@@ -81,10 +81,10 @@ def test_odd_dims_convert_hf_meta_hf_bitwise(
 ) -> None:
     intermediate = reference_ffn(hidden, multiple_of, multiplier)
     _save_hf(tmp_path / "hf", hidden, heads, intermediate)
-    convert(tmp_path / "hf", tmp_path / "meta", "meta", verify=True)
+    convert(tmp_path / "hf", tmp_path / "meta", ConvertOptions("meta", verify=True))
     params = json.loads((tmp_path / "meta" / "params.json").read_text())
     assert reference_ffn(params["dim"], params["multiple_of"], params.get("ffn_dim_multiplier")) == intermediate
-    convert(tmp_path / "meta", tmp_path / "back", "hf", verify=True)
+    convert(tmp_path / "meta", tmp_path / "back", ConvertOptions("hf", verify=True))
     assert_same_layout(tmp_path / "hf", tmp_path / "back")
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()

@@ -27,7 +27,7 @@ from test_distributed import (
     torchrun,
 )
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.train.transformer import SparseMoE
 
 from conftest import FIXTURES, raw_layout
@@ -45,7 +45,7 @@ def assert_close(a: list[float], b: list[float], dtype: str) -> None:
 @pytest.mark.slow
 def test_full_fine_tuning_of_qwen3_moe_on_two_processes_matches_one_device(tmp_path: Path) -> None:
     base = tmp_path / "base"
-    convert(FIXTURES / "hf" / "qwen3_moe-stacked", base, "hf", dtype="float32")
+    convert(FIXTURES / "hf" / "qwen3_moe-stacked", base, ConvertOptions("hf", dtype="float32"))
     common = ["epochs=1", "max_steps_per_epoch=4", "quiet=true", AUX, f"checkpointer.checkpoint_dir={base}"]
     run_single("full_finetune", "tiny_full", *common, "batch_size=8", f"checkpointer.output_dir={tmp_path / 'one'}")
     target = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]
@@ -99,7 +99,7 @@ def test_lora_on_experts_and_router_on_two_processes_matches_one_device(src: str
     # its merged model in the input's format (files, names, order, dtypes; Meta: 2 ranks), PEFT's
     # merge of its adapter to a bf16 rounding step
     assert_same_names_partition_dtypes(base, two)
-    convert(two, tmp_path / "merged_hf", "hf")
+    convert(two, tmp_path / "merged_hf", ConvertOptions("hf"))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf", dtype=torch.bfloat16).state_dict()
     theirs = peft.merge_and_unload().state_dict()
     assert max(bf16_ulps(v, theirs[k].to(torch.bfloat16)) for k, v in merged.items()) <= 1

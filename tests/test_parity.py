@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptkit.checkpoint import open_checkpoint
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 
 from conftest import FIXTURES, assert_same_layout
 
@@ -31,7 +31,7 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", META_FIXTURES)
 def test_meta_to_hf_matches_transformers(name: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    convert(FIXTURES / "meta" / name, out, "hf")
+    convert(FIXTURES / "meta" / name, out, ConvertOptions("hf"))
     ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
     reference = _logits(FIXTURES / "hf" / name.split("-")[0], ids)
     converted = _logits(out, ids)
@@ -41,7 +41,7 @@ def test_meta_to_hf_matches_transformers(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("family", ["llama2", "llama3", "llama3_1", "llama3_2", "mistral"])
 def test_hf_to_meta_equals_meta_fixture(family: str, tmp_path: Path) -> None:
     out = tmp_path / "meta"
-    convert(FIXTURES / "hf" / family, out, "meta")
+    convert(FIXTURES / "hf" / family, out, ConvertOptions("meta"))
     assert_same_layout(FIXTURES / "meta" / family, out)
     # params.json describes the same model as Meta's own
     with open_checkpoint(out) as a, open_checkpoint(FIXTURES / "meta" / family) as b:
@@ -63,7 +63,7 @@ def _same_but_ffn(a, b) -> bool:
 @pytest.mark.parametrize("family", ["llama2", "llama3"])
 def test_shards_2_equals_two_rank_fixture(family: str, tmp_path: Path) -> None:
     out = tmp_path / "meta2"
-    convert(FIXTURES / "hf" / family, out, "meta", shards=2)
+    convert(FIXTURES / "hf" / family, out, ConvertOptions("meta", shards=2))
     assert_same_layout(FIXTURES / "meta" / f"{family}-2rank", out)
 
 
@@ -73,7 +73,7 @@ def test_hf_mixtral_to_meta_holds_the_meta_fixture_tensors(fixture: str, tmp_pat
     as the fixture has them, and the same params.json (the order of keys in a rank is ckptkit's)."""
     want = FIXTURES / "meta" / fixture
     ranks = sorted(p.name for p in want.glob("consolidated.*.pth"))
-    convert(FIXTURES / "hf" / "mixtral", tmp_path / "meta", "meta", shards=len(ranks))
+    convert(FIXTURES / "hf" / "mixtral", tmp_path / "meta", ConvertOptions("meta", shards=len(ranks)))
     assert sorted(p.name for p in (tmp_path / "meta").glob("consolidated.*")) == ranks
     for rank in ranks:
         a, b = (torch.load(d / rank, weights_only=True) for d in (tmp_path / "meta", want))
@@ -83,7 +83,7 @@ def test_hf_mixtral_to_meta_holds_the_meta_fixture_tensors(fixture: str, tmp_pat
 
 
 def test_llama2_meta_carries_rope_freqs_like_meta(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf" / "llama2", tmp_path / "m", "meta")
+    convert(FIXTURES / "hf" / "llama2", tmp_path / "m", ConvertOptions("meta"))
     sd = torch.load(tmp_path / "m" / "consolidated.00.pth", weights_only=True)
     head_dim = 16
     expected = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -92,7 +92,7 @@ def test_llama2_meta_carries_rope_freqs_like_meta(tmp_path: Path) -> None:
 
 
 def test_hf_written_config_has_both_rope_spellings(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / "llama3_1", tmp_path / "hf", "hf")
+    convert(FIXTURES / "meta" / "llama3_1", tmp_path / "hf", ConvertOptions("hf"))
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["rope_parameters"]["rope_type"] == "llama3" and cfg["rope_parameters"]["factor"] == 8.0
     assert cfg["rope_scaling"]["factor"] == 8.0 and cfg["rope_theta"] == 500000.0
@@ -101,8 +101,8 @@ def test_hf_written_config_has_both_rope_spellings(tmp_path: Path) -> None:
 
 def test_meta_2rank_to_hf_to_meta_restores_ranks(tmp_path: Path) -> None:
     src = FIXTURES / "meta" / "llama3-2rank"
-    convert(src, tmp_path / "hf", "hf")
-    convert(tmp_path / "hf", tmp_path / "back", "meta")
+    convert(src, tmp_path / "hf", ConvertOptions("hf"))
+    convert(tmp_path / "hf", tmp_path / "back", ConvertOptions("meta"))
     assert sorted(p.name for p in (tmp_path / "back").glob("consolidated.*")) == [
         "consolidated.00.pth",
         "consolidated.01.pth",

@@ -130,12 +130,12 @@ def test_cli_merge_of_an_rslora_adapter_is_peft_s_merge(family: str, targets: di
     from typer.testing import CliRunner
 
     from ckptkit.cli import app
-    from ckptkit.convert import convert
+    from ckptkit.convert import ConvertOptions, convert
 
     def base_model() -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
 
-    convert(hf_dir(family), tmp_path / "base", "hf", dtype="float32")
+    convert(hf_dir(family), tmp_path / "base", ConvertOptions("hf", dtype="float32"))
     torch.manual_seed(0)
     peft = get_peft_model(base_model(), LoraConfig(r=4, lora_alpha=8, use_rslora=True, **targets))
     with torch.no_grad():

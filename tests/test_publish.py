@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES, tree_hashes
@@ -176,7 +176,7 @@ def test_convert_survives_sigkill(tmp_path: Path, force: bool) -> None:
     old = None
     if force:  # a complete DST in another format, replaced with --force
         old = tmp_path / "old"
-        convert(FIXTURES / "meta/llama2", old, "hf-bin")
+        convert(FIXTURES / "meta/llama2", old, ConvertOptions("hf-bin"))
     job = {"kind": "cli", "args": args + (["--force"] if force else [])}
     result = kill_trials(tmp_path / "work", dst, job, {"kind": "cli", "args": [*args, "--force"]}, old)
     seen = check_trials(result, absent_ok=not force)
@@ -211,7 +211,7 @@ def test_second_writer_fails_with_one_line(tmp_path: Path) -> None:
     with publishing(dst) as tmp:
         (tmp / "a").write_text("first")
         with pytest.raises(CkptkitError, match=r"another ckptkit process is writing it \(pid \d+\)") as e:
-            convert(FIXTURES / "hf/llama2", dst, "meta")
+            convert(FIXTURES / "hf/llama2", dst, ConvertOptions("meta"))
         assert "\n" not in str(e.value)
     assert (dst / "a").read_text() == "first"
     assert not leftovers(tmp_path) and not lock_path(dst).exists()
@@ -220,10 +220,10 @@ def test_second_writer_fails_with_one_line(tmp_path: Path) -> None:
 def test_later_writer_never_deletes_finished_output(tmp_path: Path) -> None:
     """Two converts to one DST, one after the other: the later refuses without --force."""
     dst = tmp_path / "dst"
-    convert(FIXTURES / "hf/llama2", dst, "meta")
+    convert(FIXTURES / "hf/llama2", dst, ConvertOptions("meta"))
     before = tree_hashes(dst)
     with pytest.raises(CkptkitError, match="not empty"):
-        convert(FIXTURES / "hf/llama3", dst, "meta")
+        convert(FIXTURES / "hf/llama3", dst, ConvertOptions("meta"))
     assert tree_hashes(dst) == before
 
 
@@ -239,7 +239,7 @@ def test_stale_leftovers_of_killed_writers_are_removed(tmp_path: Path) -> None:
     for p in stale:
         p.mkdir()
         (p / "model.safetensors").write_bytes(b"x" * 100)
-    convert(FIXTURES / "hf/llama2", dst, "meta")
+    convert(FIXTURES / "hf/llama2", dst, ConvertOptions("meta"))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.999-ffff.ckptkit-tmp", "dst"]
     assert sweep(tmp_path) == [stale[2]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
@@ -251,13 +251,13 @@ def test_set_aside_old_checkpoint_is_restored(tmp_path: Path) -> None:
     from ckptkit.io.publish import leftovers
 
     dst = tmp_path / "dst"
-    convert(FIXTURES / "hf/llama2", dst, "meta")
+    convert(FIXTURES / "hf/llama2", dst, ConvertOptions("meta"))
     before = tree_hashes(dst)
     aside = tmp_path / ".dst.4242-00ff00ff.ckptkit-old"
     os.rename(dst, aside)
     (tmp_path / ".dst.4242-00ff00ff.ckptkit-tmp").mkdir()
     with pytest.raises(CkptkitError, match="not empty"):
-        convert(FIXTURES / "hf/llama3", dst, "meta")
+        convert(FIXTURES / "hf/llama3", dst, ConvertOptions("meta"))
     assert tree_hashes(dst) == before and not leftovers(tmp_path)
 
 
@@ -267,8 +267,8 @@ def test_replace_without_atomic_exchange(tmp_path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(publish, "_EXCHANGE", None)
     dst = tmp_path / "dst"
-    convert(FIXTURES / "hf/llama2", dst, "meta")
-    convert(FIXTURES / "hf/llama2", dst, "hf", force=True)
+    convert(FIXTURES / "hf/llama2", dst, ConvertOptions("meta"))
+    convert(FIXTURES / "hf/llama2", dst, ConvertOptions("hf", force=True))
     assert (dst / "config.json").is_file() and not (dst / "params.json").exists()
     assert not leftovers(tmp_path)
 
@@ -278,7 +278,7 @@ def test_output_permissions_follow_umask(tmp_path: Path, umask: int) -> None:
     old = os.umask(umask)
     try:
         dst = tmp_path / "dst"
-        convert(FIXTURES / "meta/llama2", dst, "hf")
+        convert(FIXTURES / "meta/llama2", dst, ConvertOptions("hf"))
     finally:
         os.umask(old)
     assert stat.S_IMODE(dst.stat().st_mode) == 0o777 & ~umask
@@ -360,7 +360,7 @@ def test_every_file_and_folder_is_fsynced_before_it_is_put_in_place(
     monkeypatch.setattr(publish, "_fsync", recording)
     monkeypatch.setattr(publish, "_audit", lambda step, path: events.append((step, str(path))))
     dst = tmp_path / "dst"
-    convert(FIXTURES / "meta/llama2", dst, "hf")
+    convert(FIXTURES / "meta/llama2", dst, ConvertOptions("hf"))
     [(tmp, _)] = [(p, i) for i, (step, p) in enumerate(events) if step == "mkdir"]
     put = next(i for i, (step, _) in enumerate(events) if step in ("rename", "exchange"))
     synced = {Path(p).relative_to(tmp) for step, p in events[:put] if step == "fsync" and p.startswith(tmp)}
@@ -392,7 +392,7 @@ def test_a_pruned_checkpoint_is_never_left_half_deleted(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     for name in ("step_1", "step_2"):
-        convert(FIXTURES / "meta/llama2", out / name, "hf")
+        convert(FIXTURES / "meta/llama2", out / name, ConvertOptions("hf"))
     assert len(list((out / "step_1").iterdir())) > 2
     proc = subprocess.run([sys.executable, "-c", PRUNE_CHILD, str(FIXTURES / "meta/llama2"), str(out)])
     assert proc.returncode == -9

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
@@ -68,7 +68,7 @@ def test_lora_merged_output_equals_peft_merge(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     base = tmp_path / "base"
-    convert(FIXTURES / "hf" / "llama3", base, "hf", dtype="float32")  # float32 in, float32 out
+    convert(FIXTURES / "hf" / "llama3", base, ConvertOptions("hf", dtype="float32"))  # float32 in, float32 out
     run("lora_finetune", "tiny_lora", "epochs=1", "max_steps_per_epoch=3", f"checkpointer.checkpoint_dir={base}",
         f"checkpointer.output_dir={tmp_path / 'out'}")  # fmt: skip
     ours_dir = tmp_path / "out" / "epoch_0"

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckptkit.cli import app
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats import REGISTRY as FORMAT_REGISTRY
 from ckptkit.formats import containers, detect_format
 from ckptkit.models import REGISTRY as FAMILY_REGISTRY
@@ -87,9 +87,9 @@ def test_every_format_has_a_fixture() -> None:
 @pytest.mark.parametrize("name", list(ONE_FILE))
 def test_each_one_file_format_writes_the_hf_fixture_and_reads_it_back(name: str, tmp_path: Path) -> None:
     dst = tmp_path / ONE_FILE[name]
-    convert(FIXTURES / "hf" / "llama2", dst, name)
+    convert(FIXTURES / "hf" / "llama2", dst, ConvertOptions(name))
     assert dst.is_file() and detect_format(dst) is FORMAT_REGISTRY[name]
-    convert(dst, tmp_path / "back", "hf", dtype="bfloat16")
+    convert(dst, tmp_path / "back", ConvertOptions("hf", dtype="bfloat16"))
     assert verify_paths(FIXTURES / "hf" / "llama2", tmp_path / "back").ok
 
 
@@ -98,12 +98,12 @@ def test_each_format_detects_and_round_trips_its_own_checkpoint(name: str, tmp_p
     src = FORMAT_FIXTURES[name]
     if src is None:
         src = tmp_path / "src"
-        convert(FIXTURES / "hf" / "llama2", src, name)
+        convert(FIXTURES / "hf" / "llama2", src, ConvertOptions(name))
     assert detect_format(src) is FORMAT_REGISTRY[name]
     other = "internal" if name == "hf" else "hf"  # internal's own layout is its origin's, HF here
-    convert(src, tmp_path / "mid", other)
+    convert(src, tmp_path / "mid", ConvertOptions(other))
     assert detect_format(tmp_path / "mid") is FORMAT_REGISTRY[other]
-    convert(tmp_path / "mid", tmp_path / "back", name)
+    convert(tmp_path / "mid", tmp_path / "back", ConvertOptions(name))
     assert detect_format(tmp_path / "back") is FORMAT_REGISTRY[name]
     assert_same_layout(src, tmp_path / "back")
 

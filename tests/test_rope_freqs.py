@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats.base import ORIGIN_FILE
 from ckptkit.formats.safetensors_io import SafetensorsWriter
 from ckptkit.formats.torch_io import TorchPickleWriter
@@ -146,16 +146,16 @@ def convert_without_torch(src: Path, dst: Path, to: str) -> None:
 
 def test_llama2_hf_to_meta_runs_without_torch(tmp_path: Path) -> None:
     convert_without_torch(FIXTURES / "hf" / "llama2", tmp_path / "blocked", "meta")
-    convert(FIXTURES / "hf" / "llama2", tmp_path / "normal", "meta")
+    convert(FIXTURES / "hf" / "llama2", tmp_path / "normal", ConvertOptions("meta"))
     assert_same_files(tmp_path / "blocked", tmp_path / "normal")
     sd = torch.load(tmp_path / "blocked" / "consolidated.00.pth", weights_only=True)
     assert torch.equal(sd["rope.freqs"].view(torch.int16), meta_rope_freqs(16, 10000.0).view(torch.int16))
 
 
 def test_llama2_meta_hf_meta_round_trip_carries_recorded_rope_freqs_without_torch(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / "llama2", tmp_path / "hf", "hf")
+    convert(FIXTURES / "meta" / "llama2", tmp_path / "hf", ConvertOptions("hf"))
     convert_without_torch(tmp_path / "hf", tmp_path / "blocked", "meta")
-    convert(tmp_path / "hf", tmp_path / "normal", "meta")
+    convert(tmp_path / "hf", tmp_path / "normal", ConvertOptions("meta"))
     assert_same_files(tmp_path / "blocked", tmp_path / "normal")
     original = torch.load(FIXTURES / "meta" / "llama2" / "consolidated.00.pth", weights_only=True)
     back = torch.load(tmp_path / "blocked" / "consolidated.00.pth", weights_only=True)
@@ -164,7 +164,7 @@ def test_llama2_meta_hf_meta_round_trip_carries_recorded_rope_freqs_without_torc
 
 
 def test_recorded_rope_freqs_are_carried_as_recorded_not_regenerated(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta" / "llama2", tmp_path / "hf", "hf")
+    convert(FIXTURES / "meta" / "llama2", tmp_path / "hf", ConvertOptions("hf"))
     sidecar = tmp_path / "hf" / ORIGIN_FILE
     doc = json.loads(sidecar.read_text())
     recorded = doc["origin"]["unused"]["rope.freqs"]

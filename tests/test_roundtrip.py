@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 
 from conftest import META_FAMILIES, assert_same_layout, fixture_dirs, fixture_family, tree_hashes
 
@@ -27,8 +27,8 @@ def _cases() -> list[tuple[Path, str]]:
 def test_round_trip_gives_back_every_file_byte_for_byte(src: Path, to: str, tmp_path: Path) -> None:
     before = tree_hashes(src)
     mid, back = tmp_path / "mid", tmp_path / "back"
-    convert(src, mid, to, verify=True)
-    convert(mid, back, src.parent.name, verify=True)
+    convert(src, mid, ConvertOptions(to, verify=True))
+    convert(mid, back, ConvertOptions(src.parent.name, verify=True))
     assert_same_layout(src, back)
     # Beyond the tensors: every file comes back byte for byte (sha256), pickles included:
     # their zip records, CRC-32s, archive folder name and serialization id; nothing is added.

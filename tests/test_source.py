@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY
 from ckptkit.formats.torch_io import TorchPickleReader
@@ -70,7 +70,7 @@ def _hashes(path: Path) -> dict[str, str]:
 
 def _outcome(src: Path, dst: Path, to: str, verify: bool = False) -> dict[str, str] | str:
     try:
-        convert(src, dst, to, verify=verify)
+        convert(src, dst, ConvertOptions(to, verify=verify))
     except CkptkitError as e:  # a conversion the format refuses: refused alike from memory
         return re.sub(r"/tmp/ckptkit-gguf-\w+", "TMP", str(e).replace(str(src), "SRC"))
     return _hashes(dst)
@@ -103,7 +103,7 @@ def test_every_fixture_converts_from_memory_as_from_disk(src: Path, tmp_path: Pa
 
 def test_a_gguf_converts_from_memory_as_from_disk(tmp_path: Path) -> None:
     gguf = tmp_path / "made" / "llama2.gguf"
-    convert(FIXTURES / "hf" / "llama2", gguf, "gguf")
+    convert(FIXTURES / "hf" / "llama2", gguf, ConvertOptions("gguf"))
     _same_from_memory(gguf, tmp_path, list(REGISTRY))
 
 
@@ -140,5 +140,5 @@ def test_a_corrupt_record_of_a_pth_not_on_this_disk_fails_its_crc_check(tmp_path
     with in_memory(src, virtual) as (files, _):
         files[virtual / "consolidated.00.pth"][span.offset + 3] ^= 0x40
         with pytest.raises(CkptkitError, match=r"consolidated\.00\.pth: record data/\w+ fails its CRC-32 check"):
-            convert(virtual, tmp_path / "out", "hf")
+            convert(virtual, tmp_path / "out", ConvertOptions("hf"))
     assert not (tmp_path / "out").exists()

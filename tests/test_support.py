@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import format_names
 from ckptkit.models import model_types
@@ -42,7 +42,7 @@ def test_what_the_matrix_says_about_meta_is_what_convert_does(fixture: str, tmp_
     matrix = json.loads(ckptkit("support", "--json"))
     model_type = fixture.split("/")[1]
     if matrix[model_type]["meta"]["write"]:
-        convert(FIXTURES / fixture, tmp_path / "out", "meta")
+        convert(FIXTURES / fixture, tmp_path / "out", ConvertOptions("meta"))
     else:
         with pytest.raises(CkptkitError, match="no Meta layout"):
-            convert(FIXTURES / fixture, tmp_path / "out", "meta")
+            convert(FIXTURES / fixture, tmp_path / "out", ConvertOptions("meta"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES, tree_hashes
@@ -43,7 +43,7 @@ def llama3_meta(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llama3_hf(llama3_meta: Path) -> Path:
     out = llama3_meta.parent / "hf"
-    convert(llama3_meta, out, "hf")
+    convert(llama3_meta, out, ConvertOptions("hf"))
     return out
 
 
@@ -52,7 +52,7 @@ def spm_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Meta Llama 2 and Mistral fixtures (sentencepiece) converted to HF."""
     root = tmp_path_factory.mktemp("spm")
     for family in SPM_FAMILIES:
-        convert(FIXTURES / "meta" / family, root / family, "hf")
+        convert(FIXTURES / "meta" / family, root / family, ConvertOptions("hf"))
     return {family: root / family for family in SPM_FAMILIES}
 
 
@@ -88,10 +88,10 @@ def test_llama3_meta_to_hf_loads_without_tiktoken_and_encodes_like_meta(llama3_h
 
 
 def test_llama3_meta_hf_meta_restores_tokenizer_model(llama3_hf: Path, tmp_path: Path) -> None:
-    convert(llama3_hf, tmp_path / "meta", "meta")
+    convert(llama3_hf, tmp_path / "meta", ConvertOptions("meta"))
     assert (tmp_path / "meta" / "tokenizer.model").read_bytes() == llama3_tokenizer_model().read_bytes()
     assert not any((tmp_path / "meta" / name).exists() for name in TOKENIZER_FILES)
-    convert(tmp_path / "meta", tmp_path / "hf", "hf")  # HF -> Meta -> HF: the HF files byte for byte
+    convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))  # HF -> Meta -> HF: the HF files byte for byte
     for name in TOKENIZER_FILES:
         assert (tmp_path / "hf" / name).read_bytes() == (llama3_hf / name).read_bytes(), name
 
@@ -101,7 +101,7 @@ def test_llama3_rank_file_is_rebuilt_when_no_record_is_left(llama3_hf: Path, tmp
     src = tmp_path / "plain-hf"
     shutil.copytree(llama3_hf, src)
     (src / "ckptkit-origin.json").unlink(missing_ok=True)
-    convert(src, tmp_path / "meta", "meta")
+    convert(src, tmp_path / "meta", ConvertOptions("meta"))
     assert (tmp_path / "meta" / "tokenizer.model").read_bytes() == llama3_tokenizer_model().read_bytes()
 
 
@@ -123,7 +123,7 @@ def test_sentencepiece_meta_to_hf_encodes_like_sentencepiece(
     assert tok_config["add_bos_token"] is True and tok_config["add_eos_token"] is False
     assert {tok_config[k] for k in ("bos_token", "eos_token", "unk_token")} == {"<s>", "</s>", "<unk>"}
     # Meta -> HF -> Meta: the sentencepiece model comes back as it was.
-    convert(out, tmp_path / "meta", "meta")
+    convert(out, tmp_path / "meta", ConvertOptions("meta"))
     assert tree_hashes(tmp_path / "meta")["tokenizer.model"] == tree_hashes(src)["tokenizer.model"]
 
 
@@ -131,7 +131,7 @@ def test_llama2_tokenizer_beside_the_model_folder_is_used(tmp_path: Path) -> Non
     """Meta's Llama 2 downloads keep tokenizer.model one level above the weights."""
     shutil.copytree(FIXTURES / "meta" / "llama2", tmp_path / "llama-2-7b")
     (tmp_path / "llama-2-7b" / "tokenizer.model").rename(tmp_path / "tokenizer.model")
-    convert(tmp_path / "llama-2-7b", tmp_path / "hf", "hf")
+    convert(tmp_path / "llama-2-7b", tmp_path / "hf", ConvertOptions("hf"))
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (tmp_path / "tokenizer.model").read_bytes()
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
@@ -162,7 +162,7 @@ def test_bad_tokenizer_model_is_one_line_error(content: bytes, message: str, tmp
     (src / "tokenizer.model").write_bytes(content)
     before = tree_hashes(src)
     with pytest.raises(CkptkitError) as err:
-        convert(src, tmp_path / "out", "hf")
+        convert(src, tmp_path / "out", ConvertOptions("hf"))
     assert message in str(err.value) and str(src / "tokenizer.model") in str(err.value)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists() and tree_hashes(src) == before
@@ -214,8 +214,8 @@ def test_same_format_conversions_carry_every_file_and_add_none(tmp_path: Path) -
         )
         for middle in middles:
             out = tmp_path / "out" / f"{src.parent.name}-{src.name}-{middle}"
-            convert(src, out / "mid", middle)
-            convert(out / "mid", out / "back", back)
+            convert(src, out / "mid", ConvertOptions(middle))
+            convert(out / "mid", out / "back", ConvertOptions(back))
             rounds += 1
             want = _carried(src)
             config = {"config.json"}  # written by each format (internal: ckptkit.json)
@@ -244,14 +244,14 @@ def test_hf_without_tokenizer_model_gets_a_sentencepiece_model_for_meta(
     shutil.copytree(spm_hf[family], src)
     for name in ("tokenizer.model", "ckptkit-origin.json"):
         (src / name).unlink()
-    convert(src, tmp_path / "meta", "meta")
+    convert(src, tmp_path / "meta", ConvertOptions("meta"))
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "meta" / "tokenizer.model"))
     fast = Tokenizer.from_file(str(src / "tokenizer.json"))
     assert [sp.encode(t) for t in CORPUS] == [fast.encode(t, add_special_tokens=False).ids for t in CORPUS]
     official = spm.SentencePieceProcessor(model_file=str(FIXTURES / "meta" / family / "tokenizer.model"))
     assert [sp.encode(t) for t in CORPUS] == [official.encode(t) for t in CORPUS]
     assert (sp.bos_id(), sp.eos_id(), sp.unk_id()) == (1, 2, 0)
-    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    convert(tmp_path / "meta", tmp_path / "back", ConvertOptions("hf"))
     assert _carried(tmp_path / "back") == _carried(src)
 
 
@@ -268,9 +268,9 @@ def test_metaspace_tokenizer_json_is_not_written_as_sentencepiece(tmp_path: Path
     with open_checkpoint(src) as ckpt:
         plan = tokenizer_for_meta(src, ckpt.family.tokenizer, from_hf=True)
     assert "tokenizer.model" not in plan.files and any("tokenizer.json" in n for n in plan.notes)
-    convert(src, tmp_path / "meta", "meta")
+    convert(src, tmp_path / "meta", ConvertOptions("meta"))
     assert not (tmp_path / "meta" / "tokenizer.model").exists()
-    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    convert(tmp_path / "meta", tmp_path / "back", ConvertOptions("hf"))
     assert _carried(tmp_path / "back") == _carried(src)
 
 
@@ -283,9 +283,9 @@ def test_tokenizer_json_with_an_unknown_pre_tokenizer_is_not_written_as_tokenize
     text = json.dumps(doc).replace("\\\\p{N}{1,3}", "\\\\p{N}{1,2}")
     assert text != json.dumps(doc)
     (src / "tokenizer.json").write_text(text)
-    convert(src, tmp_path / "meta", "meta")
+    convert(src, tmp_path / "meta", ConvertOptions("meta"))
     assert not (tmp_path / "meta" / "tokenizer.model").exists()
-    convert(tmp_path / "meta", tmp_path / "back", "hf")
+    convert(tmp_path / "meta", tmp_path / "back", ConvertOptions("hf"))
     assert _carried(tmp_path / "back") == _carried(src)
 
 
@@ -301,7 +301,7 @@ def test_sentencepiece_model_that_removes_extra_whitespace_encodes_like_sentence
     model = read_spm_model(src / "tokenizer.model")
     model.remove_extra_whitespaces = True
     (src / "tokenizer.model").write_bytes(write_spm_model(model))
-    convert(src, tmp_path / "out", "hf")
+    convert(src, tmp_path / "out", ConvertOptions("hf"))
     sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
     fast = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     texts = [*CORPUS, *WHITESPACE_TEXTS]
@@ -334,7 +334,7 @@ def test_sentencepiece_model_whose_user_defined_pieces_need_an_inexact_lookup_ge
     (src / "tokenizer.model").write_bytes(write_spm_model(model))
     sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
     assert [sp.id_to_piece(i) for i in sp.encode("abcd")] == ["a", "bc", "d"]
-    notes = convert(src, tmp_path / "no-json", "hf").notes
+    notes = convert(src, tmp_path / "no-json", ConvertOptions("hf")).notes
     assert [n for n in notes if "tokenizer" in n] == [
         "the output has no tokenizer.json: tokenizer.model cannot be written as one exactly: the piece 'abcd' "
         "is not what sentencepiece makes of its own text; to tokenize, load the output's tokenizer.model with "
@@ -345,7 +345,7 @@ def test_sentencepiece_model_whose_user_defined_pieces_need_an_inexact_lookup_ge
     assert (out / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
     model.pieces.remove(pieces[3])
     (src / "tokenizer.model").write_bytes(write_spm_model(model))
-    convert(src, tmp_path / "out", "hf")
+    convert(src, tmp_path / "out", ConvertOptions("hf"))
     sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
     fast = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     assert fast.encode("abcd", add_special_tokens=False).ids == sp.encode("abcd")

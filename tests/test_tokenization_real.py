@@ -290,13 +290,13 @@ def test_mistral_v3_control_tokens_are_single_ids(real_hf: dict[str, Path]) -> N
 def test_llama3_hf_folder_gives_llama_cpp_the_official_vocabulary(tmp_path: Path) -> None:
     """llama.cpp's converter recognises the pre-tokenizer (llama-bpe) of what Meta -> HF
     writes, and its GGUF token list and merges equal llama.cpp's own Llama 3 vocabulary."""
-    from ckptkit.convert import convert
+    from ckptkit.convert import ConvertOptions, convert
 
     write_tiny_meta_llama3(tmp_path / "meta")
     params = json.loads((tmp_path / "meta" / "params.json").read_text())
     del params["use_scaled_rope"]  # Llama 3 (8B), whose vocabulary llama.cpp ships
     (tmp_path / "meta" / "params.json").write_text(json.dumps(params))
-    convert(tmp_path / "meta", tmp_path / "hf", "hf")
+    convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     llama_cpp = llama_cpp_dir()
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     out = tmp_path / "vocab.gguf"

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.tokenization.spm_proto import BPE, UNIGRAM, read_spm_model, write_spm_model
 
@@ -82,7 +82,7 @@ def test_tokenizers_precompiled_normalizer_differs_from_sentencepiece() -> None:
 @pytest.mark.parametrize("to", ["hf", "hf-bin"])
 def test_a_model_with_a_normalization_table_converts_with_its_tokenizer_model(to: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    notes = [n for n in convert(NFKC, out, to).notes if "tokenizer" in n]
+    notes = [n for n in convert(NFKC, out, ConvertOptions(to)).notes if "tokenizer" in n]
     why = "its normalizer (nmt_nfkc) maps text by a table that tokenizer.json cannot apply as sentencepiece does"
     assert len(notes) == 1 and notes[0].startswith(NO_JSON + why) and notes[0].endswith(LOAD_IT)
     assert sorted(p.name for p in out.iterdir() if "token" in p.name) == ["tokenizer.model"]
@@ -93,7 +93,7 @@ def test_a_model_with_a_normalization_table_converts_with_its_tokenizer_model(to
     assert config["eos_token_id"] == generation["eos_token_id"] == sp.eos_id()
     if to == "hf":
         _weights_of_llama2(out)
-        convert(out, tmp_path / "meta", "meta")  # and back: Meta's folder as it was
+        convert(out, tmp_path / "meta", ConvertOptions("meta"))  # and back: Meta's folder as it was
         assert tree_hashes(tmp_path / "meta") == tree_hashes(NFKC)
 
 
@@ -119,7 +119,7 @@ def test_a_unigram_model_not_made_here_converts_with_a_note(tmp_path: Path) -> N
     torch.save(sd, src / "consolidated.00.pth")
     shutil.copyfile(sentencepiece_test_model(), src / "tokenizer.model")
     assert read_spm_model(src / "tokenizer.model").model_type == UNIGRAM
-    notes = [n for n in convert(src, tmp_path / "out", "hf").notes if "tokenizer" in n]
+    notes = [n for n in convert(src, tmp_path / "out", ConvertOptions("hf")).notes if "tokenizer" in n]
     why = "only BPE sentencepiece models can be converted (this one is a unigram model)"
     assert notes == [NO_JSON + why + LOAD_IT]
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
@@ -145,7 +145,7 @@ def _sentencepiece_types(sp: spm.SentencePieceProcessor) -> list[int]:
 def test_gguf_takes_the_sentencepiece_model_as_llama_cpp_reads_it(family: str, tmp_path: Path) -> None:
     """With a tokenizer.json (llama2) or without one (llama2-nfkc): pieces, scores and types
     from tokenizer.model, padded to the embeddings with llama.cpp's [PADn] fillers."""
-    notes = convert(FIXTURES / "meta" / family, tmp_path / "m.gguf", "gguf").notes
+    notes = convert(FIXTURES / "meta" / family, tmp_path / "m.gguf", ConvertOptions("gguf")).notes
     tokens, scores, types = _gguf_vocab(tmp_path / "m.gguf")
     sp = spm.SentencePieceProcessor(model_file=str(FIXTURES / "meta" / family / "tokenizer.model"))
     n = sp.get_piece_size()
@@ -174,7 +174,7 @@ def whitespace_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ob
     model = read_spm_model(NFKC / "tokenizer.model")
     model.normalizer_name, model.precompiled_charsmap = "identity", b""
     (root / "src" / "tokenizer.model").write_bytes(write_spm_model(model))
-    convert(root / "src", root / "hf", "hf")
+    convert(root / "src", root / "hf", ConvertOptions("hf"))
     return root / "src" / "tokenizer.model", Tokenizer.from_file(str(root / "hf" / "tokenizer.json"))
 
 
@@ -203,8 +203,8 @@ def test_extra_whitespace_is_removed_as_sentencepiece_does_on_generated_text(
 def test_tokenizer_option_gives_a_dcp_checkpoint_its_tokenizer(given: str, tmp_path: Path) -> None:
     """The trainer's DCP folder has no tokenizer: --tokenizer names one (a Meta folder, the
     file, an HF folder); the GGUF holds its vocabulary, and the HF folder its files."""
-    convert(FIXTURES / "dcp" / "llama2", tmp_path / "m.gguf", "gguf", tokenizer=FIXTURES / given)
-    convert(FIXTURES / "dcp" / "llama2", tmp_path / "hf", "hf", tokenizer=FIXTURES / given)
+    convert(FIXTURES / "dcp" / "llama2", tmp_path / "m.gguf", ConvertOptions("gguf", tokenizer=FIXTURES / given))
+    convert(FIXTURES / "dcp" / "llama2", tmp_path / "hf", ConvertOptions("hf", tokenizer=FIXTURES / given))
     sp = spm.SentencePieceProcessor(model_file=str(FIXTURES / "meta" / "llama2" / "tokenizer.model"))
     tokens, _, _ = _gguf_vocab(tmp_path / "m.gguf")
     assert tokens == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
@@ -219,7 +219,9 @@ def test_tokenizer_option_gives_a_dcp_checkpoint_its_tokenizer(given: str, tmp_p
 
 def test_tokenizer_option_replaces_the_source_s_tokenizer(tmp_path: Path) -> None:
     """Given to a source with a tokenizer, --tokenizer's files stand in for its own."""
-    result = convert(FIXTURES / "meta" / "llama2", tmp_path / "out", "hf", tokenizer=NFKC / "tokenizer.model")
+    result = convert(
+        FIXTURES / "meta" / "llama2", tmp_path / "out", ConvertOptions("hf", tokenizer=NFKC / "tokenizer.model")
+    )
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == (NFKC / "tokenizer.model").read_bytes()
     assert not (tmp_path / "out" / "tokenizer.json").exists()
     assert any(n.startswith(NO_JSON) for n in result.notes)
@@ -233,6 +235,6 @@ def test_tokenizer_option_errors_are_one_line(tmp_path: Path) -> None:
         (empty, f"--tokenizer {empty}: the folder has no tokenizer.model or tokenizer.json"),
     ]:
         with pytest.raises(CkptkitError) as err:
-            convert(FIXTURES / "dcp" / "llama2", tmp_path / "m.gguf", "gguf", tokenizer=path)
+            convert(FIXTURES / "dcp" / "llama2", tmp_path / "m.gguf", ConvertOptions("gguf", tokenizer=path))
         assert str(err.value) == message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]

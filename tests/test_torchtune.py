@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.inspection import inspect_path
 
@@ -44,12 +44,12 @@ def test_torchtune_meta_output_converts_like_consolidated(family: str, name: str
     tt = torchtune_output(family, tmp_path / "epoch_0", name)
     info = inspect_path(tt)
     assert (info["format"], info["model_type"], info["files"]) == ("meta", family, [name])
-    convert(tt, tmp_path / "hf_tt", "hf")
-    convert(FIXTURES / "meta" / family, tmp_path / "hf_ref", "hf")
+    convert(tt, tmp_path / "hf_tt", ConvertOptions("hf"))
+    convert(FIXTURES / "meta" / family, tmp_path / "hf_ref", ConvertOptions("hf"))
     assert_same_layout(tmp_path / "hf_ref", tmp_path / "hf_tt")
     assert (tmp_path / "hf_tt" / "config.json").read_bytes() == (tmp_path / "hf_ref" / "config.json").read_bytes()
     # back to meta restores torchtune's own file
-    convert(tmp_path / "hf_tt", tmp_path / "back", "meta")
+    convert(tmp_path / "hf_tt", tmp_path / "back", ConvertOptions("meta"))
     assert_same_layout(tt, tmp_path / "back")
 
 
@@ -57,4 +57,4 @@ def test_several_torchtune_files_are_one_line_error(tmp_path: Path) -> None:
     tt = torchtune_output("llama3", tmp_path / "out", "meta_model_0.pt")
     shutil.copy(tt / "meta_model_0.pt", tt / "meta_model_1.pt")
     with pytest.raises(CkptkitError, match="holds 2 torchtune checkpoints"):
-        convert(tt, tmp_path / "hf", "hf")
+        convert(tt, tmp_path / "hf", ConvertOptions("hf"))

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from test_errors import INDEX, Case, Evil, Outcome, check, converting, copy_fixture, edit_json, run_in_driver, snapshot
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES
@@ -44,7 +44,7 @@ def case(name: str) -> Callable[[Callable[[Path], Case]], Callable[[Path], Case]
 def converted_meta(tmp: Path) -> Path:
     """hf/llama2 converted to Meta by ckptkit: holds ckptkit-origin.json recording the HF layout."""
     src = tmp / "src"
-    convert(FIXTURES / "hf/llama2", src, "meta")
+    convert(FIXTURES / "hf/llama2", src, ConvertOptions("meta"))
     return src
 
 
@@ -100,7 +100,7 @@ def _(tmp: Path) -> Case:
 @case("origin-archive-name-path")
 def _(tmp: Path) -> Case:
     src = tmp / "src"
-    convert(FIXTURES / "hf-bin/qwen2", src, "hf")  # records the .bin's zip folder name and id
+    convert(FIXTURES / "hf-bin/qwen2", src, ConvertOptions("hf"))  # records the .bin's zip folder name and id
     edit_origin(src, lambda o: o["files"][0].update(archive={"archive": "../pwned", "serialization_id": "1"}))
     return converting(src, tmp, "ckptkit-origin.json", "archive of pytorch_model.bin", to="hf-bin")
 
@@ -108,7 +108,7 @@ def _(tmp: Path) -> Case:
 @case("internal-origin-config-name")
 def _(tmp: Path) -> Case:
     src = tmp / "src"
-    convert(FIXTURES / "hf/llama2", src, "internal")
+    convert(FIXTURES / "hf/llama2", src, ConvertOptions("internal"))
     doc = json.loads((src / "ckptkit.json").read_text())
     doc["origin"]["config"]["name"] = "/tmp/pwned"
     (src / "ckptkit.json").write_text(json.dumps(doc))
@@ -345,7 +345,7 @@ def _(tmp: Path) -> Case:
 @case("internal-files-not-a-map")
 def _(tmp: Path) -> Case:
     src = tmp / "src"
-    convert(FIXTURES / "hf/llama2", src, "internal")
+    convert(FIXTURES / "hf/llama2", src, ConvertOptions("internal"))
     edit_json(src / "ckptkit.json", files=["weights.safetensors"])
     return converting(src, tmp, "ckptkit.json", "files", to="hf")
 
@@ -353,7 +353,7 @@ def _(tmp: Path) -> Case:
 @case("internal-config-field-type")
 def _(tmp: Path) -> Case:
     src = tmp / "src"
-    convert(FIXTURES / "hf/llama2", src, "internal")
+    convert(FIXTURES / "hf/llama2", src, ConvertOptions("internal"))
     doc = json.loads((src / "ckptkit.json").read_text())
     doc["config"]["num_heads"] = "4"
     (src / "ckptkit.json").write_text(json.dumps(doc))
@@ -433,15 +433,15 @@ def test_symlinks_inside_src_are_followed(tmp_path: Path) -> None:
     for p in sorted(cache.iterdir()):
         os.rename(p, blobs / p.name)
         p.symlink_to(Path("../../blobs") / p.name)
-    convert(cache, tmp_path / "out", "meta")
+    convert(cache, tmp_path / "out", ConvertOptions("meta"))
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == (blobs / "tokenizer.model").read_bytes()
     assert not (tmp_path / "out" / "tokenizer.model").is_symlink()
 
 
 def test_replicated_tensors_that_agree_convert(tmp_path: Path) -> None:
-    convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", "hf")
+    convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", ConvertOptions("hf"))
     with pytest.raises(CkptkitError, match="exists and is not empty"):
-        convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", "hf")
+        convert(FIXTURES / "meta/llama2-2rank", tmp_path / "out", ConvertOptions("hf"))
 
 
 # --- pickles the fast index cannot read: torch.load(weights_only=True) reads them whole ------

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_errors import copy_fixture, edit_pickle
 
-from ckptkit.convert import convert
+from ckptkit.convert import ConvertOptions, convert
 
 from conftest import FIXTURES
 
@@ -28,7 +28,7 @@ def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_widening_cast_is_reported_as_same_values_in_hf_names(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf/qwen2", tmp_path / "f32", "hf", dtype="float32")
+    convert(FIXTURES / "hf/qwen2", tmp_path / "f32", ConvertOptions("hf", dtype="float32"))
     proc = run("verify", FIXTURES / "hf/qwen2", tmp_path / "f32")
     lines = proc.stdout.splitlines()
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the contract: 1 for any difference
@@ -40,7 +40,7 @@ def test_a_widening_cast_is_reported_as_same_values_in_hf_names(tmp_path: Path) 
 
 
 def test_a_narrowing_cast_is_reported_as_rounded_not_as_different(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf/llama2", tmp_path / "f16", "hf", dtype="float16", allow_lossy_cast=True)
+    convert(FIXTURES / "hf/llama2", tmp_path / "f16", ConvertOptions("hf", dtype="float16", allow_lossy_cast=True))
     proc = run("verify", FIXTURES / "hf/llama2", tmp_path / "f16", "--json")
     report = json.loads(proc.stdout)
     assert proc.returncode == 1 and report["verdict"] == "cast" and report["exit_code"] == 1
@@ -52,7 +52,7 @@ def test_a_narrowing_cast_is_reported_as_rounded_not_as_different(tmp_path: Path
 
 def test_changed_bytes_name_the_tensor_in_each_checkpoints_own_layout(tmp_path: Path) -> None:
     src = copy_fixture("meta/llama2", tmp_path / "meta")
-    convert(FIXTURES / "meta/llama2", tmp_path / "hf", "hf")
+    convert(FIXTURES / "meta/llama2", tmp_path / "hf", ConvertOptions("hf"))
     edit_pickle(src / "consolidated.00.pth", lambda t: t.update({"norm.weight": t["norm.weight"] + 1}))
     proc = run("verify", src, tmp_path / "hf", "--allow-cast")  # a value change is never a cast
     lines = proc.stdout.splitlines()
@@ -62,13 +62,13 @@ def test_changed_bytes_name_the_tensor_in_each_checkpoints_own_layout(tmp_path: 
 
 
 def test_a_fused_tensor_is_named_with_its_part(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf/phi3", tmp_path / "f32", "hf", dtype="float32")
+    convert(FIXTURES / "hf/phi3", tmp_path / "f32", ConvertOptions("hf", dtype="float32"))
     proc = run("verify", FIXTURES / "hf/phi3", tmp_path / "f32")
     assert "cast: model.layers.0.self_attn.qkv_proj.weight (part 1 of 3): same values" in proc.stdout, proc.stdout
 
 
 def test_logits_compare_the_models_outputs(tmp_path: Path) -> None:
-    convert(FIXTURES / "hf/llama2", tmp_path / "f16", "meta", dtype="float16", allow_lossy_cast=True)
+    convert(FIXTURES / "hf/llama2", tmp_path / "f16", ConvertOptions("meta", dtype="float16", allow_lossy_cast=True))
     proc = run("verify", FIXTURES / "hf/llama2", tmp_path / "f16", "--logits", "--json")
     logits = json.loads(proc.stdout)["logits"]
     assert logits["prompts"] == 4 and logits["tokens_per_prompt"] == 16

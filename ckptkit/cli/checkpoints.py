@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -27,6 +27,9 @@ from ckptkit.cli.app import (
     out,
     user_errors,
 )
+
+if TYPE_CHECKING:
+    from ckptkit.verify import Report
 
 SRC_HELP = "Source checkpoint: a folder, or a file for single-file formats (never modified)."
 DST_HELP = "Destination: a folder (must not exist or be empty), or a file for single-file formats (must not exist)."
@@ -146,14 +149,13 @@ def convert(
     ] = None,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
-    from ckptkit.convert import COMPUTED
+    from ckptkit.convert import COMPUTED, ConvertOptions
     from ckptkit.convert import convert as run_convert
 
     start = time.perf_counter()
+    reports: list[Report] = []
     with logging_to_stderr("ckptkit", logging.INFO if verbose else None):
-        result = run_convert(
-            src,
-            dst,
+        opts = ConvertOptions(
             to,
             from_format=from_,
             model_type=model_type,
@@ -163,6 +165,7 @@ def convert(
             force=force,
             verify=verify,
             quiet=quiet,
+            on_verify=reports.append,
             copy_method=None if copy_method == NO_COPY else copy_method,
             allow_lossy_cast=allow_lossy_cast,
             config=config,
@@ -171,6 +174,7 @@ def convert(
             base=base,
             tokenizer=tokenizer,
         )
+        result = run_convert(src, dst, opts)
     if quiet:
         return
     for note in result.notes:
@@ -182,7 +186,7 @@ def convert(
     share = f", {copied / tensor_bytes:.0%} of tensor bytes copied file to file" if tensor_bytes else ""
     err.print(
         f"wrote {dst} ({to}, {layout}, {human(result.bytes_written)}{share}) "
-        f"in {time.perf_counter() - start:.1f}s" + (f"; {_verified(dtype)}" if verify else ""),
+        f"in {time.perf_counter() - start:.1f}s" + (f"; {_verified(dtype, reports)}" if verify else ""),
         highlight=False,
     )
     if verbose:
@@ -190,9 +194,13 @@ def convert(
         err.print(f"tensor bytes by method: {ways or 'none'}", highlight=False)
 
 
-def _verified(dtype: str | None) -> str:
+def _verified(dtype: str | None, reports: list[Report]) -> str:
+    """What ``--verify`` found: bitwise (or the cast asked), else verify's verdict on the
+    differences the format's stored types make (GGUF's)."""
     from ckptkit.tensors.casting import cast_description
 
+    if reports and not reports[0].ok:
+        return f"verified against the source: {reports[0].verdict().split(';')[0]}"
     return cast_description(dtype) if dtype else "verified bitwise against the source"
 
 

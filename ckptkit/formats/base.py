@@ -76,6 +76,25 @@ class Plan:
     restored: bool = False
     notes: list[str] = field(default_factory=list)
     tokenizer: TokenizerPlan = field(default_factory=TokenizerPlan)
+    verify_cast: str | None = None  # --verify compares the output with the source cast to this dtype
+
+    def entries(self, file: FilePlan) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``file``'s tensors as (name, dtype, shape stored in this file), in stored order."""
+        shape = RANKS.shard_shape
+        return [(k, t.dtype, tuple(shape(t.shape, file.ranks, self.split_dims.get(k)))) for k, t in self._of(file)]
+
+    def _of(self, file: FilePlan) -> list[tuple[str, Lazy]]:
+        return [(k, self.targets[k]) for k in file.keys]
+
+    def nbytes(self, key: str) -> int:
+        """The bytes tensor ``key`` takes in the output (all its ranks together)."""
+        return self.targets[key].nbytes
+
+    def approximates(self, name: str, kind: str, rounded_to: str) -> bool:
+        """Whether the output's tensor ``name`` read back may differ from the source by
+        ``kind`` (:mod:`ckptkit.verify`'s kinds; ``rounded_to``: for "rounded", the dtype):
+        never, unless the format stores tensors approximately (GGUF's types)."""
+        return False
 
 
 @dataclass
@@ -92,6 +111,8 @@ class RawCheckpoint:
         file_metadata: safetensors ``__metadata__`` per file (None for pickles).
         split_dims: Meta rank-split dim per tensor (None: replicated); empty otherwise.
         file_aliases: per pickle file, tensors stored as another tensor of it -> that tensor.
+        ignored: entries the files hold besides the model (a DCP folder's optimizer and
+            train state), listed by ``inspect``, never converted.
         lossy: tensors read only approximately (native name -> stored type): quantized
             tensors, dequantized to float32 on read; a conversion needs an explicit --dtype.
         notes: what the format says about the conversion (a tokenizer it could not rebuild).
@@ -111,6 +132,7 @@ class RawCheckpoint:
     file_aliases: dict[str, dict[str, str]] = field(default_factory=dict)
     lossy: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # entries besides the model (optimizer state)
 
     def files_folder(self) -> Path | None:
         """A folder the format made with the checkpoint's non-weight files (tokenizer,
@@ -194,6 +216,8 @@ class OpenedCheckpoint(Protocol):
 
     @property
     def side_folder(self) -> Path: ...
+
+    def extra_files(self) -> list[Path]: ...
 
 
 def read_json(path: Path) -> tuple[str, dict[str, Any]]:

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.io import Span
 from ckptkit.models import ModelConfig, canonical_shapes
@@ -136,7 +136,7 @@ def _checked_duplicate(raw: RawCheckpoint, emb: Lazy, copies: list[str]) -> Lazy
         while pending:
             native = pending[0]
             if not torch.equal(raw.read(native), t):
-                raise CkptkitError(
+                raise UnknownModel(
                     f"{raw.root}: {native} differs from the embeddings although this model type ties them; "
                     "pass --model-type for an untied variant (e.g. llama3_1)"
                 )

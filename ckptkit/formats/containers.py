@@ -8,11 +8,13 @@ which container. Nothing outside ``ckptkit/formats/`` compares a file suffix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.base import TensorReader, torch_reader
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
+from ckptkit.formats.writers import TensorWriter
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +26,7 @@ WEIGHT_SUFFIXES = (*READABLE_SUFFIXES, ".gguf")  # files that hold tensors, read
 INDEX_SUFFIX = ".index.json"  # an HF shard index: tensor name -> shard file
 READABLE_DESCRIPTION = ".pth, .pt, .bin, .safetensors or *.index.json"
 
-Entries = list[tuple[str, "torch.dtype | str", tuple[int, ...]]]
+Entries = Sequence[tuple[str, "torch.dtype | str", tuple[int, ...]]]
 
 
 def is_safetensors(name: str) -> bool:
@@ -64,7 +66,7 @@ def tensor_file_writer(
     aliases: dict[str, str],
     direct: bool,
     archive: dict[str, str] | None = None,
-) -> Any:
+) -> TensorWriter:
     """The writer for one output file, by its name: a safetensors file (with ``metadata``)
     or a torch pickle (with ``aliases``: tensors stored as another one's storage, and
     ``archive``: the zip facts of the file it restores, see :func:`archive_facts`)."""

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
-from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
-from ckptkit.io import is_file, size_of
+from ckptkit.formats.containers import archive_facts, tensor_file_writer
+from ckptkit.formats.writers import TensorWriter
+from ckptkit.io import copy_file, is_file, size_of
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class CheckpointFormat:
     # How a fresh layout is split into files: "size" (``--max-shard-size``), "ranks"
     # (``--shards N`` model-parallel ranks), or None (neither option applies).
     sharding: ClassVar[str | None] = None
-    writes_file: ClassVar[bool] = False  # DST is one file the format writes itself (``write_file``)
+    file_suffix: ClassVar[str | None] = None  # DST is one file whose name ends so, not a folder
     reads_file: ClassVar[bool] = False  # SRC may be one file of this format (``detect`` is asked about files)
     extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
     writes_adapters: ClassVar[bool] = False  # SRC may be a PEFT LoRA adapter folder (``write_adapter``)
@@ -169,27 +170,17 @@ class CheckpointFormat:
         }
 
     # --- writing --------------------------------------------------------------------
-    def write_file(
-        self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool, allow_lossy: bool = False
-    ) -> int:
-        """For a format whose DST is one file (``writes_file``): write it, published
-        atomically, streamed; returns its size. A ``dtype`` cast that overflows a value
-        is an error unless ``allow_lossy`` (``--allow-lossy-cast``)."""
-        raise NotImplementedError
+    def plan(self, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
+        """How ``ckpt`` is laid out in this format: every tensor to write, its file, order and
+        ranks, and the metadata files; by default the recorded layout restored, else laid out
+        afresh (:func:`ckptkit.formats.planning.folder_plan`)."""
+        from ckptkit.formats.planning import folder_plan
 
-    def write_adapter(
-        self,
-        adapter: Path,
-        dst: Path,
-        base: OpenedCheckpoint,
-        dtype: str | None,
-        quiet: bool,
-        force: bool,
-        allow_lossy: bool = False,
-    ) -> int:
-        """For a format that holds LoRA adapters (``writes_adapters``): write the PEFT adapter
-        folder ``adapter``, trained on the checkpoint ``base``, as ``dst``, published
-        atomically; returns its size."""
+        return folder_plan(self, ckpt, opts)
+
+    def plan_adapter(self, adapter: Path, base: OpenedCheckpoint, opts: Options) -> Plan:
+        """For a format that holds LoRA adapters (``writes_adapters``): the plan of the PEFT
+        adapter folder ``adapter``, trained on the checkpoint ``base``."""
         raise NotImplementedError
 
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
@@ -236,12 +227,10 @@ class CheckpointFormat:
         """File names and partition for a fresh layout: (files, rank split dims)."""
         raise NotImplementedError
 
-    def writer(self, path: Path, file: FilePlan, entries: Entries, direct: bool) -> Any:
-        """The writer of one output weight file (``entries``: its tensors as (name, dtype,
-        shard shape) in stored order): by default the container its name says
-        (:func:`ckptkit.formats.containers.tensor_file_writer`). A writer has
-        ``write`` / ``write_bytes`` / ``write_spans`` / ``close`` / ``discard``."""
-        return tensor_file_writer(path, entries, file.metadata, file.aliases, direct, file.archive)
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        """The writer of one output weight file of ``plan``: by default the container its
+        name says (:func:`ckptkit.formats.containers.tensor_file_writer`)."""
+        return tensor_file_writer(path, plan.entries(file), file.metadata, file.aliases, direct, file.archive)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         """Non-weight files to write (config, index): name -> text."""
@@ -257,8 +246,20 @@ class CheckpointFormat:
         return TokenizerPlan()
 
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
-        """Write what depends on the written weights: by default the source's layout,
-        recorded beside them so that converting back restores it exactly."""
+        """Write the files beside the weights: the plan's metadata files, the source's
+        layout (recorded so that converting back restores it exactly), and the source's
+        other files (tokenizer, generation config) as the plan's tokenizer says."""
+        for name, text in plan.metadata_files.items():
+            (out_dir / name).write_text(text, encoding="utf-8")
+        self.record_origin(ckpt, plan, out_dir)
+        for extra in ckpt.extra_files():
+            if extra.name not in plan.tokenizer.skip:
+                copy_file(extra, out_dir / extra.name)
+        for name, data in plan.tokenizer.files.items():
+            (out_dir / name).write_bytes(data)
+
+    def record_origin(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
+        """The source's layout, recorded beside the written weights (a sidecar)."""
         origin = ckpt.origin
         if plan.restored or origin.get("format") in (None, plan.format):
             return
@@ -278,8 +279,6 @@ def size_sharded_files(
 
     from ckptkit.formats.safetensors_io import library_order
 
-    if opts.shards is not None:
-        raise CkptkitError("--shards applies to --to meta (model-parallel ranks); use --max-shard-size for HF formats")
     try:
         split = split_state_dict_into_shards_factory(
             targets,

@@ -189,7 +189,7 @@ class HFFormat(CheckpointFormat):
         weights = list(plan.targets.values())
         main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
-        if recorded.get("name") == "config.json":
+        if recorded.get("name") == self.config_file:
             text = recorded["text"]
             if cast is not None:
                 doc = json.loads(text)

@@ -199,7 +199,7 @@ class InternalFormat(CheckpointFormat):
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         return size_sharded_files(targets, opts, PATTERN, SINGLE, safetensors=True), {}
 
-    def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
+    def record_origin(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         doc = {
             "format": self.name,
             "version": VERSION,

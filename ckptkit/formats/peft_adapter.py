@@ -66,11 +66,6 @@ def read_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     raise CkptkitError(f"{folder} has no {ADAPTER_WEIGHTS}")
 
 
-def adapter_weights_file(folder: Path) -> Path:
-    """Where an adapter folder's weights are (or would be written)."""
-    return folder / ADAPTER_WEIGHTS
-
-
 def write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Write ``config`` and ``tensors`` as PEFT writes an adapter folder (safetensors)."""
     from safetensors.torch import save_file

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import AUTO, OutputFile, SourceFile, Span, open_source, read_at, read_fully, total_bytes
-from ckptkit.tensors.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, tensor_bytes, to_torch
+from ckptkit.formats.writers import FileWriter
+from ckptkit.io import SourceFile, Span, open_source, read_at, read_fully
+from ckptkit.tensors.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, dtype_name, to_torch
 from ckptkit.untrusted import loads_json
 
 if TYPE_CHECKING:
@@ -170,7 +172,7 @@ def library_order(entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]])
     return sorted(rank, key=lambda name: (rank[name], name))
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(FileWriter):
     """Writes one safetensors file whose layout is fixed up front.
 
     Args:
@@ -184,7 +186,7 @@ class SafetensorsWriter:
     def __init__(
         self,
         path: Path,
-        entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
+        entries: Sequence[tuple[str, torch.dtype | str, tuple[int, ...]]],
         metadata: dict[str, str] | None,
         direct: bool = False,
     ):
@@ -204,42 +206,20 @@ class SafetensorsWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self.path = path
         self._data_start = 8 + len(raw)
         self._pending = set(self._offsets)
         with path.open("wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             f.truncate(self._data_start + offset)
-        self._out = OutputFile(path, direct)
+        super().__init__(path, direct)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        self.write_bytes(name, tensor_bytes(tensor))
-
-    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
-        """Write a tensor's bytes (row-major)."""
+    def _place(self, name: str) -> tuple[int, int]:
         offset, nbytes = self._offsets[name]
-        if memoryview(data).nbytes != nbytes:
-            raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte tensor")
-        self._out.write(data, self._data_start + offset)
+        return self._data_start + offset, nbytes
+
+    def _done(self, name: str, crc: int | None) -> None:
         self._pending.discard(name)
 
-    def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
-        """Copy a tensor's bytes file to file from ``spans`` (concatenated); returns the copy
-        method used. Thread-safe for distinct names."""
-        offset, nbytes = self._offsets[name]
-        if total_bytes(spans) != nbytes:
-            raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte tensor")
-        used = self._out.copy(spans, self._data_start + offset, method).method
-        self._pending.discard(name)
-        return used
-
-    def close(self) -> None:
-        try:
-            if self._pending:
-                raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
-        finally:
-            self.discard()
-
-    def discard(self) -> None:
-        """Close the file's descriptors without checking it is complete (after a failure)."""
-        self._out.close()
+    def _finish(self) -> None:
+        if self._pending:
+            raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")

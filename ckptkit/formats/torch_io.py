@@ -25,6 +25,7 @@ import struct
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +40,9 @@ from ckptkit.formats.pickle_index import (
     read_index,
 )
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.formats.writers import FileWriter
 from ckptkit.io import (
     AUTO,
-    OutputFile,
     RecordCheck,
     Span,
     Verifier,
@@ -50,7 +51,6 @@ from ckptkit.io import (
     open_source,
     read_at,
     read_file,
-    total_bytes,
 )
 from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, tensor_bytes, to_torch
 from ckptkit.untrusted import check_regular
@@ -326,7 +326,7 @@ def crc32_of(tensor: torch.Tensor) -> int:
     return crc32(tensor_bytes(tensor))
 
 
-class TorchPickleWriter:
+class TorchPickleWriter(FileWriter):
     """Writes one ``torch.save``-compatible file whose tensors are fixed up front.
 
     Args:
@@ -338,15 +338,17 @@ class TorchPickleWriter:
             (:class:`ckptkit.io.OutputFile`; ``direct`` copies always do).
     """
 
+    want_crc = True  # each record's CRC-32, patched into the zip at the end
+    unit = "record"
+
     def __init__(
         self,
         path: Path,
-        entries: list[tuple[str, torch.dtype | str, tuple[int, ...]]],
+        entries: Sequence[tuple[str, torch.dtype | str, tuple[int, ...]]],
         aliases: dict[str, str] | None = None,
         direct: bool = False,
         facts: dict[str, str] | None = None,
     ):
-        self.path = path
         self.aliases = dict(aliases or {})
         named = [(name, dtype_name(dt), tuple(shape)) for name, dt, shape in entries]
         if torch_zip.supported([dtype for _, dtype, _ in named]) and not self.aliases:
@@ -365,20 +367,13 @@ class TorchPickleWriter:
             self._records[owner] = (record.data_offset, info.nbytes, record.name)
         self._zip = by_name  # record name -> where its local header and directory entry lie
         self._crcs: dict[str, int] = {}
-        self._out = OutputFile(path, direct)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        self.write_bytes(name, tensor_bytes(tensor))
+        super().__init__(path, direct)
 
     def write_bytes(self, name: str, data: bytes | memoryview) -> None:
         """Write a tensor's bytes (row-major) and record their CRC-32."""
         if name in self.aliases:
             return  # its bytes are those of the entry it aliases
-        offset, nbytes, record = self._records[name]
-        if memoryview(data).nbytes != nbytes:
-            raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte record")
-        self._out.write(data, offset)
-        self._crcs[record] = crc32(data)
+        super().write_bytes(name, data)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         """Copy a tensor's bytes file to file from ``spans`` (concatenated), with its CRC-32
@@ -386,30 +381,25 @@ class TorchPickleWriter:
         Thread-safe for distinct names."""
         if name in self.aliases:
             raise ValueError(f"{name}: stored as {self.aliases[name]}; its bytes are written with that tensor")
-        offset, nbytes, record = self._records[name]
-        if total_bytes(spans) != nbytes:
-            raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {nbytes}-byte record")
-        done = self._out.copy(spans, offset, method, want_crc=True)
-        assert done.crc is not None
-        self._crcs[record] = done.crc
-        return done.method
+        return super().write_spans(name, spans, method)
 
-    def close(self) -> None:
-        try:
-            missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]
-            if missing:
-                raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
-            for record, crc in self._crcs.items():
-                packed = struct.pack("<I", crc)
-                zrec = self._zip[record]  # torch leaves the local header's CRC 0: it is in the data descriptor
-                self._out.write(packed, zrec.data_offset + zrec.size + 4, writeback=False)
-                self._out.write(packed, zrec.central_offset + 16, writeback=False)
-        finally:
-            self.discard()
+    def _place(self, name: str) -> tuple[int, int]:
+        offset, nbytes, _ = self._records[name]
+        return offset, nbytes
 
-    def discard(self) -> None:
-        """Close the file's descriptors without checking it is complete (after a failure)."""
-        self._out.close()
+    def _done(self, name: str, crc: int | None) -> None:
+        assert crc is not None
+        self._crcs[self._records[name][2]] = crc
+
+    def _finish(self) -> None:
+        missing = [n for n, (_, _, r) in self._records.items() if r not in self._crcs]
+        if missing:
+            raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
+        for record, crc in self._crcs.items():
+            packed = struct.pack("<I", crc)
+            zrec = self._zip[record]  # torch leaves the local header's CRC 0: it is in the data descriptor
+            self._out.write(packed, zrec.data_offset + zrec.size + 4, writeback=False)
+            self._out.write(packed, zrec.central_offset + 16, writeback=False)
 
 
 def _torch_skeleton(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ckptkit.io.crc import crc32
 from ckptkit.io.direct import ALIGN, direct_pays
-from ckptkit.io.overlap import Overlap
+from ckptkit.io.overlap import DEPTH, Overlap
 from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
 from ckptkit.io.records import SpanReader, Verifier, read_spans
 from ckptkit.io.source import (
@@ -55,7 +55,7 @@ __all__ = [
     "Span", "Rows", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes",
     "read_spans", "SpanReader", "crc32",
     # writing them
-    "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "direct_pays", "ALIGN",
+    "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "DEPTH", "direct_pays", "ALIGN",
     # putting the output in place
     "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
 ]  # fmt: skip

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.models.config import FamilyFields, ModelConfig
 from ckptkit.models.family import Family, MetaSource
 from ckptkit.models.fields import optional, positive_float, positive_int
@@ -349,7 +349,7 @@ def detect_hf(cfg: dict[str, Any], where: str) -> str | None:
             tied = scaling.get("factor") == 32.0 or cfg.get("tie_word_embeddings")
             name = "llama3_2" if tied else "llama3_1"
     if name is None:
-        raise CkptkitError(
+        raise UnknownModel(
             f"{where}: cannot tell which Llama this is from its rope settings; pass --model-type "
             "(llama2, llama3, llama3_1 or llama3_2)"
         )
@@ -363,7 +363,7 @@ def detect_meta(src: MetaSource, where: str) -> str:
         return "llama3_2" if meta_tied(src) else "llama3_1"
     name = _which_llama(float(params.get("rope_theta", 10000.0)))
     if name is None:
-        raise CkptkitError(
+        raise UnknownModel(
             f"{where}: cannot tell which Llama this is (rope_theta {params.get('rope_theta')}); pass --model-type"
         )
     return name

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.models.family import Family, MetaSource
 from ckptkit.models.fields import set_family_checks
 
@@ -72,7 +72,7 @@ def get_family(model_type: str) -> Family:
     try:
         return REGISTRY[model_type]
     except KeyError:
-        raise CkptkitError(f"unknown model type {model_type!r}; supported: {', '.join(REGISTRY)}") from None
+        raise UnknownModel(f"unknown model type {model_type!r}; supported: {', '.join(REGISTRY)}") from None
 
 
 def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
@@ -89,7 +89,7 @@ def detect_from_hf(cfg: dict[str, Any], where: str) -> Family:
     for family in REGISTRY.values():
         if hf_type in family.hf_model_types:
             return family
-    raise CkptkitError(
+    raise UnknownModel(
         f"{where}: unsupported model_type {hf_type!r}; supported: {', '.join(REGISTRY)} "
         "(pass --model-type to force one)"
     )

@@ -202,13 +202,17 @@ class Checkpointer:
                     raise CkptkitError(f"{folder}: is {ckpt.format}, not HF; check checkpointer.hf_base_dir")
             self.peft_base = str(folder.resolve())
             return
-        from ckptkit.convert import convert
+        from ckptkit.convert import ConvertOptions, convert
 
         folder = self.output_dir / HF_BASE_DIR
         stamp = folder / ".ckptkit-source"
         source = str(self.checkpoint_dir.resolve())
         if not (stamp.is_file() and stamp.read_text() == source):
-            convert(self.checkpoint_dir, folder, transformers_format().name, model_type=self.model_type, force=True)
+            convert(
+                self.checkpoint_dir,
+                folder,
+                ConvertOptions(transformers_format().name, model_type=self.model_type, force=True),
+            )
             stamp.write_text(source)
         self.peft_base = str(folder.resolve())
 

@@ -18,7 +18,7 @@ from ckptkit.train.config import Bool, Section, Text
 from ckptkit.train.data_sources import Row, hold_out, load_rows, resolve_source
 from ckptkit.train.packing import document_inputs, pack
 from ckptkit.train.samples import IGNORE_INDEX, Sample
-from ckptkit.train.tokenizer import Tokenizer
+from ckptkit.train.tokenizer import HFTokenizer, Tokenizer
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 ALPACA_INPUT_BLOCK = "### Input:\n{input}\n\n"
@@ -153,7 +153,6 @@ def _tokenizer_for(conf: DatasetConfig, tokenizer: Tokenizer, tokenizer_dir: Pat
     """rows -> samples for ``conf.type`` (instruct or chat)."""
     if conf.type == "chat":
         from ckptkit.train.chat_template import load_chat_template
-        from ckptkit.train.tokenizer import HFTokenizer
 
         if not isinstance(tokenizer, HFTokenizer):
             raise CkptkitError("dataset.type chat needs a tokenizer.json (the rendered text holds special tokens)")

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.train.tokenizer import Tokenizer
-from ckptkit.train.transformer import KVCache, Transformer
+from ckptkit.train.tokenizer import Tokenizer, load_tokenizer
+from ckptkit.train.transformer import KVCache, Transformer, load_model
 
 
 def sample_next(
@@ -94,8 +94,6 @@ def generate_text(
     (``on_note`` says so); ``on_text`` receives the text piece by piece as tokens come.
     """
     from ckptkit.train.peft_io import load_adapter
-    from ckptkit.train.tokenizer import load_tokenizer
-    from ckptkit.train.transformer import load_model
 
     tokenizer = load_tokenizer(checkpoint)  # first: fail before reading any weights
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,14 +13,13 @@ import re
 from torch import nn
 
 from ckptkit.errors import CkptkitError
-from ckptkit.models import ModelConfig
+from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
 
 def fused_modules(model_type: str) -> dict[str, tuple[str, ...]]:
     """HF module -> the canonical modules it stacks on dim 0, for layer 0 (``{i}`` unset)."""
-    from ckptkit.models import get_family
     from ckptkit.tensors.transforms import FUSED
 
     family = get_family(model_type)

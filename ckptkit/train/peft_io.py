@@ -28,7 +28,7 @@ from ckptkit.formats.peft_adapter import (
     read_adapter_tensors,
     write_adapter,
 )
-from ckptkit.models import ModelConfig, canonical_shapes
+from ckptkit.models import ModelConfig, canonical_key, canonical_shapes, hf_key
 from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
@@ -88,7 +88,6 @@ def prepare_for_peft(model: nn.Module) -> None:
 
 
 def _hf_module(model_type: str, canonical_module: str) -> str:
-    from ckptkit.models import hf_key
 
     fused = fused_part(model_type, canonical_module)
     if fused is not None:
@@ -108,7 +107,6 @@ class NotInBase(CkptkitError):
 
 
 def _canonical_module(model_type: str, hf_module: str) -> str:
-    from ckptkit.models import canonical_key
 
     try:
         if hf_module.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):  # fused where model_type is not

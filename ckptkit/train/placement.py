@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptkit.checkpoint import Checkpoint
+from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train import distributed as D
-from ckptkit.train.checkpointer import Checkpointer
+from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
 from ckptkit.train.step import DTYPES, Reduce
@@ -296,8 +296,6 @@ def _finish(
     extras (LoRA: the adapter); a final checkpoint (``keep_state`` false) keeps no recipe state."""
     import shutil
 
-    from ckptkit.train.checkpointer import RECIPE_STATE_DIR
-
     shards = folder / RECIPE_STATE_DIR
     reader = D.sharded_model(shards)
     with contextlib.ExitStack() as stack:
@@ -322,6 +320,5 @@ def _finish(
 
 def open_source(checkpointer: Checkpointer, folder: Path | None) -> Checkpoint:
     """The checkpoint the weights come from: the base, or ``folder`` (one saved by this recipe)."""
-    from ckptkit.checkpoint import open_checkpoint
 
     return checkpointer.open_base() if folder is None else open_checkpoint(folder, model_type=checkpointer.model_type)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import TensorReader, natural_key, read_json
 from ckptkit.formats.dcp.metadata import METADATA, Entry, check_tiling, read_metadata
 from ckptkit.formats.dcp.reading import DcpCheckpoint, FileInfos
@@ -100,7 +100,7 @@ def _config_kind(path: Path, doc: dict[str, Any]) -> str:
         return PARAMS
     if "model_type" in doc or "num_hidden_layers" in doc:
         return HF_CONFIG
-    raise CkptkitError(f"{path}: neither a params.json (dim, n_layers) nor a config.json (model_type)")
+    raise UnknownModel(f"{path}: neither a params.json (dim, n_layers) nor a config.json (model_type)")
 
 
 def find_config(folder: Path, root: Path, given: Path | None) -> Path:
@@ -112,7 +112,7 @@ def find_config(folder: Path, root: Path, given: Path | None) -> Path:
         for name in (PARAMS, HF_CONFIG):
             if is_file(where / name):
                 return where / name
-    raise CkptkitError(
+    raise UnknownModel(
         f"{folder}: a DCP folder without a model config (params.json or config.json) names no model type or dims; "
         "pass --config params.json|config.json"
     )

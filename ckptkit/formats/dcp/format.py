@@ -24,9 +24,11 @@ from ckptkit.formats.dcp.folder import (
     titan_name,
 )
 from ckptkit.formats.dcp.metadata import METADATA
+from ckptkit.formats.dcp.reading import DcpCheckpoint
 from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.registry import register
+from ckptkit.formats.writers import TensorWriter
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
@@ -72,13 +74,13 @@ class DcpFormat(CheckpointFormat):
         from ckptkit.models import detect_from_hf, detect_from_meta
 
         where = str(raw.root / raw.config_name)
-        if getattr(raw, "config_kind", PARAMS) == HF_CONFIG:
+        if _dcp(raw).config_kind == HF_CONFIG:
             return detect_from_hf(raw.config, where)
         return detect_from_meta(self._source(raw), where)
 
     def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
         try:
-            if getattr(raw, "config_kind", PARAMS) == HF_CONFIG:
+            if _dcp(raw).config_kind == HF_CONFIG:
                 return family.config_from_hf(raw.config)
             return family.config_from_meta(self._source(raw))
         except CkptkitError as e:
@@ -105,8 +107,6 @@ class DcpFormat(CheckpointFormat):
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        if opts.max_shard_size is not None:
-            raise CkptkitError("--max-shard-size applies to HF formats; use --shards N for DCP ranks")
         n = opts.shards or 1
         split: dict[str, int | None] = {}
         for k, t in targets.items():
@@ -117,8 +117,8 @@ class DcpFormat(CheckpointFormat):
         ]
         return files, split if n > 1 else {}
 
-    def writer(self, path: Path, file: FilePlan, entries: Any, direct: bool) -> Any:
-        return DistcpWriter(path, entries, direct)
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        return DistcpWriter(path, plan.entries(file), direct)
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
@@ -132,8 +132,14 @@ def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:
     emb, out = raw.infos.get("tok_embeddings.weight"), raw.infos.get("output.weight")
     if emb is None or out is None or emb.shape != out.shape or emb.dtype != out.dtype:
         return False
-    sample = getattr(raw, "sample")  # noqa: B009 (DcpCheckpoint's)
+    sample = _dcp(raw).sample
     return bool(sample("tok_embeddings.weight", TIE_SAMPLE_BYTES) == sample("output.weight", TIE_SAMPLE_BYTES))
+
+
+def _dcp(raw: RawCheckpoint) -> DcpCheckpoint:
+    if not isinstance(raw, DcpCheckpoint):  # pragma: no cover - the format opens its own
+        raise TypeError(f"{raw.root}: not opened by a dcp format")
+    return raw
 
 
 register(DcpFormat("dcp", False, ("dcp-meta", "distcp", "torch-dcp")))

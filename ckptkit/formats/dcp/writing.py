@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import FilePlan, Plan
+from ckptkit.formats.base import Plan
 from ckptkit.formats.torch_zip import STORAGE_OF, pickle_tensor, write_archive
-from ckptkit.io import AUTO, OutputFile, Span, crc32, total_bytes
-from ckptkit.tensors.dtypes import ITEMSIZE, tensor_bytes, to_torch
+from ckptkit.formats.writers import FileWriter
+from ckptkit.io import OutputFile
+from ckptkit.tensors.dtypes import ITEMSIZE, dtype_name, to_torch
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 ARCHIVE = "archive"  # the folder name torch.save gives an archive written to a stream
 
@@ -81,64 +82,39 @@ def lay_out(out: OutputFile | None, entries: list[tuple[str, str, tuple[int, ...
     return places
 
 
-def _entries(plan: Plan, file: FilePlan) -> list[tuple[str, str, tuple[int, ...]]]:
-    from ckptkit.tensors.transforms import RANKS
-
-    return [
-        (k, plan.targets[k].dtype, tuple(RANKS.shard_shape(plan.targets[k].shape, file.ranks, plan.split_dims.get(k))))
-        for k in file.keys
-    ]
-
-
-class DistcpWriter:
+class DistcpWriter(FileWriter):
     """One ``__R_0.distcp`` file: a ``torch.save`` archive per tensor, filled in place."""
 
+    want_crc = True  # each archive's CRC-32, patched in at the end
+    unit = "chunk"
+
     def __init__(self, path: Path, entries: list[tuple[str, Any, tuple[int, ...]]], direct: bool = False) -> None:
-        from ckptkit.tensors.dtypes import dtype_name
 
         named = [(n, dtype_name(d), tuple(s)) for n, d, s in entries]
         odd = [d for _, d, _ in named if d not in STORAGE_OF]
         if odd:
             raise CkptkitError(f"{path.name}: dtype {odd[0]} cannot be written to a DCP checkpoint")
-        self.path = path
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
-        self._out = OutputFile(path, direct)
+        super().__init__(path, direct)
         self.places = lay_out(self._out, named)
         self._crcs: dict[str, int] = {}
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        self.write_bytes(name, tensor_bytes(tensor))
-
-    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
+    def _place(self, name: str) -> tuple[int, int]:
         place = self.places[name]
-        if memoryview(data).nbytes != place.nbytes:
-            raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {place.nbytes}-byte chunk")
-        self._out.write(data, place.data_offset)
-        self._crcs[name] = crc32(data)
+        return place.data_offset, place.nbytes
 
-    def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
-        place = self.places[name]
-        if total_bytes(spans) != place.nbytes:
-            raise ValueError(f"{name}: spans of {total_bytes(spans)} bytes for a {place.nbytes}-byte chunk")
-        done = self._out.copy(spans, place.data_offset, method, want_crc=True)
-        assert done.crc is not None
-        self._crcs[name] = done.crc
-        return done.method
+    def _done(self, name: str, crc: int | None) -> None:
+        assert crc is not None
+        self._crcs[name] = crc
 
-    def close(self) -> None:
-        try:
-            missing = [n for n in self.places if n not in self._crcs]
-            if missing:
-                raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
-            for name, crc in self._crcs.items():
-                raw = crc.to_bytes(4, "little")
-                self._out.write(raw, self.places[name].header_offset + 14, writeback=False)
-                self._out.write(raw, self.places[name].central_offset + 16, writeback=False)
-        finally:
-            self.discard()
-
-    def discard(self) -> None:
-        self._out.close()
+    def _finish(self) -> None:
+        missing = [n for n in self.places if n not in self._crcs]
+        if missing:
+            raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
+        for name, crc in self._crcs.items():
+            raw = crc.to_bytes(4, "little")
+            self._out.write(raw, self.places[name].header_offset + 14, writeback=False)
+            self._out.write(raw, self.places[name].central_offset + 16, writeback=False)
 
 
 def metadata_bytes(plan: Plan) -> bytes:
@@ -157,7 +133,7 @@ def metadata_bytes(plan: Plan) -> bytes:
     chunks: dict[str, list[ChunkStorageMetadata]] = {k: [] for k in plan.targets}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for f in plan.files:
-        entries = _entries(plan, f)
+        entries = plan.entries(f)
         places = lay_out(None, entries)
         for name, _, shard in entries:
             d = plan.split_dims.get(name) if f.ranks > 1 else None

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import OpenedCheckpoint, RawCheckpoint
+from ckptkit.errors import CkptkitError, UnknownModel
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.gguf import model
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
@@ -27,6 +27,7 @@ from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.formats.writers import TensorWriter
 from ckptkit.io import Span, is_file, open_source, read_at
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class GGUFFormat(CheckpointFormat):
     weight_file = re.compile(r"[^/]+\.gguf")
     layer_field = "block_count"
     reads_file = True  # SRC is one file
-    writes_file = True  # DST is one file, not a folder
+    file_suffix = ".gguf"  # DST is one file, not a folder
     extra_dtypes = ("q8_0",)
     writes_adapters = True  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``adapter``)
 
@@ -172,7 +173,7 @@ class GGUFFormat(CheckpointFormat):
         return name.endswith(".gguf")
 
     def open(self, root: Path) -> RawCheckpoint:
-        if not self.detect(root):
+        if not root.is_file():  # asked by name (--from gguf, a written GGUF verified): any file name
             raise CkptkitError(f"{root}: not a GGUF checkpoint (expected a file ending in .gguf)")
         header = read_header(root)
         tensors = GGUFTensors(header)
@@ -205,12 +206,12 @@ class GGUFFormat(CheckpointFormat):
     def family(self, raw: RawCheckpoint) -> Family:
         unsure = _opened(raw).unsure
         if unsure is not None:
-            raise CkptkitError(f"cannot tell the model type: {unsure}")
+            raise UnknownModel(f"cannot tell the model type: {unsure}")
         return model.family_of(_header(raw), raw.config)
 
     def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
         if not raw.config:
-            raise CkptkitError(f"{raw.root / raw.config_name}: no model type ckptkit knows; see inspect")
+            raise UnknownModel(f"{raw.root / raw.config_name}: no model type ckptkit knows; see inspect")
         try:
             return family.config_from_hf(raw.config)
         except (KeyError, TypeError, ValueError) as e:
@@ -277,28 +278,28 @@ class GGUFFormat(CheckpointFormat):
         }
 
     # --- writing ------------------------------------------------------------------------
-    def write_file(
-        self, ckpt: OpenedCheckpoint, dst: Path, dtype: str | None, quiet: bool, force: bool, allow_lossy: bool = False
-    ) -> int:
-        from ckptkit.formats.gguf.writer import write_gguf
+    def plan(self, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
+        """One file, laid out as llama.cpp's converter lays it out."""
+        from ckptkit.formats.gguf.writer import plan_model
 
-        _check_dtype(dtype)
-        return write_gguf(ckpt, dst, dtype, quiet, force, allow_lossy)
+        _check_dtype(opts.dtype)
+        return plan_model(self.name, ckpt, opts)
 
-    def write_adapter(
-        self,
-        adapter: Path,
-        dst: Path,
-        base: OpenedCheckpoint,
-        dtype: str | None,
-        quiet: bool,
-        force: bool,
-        allow_lossy: bool = False,
-    ) -> int:
-        from ckptkit.formats.gguf.adapter import write_adapter_gguf
+    def plan_adapter(self, adapter: Path, base: OpenedCheckpoint, opts: Options) -> Plan:
+        from ckptkit.formats.gguf.adapter import plan_adapter
 
-        _check_dtype(dtype)
-        return write_adapter_gguf(adapter, dst, base, dtype, quiet, force, allow_lossy)
+        _check_dtype(opts.dtype)
+        return plan_adapter(self.name, adapter, base, opts)
+
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        from ckptkit.formats.gguf.writer import GGUFFileWriter, GGUFPlan
+
+        if not isinstance(plan, GGUFPlan):  # pragma: no cover - the format plans its own
+            raise TypeError(f"{path}: not planned by the gguf format")
+        return GGUFFileWriter(path, plan, direct)
+
+    def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
+        return None  # everything is in the one file
 
 
 def _check_dtype(dtype: str | None) -> None:

@@ -29,8 +29,9 @@ from ckptkit.errors import CkptkitError
 if TYPE_CHECKING:
     import torch
 
-    from ckptkit.formats.base import OpenedCheckpoint
+    from ckptkit.formats.base import OpenedCheckpoint, Options
     from ckptkit.formats.gguf.tensors import GGUFTensor
+    from ckptkit.formats.gguf.writer import GGUFPlan
 
 PREFIX = "base_model.model."
 HALVES = {  # PEFT's key suffix -> (which half, the base weight's suffix)
@@ -117,16 +118,16 @@ def adapter_tensors(
         file_type,
         gguf_name,
         hf_hparams,
+        hf_targets,
         name_map,
         permute,
         qtype,
         spec_of,
     )
-    from ckptkit.formats.registry import get_format
 
     spec = spec_of(base.family, base.path)
     hparams = hf_hparams(base)  # config.json as llama.cpp reads it
-    shapes = {k: v.shape for k, v in get_format("hf").targets(base, {}, with_optional=False)[0].items()}
+    shapes = {k: v.shape for k, v in hf_targets(base).items()}
     tmap = name_map(spec, hparams["num_hidden_layers"])
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
@@ -170,28 +171,16 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def write_adapter_gguf(
-    adapter: Path,
-    dst: Path,
-    base: OpenedCheckpoint,
-    dtype: str | None,
-    quiet: bool = True,
-    force: bool = False,
-    allow_lossy: bool = False,
-) -> int:
-    """Write the LoRA adapter folder ``adapter`` as llama.cpp's LoRA GGUF ``dst``; returns its size.
-
-    ``dst`` is written beside itself under a temporary name and renamed into place: it is
-    complete or absent.
-    """
+def plan_adapter(fmt: str, adapter: Path, base: OpenedCheckpoint, opts: Options) -> GGUFPlan:
+    """The LoRA adapter folder ``adapter`` as llama.cpp's LoRA GGUF: header, key/values and
+    tensor infos, and each tensor in llama.cpp's order."""
     import gguf
 
     from ckptkit.formats.gguf.tensors import spec_of
-    from ckptkit.formats.gguf.writer import NARROWING, add_model_card, model_name, planned_writer, publish, quiet_gguf
+    from ckptkit.formats.gguf.writer import NARROWING, add_model_card, gguf_plan, model_name, planned_writer, quiet_gguf
     from ckptkit.formats.peft_adapter import read_adapter_config, read_adapter_tensors
 
-    if dst.suffix != ".gguf":
-        raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
+    dtype = opts.dtype
     config = read_adapter_config(adapter)
     tensors = read_adapter_tensors(adapter)
     alpha = _checked_config(adapter, config, tensors)
@@ -210,4 +199,5 @@ def write_adapter_gguf(
             uint32 = gguf.GGUFValueType.UINT32
             w.add_key_value(gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS, invocation, gguf.GGUFValueType.ARRAY, uint32)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    return publish(w, planned, dst, force, quiet, dtype in NARROWING and not allow_lossy)
+    checked = dtype in NARROWING and not opts.allow_lossy_cast
+    return gguf_plan(fmt, w, planned, model_name(adapter) + ".gguf", checked)

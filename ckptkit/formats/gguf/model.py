@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.gguf.experts import merged_rules, per_expert
 from ckptkit.formats.gguf.params import hparams_from_metadata
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
@@ -125,7 +125,7 @@ def family_of(h: GGUFHeader, config: dict[str, Any]) -> Family:
     if not config:
         arch = architecture(h)
         known = sorted({s.arch for f in _all() if (s := f.gguf_spec()) is not None})
-        raise CkptkitError(
+        raise UnknownModel(
             f"{h.path}: llama.cpp architecture {arch!r} is no model type ckptkit reads ({', '.join(known)}); "
             "pass --model-type to read it as one of them"
         )
@@ -141,7 +141,7 @@ def _all() -> list[Family]:
 def spec_for(family: Family, where: object) -> GGUFSpec:
     spec = family.gguf_spec()
     if spec is None:
-        raise CkptkitError(f"{where}: llama.cpp has no GGUF architecture for model type {family.name}")
+        raise UnknownModel(f"{where}: llama.cpp has no GGUF architecture for model type {family.name}")
     return spec
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
 from ckptkit.formats.gguf.params import rope
 from ckptkit.models.gguf_spec import GGUFSpec
@@ -55,17 +55,39 @@ class GGUFTensor:
 def spec_of(family: Family, where: object) -> GGUFSpec:
     spec = family.gguf_spec()
     if spec is None:
-        raise CkptkitError(f"{where}: llama.cpp has no architecture for model type {family.name}")
+        raise UnknownModel(f"{where}: llama.cpp has no architecture for model type {family.name}")
     return spec
+
+
+def is_hf_config(name: str | None) -> bool:
+    """Whether a model config file of this name is the one an HF folder holds (config.json),
+    as the format transformers loads says."""
+    from ckptkit.formats.registry import transformers_format
+
+    return name is not None and name == transformers_format().config_file
+
+
+def is_hf_weights(name: str) -> bool:
+    """Whether a weight file of this name is one a folder transformers loads holds."""
+    from ckptkit.formats.registry import REGISTRY
+
+    return any(f.weight_file.fullmatch(name) for f in REGISTRY.values() if f.loads_in_transformers)
+
+
+def hf_targets(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
+    """The tensors of ``ckpt`` as the format transformers loads names them."""
+    from ckptkit.formats.registry import transformers_format
+
+    return transformers_format().targets(ckpt, {}, with_optional=False)[0]
 
 
 def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
     """config.json as llama.cpp would read it in the HF folder of this model: the source's
     own, the one it was converted from (recorded), or the one ckptkit writes for HF."""
-    if ckpt.raw.config_name == "config.json":
+    if is_hf_config(ckpt.raw.config_name):
         return dict(ckpt.raw.config)
     recorded = ckpt.origin.get("config") or {}
-    if recorded.get("name") == "config.json":  # checked to be a JSON object when the origin was read
+    if is_hf_config(recorded.get("name")):  # checked to be a JSON object when the origin was read
         config: dict[str, Any] = json.loads(recorded["text"])
         return config
     weights = list(ckpt.tensors.values())
@@ -81,11 +103,11 @@ def _hf_files(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], fresh: bool) -> 
     from ckptkit.formats.registry import transformers_format
 
     raw = ckpt.raw
-    hf = raw.config_name == "config.json" and all(f.endswith((".safetensors", ".bin")) for f in raw.files)
+    hf = is_hf_config(raw.config_name) and all(is_hf_weights(f) for f in raw.files)
     if hf and not fresh:
         return [(f, list(keys)) for f, keys in raw.files.items()]
     origin = ckpt.origin
-    if not fresh and (origin.get("config") or {}).get("name") == "config.json" and origin.get("files"):
+    if not fresh and is_hf_config((origin.get("config") or {}).get("name")) and origin.get("files"):
         return [(f["name"], list(f["keys"])) for f in origin["files"]]
     fmt = transformers_format()
     files, _ = fmt.default_files(ckpt, targets, Options(fmt.name))
@@ -187,19 +209,17 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     """The output tensors in llama.cpp's order, with the file type."""
     import gguf
 
-    from ckptkit.formats.registry import get_format
-
     spec = spec_of(ckpt.family, ckpt.path)
     merger, regrouped = None, False
     if spec.experts is not None and experts(ckpt.config) is not None:
         ckpt, regrouped = llama_cpp_view(ckpt, spec, spec.experts)
         merger = ExpertMerger(ckpt, spec.experts)
-    hf_targets, _ = get_format("hf").targets(ckpt, {}, with_optional=False)
-    names = [n for n in hf_targets if not n.endswith(".rotary_emb.inv_freq")]
+    targets = hf_targets(ckpt)
+    names = [n for n in targets if not n.endswith(".rotary_emb.inv_freq")]
     if spec.drops_output:
         names = [n for n in names if n != "lm_head.weight"]
-    order = _hf_order(ckpt, hf_targets, names, fresh=regrouped)
-    ftype = file_type(dtype, hf_targets[order[0]].dtype if order else "float32")
+    order = _hf_order(ckpt, targets, names, fresh=regrouped)
+    ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
     tmap = name_map(spec, hparams["num_hidden_layers"])
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
@@ -216,7 +236,7 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         new = gguf_name(tmap, hf_name)
         if new is None:
             raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
-        lazy = hf_targets[hf_name]
+        lazy = targets[hf_name]
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None
         heads: int | None = None
         if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):

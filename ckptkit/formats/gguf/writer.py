@@ -13,57 +13,64 @@ import functools
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
+from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
-from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
+from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, is_hf_config, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
-from ckptkit.io import ALIGN, OutputFile, Overlap, SpanReader, copy_file, direct_pays, is_dir, publishing_file
+from ckptkit.formats.writers import FileWriter, Job
+from ckptkit.io import ALIGN, DEPTH, OutputFile, SpanReader, copy_file, is_dir
 
 if TYPE_CHECKING:
-    from ckptkit.formats.base import OpenedCheckpoint
+    import gguf
+    import torch
+
+    from ckptkit.tensors.lazy import Lazy
 
 
 @contextmanager
 def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
     """The tokenizer side of the source as an HF folder: the source itself when it is one,
     else a temporary folder with what ``--to hf`` would write beside the weights."""
-    if ckpt.raw.config_name == "config.json" and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
+    if is_hf_config(ckpt.raw.config_name) and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
         yield ckpt.path
         return
-    if ckpt.raw.config_name == "config.json" and is_dir(ckpt.path):  # not on this disk: its files copied here
+    if is_hf_config(ckpt.raw.config_name) and is_dir(ckpt.path):  # not on this disk, or --tokenizer: copied here
         with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
             folder = Path(tmp) / ckpt.path.name
             folder.mkdir()
-            extra = getattr(ckpt, "extra_files", None)
-            for src in [ckpt.path / "config.json", *(extra() if extra is not None else [])]:
+            for src in [ckpt.path / ckpt.raw.config_name, *ckpt.extra_files()]:
                 copy_file(src, folder / src.name)
             try:
                 yield folder
             except CkptkitError as e:  # named by the source, not this temporary folder
                 raise CkptkitError(str(e).replace(str(folder), str(ckpt.path))) from None
         return
-    from ckptkit.formats.registry import get_format
+    from ckptkit.formats.registry import transformers_format
 
-    plan = get_format("hf").tokenizer(ckpt)
+    hf = transformers_format()
+    plan = hf.tokenizer(ckpt)
     with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
         folder = Path(tmp) / model_name(ckpt.path)
         folder.mkdir()
-        extra = getattr(ckpt, "extra_files", None)
-        for src in extra() if extra is not None else []:
+        for src in ckpt.extra_files():
             if src.name not in plan.skip:
                 copy_file(src, folder / src.name)
         for name, data in plan.files.items():
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
-        (folder / "config.json").write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
+        (folder / str(hf.config_file)).write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
         if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
             raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
         yield folder
@@ -107,7 +114,6 @@ def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
     tokenizer (no ``tokenizer.model``) with fewer tokens than the embeddings have rows."""
     if (folder / "tokenizer.model").is_file() or not (folder / "tokenizer.json").is_file():
         return
-    from ckptkit.formats.base import read_json
 
     doc = read_json(folder / "tokenizer.json")[1]
     n = len((doc.get("model") or {}).get("vocab") or {}) + len(doc.get("added_tokens") or [])
@@ -119,8 +125,7 @@ def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
         )
 
 
-NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow or flush a value
-WRITES_IN_FLIGHT = 1  # chunks written on the worker thread while the next is made
+NARROWING = ("float16", "bfloat16")  # --dtype casts that can overflow (refused) or underflow (noted)
 
 
 def _aligned(n: int, alignment: int) -> int:
@@ -130,7 +135,7 @@ def _aligned(n: int, alignment: int) -> int:
 def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader, buffers: ChunkBuffers) -> Iterable[bytes | memoryview]:
     """``t``'s GGML bytes a chunk at a time: from the source's bytes with numpy where they lie
     there as stored (:mod:`~ckptkit.formats.gguf.rows`, read by ``reader`` into ``buffers``),
-    else through torch (``checked``: a narrowing cast that overflows or flushes a value is
+    else through torch (``checked``: a narrowing cast that overflows a value is
     an error naming ``t``)."""
     import gguf
 
@@ -141,14 +146,9 @@ def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader, buffers: ChunkBuff
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
 
 
-def _write(out: OutputFile, chunk: bytes | memoryview, offset: int) -> str:
-    out.write(chunk, offset)
-    return "write"
-
-
-def planned_writer(arch: str, tensors: list[GGUFTensor]) -> Any:
+def planned_writer(arch: str, tensors: list[GGUFTensor]) -> gguf.GGUFWriter:
     """A ``gguf.GGUFWriter`` for ``arch`` holding the tensor infos of ``tensors`` (shapes and
-    types only: the bytes are streamed by :func:`publish`)."""
+    types only: the bytes are written by :class:`GGUFFileWriter`)."""
     import gguf
     import numpy as np
 
@@ -172,16 +172,86 @@ def add_model_card(w: Any, folder: Path, fallback_name: str) -> None:
     meta.set_gguf_meta_model(w)
 
 
-def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bool, checked: bool) -> int:
-    """Write ``w``'s header, key/values and tensor infos, then each tensor's bytes at its
-    offset a chunk at a time, into a temporary file beside ``dst``, fsynced and renamed onto
-    it: ``dst`` is complete or absent. ``checked``: narrowing casts that overflow or flush a
-    value are errors. Returns the file's size."""
-    from ckptkit.progress import byte_progress
+@dataclass
+class GGUFPlan(Plan):
+    """A GGUF's plan: its header (key/values and tensor infos, encoded by ``gguf``) and, by
+    name in file order, how each tensor is made and which GGML type it is stored as."""
 
-    size = sum(t.nbytes for t in tensors)
-    with publishing_file(dst, force) as tmp:
-        w.write_header_to_file(path=tmp)
+    header: gguf.GGUFWriter | None = None
+    tensors: dict[str, GGUFTensor] = field(default_factory=dict)
+    checked: bool = False  # a narrowing cast that overflows a value is an error (underflows are noted)
+
+    def nbytes(self, key: str) -> int:
+        return self.tensors[key].nbytes
+
+    def approximates(self, name: str, kind: str, rounded_to: str) -> bool:
+        """The read-back tensor ``name`` differs from the source as its stored type says:
+        widened (same values), rounded to its F16/BF16, or quantized."""
+        import gguf
+
+        t = self.tensors.get(name)
+        if t is None:
+            return False
+        stored = gguf.GGMLQuantizationType(t.qtype).name
+        if kind == "cast":
+            return True
+        if kind == "rounded":
+            return PLAIN.get(stored) == rounded_to
+        return kind == "values" and stored not in PLAIN
+
+
+def gguf_plan(fmt: str, w: gguf.GGUFWriter, tensors: list[GGUFTensor], file_name: str, checked: bool) -> GGUFPlan:
+    """The plan of one GGUF file (format ``fmt``): header ``w`` and ``tensors`` in file order."""
+    from ckptkit.tensors.lazy import Lazy
+
+    targets = {t.name: Lazy(t.shape, t.source.dtype if t.source is not None else "float32", t.make) for t in tensors}
+    files = [FilePlan(file_name, list(targets))]
+    return GGUFPlan(fmt, targets, files, header=w, tensors={t.name: t for t in tensors}, checked=checked)
+
+
+class HeldBuffers(ChunkBuffers):
+    """:class:`ChunkBuffers` whose sets are handed out again only once the write of the chunk
+    made in them is done (:meth:`release`): the engine's workers may finish writes out of
+    order, so the oldest chunk in flight is not always the one whose set comes round next."""
+
+    def __init__(self, sets: int) -> None:
+        super().__init__(sets)
+        self._free = [threading.Event() for _ in range(max(1, sets))]
+        for e in self._free:
+            e.set()
+        self.made = 0  # chunks made in a set so far
+        self.turn = -1  # the set the last of them was made in
+
+    def next_set(self) -> int:
+        turn = super().next_set()
+        self._free[turn].wait()  # its chunk's write is done (a worker runs it whatever this thread does)
+        self._free[turn].clear()
+        self.made, self.turn = self.made + 1, turn
+        return turn
+
+    def release(self, turn: int) -> None:
+        self._free[turn].set()
+
+
+def _write_then_release(
+    out: OutputFile, chunk: bytes | memoryview, offset: int, buffers: HeldBuffers, turn: int
+) -> None:
+    """Write ``chunk`` at ``offset``, then hand its buffer set (``turn``; -1: none) back."""
+    try:
+        out.write(chunk, offset)
+    finally:
+        if turn >= 0:
+            buffers.release(turn)
+
+
+class GGUFFileWriter(FileWriter):
+    """One GGUF file: header, key/values and tensor infos written when it is made, then each
+    tensor's bytes at its aligned offset, made a chunk at a time (:meth:`chunks`)."""
+
+    def __init__(self, path: Path, plan: GGUFPlan, direct: bool = False) -> None:
+        w = plan.header
+        assert w is not None
+        w.write_header_to_file(path=path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         assert w.fout is not None
@@ -191,55 +261,71 @@ def publish(w: Any, tensors: list[GGUFTensor], dst: Path, force: bool, quiet: bo
         finally:
             fout.close()
             w.fout = None
-        offsets = []
-        for t in tensors:
-            offsets.append(start)
+        self._places: dict[str, tuple[int, int]] = {}
+        for t in plan.tensors.values():  # in file order (see docs/formats.md)
+            self._places[t.name] = (start, t.nbytes)
             start = _aligned(start + t.nbytes, w.data_alignment)
-        os.truncate(tmp, start)  # the padding: zeros
-        out = OutputFile(tmp, direct=direct_pays(start))  # past the dirty limit: whole pages written direct
-        reader = SpanReader()  # one for the file: source CRC-32s fed as read, every record checked at the end
-        try:
-            # each chunk is written on a worker thread while the next is read and converted:
-            # WRITES_IN_FLIGHT chunks written while one more is made, each in its own buffers
-            buffers = ChunkBuffers(WRITES_IN_FLIGHT + 1)
-            with byte_progress("converting", size, quiet) as bar, Overlap(1, WRITES_IN_FLIGHT, bar.advance) as writes:
-                for t, offset in zip(tensors, offsets, strict=True):  # in file order (see docs/formats.md)
-                    written = 0
-                    buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
-                    for chunk in _chunks(t, checked, reader, buffers):
-                        nbytes = memoryview(chunk).nbytes
-                        writes.submit(functools.partial(_write, out, chunk, offset + written), nbytes)
-                        written += nbytes
-                        buffers.lead = (offset + written) % ALIGN
-                    if written != t.nbytes:
-                        raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {t.nbytes}")
-            reader.close()  # every source record read is checked before the file is published
-        except BaseException:
-            reader.close(check=False)
-            raise
-        finally:
-            out.close()
-    return dst.stat().st_size
+        os.truncate(path, start)  # the padding: zeros
+        super().__init__(path, direct)
+        self._tensors = plan.tensors
+        self._checked = plan.checked
+        self._pending = set(self._places)
+        self._reader = SpanReader()  # one for the file: source CRC-32s fed as read, every record checked at the end
+        # each chunk is written on a worker thread while the next is made: as many chunks
+        # in flight as the engine queues, plus the one being made, each in its own buffers
+        self._buffers = HeldBuffers(DEPTH + 1)
+
+    def _place(self, name: str) -> tuple[int, int]:
+        return self._places[name]
+
+    def _done(self, name: str, crc: int | None) -> None:
+        self._pending.discard(name)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """``tensor`` converted to the tensor's GGML type (a narrowing cast checked if asked)."""
+        offset, _ = self._places[name]
+        t = self._tensors[name]
+        for chunk in quantized_chunks(tensor, t.qtype, name if self._checked else None):
+            self._out.write(chunk, offset)
+            offset += memoryview(chunk).nbytes
+        self._done(name, None)
+
+    def chunks(self, name: str, lazy: Lazy) -> Iterator[tuple[Job, int]]:
+        return self._chunk_jobs(name)
+
+    def _chunk_jobs(self, name: str) -> Iterator[tuple[Job, int]]:
+        t = self._tensors[name]
+        offset, nbytes = self._places[name]
+        written = 0
+        self._buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
+        made = self._buffers.made
+        for chunk in _chunks(t, self._checked, self._reader, self._buffers):
+            n = memoryview(chunk).nbytes
+            turn = self._buffers.turn if self._buffers.made != made else -1  # -1: not made in a set
+            made = self._buffers.made
+            yield functools.partial(_write_then_release, self._out, chunk, offset + written, self._buffers, turn), n
+            written += n
+            self._buffers.lead = (offset + written) % ALIGN
+        if written != nbytes:
+            raise RuntimeError(f"{name}: wrote {written} bytes, planned {nbytes}")
+        self._done(name, None)
+
+    def _finish(self) -> None:
+        self._reader.close()  # every source record read is checked before the file is published
+        if self._pending:
+            raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+
+    def discard(self) -> None:
+        self._reader.close(check=False)
+        super().discard()
 
 
-def write_gguf(
-    ckpt: OpenedCheckpoint,
-    dst: Path,
-    dtype: str | None,
-    quiet: bool = True,
-    force: bool = False,
-    allow_lossy: bool = False,
-) -> int:
-    """Write ``ckpt`` as the GGUF file ``dst``, as llama.cpp's converter would; returns its size.
-
-    Header, metadata and tensor infos come first, from shapes and types; then each tensor's
-    bytes. The file is written beside ``dst`` under a temporary name, fsynced, and renamed
-    into place: ``dst`` is complete or absent.
-    """
+def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
+    """``ckpt`` as llama.cpp's converter would write it: header, metadata and tensor infos
+    from shapes and types, and how each tensor's bytes are made."""
     import gguf
 
-    if dst.suffix != ".gguf":
-        raise CkptkitError(f"{dst}: a GGUF destination is a file path ending in .gguf")
+    dtype = opts.dtype
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
     tensors, ftype = model_tensors(ckpt, hparams, dtype)
@@ -253,4 +339,5 @@ def write_gguf(
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams))
-    return publish(w, tensors, dst, force, quiet, dtype in NARROWING and not allow_lossy)
+    checked = dtype in NARROWING and not opts.allow_lossy_cast
+    return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)

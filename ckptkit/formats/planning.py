@@ -1,0 +1,172 @@
+"""The plan a folder format writes by default: restore the recorded layout, or lay out afresh.
+
+:meth:`ckptkit.formats.format.CheckpointFormat.plan` is this module's :func:`folder_plan`
+unless a format lays its output out otherwise (GGUF); the format answers the questions it
+asks (its targets, its default files, its metadata and tokenizer files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from ckptkit.errors import note
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan
+from ckptkit.models.moe import MoEFields
+from ckptkit.models.moe import experts as experts_of
+from ckptkit.tensors.casting import checked_cast
+from ckptkit.tensors.dtypes import FLOATING, to_torch
+from ckptkit.tensors.lazy import Lazy, decoded_lazy
+from ckptkit.tokenization import TokenizerPlan
+
+if TYPE_CHECKING:
+    from ckptkit.models import Family
+    from ckptkit.models.spec import Layout
+
+
+class Target(Protocol):
+    """What :func:`folder_plan` asks of the target format."""
+
+    name: ClassVar[str]
+
+    def targets(
+        self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
+    ) -> tuple[dict[str, Lazy], list[str]]: ...
+
+    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout: ...
+
+    def required(self, ckpt: OpenedCheckpoint) -> set[str]: ...
+
+    def split_dim(self, name: str, ndim: int, family: Family) -> int | None: ...
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]: ...
+
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan: ...
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]: ...
+
+
+def folder_plan(fmt: Target, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
+    """Decide file names, partition, order and metadata of the output."""
+    origin = ckpt.origin
+    restore = origin.get("format") == fmt.name and opts.shards is None and opts.max_shard_size is None
+    ckpt, restore = experts_view(ckpt, opts.experts, restore)
+    targets, notes = fmt.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
+    if opts.dtype is not None:
+        kept = [k for k, v in targets.items() if v.dtype not in FLOATING]
+        if kept:
+            notes.append(note(f"not cast (not floating point, kept as stored): {', '.join(kept[:4])}"))
+    targets = {k: _cast(k, v, opts.dtype, opts.allow_lossy_cast) for k, v in targets.items()}
+    plan = _restored_plan(ckpt, fmt, targets, notes) if restore else None
+    if plan is None:
+        files, split = fmt.default_files(ckpt, targets, opts)
+        plan = Plan(fmt.name, targets, files, split, notes=notes)
+    plan.tokenizer = fmt.tokenizer(ckpt)
+    plan.notes.extend(plan.tokenizer.notes)
+    plan.metadata_files.update(fmt.metadata_files(ckpt, plan, opts.dtype))
+    plan.verify_cast = opts.dtype
+    return plan
+
+
+def with_experts(ckpt: OpenedCheckpoint, layout: str) -> OpenedCheckpoint:
+    if ckpt.config.fields(MoEFields).experts_layout == layout:
+        return ckpt
+    config = ckpt.config.replace_fields(experts_layout=layout)
+    return dataclasses.replace(ckpt, config=config)  # type: ignore[type-var]  # a Checkpoint: a dataclass
+
+
+def experts_view(ckpt: OpenedCheckpoint, experts: str | None, restore: bool) -> tuple[OpenedCheckpoint, bool]:
+    """``ckpt`` seen with the experts layout the output takes, and whether the recorded
+    layout is still restored: ``experts`` when given (a recorded layout in the other
+    experts layout is not restored), else on a restore the recorded layout's, else the
+    source's (its tensor names, or the config an internal checkpoint recorded). Orientation
+    and names come from the layout's rules and the config, never from tensor shapes."""
+    moe = experts_of(ckpt.config)
+    if moe is None:
+        return ckpt, restore
+    recorded = moe.experts_layout
+    if restore:
+        names = [k for f in ckpt.origin.get("files") or [] for k in f["keys"]]
+        recorded = ckpt.family.refine_config(ckpt.config, names).fields(MoEFields).experts_layout
+    want = experts or recorded
+    return with_experts(ckpt, want), restore and want == recorded
+
+
+def _cast(name: str, lazy: Lazy, dtype: str | None, allow_lossy: bool) -> Lazy:
+    if dtype is None or lazy.dtype not in FLOATING or lazy.dtype == dtype:
+        return lazy
+    return Lazy(
+        lazy.shape, dtype, lambda: checked_cast(lazy.get(), to_torch(dtype), name, lazy.file, allow_lossy), lazy.file
+    )
+
+
+def _plain_copies(ckpt: OpenedCheckpoint, fmt: Target) -> dict[str, str]:
+    """Native name -> the canonical tensor it is an unchanged copy of (copied or tied)."""
+    from ckptkit.tensors.transforms import COPY, TIED
+
+    rules = fmt.write_layout(ckpt).expand(ckpt.config.num_layers)
+    return {r.native: r.canonical[0] for r in rules if r.kind in (COPY, TIED) and len(r.canonical) == 1}
+
+
+def _shared_storage(ckpt: OpenedCheckpoint, fmt: Target, recorded: dict[str, str], keys: list[str]) -> dict[str, str]:
+    """The recorded aliases (key -> key whose storage it shares) that still hold: both
+    written, both the same canonical tensor unchanged."""
+    if not recorded:
+        return {}
+    copies = _plain_copies(ckpt, fmt)
+    return {a: p for a, p in recorded.items() if a in keys and p in keys and copies.get(a, a) == copies.get(p, p)}
+
+
+def _unused_pool(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
+    """Tensors the model does not use that this conversion could carry, by native name."""
+    pool: dict[str, Lazy] = {}
+    for name, enc in (ckpt.origin.get("unused") or {}).items():
+        pool[name] = decoded_lazy(enc)
+    pool.update(ckpt.unused)
+    return pool
+
+
+def _restored_plan(ckpt: OpenedCheckpoint, fmt: Target, targets: dict[str, Lazy], notes: list[str]) -> Plan | None:
+    """The recorded layout of ``fmt`` (file names, order, ranks, storage sharing), if it still fits."""
+    origin = ckpt.origin
+    placed = [k for f in origin["files"] for k in f["keys"]]
+    required = fmt.required(ckpt)
+    missing = [k for k in targets if k not in placed and k in required]
+    if missing:
+        notes.append(
+            note(
+                f"the recorded {fmt.name} layout does not fit this model ({missing[0]}): written in the default layout"
+            )
+        )
+        return None
+    absent = sorted({k for k in placed if k not in targets})
+    if absent:
+        notes.append(
+            note(
+                f"not restored (no longer available): {', '.join(absent[:4])}",
+                "to keep them, convert from the checkpoint that had them",
+            )
+        )
+    n = len(origin["files"])
+    files = []
+    for i, f in enumerate(origin["files"]):
+        keys = [k for k in f["keys"] if k in targets]
+        aliases = _shared_storage(ckpt, fmt, f.get("aliases") or {}, keys)
+        files.append(
+            FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases, archive=f.get("archive"))
+        )
+    keep = {k for f in files for k in f.keys}
+    split = dict(origin.get("split_dims") or {})
+    if n > 1:
+        for k in keep:
+            split.setdefault(k, fmt.split_dim(k, len(targets[k].shape), ckpt.family))
+    return Plan(
+        fmt.name,
+        {k: v for k, v in targets.items() if k in keep},
+        files,
+        split if n > 1 else {},
+        restored=True,
+        notes=notes,
+    )
