@@ -77,7 +77,8 @@ def _outcome(src: Path, dst: Path, to: str, verify: bool = False) -> dict[str, s
 
 
 def _target(tmp: Path, name: str, to: str) -> Path:
-    return tmp / (f"{name}.gguf" if REGISTRY[to].writes_file else name)
+    suffix = REGISTRY[to].file_suffix
+    return tmp / (name + suffix if suffix is not None else name)
 
 
 def _same_from_memory(src: Path, tmp: Path, targets: list[str]) -> None:
@@ -86,7 +87,7 @@ def _same_from_memory(src: Path, tmp: Path, targets: list[str]) -> None:
         expected = _outcome(src, _target(tmp, f"disk-{to}", to), to)
         with in_memory(src, virtual) as (_, reads):
             # verify: every tensor of the source read again (Lazy.get) and compared with the output's
-            got = _outcome(virtual, _target(tmp, f"mem-{to}", to), to, verify=to != "gguf")  # gguf: no --verify
+            got = _outcome(virtual, _target(tmp, f"mem-{to}", to), to, verify=True)
         assert not virtual.parent.exists()
         assert got == expected, f"{src} -> {to}"
         assert sum(reads) > 0

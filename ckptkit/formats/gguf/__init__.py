@@ -173,7 +173,7 @@ class GGUFFormat(CheckpointFormat):
         return name.endswith(".gguf")
 
     def open(self, root: Path) -> RawCheckpoint:
-        if not root.is_file():  # asked by name (--from gguf, a written GGUF verified): any file name
+        if not is_file(root):  # asked by name (--from gguf, a written GGUF verified): any file name
             raise CkptkitError(f"{root}: not a GGUF checkpoint (expected a file ending in .gguf)")
         header = read_header(root)
         tensors = GGUFTensors(header)
