@@ -8,6 +8,7 @@ import contextlib
 import difflib
 import functools
 import logging
+import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from ckptkit import __version__
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import REGISTRY as FORMATS
 from ckptkit.formats import format_names, load_plugins
-from ckptkit.io import AUTO, COPY_METHODS
+from ckptkit.io import AUTO, COPY_METHODS, signal_of, stopping_on_signals
 from ckptkit.models import EXPERTS_LAYOUTS, MODEL_TYPES
 from ckptkit.tensors.dtypes import CAST_TARGETS, DTYPE_ALIASES
 
@@ -151,15 +152,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 MODEL_TYPE_HELP = f"Model type (default: detected from the files): {CHOICES_MARK}."
 CONFIG_HELP = "Model config (params.json or config.json) for a source without one, such as a DCP folder."
 DEFAULT_COPY_METHOD = AUTO
+NOTHING_WRITTEN = "nothing was written to the destination"  # after a stop, for commands that write one
 
 
-def user_errors(fn: F) -> F:
-    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1."""
+def user_errors(fn: F | None = None, *, stopped: str | None = None) -> Any:
+    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1; a stop
+    (Ctrl-C, SIGTERM, SIGHUP: see :func:`~ckptkit.io.publish.stopping_on_signals`) into
+    one line (ending in ``stopped``: what is true of the outputs then) and exit 128 + the
+    signal's number (130, 143, 129)."""
+    if fn is None:
+        return functools.partial(user_errors, stopped=stopped)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with stopping_on_signals():
+                return fn(*args, **kwargs)
         except CkptkitError as e:
             err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
             raise typer.Exit(1) from None
@@ -167,11 +175,18 @@ def user_errors(fn: F) -> F:
             where = f"{e.filename}: " if e.filename else ""
             err.print(f"[red]error:[/red] {where}{e.strerror or e}", markup=True, highlight=False)
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            err.print("interrupted; nothing was written to the destination")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:
+            err.print(stop_line(e, stopped), highlight=False, markup=False)
+            raise typer.Exit(128 + signal_of(e)) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
+
+
+def stop_line(stop: KeyboardInterrupt, then: str | None = None) -> str:
+    """``interrupted; THEN`` for Ctrl-C, ``stopped by SIGTERM; THEN`` for a signal."""
+    signum = signal_of(stop)
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return f"{how}; {then}" if then else how
 
 
 def _version(value: bool) -> None:

@@ -22,7 +22,16 @@ from __future__ import annotations
 from ckptkit.io.crc import crc32
 from ckptkit.io.direct import ALIGN, direct_pays
 from ckptkit.io.overlap import Overlap
-from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
+from ckptkit.io.publish import (
+    Stopped,
+    check_replaceable,
+    publishing,
+    publishing_file,
+    retire,
+    signal_of,
+    stopping_on_signals,
+    sweep,
+)
 from ckptkit.io.records import SpanReader, Verifier, read_spans
 from ckptkit.io.spans import RecordCheck, Rows, Span, coalesce, take, take_ranges, take_rows, total_bytes
 from ckptkit.io.transfer import AUTO, COPY_METHODS, OutputFile
@@ -35,4 +44,6 @@ __all__ = [
     "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "direct_pays", "ALIGN",
     # putting the output in place
     "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
+    # stopping: SIGTERM and SIGHUP as Ctrl-C
+    "Stopped", "stopping_on_signals", "signal_of",
 ]  # fmt: skip

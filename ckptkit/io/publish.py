@@ -12,6 +12,11 @@ makes a second writer to the same ``dst`` fail at once. Whoever holds the lock r
 the temporary and set-aside folders that killed writers left beside ``dst``
 (:func:`sweep` does the same for a whole folder, e.g. a trainer's ``output_dir``).
 
+SIGTERM and SIGHUP stop a writer as Ctrl-C does (:func:`stopping_on_signals`): they raise
+:class:`Stopped`, a KeyboardInterrupt, where the process is, so every ``with publishing``
+block on the way out removes its temporary folder and lock. SIGKILL cannot be caught: the
+next writer cleans up.
+
 Each step calls ``sys.audit("ckptkit.publish", step, path)`` first, so a test can stop
 the process at any of them (an audit hook sending itself SIGKILL).
 """
@@ -26,7 +31,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +98,46 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+# --- stopping signals ---------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP received: raised where the process was, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_of(stop: KeyboardInterrupt) -> int:
+    """The signal behind ``stop``: SIGINT for a plain KeyboardInterrupt (Ctrl-C)."""
+    return getattr(stop, "signum", signal.SIGINT)
+
+
+def _stop(signum: int, frame: object) -> None:
+    for s in STOP_SIGNALS:  # one stop: the clean-up it starts is not itself stopped
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """While in the block, SIGTERM and SIGHUP raise :class:`Stopped` (after the first,
+    both are ignored until the block ends); the handlers before are restored after it.
+    Outside the main thread (where Python cannot set handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 # --- the lock ------------------------------------------------------------------------
