@@ -5,6 +5,7 @@ half-written checkpoint, print one line, and exit 128 + the signal's number."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -95,10 +96,10 @@ app(args, prog_name="ckptkit")
 """
 
 
-@pytest.mark.parametrize(("signum", "said"), STOPS[1:], ids=[s.name for s, _ in STOPS[1:]])
+@pytest.mark.parametrize(("signum", "said"), STOPS, ids=[s.name for s, _ in STOPS])
 def test_training_stopped_in_a_save_says_the_last_complete_checkpoint(tmp_path: Path, signum: int, said: str) -> None:
-    """SIGTERM / SIGHUP while step_2 is being saved: step_2 is not kept, step_1 is the one
-    to resume from, and the run says so; exit 143 / 129."""
+    """Ctrl-C / SIGTERM / SIGHUP while step_2 is being saved: step_2 is not kept, step_1 is
+    the one to resume from, and the run says so; exit 130 / 143 / 129."""
     out = tmp_path / "out"
     args = ["run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=4",
             "save_every_n_steps=1", "quiet=false", f"checkpointer.output_dir={out}"]  # fmt: skip
@@ -115,3 +116,52 @@ def test_training_stopped_in_a_save_says_the_last_complete_checkpoint(tmp_path: 
     assert lines[-2].endswith(f"resume with the same command plus: {resume}")
     assert lines[-1] == f"{said}; no checkpoint was left half-written"
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "step_1"]
+
+
+def assert_told_the_stop(stderr: str, said: str, out: Path) -> None:
+    """Rank 0's summary (where it got to, the complete checkpoints, how to resume), then the
+    launcher's one line; nothing from the other rank, torchrun or the process group."""
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1] == f"{said}; no checkpoint was left half-written", stderr
+    assert " stopped at step " in lines[-4], stderr
+    saved = [p for p in sorted(out.iterdir()) if p.name != "metrics.jsonl"]
+    assert saved and all(p.name.startswith("step_") for p in saved), saved  # nothing beside: no temporary folder
+    assert lines[-3].endswith("checkpoints: " + ", ".join(map(str, saved)))
+    resume = f"resume_from_checkpoint=true checkpointer.recipe_checkpoint={saved[-1]}"
+    assert lines[-2].endswith(f"resume with the same command plus: {resume}")
+    assert not [line for line in lines if line.startswith(("W1", "E1", "[rank"))][4:], stderr  # torchrun's banner only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "said", "group"),
+    [(signal.SIGINT, "interrupted", True), (signal.SIGTERM, "stopped by SIGTERM", False)],
+    ids=["ctrl-c", "SIGTERM"],
+)
+def test_multiprocess_run_stops_in_one_line(tmp_path: Path, signum: int, said: str, group: bool) -> None:
+    """``ckptkit run --nproc-per-node 2``, once a checkpoint is saved: Ctrl-C (SIGINT to the
+    terminal's process group: the launcher and both ranks) or SIGTERM to the launcher alone
+    (as a job scheduler sends it): every rank stops, exit 130 / 143."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptkit", "run", "full_finetune_distributed", "--nproc-per-node", "2",
+         "--config", "tiny_full_distributed", "epochs=3", "save_every_n_steps=2", "quiet=false",
+         f"checkpointer.output_dir={out}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.is_dir() and any(p.name.startswith("step_") for p in out.iterdir()):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1]
+        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signum, stderr
+    assert_told_the_stop(stderr, said, out)

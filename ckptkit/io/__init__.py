@@ -29,6 +29,7 @@ from ckptkit.io.publish import (
     publishing_file,
     retire,
     signal_of,
+    stopped_by,
     stopping_on_signals,
     sweep,
 )
@@ -45,5 +46,5 @@ __all__ = [
     # putting the output in place
     "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
     # stopping: SIGTERM and SIGHUP as Ctrl-C
-    "Stopped", "stopping_on_signals", "signal_of",
+    "Stopped", "stopping_on_signals", "stopped_by", "signal_of",
 ]  # fmt: skip
