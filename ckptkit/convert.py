@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.containers import Entries
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
@@ -178,22 +178,20 @@ def check_options(
 ) -> None:
     """Refuse options that contradict each other or the target format, in one line each."""
     if allow_lossy_cast and dtype is None:
-        raise CkptkitError("--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast")
+        raise FlagError("--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast")
     size_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "size")
     rank_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "ranks")
     if max_shard_size is not None:
         if fmt.sharding != "size":
             instead = "; split it with --shards N" if fmt.sharding == "ranks" else ""
-            raise CkptkitError(
+            raise FlagError(
                 f"--max-shard-size applies to --to {size_formats}, not --to {fmt.name} "
                 f"({'model-parallel ranks' if fmt.sharding == 'ranks' else 'one layout'}){instead}"
             )
         parse_size(max_shard_size)
     if shards is not None and fmt.sharding != "ranks":
         instead = "; limit shard size with --max-shard-size SIZE" if fmt.sharding == "size" else ""
-        raise CkptkitError(
-            f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}"
-        )
+        raise FlagError(f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}")
 
 
 def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
@@ -296,7 +294,7 @@ def convert_adapter(
         )
     extra = next((flag for flag, value in given.items() if value is not None), "--verify" if verify else None)
     if extra is not None:
-        raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
+        raise FlagError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
     check_destination(src, dst, force, folder=False)
     with open_checkpoint(adapter_base(src, Path(base) if base is not None else None)) as trained_on:
         written = fmt.write_adapter(src, dst, trained_on, dtype, quiet, force, allow_lossy_cast)

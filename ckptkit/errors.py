@@ -16,6 +16,10 @@ class CkptkitError(Exception):
     """A problem with the user's input (file, flag or config), explained in one line."""
 
 
+class FlagError(CkptkitError):
+    """Command-line options that contradict each other or the target: bad usage (exit 2), in one line."""
+
+
 class WriteError(CkptkitError, OSError):
     """An OS error while writing a destination (disk full, permission denied...), in one
     line naming the destination; still an OSError for callers that catch those."""

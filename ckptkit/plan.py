@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ckptkit.checkpoint import Checkpoint
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
 from ckptkit.models import EXPERTS_LAYOUTS
@@ -62,7 +62,7 @@ def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str |
         )
     if _offers_experts_choice(ckpt, fmt) is False:
         takers = [name for name, f in REGISTRY.items() if _offers_experts_choice(ckpt, f)]
-        raise CkptkitError(
+        raise FlagError(
             f"--to {fmt.name} stores {ckpt.family.name} experts one way only; "
             f"--experts applies to --to {' or '.join(takers) or '(no format)'}"
         )

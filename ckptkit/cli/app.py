@@ -18,10 +18,10 @@ import typer
 from rich.console import Console
 from typer._click._textwrap import TextWrapper as HelpWrapper
 from typer._click.exceptions import UsageError
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from ckptkit import __version__
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.formats import REGISTRY as FORMATS
 from ckptkit.formats import format_names, load_plugins
 from ckptkit.io import AUTO, COPY_METHODS, signal_of, stopping_on_signals
@@ -103,6 +103,31 @@ def check_choices(params: list[Any], args: list[str]) -> None:
             raise OneLineUsageError(f"{flag} {value}: not one of {', '.join(choices)}{hint}")
 
 
+@contextlib.contextmanager
+def one_line_usage(ctx: Any) -> Iterator[None]:
+    """Click's usage errors (unknown or missing option, bad value) as one line, exit 2,
+    naming the help to read instead of printing the usage block."""
+    try:
+        yield
+    except OneLineUsageError:
+        raise
+    except UsageError as e:
+        message = " ".join(e.format_message().split()).rstrip(".")
+        raise OneLineUsageError(f"{message}; see `{ctx.command_path} -h`") from None
+
+
+class Group(TyperGroup):
+    """The ``ckptkit`` group: an unknown command is one line too."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        with one_line_usage(ctx):
+            return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        with one_line_usage(ctx):
+            return super().resolve_command(ctx, args)
+
+
 class Command(TyperCommand):
     """A command whose usage line names its arguments as the docs do (``SRC DST``), whose
     choice options list the registries' current values, and whose unknown choices get
@@ -111,9 +136,10 @@ class Command(TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         for problem in load_plugins():
             err.print(f"warning: {problem}; fix or uninstall that package", highlight=False, markup=False)
-        if "-h" not in args and "--help" not in args:
-            check_choices(self.get_params(ctx), args)
-        return super().parse_args(ctx, args)
+        with one_line_usage(ctx):
+            if "-h" not in args and "--help" not in args:
+                check_choices(self.get_params(ctx), args)
+            return super().parse_args(ctx, args)
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)
@@ -138,6 +164,7 @@ class Command(TyperCommand):
 
 app = typer.Typer(
     name="ckptkit",
+    cls=Group,
     rich_markup_mode=None,  # plain click help: fits 80 columns, never cuts an option name
     help="Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats.",
     no_args_is_help=True,
@@ -156,7 +183,8 @@ NOTHING_WRITTEN = "nothing was written to the destination"  # after a stop, for 
 
 
 def user_errors(fn: F | None = None, *, stopped: str | None = None) -> Any:
-    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1; a stop
+    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1 (2 for a
+    FlagError: bad usage); a stop
     (Ctrl-C, SIGTERM, SIGHUP: see :func:`~ckptkit.io.publish.stopping_on_signals`) into
     one line (ending in ``stopped``: what is true of the outputs then) and exit 128 + the
     signal's number (130, 143, 129)."""
@@ -170,7 +198,7 @@ def user_errors(fn: F | None = None, *, stopped: str | None = None) -> Any:
                 return fn(*args, **kwargs)
         except CkptkitError as e:
             err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-            raise typer.Exit(1) from None
+            raise typer.Exit(2 if isinstance(e, FlagError) else 1) from None
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
             err.print(f"[red]error:[/red] {where}{e.strerror or e}", markup=True, highlight=False)

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.containers import Entries, archive_facts, tensor_file_writer
 from ckptkit.tokenization import TokenizerPlan
@@ -278,7 +278,7 @@ def size_sharded_files(
     from ckptkit.formats.safetensors_io import library_order
 
     if opts.shards is not None:
-        raise CkptkitError("--shards applies to --to meta (model-parallel ranks); use --max-shard-size for HF formats")
+        raise FlagError("--shards applies to --to meta (model-parallel ranks); use --max-shard-size for HF formats")
     try:
         split = split_state_dict_into_shards_factory(
             targets,

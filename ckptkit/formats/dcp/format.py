@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.dcp.folder import (
     DISTCP,
@@ -106,7 +106,7 @@ class DcpFormat(CheckpointFormat):
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
         if opts.max_shard_size is not None:
-            raise CkptkitError("--max-shard-size applies to HF formats; use --shards N for DCP ranks")
+            raise FlagError("--max-shard-size applies to HF formats; use --shards N for DCP ranks")
         n = opts.shards or 1
         split: dict[str, int | None] = {}
         for k, t in targets.items():

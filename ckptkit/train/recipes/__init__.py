@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.io import Stopped
 
 if TYPE_CHECKING:
@@ -136,9 +136,9 @@ def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: li
     if spec is not None:
         schema, _, placement = spec
         if not placement.launched_by_torchrun and recipe in RECIPES:
-            raise CkptkitError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
+            raise FlagError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
         if not placement.launched_by_torchrun:
-            raise CkptkitError(f"{recipe}: runs on one device; run it without --nproc-per-node")
+            raise FlagError(f"{recipe}: runs on one device; run it without --nproc-per-node")
         from ckptkit.train.checkpointer import Checkpointer
         from ckptkit.train.config import parse_config
 
