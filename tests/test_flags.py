@@ -106,14 +106,3 @@ def test_bad_usage_of_every_command_is_one_line(args: list[str], message: str) -
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
-
-
-@pytest.mark.parametrize("to", ["hf", "meta", "internal"])
-def test_a_folder_format_into_a_gguf_name_is_refused(to: str, tmp_path: Path) -> None:
-    proc = run(["hf/llama2", "--to", to], tmp_path / "model.gguf")
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [
-        f"error: {tmp_path / 'model.gguf'}: a .gguf name, but --to {to} writes a folder; "
-        "use --to gguf, or a DST without .gguf"
-    ]
-    assert list(tmp_path.iterdir()) == []

@@ -28,7 +28,6 @@ from ckptkit.cli.app import (
     out,
     user_errors,
 )
-from ckptkit.errors import FlagError
 
 SRC_HELP = "Source checkpoint: a folder, or a file for single-file formats (never modified)."
 DST_HELP = "Destination: a folder (must not exist or be empty), or a file for single-file formats (must not exist)."
@@ -143,11 +142,7 @@ def convert(
     """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
     from ckptkit.convert import COMPUTED
     from ckptkit.convert import convert as run_convert
-    from ckptkit.formats import REGISTRY
 
-    target = REGISTRY.get(to)
-    if target is not None and not target.writes_file and dst.suffix.lower() == ".gguf":
-        raise FlagError(f"{dst}: a .gguf name, but --to {to} writes a folder; use --to gguf, or a DST without .gguf")
     start = time.perf_counter()
     with logging_to_stderr("ckptkit", logging.INFO if verbose else None):
         result = run_convert(
