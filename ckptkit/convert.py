@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint, tokenizer_from
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.formats.writers import Job, TensorWriter
@@ -209,22 +209,20 @@ def check_options(
 ) -> None:
     """Refuse options that contradict each other or the target format, in one line each."""
     if allow_lossy_cast and dtype is None:
-        raise CkptkitError("--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast")
+        raise FlagError("--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast")
     size_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "size")
     rank_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "ranks")
     if max_shard_size is not None:
         if fmt.sharding != "size":
             instead = "; split it with --shards N" if fmt.sharding == "ranks" else ""
-            raise CkptkitError(
+            raise FlagError(
                 f"--max-shard-size applies to --to {size_formats}, not --to {fmt.name} "
                 f"({'model-parallel ranks' if fmt.sharding == 'ranks' else 'one layout'}){instead}"
             )
         parse_size(max_shard_size)
     if shards is not None and fmt.sharding != "ranks":
         instead = "; limit shard size with --max-shard-size SIZE" if fmt.sharding == "size" else ""
-        raise CkptkitError(
-            f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}"
-        )
+        raise FlagError(f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}")
 
 
 def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
@@ -344,7 +342,7 @@ def convert_adapter(src: Path, dst: Path, fmt: CheckpointFormat, opts: ConvertOp
     extra = next((flag for flag, value in given.items() if value is not None), None)
     extra = extra or ("--experts" if opts.experts is not None else "--verify" if opts.verify else None)
     if extra is not None:
-        raise CkptkitError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
+        raise FlagError(f"{extra} applies to checkpoints, not to a LoRA adapter SRC")
     check_destination(src, dst, opts.force, fmt)
     base = Path(opts.base) if opts.base is not None else None
     with open_checkpoint(adapter_base(src, base)) as trained_on:

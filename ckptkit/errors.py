@@ -21,6 +21,10 @@ class UnknownModel(CkptkitError):
     does not know: ``inspect`` still lists what is there."""
 
 
+class FlagError(CkptkitError):
+    """Command-line options that contradict each other or the target: bad usage (exit 2), in one line."""
+
+
 class WriteError(CkptkitError, OSError):
     """An OS error while writing a destination (disk full, permission denied...), in one
     line naming the destination; still an OSError for callers that catch those."""

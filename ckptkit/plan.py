@@ -9,7 +9,7 @@ The target format (a registry object) lays the output out in one call,
 from __future__ import annotations
 
 from ckptkit.checkpoint import Checkpoint
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
 from ckptkit.formats.planning import with_experts
@@ -46,7 +46,7 @@ def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str |
         )
     if _offers_experts_choice(ckpt, fmt) is False:
         takers = [name for name, f in REGISTRY.items() if _offers_experts_choice(ckpt, f)]
-        raise CkptkitError(
+        raise FlagError(
             f"--to {fmt.name} stores {ckpt.family.name} experts one way only; "
             f"--experts applies to --to {' or '.join(takers) or '(no format)'}"
         )

@@ -67,7 +67,13 @@ def check_entry(root: Path, path: Path) -> None:
     """A one-line error if ``path`` (in ``root``) is a symlink leaving ``root`` or not a
     regular file or folder (FIFOs, devices, sockets)."""
     if path.is_symlink():
-        target = path.resolve()
+        try:
+            target = path.resolve(strict=True)
+        except FileNotFoundError:
+            raise CkptkitError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist") from None
+        except (RuntimeError, OSError) as e:  # a loop: RuntimeError before Python 3.13, OSError (ELOOP) since
+            cause = getattr(e, "strerror", None) or "it leads back to itself"
+            raise CkptkitError(f"{path}: a symbolic link that cannot be followed: {cause}") from None
         home = allowed_root(root)
         if target != home and home not in target.parents:
             raise CkptkitError(

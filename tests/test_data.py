@@ -251,3 +251,19 @@ def test_packed_rows_compute_what_their_documents_compute() -> None:
             assert (logits[row, start : start + n] - alone).abs().max() < 1e-5
             # no document learns to predict the next one's first token
             assert start == 0 or batch["labels"][row, start - 1] == IGNORE_INDEX
+
+
+@pytest.mark.parametrize(("name", "keys"), [("d.jsonl", {}), ("d.txt", {"type": "text"}), ("d.csv", {})])
+def test_a_dataset_that_is_not_utf8_is_named_with_line_and_offset(tmp_path: Path, name: str, keys: dict) -> None:
+    """Latin-1 text (``é`` as the one byte 0xe9) on the third line: that byte's file, line, offset."""
+    good = {".jsonl": '{"instruction": "a", "output": "b"}', ".txt": "plain text", ".csv": "instruction,output"}
+    first = good[Path(name).suffix]
+    second = {".jsonl": '{"instruction": "c", "output": "d"}', ".txt": "more", ".csv": "c,d"}[Path(name).suffix]
+    bad = "caf\u00e9".encode("latin-1")
+    data = f"{first}\n{second}\n".encode() + bad + b"\n"
+    (tmp_path / name).write_bytes(data)
+    offset = len(first) + 1 + len(second) + 1 + 3  # c, a, f, then the 0xe9
+    tokenizer = load_tokenizer(FIXTURES / "hf" / "llama3")
+    message = f"{tmp_path / name}:3: not UTF-8 text (byte 0xe9 at offset {offset}); save it as UTF-8"
+    with pytest.raises(CkptkitError, match=f"^{re.escape(message)}$"):
+        build_dataset(dataset({"source": str(tmp_path / name), **keys}), tokenizer)

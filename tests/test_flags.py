@@ -1,5 +1,8 @@
 """Options that contradict each other, the target format or the files are refused before
-anything is read or written, in one line naming the option and what to do."""
+anything is read or written, in one line naming the option and what to do: bad usage (exit
+2) when the options contradict each other or the target, an input error (exit 1) when they
+contradict the files; unknown, missing or malformed options of every command are one line
+and exit 2 too."""
 
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ CASES = {
         ["hf/llama2", "--to", "hf", "--allow-lossy-cast"],
         "--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast",
     ),
+}
+CONTRADICT_FILES = {
     "model type the files contradict": (
         ["meta/llama3", "--to", "hf", "--model-type", "mistral"],
         "params.json: describes a llama3 model, not mistral; drop --model-type, or pass --force-model-type",
@@ -45,10 +50,16 @@ def run(args: list[str], dst: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize(("args", "message"), CASES.values(), ids=CASES.keys())
-def test_contradictory_options_are_refused_in_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "message", "code"),
+    [(*case, 2) for case in CASES.values()] + [(*case, 1) for case in CONTRADICT_FILES.values()],
+    ids=[*CASES, *CONTRADICT_FILES],
+)
+def test_contradictory_options_are_refused_in_one_line(
+    args: list[str], message: str, code: int, tmp_path: Path
+) -> None:
     proc = run(args, tmp_path / "out")
-    assert proc.returncode == 1
+    assert proc.returncode == code
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
@@ -65,3 +76,37 @@ def test_force_model_type_overrides_what_the_files_say(tmp_path: Path) -> None:
 
 def test_a_model_type_that_agrees_with_the_files_is_accepted(tmp_path: Path) -> None:
     convert(FIXTURES / "meta/llama3", tmp_path / "out", ConvertOptions("hf", model_type="llama3"))
+
+
+# Every command, as a user mistypes it: (arguments, what the one line must say).
+USAGE = {
+    "no such command": (["frob"], "No such command 'frob'; see `ckptkit -h`"),
+    "group option": (["--bogus"], "No such option: --bogus; see `ckptkit -h`"),
+    "inspect without PATH": (["inspect"], "Missing argument 'PATH'; see `ckptkit inspect -h`"),
+    "inspect unknown option": (["inspect", "x", "--jsn"], "No such option: --jsn"),
+    "convert without --to": (["convert", "a", "b"], "Missing option '--to'; see `ckptkit convert -h`"),
+    "convert without DST": (["convert", "a", "--to", "hf"], "Missing argument 'DST'"),
+    "convert unknown option": (["convert", "a", "b", "--to", "hf", "--bogus"], "No such option: --bogus"),
+    "convert bad number": (["convert", "a", "b", "--to", "meta", "--shards", "x"], "Invalid value for '--shards'"),
+    "convert --to without value": (["convert", "a", "b", "--to"], "Option '--to' requires an argument"),
+    "convert unknown format": (["convert", "a", "b", "--to", "huggingface"], "did you mean 'hf'?"),
+    "verify without B": (["verify", "a"], "Missing argument 'B'; see `ckptkit verify -h`"),
+    "verify flag with a value": (["verify", "a", "b", "--logits=3"], "Option '--logits' does not take a value"),
+    "run without --config": (["run", "full_finetune"], "Missing option '--config'; see `ckptkit run -h`"),
+    "run bad process count": (["run", "x", "--config", "y", "--nproc-per-node", "0"], "'--nproc-per-node'"),
+    "ls with an argument": (["ls", "extra"], "Got unexpected extra argument(s) (extra); see `ckptkit ls -h`"),
+    "cp without DEST": (["cp", "tiny_lora"], "Missing argument 'DEST'; see `ckptkit cp -h`"),
+    "generate without --prompt": (["generate", "ckpt"], "Missing option '--prompt'; see `ckptkit generate -h`"),
+    "generate negative temperature": (["generate", "c", "--prompt", "p", "--temperature", "-1"], "'--temperature'"),
+    "merge without DST": (["merge", "base", "adapter"], "Missing argument 'DST'; see `ckptkit merge -h`"),
+    "support unknown option": (["support", "--yaml"], "No such option: --yaml"),
+}
+
+
+@pytest.mark.parametrize(("args", "message"), USAGE.values(), ids=USAGE.keys())
+def test_bad_usage_of_every_command_is_one_line(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ckptkit", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr

@@ -233,7 +233,7 @@ def test_a_copied_recipe_is_the_loop_to_edit(tmp_path: Path) -> None:
     ours, theirs = losses(tmp_path / "edited"), losses(tmp_path / "bundled")
     assert len(ours) == 2 and ours[0] == 2 * theirs[0]  # step 1 computes the same loss before any update
     proc = subprocess.run([*cmd[:4], "--nproc-per-node", "2", *cmd[4:]], capture_output=True, text=True)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad usage
     assert proc.stderr.strip() == f"error: {script}: runs on one device; run it without --nproc-per-node"
 
 

@@ -8,6 +8,7 @@ import contextlib
 import difflib
 import functools
 import logging
+import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -17,13 +18,13 @@ import typer
 from rich.console import Console
 from typer._click._textwrap import TextWrapper as HelpWrapper
 from typer._click.exceptions import UsageError
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from ckptkit import __version__
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.formats import REGISTRY as FORMATS
 from ckptkit.formats import format_names, load_plugins
-from ckptkit.io import AUTO, COPY_METHODS
+from ckptkit.io import AUTO, COPY_METHODS, signal_of, stopping_on_signals
 from ckptkit.models import EXPERTS_LAYOUTS, model_types
 from ckptkit.tensors.dtypes import CAST_TARGETS, DTYPE_ALIASES
 
@@ -102,6 +103,31 @@ def check_choices(params: list[Any], args: list[str]) -> None:
             raise OneLineUsageError(f"{flag} {value}: not one of {', '.join(choices)}{hint}")
 
 
+@contextlib.contextmanager
+def one_line_usage(ctx: Any) -> Iterator[None]:
+    """Click's usage errors (unknown or missing option, bad value) as one line, exit 2,
+    naming the help to read instead of printing the usage block."""
+    try:
+        yield
+    except OneLineUsageError:
+        raise
+    except UsageError as e:
+        message = " ".join(e.format_message().split()).rstrip(".")
+        raise OneLineUsageError(f"{message}; see `{ctx.command_path} -h`") from None
+
+
+class Group(TyperGroup):
+    """The ``ckptkit`` group: an unknown command is one line too."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        with one_line_usage(ctx):
+            return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        with one_line_usage(ctx):
+            return super().resolve_command(ctx, args)
+
+
 class Command(TyperCommand):
     """A command whose usage line names its arguments as the docs do (``SRC DST``), whose
     choice options list the registries' current values, and whose unknown choices get
@@ -110,9 +136,10 @@ class Command(TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         for problem in load_plugins():
             err.print(f"warning: {problem}; fix or uninstall that package", highlight=False, markup=False)
-        if "-h" not in args and "--help" not in args:
-            check_choices(self.get_params(ctx), args)
-        return super().parse_args(ctx, args)
+        with one_line_usage(ctx):
+            if "-h" not in args and "--help" not in args:
+                check_choices(self.get_params(ctx), args)
+            return super().parse_args(ctx, args)
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)
@@ -137,6 +164,7 @@ class Command(TyperCommand):
 
 app = typer.Typer(
     name="ckptkit",
+    cls=Group,
     rich_markup_mode=None,  # plain click help: fits 80 columns, never cuts an option name
     help="Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats.",
     no_args_is_help=True,
@@ -151,27 +179,42 @@ F = TypeVar("F", bound=Callable[..., Any])
 MODEL_TYPE_HELP = f"Model type (default: detected from the files): {CHOICES_MARK}."
 CONFIG_HELP = "Model config (params.json or config.json) for a source without one, such as a DCP folder."
 DEFAULT_COPY_METHOD = AUTO
+NOTHING_WRITTEN = "nothing was written to the destination"  # after a stop, for commands that write one
 
 
-def user_errors(fn: F) -> F:
-    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1."""
+def user_errors(fn: F | None = None, *, stopped: str | None = None) -> Any:
+    """Turn CkptkitError (and I/O failures) into one line on stderr and exit 1 (2 for a
+    FlagError: bad usage); a stop
+    (Ctrl-C, SIGTERM, SIGHUP: see :func:`~ckptkit.io.publish.stopping_on_signals`) into
+    one line (ending in ``stopped``: what is true of the outputs then) and exit 128 + the
+    signal's number (130, 143, 129)."""
+    if fn is None:
+        return functools.partial(user_errors, stopped=stopped)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with stopping_on_signals():
+                return fn(*args, **kwargs)
         except CkptkitError as e:
             err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-            raise typer.Exit(1) from None
+            raise typer.Exit(2 if isinstance(e, FlagError) else 1) from None
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
             err.print(f"[red]error:[/red] {where}{e.strerror or e}", markup=True, highlight=False)
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            err.print("interrupted; nothing was written to the destination")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:
+            err.print(stop_line(e, stopped), highlight=False, markup=False)
+            raise typer.Exit(128 + signal_of(e)) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
+
+
+def stop_line(stop: KeyboardInterrupt, then: str | None = None) -> str:
+    """``interrupted; THEN`` for Ctrl-C, ``stopped by SIGTERM; THEN`` for a signal."""
+    signum = signal_of(stop)
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    return f"{how}; {then}" if then else how
 
 
 def _version(value: bool) -> None:

@@ -19,6 +19,7 @@ from ckptkit.cli.app import (
     DEFAULT_COPY_METHOD,
     MODEL_TYPE_HELP,
     NO_COPY,
+    NOTHING_WRITTEN,
     Command,
     app,
     err,
@@ -73,7 +74,7 @@ def inspect(
 
 
 @app.command(cls=Command)
-@user_errors
+@user_errors(stopped=NOTHING_WRITTEN)
 def convert(
     src: Annotated[Path, typer.Argument(metavar="SRC", help=SRC_HELP)],
     dst: Annotated[Path, typer.Argument(metavar="DST", help=DST_HELP)],

@@ -9,14 +9,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ckptkit.cli.app import MODEL_TYPE_HELP, Command, app, err, out, user_errors
+from ckptkit.cli.app import MODEL_TYPE_HELP, NOTHING_WRITTEN, Command, app, err, out, user_errors
 from ckptkit.errors import CkptkitError
 
 # --- recipes: run, ls, cp --------------------------------------------------------------
 
 
 @app.command(cls=Command, context_settings={"allow_extra_args": False})
-@user_errors
+@user_errors(stopped="no checkpoint was left half-written")
 def run(
     recipe: Annotated[
         str, typer.Argument(metavar="RECIPE", help="Bundled recipe (see `ckptkit ls`) or a recipe .py file.")
@@ -135,7 +135,7 @@ def generate(
 
 
 @app.command(cls=Command)
-@user_errors
+@user_errors(stopped=NOTHING_WRITTEN)
 def merge(
     base: Annotated[
         Path, typer.Argument(metavar="BASE", help="The base checkpoint the adapter was trained on (any format).")

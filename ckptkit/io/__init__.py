@@ -24,7 +24,17 @@ from __future__ import annotations
 from ckptkit.io.crc import crc32
 from ckptkit.io.direct import ALIGN, direct_pays
 from ckptkit.io.overlap import DEPTH, Overlap
-from ckptkit.io.publish import check_replaceable, publishing, publishing_file, retire, sweep
+from ckptkit.io.publish import (
+    Stopped,
+    check_replaceable,
+    publishing,
+    publishing_file,
+    retire,
+    signal_of,
+    stopped_by,
+    stopping_on_signals,
+    sweep,
+)
 from ckptkit.io.records import SpanReader, Verifier, read_spans
 from ckptkit.io.source import (
     LocalFile,
@@ -58,4 +68,6 @@ __all__ = [
     "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "DEPTH", "direct_pays", "ALIGN",
     # putting the output in place
     "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
+    # stopping: SIGTERM and SIGHUP as Ctrl-C
+    "Stopped", "stopping_on_signals", "stopped_by", "signal_of",
 ]  # fmt: skip

@@ -12,6 +12,11 @@ makes a second writer to the same ``dst`` fail at once. Whoever holds the lock r
 the temporary and set-aside folders that killed writers left beside ``dst``
 (:func:`sweep` does the same for a whole folder, e.g. a trainer's ``output_dir``).
 
+SIGTERM and SIGHUP stop a writer as Ctrl-C does (:func:`stopping_on_signals`): all three
+raise :class:`Stopped`, a KeyboardInterrupt, where the process is, so every ``with publishing``
+block on the way out removes its temporary folder and lock. SIGKILL cannot be caught: the
+next writer cleans up.
+
 Each step calls ``sys.audit("ckptkit.publish", step, path)`` first, so a test can stop
 the process at any of them (an audit hook sending itself SIGKILL).
 """
@@ -26,7 +31,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +98,66 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+# --- stopping signals ---------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_received: list[int] = []  # the stop signal received in the current stopping_on_signals block
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP received: raised where the process was, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_of(stop: KeyboardInterrupt) -> int:
+    """The signal behind ``stop``: SIGINT for a plain KeyboardInterrupt (Ctrl-C)."""
+    return getattr(stop, "signum", signal.SIGINT)
+
+
+def stopped_by() -> int | None:
+    """The stop signal received in the current :func:`stopping_on_signals` block, if any:
+    an error raised after it (a peer process that stopped too) is part of that stop."""
+    return _received[-1] if _received else None
+
+
+def _stop(signum: int, frame: object) -> None:
+    for s in STOP_SIGNALS:  # one stop: the clean-up it starts is not itself stopped
+        signal.signal(s, signal.SIG_IGN)
+    _received.append(signum)
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """While in the block, Ctrl-C, SIGTERM and SIGHUP raise :class:`Stopped` (after the
+    first, all three are ignored until the block ends: the clean-up runs to its end); the
+    handlers before are restored after it. Outside the main thread (where Python cannot
+    set handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        _received.clear()
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Stop signals arriving in the block are delivered after it: what it does is done whole."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 # --- the lock ------------------------------------------------------------------------
@@ -289,12 +356,14 @@ def parents_made(dst: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
+def publishing(dst: str | Path, replace: bool = False, placed: list[Path] | None = None) -> Iterator[Path]:
     """A fresh folder to write ``dst`` into; put in place when the block succeeds.
 
     Args:
         dst: the folder to create or replace.
         replace: whether a non-empty ``dst`` may be replaced (``--force``).
+        placed: ``dst`` is appended to it once in place, with no stop signal in between
+            (a stop may still end the process before ``publishing`` returns).
 
     Raises CkptkitError (one line naming ``dst``) for a refused ``dst``, a concurrent
     writer, or an OS error while writing; ``dst`` is then unchanged and nothing is left
@@ -312,7 +381,10 @@ def publishing(dst: str | Path, replace: bool = False) -> Iterator[Path]:
                 _audit("fsync", tmp)
                 fsync_tree(tmp)
                 check_replaceable(dst, replace)
-                _put_in_place(tmp, dst)
+                with stops_held():  # a stop never falls between the rename and its record
+                    _put_in_place(tmp, dst)
+                    if placed is not None:
+                        placed.append(dst)
             except BaseException:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)

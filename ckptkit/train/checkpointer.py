@@ -249,9 +249,12 @@ class Checkpointer:
         """A temporary folder to write checkpoint ``output_dir/name`` into; put in place
         atomically (replacing one of that name) when the block succeeds, removed if it fails."""
         final = self.output_dir / name
-        with publishing(final, replace=True) as tmp:
-            yield tmp
-        self.saved.append(final)
+        placed: list[Path] = []
+        try:
+            with publishing(final, replace=True, placed=placed) as tmp:
+                yield tmp
+        finally:  # in place, also when a stop came right after: the summary lists it
+            self.saved += placed
 
     def write_model(self, folder: Path, model_state: dict[str, Any]) -> None:
         """The model (canonical names -> tensors or :class:`~ckptkit.tensors.lazy.Lazy`, read one at a

@@ -15,7 +15,7 @@ from pydantic import Field, Strict, model_validator
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train.config import Bool, Section, Text
-from ckptkit.train.data_sources import Row, hold_out, load_rows, resolve_source
+from ckptkit.train.data_sources import Row, hold_out, load_rows, read_utf8, resolve_source
 from ckptkit.train.packing import document_inputs, pack
 from ckptkit.train.samples import IGNORE_INDEX, Sample
 from ckptkit.train.tokenizer import HFTokenizer, Tokenizer
@@ -228,7 +228,7 @@ def _text_samples(rows: list[Row], tokenizer: Tokenizer, max_seq_len: int) -> li
 
 
 def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines()
+    return read_utf8(path).splitlines()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -45,6 +45,8 @@ def load_rows(source: str, split: str, column_map: dict[str, str] | None = None)
             )
         rows = read_json_rows(where)
     else:
+        if isinstance(where, Path) and where.is_file() and where.suffix in TEXT_SUFFIXES:
+            read_utf8(where)  # the file and line of a bad byte, before `datasets` fails on it
         rows = _rows_via_datasets(where, split)
     if column_map:
         rows = [(label, _renamed(label, row, column_map)) for label, row in rows]
@@ -61,9 +63,25 @@ def hold_out(rows: list[Row], fraction: float, seed: int) -> tuple[list[Row], li
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
+TEXT_SUFFIXES = (".json", ".jsonl", ".txt", ".csv", ".tsv")
+
+
+def read_utf8(path: Path) -> str:
+    """The text of dataset file ``path``; a one-line error naming the line and byte offset
+    of the first byte that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise CkptkitError(
+            f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+        ) from None
+
+
 def read_json_rows(path: Path) -> list[Row]:
     """Rows of a JSON Lines file or a JSON list, each labelled with its line or item number."""
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)

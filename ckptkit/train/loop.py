@@ -31,6 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import signal_of, stopped_by, stopping_on_signals
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
 from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
@@ -347,12 +348,22 @@ def main(recipe: str, doc: str) -> None:
     parser.add_argument("--config", required=True)
     args, overrides = parser.parse_known_args()
     code = 0
-    try:
-        run(load_config(args.config, overrides), recipe)
-    except CkptkitError as e:
-        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
-        code = 1
+    with stopping_on_signals():  # Ctrl-C, SIGTERM, SIGHUP: rank 0's summary says where it got to
+        try:
+            run(load_config(args.config, overrides), recipe)
+        except KeyboardInterrupt as stop:
+            code = 128 + signal_of(stop)
+        except CkptkitError as e:
+            if stopped_by() is None:
+                rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+                sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
+                code = 1
+        except Exception:
+            if stopped_by() is None:
+                raise
+        stop_signal = stopped_by()  # an error after a stop: a peer rank that stopped first
+        if stop_signal is not None:
+            code = 128 + stop_signal
     if RECIPES[recipe][2].launched_by_torchrun:
         from ckptkit.train.distributed import exit_worker
 

@@ -6,12 +6,14 @@ import ast
 import functools
 import importlib
 import importlib.util
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
+from ckptkit.io import Stopped
 
 if TYPE_CHECKING:
     from ckptkit.train.placement import Placement
@@ -44,6 +46,9 @@ RECIPES: dict[str, list[str]] = {
     ],
 }
 
+
+# torchrun's agent loggers that tell of the shutdown a stop signal starts
+TORCHRUN_STOP_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
 
 _SCRIPT_TAIL = """
 
@@ -131,14 +136,15 @@ def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: li
     if spec is not None:
         schema, _, placement = spec
         if not placement.launched_by_torchrun and recipe in RECIPES:
-            raise CkptkitError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
+            raise FlagError(f"{recipe} runs on one device; use {recipe}_distributed with --nproc-per-node")
         if not placement.launched_by_torchrun:
-            raise CkptkitError(f"{recipe}: runs on one device; run it without --nproc-per-node")
+            raise FlagError(f"{recipe}: runs on one device; run it without --nproc-per-node")
         from ckptkit.train.checkpointer import Checkpointer
         from ckptkit.train.config import parse_config
 
         checked = parse_config(cfg, schema)  # torchtune spellings, defaults, one-line errors
         Checkpointer(checked.checkpointer).open_base().close()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -147,10 +153,19 @@ def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: li
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc_per_node}", *target, "--config", config, *overrides]
     )
+    quiet = {name: logging.getLogger(name) for name in TORCHRUN_STOP_LOGGERS}
+    levels = {name: logger.level for name, logger in quiet.items()}
     try:
+        for logger in quiet.values():  # "Received 15 death signal", "Sending process N closing signal"
+            logger.setLevel(logging.ERROR)
         torchrun(args)
+    except SignalException as e:  # every rank was sent it and has stopped: rank 0 said where it got to
+        raise Stopped(e.sigval) from None
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         raise CkptkitError(
             f"{recipe}: {len(e.failures)} of {nproc_per_node} processes failed (exit code {', '.join(map(str, codes))})"
         ) from None
+    finally:
+        for name, logger in quiet.items():
+            logger.setLevel(levels[name])
