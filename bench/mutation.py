@@ -38,12 +38,12 @@ from pathlib import Path
 from report import ROOT, reporting
 
 ROUND_TRIPS = [  # one of each writer and layout: .pth ranks, .bin with a tied alias, stacked experts, fused
-    f"tests/test_roundtrip.py::test_round_trip_gives_back_every_file_byte_for_byte[{case}]"
+    f"tests/convert/test_roundtrip.py::test_round_trip_gives_back_every_file_byte_for_byte[{case}]"
     for case in ("hf/llama2-meta", "hf/llama2-hf-bin", "meta/llama2-2rank-hf", "meta/llama2-2rank-meta",
                  "hf-bin/qwen2-hf", "hf/mixtral-stacked-hf-bin", "meta/mixtral-2rank-hf", "hf/phi3-hf")
 ]  # fmt: skip
 FORMATS = [  # test_formats.py without its subprocess and whole-CLI tests (seconds each)
-    f"tests/test_formats.py::{name}"
+    f"tests/formats/test_formats.py::{name}"
     for name in ("test_safetensors_writer_is_byte_identical_to_the_library",
                  "test_torch_writer_loads_with_torch_and_passes_zip_crc", "test_pickle_index_matches_torch_load",
                  "test_max_shard_size_reshards_hf", "test_non_weight_files_are_carried", "test_inspect_single_files",
@@ -51,23 +51,23 @@ FORMATS = [  # test_formats.py without its subprocess and whole-CLI tests (secon
 ]  # fmt: skip
 # Tests marked slow in the files below that are left out (compiling takes tens of seconds; the
 # zip64 test of test_torch_zip stays: sparse files, seconds).
-DESELECT = ["--deselect", "tests/test_step.py::test_compiled_layers_give_the_same_gradients"]
+DESELECT = ["--deselect", "tests/train/test_step.py::test_compiled_layers_give_the_same_gradients"]
 # Each group: the modules mutated and the fast tests that prove their behaviour. mutmut runs, for
 # each mutant, only those tests that reach the mutated function, fastest first, up to a failure.
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "transforms": (
         ["ckptkit/tensors/transforms.py"],
-        ["tests/test_transforms.py", "tests/test_streamcopy.py", "tests/test_fastpath.py", "tests/test_meta_ffn.py",
-         "tests/test_families.py", *ROUND_TRIPS],
+        ["tests/tensors/test_transforms.py", "tests/io/test_streamcopy.py", "tests/io/test_fastpath.py", "tests/models/test_meta_ffn.py",
+         "tests/models/test_families.py", *ROUND_TRIPS],
     ),
     "readers/writers": (
         ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_zip.py"],
-        ["tests/test_torch_zip.py", "tests/test_rawcopy.py", "tests/test_untrusted.py", "tests/test_streamcopy.py",
-         "tests/test_layouts.py", "tests/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS,
+        ["tests/formats/test_torch_zip.py", "tests/io/test_rawcopy.py", "tests/io/test_untrusted.py", "tests/io/test_streamcopy.py",
+         "tests/formats/test_layouts.py", "tests/models/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS,
          *ROUND_TRIPS],
     ),
-    "LoRA merge": (["ckptkit/train/lora.py"], ["tests/test_lora.py", "tests/test_peft.py"]),
-    "training step": (["ckptkit/train/step.py"], ["tests/test_step.py", "tests/test_router_aux_loss.py"]),
+    "LoRA merge": (["ckptkit/train/lora.py"], ["tests/train/test_lora.py", "tests/train/test_peft.py"]),
+    "training step": (["ckptkit/train/step.py"], ["tests/train/test_step.py", "tests/train/test_router_aux_loss.py"]),
 }  # fmt: skip
 STATUS = re.compile(r"^\s*(?P<name>\S+): (?P<status>.+)$")
 

@@ -77,7 +77,7 @@ def assert_same_layout(a: Path, b: Path) -> None:
         assert wa == wb, f"{index.name}: weight_map differs"
 
 
-FUZZ_SEED = "CKPTKIT_FUZZ_SEED"  # tests/test_fuzz.py's random run; set it to reproduce one
+FUZZ_SEED = "CKPTKIT_FUZZ_SEED"  # tests/convert/test_fuzz.py's random run; set it to reproduce one
 
 
 def pytest_configure(config: pytest.Config) -> None:

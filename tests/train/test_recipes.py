@@ -18,7 +18,7 @@ from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, tree_hashes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EPS32 = torch.finfo(torch.float32).eps
 
 

@@ -26,7 +26,7 @@ from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
 ADAPTER_ATOL = 5e-4

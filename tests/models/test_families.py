@@ -14,7 +14,7 @@ import torch
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.errors import CkptkitError
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 HF = ["qwen3", "qwen3_moe", "qwen3_moe-stacked", "mixtral", "mixtral-stacked", "gemma2", "gemma3_text", "olmo2"]
 TYPES = {"qwen3_moe-stacked": "qwen3_moe", "mixtral-stacked": "mixtral"}
 # Max |logits difference| from transformers' eager attention in float32, as measured: 0 where

@@ -16,7 +16,7 @@ from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import recipe_entry
 from ckptkit.train.schema import FullFinetuneConfig, LoRAFinetuneConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _fails(recipe: str, config: str, *overrides: str, tmp_path: Path) -> str:

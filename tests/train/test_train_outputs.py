@@ -20,7 +20,7 @@ from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, tree_hashes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(recipe: str, config: str, *overrides: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptkit"
+PACKAGE = Path(__file__).resolve().parents[2] / "ckptkit"
 
 # Bottom first; a module may import its own layer and the layers below it, never above.
 LAYERS = [

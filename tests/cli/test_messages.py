@@ -227,7 +227,7 @@ def test_every_note_is_made_by_the_function_that_adds_the_verdict() -> None:
     import ast
 
     unmade = []
-    for path in sorted((Path(__file__).resolve().parent.parent / "ckptkit").rglob("*.py")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "ckptkit").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
                 continue

@@ -18,7 +18,7 @@ Two runs: a fixed regression set (derandomized, ``CKPTKIT_FUZZ_EXAMPLES``, defau
 a minute on 2 cores) and a random one seeded by ``CKPTKIT_FUZZ_SEED`` (``CKPTKIT_FUZZ_RANDOM_EXAMPLES``,
 default 30): the seed is drawn anew for each session unless set, shown in pytest's header
 and in any failure, and setting it reproduces the run. For a long run, e.g.
-``CKPTKIT_FUZZ_RANDOM_EXAMPLES=5000 python -m pytest tests/test_fuzz.py``.
+``CKPTKIT_FUZZ_RANDOM_EXAMPLES=5000 python -m pytest tests/convert/test_fuzz.py``.
 """
 
 from __future__ import annotations

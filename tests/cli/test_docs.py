@@ -17,7 +17,7 @@ from typer.main import get_command
 
 from ckptkit.cli import app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "cli.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 INSTALL = re.compile(r"^pip install torch==2\.13\.0 -e (\.|'\.\[test\]') && ")

@@ -29,7 +29,7 @@ from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE = FIXTURES / "meta" / "llama2-2rank"
 COMMON = ["epochs=2", "max_steps_per_epoch=2", "save_every_n_steps=1", "quiet=true",
           f"checkpointer.checkpoint_dir={BASE}"]  # fmt: skip

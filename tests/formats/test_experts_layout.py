@@ -20,7 +20,7 @@ from ckptkit.cli import app
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
 MOE = ["qwen3_moe", "mixtral"]  # qwen3_moe: moe_intermediate_size == hidden_size
 
 

@@ -20,7 +20,7 @@ from ckptkit.train.tokenizer import load_tokenizer
 from conftest import FIXTURES
 from train_helpers import native_model
 
-MAIN_LOSSES = json.loads((Path(__file__).parent / "data" / "main_losses.json").read_text())
+MAIN_LOSSES = json.loads((Path(__file__).resolve().parents[1] / "data" / "main_losses.json").read_text())
 
 
 def run(recipe: str, config: str, out: Path, *overrides: str) -> list[dict]:

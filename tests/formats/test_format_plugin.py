@@ -194,8 +194,8 @@ def test_an_installed_plugin_is_a_format_of_the_cli(tmp_path: Path) -> None:
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flatplugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[ckptkit.formats]\nflat = test_format_plugin:FlatFormat\n")
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(tests)])}
+    here = Path(__file__).resolve().parent  # this module, and conftest's folder above it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(here), str(here.parent)])}
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / "hf" / "llama2"), str(out), "--to", "flat-test"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STOPS = [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGHUP, "stopped by SIGHUP")]
 
 

@@ -26,7 +26,7 @@ from ckptkit.train.loop import RECIPES
 from ckptkit.train.recipes import recipe_entry
 from ckptkit.train.tokenizer import load_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
 # Every key the distributed recipes once ignored or implemented apart, at a value that is not its
 # default (on a CPU the optimizer is fused by default, so false is the value that shows).

@@ -20,7 +20,7 @@ from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES, assert_same_layout
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptkit"
+PACKAGE = Path(__file__).resolve().parents[2] / "ckptkit"
 
 
 def _choices(args: list[str]) -> list[str]:
