@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,42 +29,60 @@ if TYPE_CHECKING:
     from ckptkit.tensors.lazy import Lazy
 
 
-class CheckpointFormat:
-    """One on-disk format.
+@dataclass(frozen=True)
+class FormatInfo:
+    """What a format's files are called and which options it takes: the facts the
+    registry, the CLI and the converter read without opening anything.
 
     Attributes:
-        name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
         expects: the files that identify it, for error messages.
-        detect_order: lower is tried first when several formats could claim a directory.
         weight_file: the names its weight files may have (checked in recorded layouts;
             files of these names are never carried over as extra files).
+        detect_order: lower is tried first when several formats could claim a directory.
         config_file: the metadata file a layout recorded from this format keeps
             (``config.json``, ``params.json``); None: never recorded as an origin.
         index_name: its index file (tensor name -> weight file), if it has one.
         metadata_names: the fixed-name files it writes besides weights and index.
         layer_field: the config field that gives the layer count, for error messages.
+        loads_in_transformers: ``from_pretrained`` (and PEFT) read the folder as it is.
+        sharding: how a fresh layout is split into files: "size" (``--max-shard-size``),
+            "ranks" (``--shards N`` model-parallel ranks), or None (neither option applies).
+        file_suffix: DST is one file whose name ends so, not a folder.
+        reads_file: SRC may be one file of this format (``detect`` is asked about files).
+        extra_dtypes: ``--dtype`` values only this format takes (``q8_0``).
+        writes_adapters: SRC may be a PEFT LoRA adapter folder (``plan_adapter``).
+        aliases: what users type meaning this format: the CLI's did-you-mean.
         torchtune_checkpointers: the torchtune checkpointer components (``_component_`` of a
             recipe config's ``checkpointer:``) that read this format.
     """
 
-    name: ClassVar[str]
-    expects: ClassVar[str]
-    detect_order: ClassVar[int] = 50
+    expects: str
     weight_file: re.Pattern[str]
+    detect_order: int = 50
     config_file: str | None = None
     index_name: str | None = None
     metadata_names: tuple[str, ...] = ()
     layer_field: str = "layers"
-    loads_in_transformers: ClassVar[bool] = False  # ``from_pretrained`` (and PEFT) read the folder as it is
-    # How a fresh layout is split into files: "size" (``--max-shard-size``), "ranks"
-    # (``--shards N`` model-parallel ranks), or None (neither option applies).
-    sharding: ClassVar[str | None] = None
-    file_suffix: ClassVar[str | None] = None  # DST is one file whose name ends so, not a folder
-    reads_file: ClassVar[bool] = False  # SRC may be one file of this format (``detect`` is asked about files)
-    extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
-    writes_adapters: ClassVar[bool] = False  # SRC may be a PEFT LoRA adapter folder (``write_adapter``)
-    aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
-    torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
+    loads_in_transformers: bool = False
+    sharding: str | None = None
+    file_suffix: str | None = None
+    reads_file: bool = False
+    extra_dtypes: tuple[str, ...] = ()
+    writes_adapters: bool = False
+    aliases: tuple[str, ...] = ()
+    torchtune_checkpointers: tuple[str, ...] = ()
+
+
+class CheckpointFormat:
+    """One on-disk format.
+
+    Attributes:
+        name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
+        info: its files and the options it takes (:class:`FormatInfo`).
+    """
+
+    name: ClassVar[str]
+    info: FormatInfo
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
@@ -179,7 +198,7 @@ class CheckpointFormat:
         return folder_plan(self, ckpt, opts)
 
     def plan_adapter(self, adapter: Path, base: OpenedCheckpoint, opts: Options) -> Plan:
-        """For a format that holds LoRA adapters (``writes_adapters``): the plan of the PEFT
+        """For a format that holds LoRA adapters (``info.writes_adapters``): the plan of the PEFT
         adapter folder ``adapter``, trained on the checkpoint ``base``."""
         raise NotImplementedError
 

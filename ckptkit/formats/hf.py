@@ -23,7 +23,7 @@ from ckptkit.formats.base import (
     read_json,
 )
 from ckptkit.formats.containers import is_safetensors, open_tensor_file
-from ckptkit.formats.format import CheckpointFormat, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import entries, is_file
@@ -46,7 +46,7 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CkptkitError(f"{index_path}: has no weight_map")
         for shard in weight_map.values():
-            plain_name(shard, index_path, fmt.weight_file, "shard name")
+            plain_name(shard, index_path, fmt.info.weight_file, "shard name")
         names = sorted(set(weight_map.values()), key=natural_key)
         for name in names:
             if not is_file(root / name):
@@ -112,28 +112,31 @@ def index_text(weight_map: dict[str, str], total_size: int, total_parameters: in
 class HFFormat(CheckpointFormat):
     """``config.json`` + ``{stem}{ext}`` or its shards with an index, as transformers saves them."""
 
-    expects = "config.json + model*.safetensors or pytorch_model*.bin"
-    detect_order = 30
-    sharding = "size"
-    loads_in_transformers = True
-    torchtune_checkpointers = ("torchtune.training.FullModelHFCheckpointer",)
-    config_file = "config.json"
     index_name: str
-    metadata_names = ("config.json",)
-    layer_field = "num_hidden_layers"
 
     def __init__(self, name: str, stem: str, ext: str, aliases: tuple[str, ...]) -> None:
         self.name = name  # type: ignore[misc]
-        self.aliases = aliases
         self.stem, self.ext = stem, ext
         self.safetensors = is_safetensors(ext)
         self.single_name = stem + ext
         self.index_name = f"{stem}{ext}.index.json"
         self.shard_pattern = stem + "{suffix}" + ext  # huggingface_hub's filename pattern
-        self.weight_file = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
+        self.info = FormatInfo(
+            expects="config.json + model*.safetensors or pytorch_model*.bin",
+            weight_file=re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}"),
+            detect_order=30,
+            config_file="config.json",
+            index_name=self.index_name,
+            metadata_names=("config.json",),
+            layer_field="num_hidden_layers",
+            loads_in_transformers=True,
+            sharding="size",
+            aliases=aliases,
+            torchtune_checkpointers=("torchtune.training.FullModelHFCheckpointer",),
+        )
 
     def weight_files(self, root: Path) -> list[Path]:
-        found = (p for p in entries(root) if self.weight_file.fullmatch(p.name))
+        found = (p for p in entries(root) if self.info.weight_file.fullmatch(p.name))
         return sorted(found, key=lambda p: natural_key(p.name))
 
     def detect(self, root: Path) -> bool:
@@ -189,7 +192,7 @@ class HFFormat(CheckpointFormat):
         weights = list(plan.targets.values())
         main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
-        if recorded.get("name") == self.config_file:
+        if recorded.get("name") == self.info.config_file:
             text = recorded["text"]
             if cast is not None:
                 doc = json.loads(text)

@@ -20,7 +20,7 @@ from ckptkit.formats.base import (
     TensorReader,
     read_json,
 )
-from ckptkit.formats.format import CheckpointFormat, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
 from ckptkit.formats.registry import find_format, register
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
@@ -113,12 +113,14 @@ class InternalFormat(CheckpointFormat):
     """Canonical names in safetensors + ``ckptkit.json`` (config and the origin layout)."""
 
     name = "internal"
-    expects = "ckptkit.json"
-    detect_order = 10
-    sharding = "size"
-    weight_file = FILE_NAME
-    metadata_names = (INTERNAL_FILE,)
-    layer_field = "config.num_layers"
+    info = FormatInfo(
+        expects="ckptkit.json",
+        weight_file=FILE_NAME,
+        detect_order=10,
+        metadata_names=(INTERNAL_FILE,),
+        layer_field="config.num_layers",
+        sharding="size",
+    )
 
     def detect(self, root: Path) -> bool:
         return detect(root)

@@ -25,7 +25,7 @@ from ckptkit.formats.base import (
     read_config,
 )
 from ckptkit.formats.containers import open_tensor_file
-from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.format import CheckpointFormat, FormatInfo
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
@@ -144,15 +144,17 @@ class MetaFormat(CheckpointFormat):
     """Meta's ``consolidated.NN.pth`` ranks (or Mistral's ``consolidated.safetensors``) + ``params.json``."""
 
     name = "meta"
-    expects = "params.json + consolidated.*.pth"
-    aliases = ("llama", "consolidated")
-    detect_order = 20
-    sharding = "ranks"
-    torchtune_checkpointers = ("torchtune.training.FullModelMetaCheckpointer",)
-    weight_file = WEIGHT_FILE
-    config_file = "params.json"
-    metadata_names = ("params.json",)
-    layer_field = "n_layers"
+    info = FormatInfo(
+        expects="params.json + consolidated.*.pth",
+        weight_file=WEIGHT_FILE,
+        detect_order=20,
+        config_file="params.json",
+        metadata_names=("params.json",),
+        layer_field="n_layers",
+        sharding="ranks",
+        aliases=("llama", "consolidated"),
+        torchtune_checkpointers=("torchtune.training.FullModelMetaCheckpointer",),
+    )
 
     def detect(self, root: Path) -> bool:
         return detect(root)

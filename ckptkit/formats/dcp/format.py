@@ -26,7 +26,7 @@ from ckptkit.formats.dcp.folder import (
 from ckptkit.formats.dcp.metadata import METADATA
 from ckptkit.formats.dcp.reading import DcpCheckpoint
 from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
-from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.format import CheckpointFormat, FormatInfo
 from ckptkit.formats.registry import register
 from ckptkit.formats.writers import TensorWriter
 
@@ -42,17 +42,18 @@ class DcpFormat(CheckpointFormat):
     """``.metadata`` + ``__R_N.distcp`` (``step-N`` folders allowed), model tensors named in
     Meta's spelling or (``titan``) torchtitan's 2026 one."""
 
-    expects = ".metadata + __R_N.distcp (PyTorch DCP)"
-    detect_order = 15
-    sharding = "ranks"
-    weight_file = DISTCP
-    metadata_names = (METADATA,)
-    layer_field = "n_layers"
-
     def __init__(self, name: str, titan: bool, aliases: tuple[str, ...]) -> None:
         self.name = name  # type: ignore[misc]
         self.titan = titan
-        self.aliases = aliases
+        self.info = FormatInfo(
+            expects=".metadata + __R_N.distcp (PyTorch DCP)",
+            weight_file=DISTCP,
+            detect_order=15,
+            metadata_names=(METADATA,),
+            layer_field="n_layers",
+            sharding="ranks",
+            aliases=aliases,
+        )
 
     def detect(self, root: Path) -> bool:
         return checkpoint_folder(root) is not None and spelled_2026(root) == self.titan

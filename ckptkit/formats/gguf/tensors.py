@@ -64,14 +64,14 @@ def is_hf_config(name: str | None) -> bool:
     as the format transformers loads says."""
     from ckptkit.formats.registry import transformers_format
 
-    return name is not None and name == transformers_format().config_file
+    return name is not None and name == transformers_format().info.config_file
 
 
 def is_hf_weights(name: str) -> bool:
     """Whether a weight file of this name is one a folder transformers loads holds."""
     from ckptkit.formats.registry import REGISTRY
 
-    return any(f.weight_file.fullmatch(name) for f in REGISTRY.values() if f.loads_in_transformers)
+    return any(f.info.weight_file.fullmatch(name) for f in REGISTRY.values() if f.info.loads_in_transformers)
 
 
 def hf_targets(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
