@@ -24,6 +24,7 @@ from ckptkit.formats.base import (
 )
 from ckptkit.formats.containers import is_safetensors, open_tensor_file
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import entries, is_file
@@ -109,9 +110,60 @@ def index_text(weight_map: dict[str, str], total_size: int, total_parameters: in
     return json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
 
 
+class HFPlanner(FolderPlanner):
+    """An HF folder: shards of ``--max-shard-size`` and their index, config.json, tokenizer files."""
+
+    fmt: HFFormat
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        files = size_sharded_files(targets, opts, self.fmt.shard_pattern, self.fmt.single_name, self.fmt.safetensors)
+        return files, {}
+
+    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
+        return True
+
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
+        cfg = ckpt.config
+        recorded, from_hf = ckpt.origin.get("tokenizer"), holds_hf_files(ckpt)
+        spec = ckpt.family.tokenizer
+        return tokenizer_for_hf(ckpt.side_folder, spec, cfg.vocab_size, cfg.max_position_embeddings, recorded, from_hf)
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        out: dict[str, str] = {}
+        weights = list(plan.targets.values())
+        main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
+        recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
+        if recorded.get("name") == self.fmt.info.config_file:
+            text = recorded["text"]
+            if cast is not None:
+                doc = json.loads(text)
+                for key in ("dtype", "torch_dtype"):
+                    if key in doc:
+                        doc[key] = main_dtype
+                text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+            out["config.json"] = text
+        else:
+            ids = {k: v for k, v in plan.tokenizer.ids.items() if getattr(ckpt.config, k) is None}
+            config = ckpt.family.config_to_hf(dataclasses.replace(ckpt.config, **ids), main_dtype)
+            out["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        index = ckpt.origin.get("index") if plan.restored else None
+        if len(plan.files) > 1 or index:  # a single shard keeps the index it came with
+            if index and cast is None:
+                out[index["name"]] = index["text"]
+            else:
+                weight_map = {k: f.name for f in plan.files for k in f.keys}
+                total = sum(plan.targets[k].nbytes for k in weight_map)
+                params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.fmt.safetensors else None
+                out[self.fmt.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
+        return out
+
+
 class HFFormat(CheckpointFormat):
     """``config.json`` + ``{stem}{ext}`` or its shards with an index, as transformers saves them."""
 
+    planner = HFPlanner
     index_name: str
 
     def __init__(self, name: str, stem: str, ext: str, aliases: tuple[str, ...]) -> None:
@@ -171,50 +223,6 @@ class HFFormat(CheckpointFormat):
         if family.tokenizer is None:
             return "carried"
         return "tokenizer.json (from a Meta tokenizer.model)"
-
-    def default_files(
-        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
-    ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        files = size_sharded_files(targets, opts, self.shard_pattern, self.single_name, self.safetensors)
-        return files, {}
-
-    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
-        return True
-
-    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
-        cfg = ckpt.config
-        recorded, from_hf = ckpt.origin.get("tokenizer"), holds_hf_files(ckpt)
-        spec = ckpt.family.tokenizer
-        return tokenizer_for_hf(ckpt.side_folder, spec, cfg.vocab_size, cfg.max_position_embeddings, recorded, from_hf)
-
-    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        out: dict[str, str] = {}
-        weights = list(plan.targets.values())
-        main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
-        recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
-        if recorded.get("name") == self.info.config_file:
-            text = recorded["text"]
-            if cast is not None:
-                doc = json.loads(text)
-                for key in ("dtype", "torch_dtype"):
-                    if key in doc:
-                        doc[key] = main_dtype
-                text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-            out["config.json"] = text
-        else:
-            ids = {k: v for k, v in plan.tokenizer.ids.items() if getattr(ckpt.config, k) is None}
-            config = ckpt.family.config_to_hf(dataclasses.replace(ckpt.config, **ids), main_dtype)
-            out["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
-        index = ckpt.origin.get("index") if plan.restored else None
-        if len(plan.files) > 1 or index:  # a single shard keeps the index it came with
-            if index and cast is None:
-                out[index["name"]] = index["text"]
-            else:
-                weight_map = {k: f.name for f in plan.files for k in f.keys}
-                total = sum(plan.targets[k].nbytes for k in weight_map)
-                params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.safetensors else None
-                out[self.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
-        return out
 
 
 HF_ALIASES = ("huggingface", "hugging-face", "transformers", "safetensors", "hf-safetensors")

@@ -26,6 +26,7 @@ from ckptkit.formats.base import (
 )
 from ckptkit.formats.containers import open_tensor_file
 from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
@@ -140,8 +141,52 @@ def open_raw(root: Path) -> RawCheckpoint:
     )
 
 
+class MetaPlanner(FolderPlanner):
+    """Meta's ranks (``--shards N``) or Mistral's one safetensors file, params.json, tokenizer.model."""
+
+    fmt: MetaFormat
+
+    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
+        return family.meta_extra_tensors(cfg)
+
+    def split_dim(self, name: str, ndim: int, family: Family) -> int | None:
+        return split_dim(name, ndim, family.vocab_parallel)
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        from ckptkit.formats.safetensors_io import library_order
+
+        n = opts.shards or 1
+        if n == 1 and ckpt.family.meta_container == "safetensors":
+            order = library_order([(k, t.dtype, t.shape) for k, t in targets.items()])
+            return [FilePlan(SAFETENSORS_FILE, order, None)], {}
+        files = [FilePlan(rank_file(r), list(targets), rank=r, ranks=n) for r in range(n)]
+        split: dict[str, int | None] = {}
+        if n > 1:
+            for k, t in targets.items():
+                d = split_dim(k, len(t.shape), ckpt.family.vocab_parallel)
+                if d is not None and t.shape[d] % n:
+                    raise CkptkitError(
+                        f"--shards {n}: {k} has {t.shape[d]} rows/columns on dim {d}, not divisible by {n}"
+                    )
+                split[k] = d
+        return files, split
+
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
+        return tokenizer_for_meta(ckpt.side_folder, ckpt.family.tokenizer, holds_hf_files(ckpt))
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
+        if recorded.get("name") == "params.json":
+            return {"params.json": recorded["text"]}
+        return {"params.json": json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+
+
 class MetaFormat(CheckpointFormat):
     """Meta's ``consolidated.NN.pth`` ranks (or Mistral's ``consolidated.safetensors``) + ``params.json``."""
+
+    planner = MetaPlanner
 
     name = "meta"
     info = FormatInfo(
@@ -195,42 +240,6 @@ class MetaFormat(CheckpointFormat):
         if family.tokenizer is None:
             return "-"
         return f"tokenizer.model ({family.tokenizer.kind})"
-
-    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
-        return family.meta_extra_tensors(cfg)
-
-    def split_dim(self, name: str, ndim: int, family: Family) -> int | None:
-        return split_dim(name, ndim, family.vocab_parallel)
-
-    def default_files(
-        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
-    ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        from ckptkit.formats.safetensors_io import library_order
-
-        n = opts.shards or 1
-        if n == 1 and ckpt.family.meta_container == "safetensors":
-            order = library_order([(k, t.dtype, t.shape) for k, t in targets.items()])
-            return [FilePlan(SAFETENSORS_FILE, order, None)], {}
-        files = [FilePlan(rank_file(r), list(targets), rank=r, ranks=n) for r in range(n)]
-        split: dict[str, int | None] = {}
-        if n > 1:
-            for k, t in targets.items():
-                d = split_dim(k, len(t.shape), ckpt.family.vocab_parallel)
-                if d is not None and t.shape[d] % n:
-                    raise CkptkitError(
-                        f"--shards {n}: {k} has {t.shape[d]} rows/columns on dim {d}, not divisible by {n}"
-                    )
-                split[k] = d
-        return files, split
-
-    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
-        return tokenizer_for_meta(ckpt.side_folder, ckpt.family.tokenizer, holds_hf_files(ckpt))
-
-    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
-        if recorded.get("name") == "params.json":
-            return {"params.json": recorded["text"]}
-        return {"params.json": json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
 
 
 def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:

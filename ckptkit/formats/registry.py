@@ -141,7 +141,8 @@ def holds_hf_files(ckpt: OpenedCheckpoint) -> bool:
     """Whether ``ckpt`` holds an HF folder's tokenizer files as they were (an HF layout, or
     one recorded as its origin by a format that keeps them): such files are carried byte
     for byte between HF layouts and none are generated."""
-    return get_format(ckpt.raw.format).keeps_hf_files(ckpt.origin)
+    fmt = get_format(ckpt.raw.format)
+    return fmt.planner(fmt).keeps_hf_files(ckpt.origin)
 
 
 def file_format(name: str) -> CheckpointFormat | None:

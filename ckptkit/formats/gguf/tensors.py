@@ -78,7 +78,8 @@ def hf_targets(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
     """The tensors of ``ckpt`` as the format transformers loads names them."""
     from ckptkit.formats.registry import transformers_format
 
-    return transformers_format().targets(ckpt, {}, with_optional=False)[0]
+    hf = transformers_format()
+    return hf.planner(hf).targets(ckpt, {}, with_optional=False)[0]
 
 
 def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def _hf_files(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], fresh: bool) -> 
     if not fresh and is_hf_config((origin.get("config") or {}).get("name")) and origin.get("files"):
         return [(f["name"], list(f["keys"])) for f in origin["files"]]
     fmt = transformers_format()
-    files, _ = fmt.default_files(ckpt, targets, Options(fmt.name))
+    files, _ = fmt.planner(fmt).default_files(ckpt, targets, Options(fmt.name))
     return [(f.name, list(f.keys)) for f in files]
 
 

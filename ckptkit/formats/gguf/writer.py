@@ -60,7 +60,7 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
     from ckptkit.formats.registry import transformers_format
 
     hf = transformers_format()
-    plan = hf.tokenizer(ckpt)
+    plan = hf.planner(hf).tokenizer(ckpt)
     with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
         folder = Path(tmp) / model_name(ckpt.path)
         folder.mkdir()
