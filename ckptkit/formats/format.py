@@ -52,6 +52,8 @@ class FormatInfo:
         extra_dtypes: ``--dtype`` values only this format takes (``q8_0``).
         writes_adapters: SRC may be a PEFT LoRA adapter folder (``plan_adapter``).
         aliases: what users type meaning this format: the CLI's did-you-mean.
+        lone_file: the names of a single weight or index file of this format, asked by
+            ``inspect FILE``; None: no file of it is inspected alone.
         torchtune_checkpointers: the torchtune checkpointer components (``_component_`` of a
             recipe config's ``checkpointer:``) that read this format.
     """
@@ -70,6 +72,7 @@ class FormatInfo:
     extra_dtypes: tuple[str, ...] = ()
     writes_adapters: bool = False
     aliases: tuple[str, ...] = ()
+    lone_file: re.Pattern[str] | None = None
     torchtune_checkpointers: tuple[str, ...] = ()
 
 
@@ -105,10 +108,6 @@ class CheckpointFormat:
                 "--config is for folders without one, such as DCP checkpoints"
             )
         return self.open(root)
-
-    def owns_file(self, name: str) -> bool:
-        """Whether a single weight or index file of this name belongs to this format."""
-        return False
 
     def family(self, raw: RawCheckpoint) -> Family:
         """The model family the metadata describes; an error asking for --model-type when unsure."""

@@ -184,6 +184,7 @@ class HFFormat(CheckpointFormat):
             loads_in_transformers=True,
             sharding="size",
             aliases=aliases,
+            lone_file=re.compile(rf"{re.escape(stem)}(?s:.*){re.escape(ext)}(?:\.index\.json)?"),
             torchtune_checkpointers=("torchtune.training.FullModelHFCheckpointer",),
         )
 
@@ -201,9 +202,6 @@ class HFFormat(CheckpointFormat):
                 f"{root}: not an {self.name} checkpoint (needs config.json and {self.single_name} or shards)"
             )
         return open_raw(root, self)
-
-    def owns_file(self, name: str) -> bool:
-        return name.startswith(self.stem) and (name.endswith(self.ext) or name.endswith(self.ext + ".index.json"))
 
     def family(self, raw: RawCheckpoint) -> Family:
         from ckptkit.models import detect_from_hf

@@ -198,6 +198,7 @@ class MetaFormat(CheckpointFormat):
         layer_field="n_layers",
         sharding="ranks",
         aliases=("llama", "consolidated"),
+        lone_file=re.compile(rf"(?s:consolidated\..*)|(?:{TORCHTUNE_FILE.pattern})"),
         torchtune_checkpointers=("torchtune.training.FullModelMetaCheckpointer",),
     )
 
@@ -208,9 +209,6 @@ class MetaFormat(CheckpointFormat):
         if not detect(root):
             raise CkptkitError(f"{root}: not a Meta checkpoint (needs params.json and consolidated.*.pth)")
         return open_raw(root)
-
-    def owns_file(self, name: str) -> bool:
-        return name.startswith("consolidated.") or bool(TORCHTUNE_FILE.fullmatch(name))
 
     def _source(self, raw: RawCheckpoint) -> Any:
         from ckptkit.models import MetaSource

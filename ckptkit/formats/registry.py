@@ -147,7 +147,7 @@ def holds_hf_files(ckpt: OpenedCheckpoint) -> bool:
 
 def file_format(name: str) -> CheckpointFormat | None:
     """The format a lone weight or index file of this name belongs to, if any."""
-    return next((f for f in REGISTRY.values() if f.owns_file(name)), None)
+    return next((f for f in REGISTRY.values() if f.info.lone_file and f.info.lone_file.fullmatch(name)), None)
 
 
 def is_checkpoint_file(name: str) -> bool:

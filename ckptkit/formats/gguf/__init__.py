@@ -164,15 +164,13 @@ class GGUFFormat(CheckpointFormat):
         reads_file=True,  # SRC is one file
         file_suffix=".gguf",  # DST is one file, not a folder
         extra_dtypes=("q8_0",),
+        lone_file=re.compile(r"(?s:.*)\.gguf"),
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
     )
 
     # --- reading ------------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
         return is_file(root) and root.suffix == ".gguf"
-
-    def owns_file(self, name: str) -> bool:
-        return name.endswith(".gguf")
 
     def open(self, root: Path) -> RawCheckpoint:
         if not is_file(root):  # asked by name (--from gguf, a written GGUF verified): any file name
