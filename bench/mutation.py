@@ -57,14 +57,14 @@ DESELECT = ["--deselect", "tests/train/test_step.py::test_compiled_layers_give_t
 GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "transforms": (
         ["ckptkit/tensors/transforms.py"],
-        ["tests/tensors/test_transforms.py", "tests/io/test_streamcopy.py", "tests/io/test_fastpath.py", "tests/models/test_meta_ffn.py",
-         "tests/models/test_families.py", *ROUND_TRIPS],
+        ["tests/tensors/test_transforms.py", "tests/io/test_streamcopy.py", "tests/io/test_fastpath.py",
+         "tests/models/test_meta_ffn.py", "tests/models/test_families.py", *ROUND_TRIPS],
     ),
     "readers/writers": (
         ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_zip.py"],
-        ["tests/formats/test_torch_zip.py", "tests/io/test_rawcopy.py", "tests/io/test_untrusted.py", "tests/io/test_streamcopy.py",
-         "tests/formats/test_layouts.py", "tests/models/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS,
-         *ROUND_TRIPS],
+        ["tests/formats/test_torch_zip.py", "tests/io/test_rawcopy.py", "tests/io/test_untrusted.py",
+         "tests/io/test_streamcopy.py", "tests/formats/test_layouts.py",
+         "tests/models/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS, *ROUND_TRIPS],
     ),
     "LoRA merge": (["ckptkit/train/lora.py"], ["tests/train/test_lora.py", "tests/train/test_peft.py"]),
     "training step": (["ckptkit/train/step.py"], ["tests/train/test_step.py", "tests/train/test_router_aux_loss.py"]),

@@ -143,7 +143,7 @@ def open_checkpoint(
             _check_model_type(reader, raw, model_type)
         cfg = family.refine_config(reader.read_config(raw, family), raw.infos)
         check_layer_count(
-            cfg.num_layers, raw.infos, root / raw.config_name if root.is_dir() else root, reader.layer_field
+            cfg.num_layers, raw.infos, root / raw.config_name if root.is_dir() else root, reader.info.layer_field
         )
         tensors, unused = reader.canonical_view(raw, family, cfg)
         origin = recorded_origin(reader, raw)

@@ -77,7 +77,7 @@ def write_plan(
     writers: dict[str, TensorWriter] = {}
     try:
         for f in plan.files:  # the format says which writer writes each file
-            writers[f.name] = fmt.writer(out if fmt.file_suffix else out / f.name, plan, f, direct)
+            writers[f.name] = fmt.writer(out if fmt.info.file_suffix else out / f.name, plan, f, direct)
         by_method = _write_tensors(plan, where, writers, total, label, quiet, copy_method)
         for w in writers.values():
             w.close()
@@ -152,7 +152,7 @@ def _computed(write: Job) -> str:
 def publishing_output(fmt: CheckpointFormat, dst: Path, force: bool) -> Iterator[Path]:
     """A temporary output beside ``dst`` (a folder, or one file for a format whose output is
     one), fsynced and put in place of ``dst`` when the block succeeds (:mod:`ckptkit.io`)."""
-    with (publishing_file if fmt.file_suffix else publishing)(dst, force) as tmp:
+    with (publishing_file if fmt.info.file_suffix else publishing)(dst, force) as tmp:
         yield tmp
 
 
@@ -163,7 +163,7 @@ def check_destination(src: Path, dst: Path, force: bool, fmt: CheckpointFormat |
     """A one-line error for a DST under a regular file, the source itself, inside it or
     holding it, (a folder DST) one that is not empty without ``force``, and (``fmt`` writes
     one file) one its file names do not match."""
-    suffix = None if fmt is None else fmt.file_suffix
+    suffix = None if fmt is None else fmt.info.file_suffix
     blocking = next((p for p in dst.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise CkptkitError(f"{dst}: {blocking} is a file, not a folder; choose a DST outside it")
@@ -210,18 +210,18 @@ def check_options(
     """Refuse options that contradict each other or the target format, in one line each."""
     if allow_lossy_cast and dtype is None:
         raise FlagError("--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast")
-    size_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "size")
-    rank_formats = ", ".join(n for n, f in REGISTRY.items() if f.sharding == "ranks")
+    size_formats = ", ".join(n for n, f in REGISTRY.items() if f.info.sharding == "size")
+    rank_formats = ", ".join(n for n, f in REGISTRY.items() if f.info.sharding == "ranks")
     if max_shard_size is not None:
-        if fmt.sharding != "size":
-            instead = "; split it with --shards N" if fmt.sharding == "ranks" else ""
+        if fmt.info.sharding != "size":
+            instead = "; split it with --shards N" if fmt.info.sharding == "ranks" else ""
             raise FlagError(
                 f"--max-shard-size applies to --to {size_formats}, not --to {fmt.name} "
-                f"({'model-parallel ranks' if fmt.sharding == 'ranks' else 'one layout'}){instead}"
+                f"({'model-parallel ranks' if fmt.info.sharding == 'ranks' else 'one layout'}){instead}"
             )
         parse_size(max_shard_size)
-    if shards is not None and fmt.sharding != "ranks":
-        instead = "; limit shard size with --max-shard-size SIZE" if fmt.sharding == "size" else ""
+    if shards is not None and fmt.info.sharding != "ranks":
+        instead = "; limit shard size with --max-shard-size SIZE" if fmt.info.sharding == "size" else ""
         raise FlagError(f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}")
 
 
@@ -309,8 +309,8 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
     if o.copy_method is not None and o.copy_method not in COPY_METHODS:
         raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {o.copy_method!r}")
     fmt = target_format(o.to)
-    if o.dtype is not None and o.dtype not in CAST_TARGETS + fmt.extra_dtypes:
-        takers = [f.name for f in REGISTRY.values() if o.dtype in f.extra_dtypes]
+    if o.dtype is not None and o.dtype not in CAST_TARGETS + fmt.info.extra_dtypes:
+        takers = [f.name for f in REGISTRY.values() if o.dtype in f.info.extra_dtypes]
         if takers:
             raise CkptkitError(f"--dtype {o.dtype} applies only to --to {' or '.join(takers)}")
         raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {o.dtype!r}")
@@ -331,8 +331,8 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
 
 def convert_adapter(src: Path, dst: Path, fmt: CheckpointFormat, opts: ConvertOptions) -> Result:
     """The PEFT LoRA adapter folder ``src`` as ``fmt``'s adapter file ``dst`` (``opts.base``: its base)."""
-    if not fmt.writes_adapters:
-        takers = " or ".join(f"--to {f.name}" for f in REGISTRY.values() if f.writes_adapters)
+    if not fmt.info.writes_adapters:
+        takers = " or ".join(f"--to {f.name}" for f in REGISTRY.values() if f.info.writes_adapters)
         raise CkptkitError(
             f"{src}: a LoRA adapter; --to {fmt.name} takes models. Convert the adapter {takers}, or fold it into "
             f"its base with ckptkit merge BASE {src} MERGED"

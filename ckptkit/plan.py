@@ -55,10 +55,11 @@ def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str |
 def _offers_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat) -> bool | None:
     """Whether ``fmt`` names ``ckpt``'s tensors differently in the two experts layouts
     (None: it does not hold this family at all, which the conversion itself reports)."""
-    if fmt.file_suffix is not None:
+    if fmt.info.file_suffix is not None:
         return False if fmt.supports(ckpt.family)[1] else None
     try:
-        names = [set(fmt.targets(with_experts(ckpt, x), {}, True)[0]) for x in EXPERTS_LAYOUTS]
+        planner = fmt.planner(fmt)
+        names = [set(planner.targets(with_experts(ckpt, x), {}, True)[0]) for x in EXPERTS_LAYOUTS]
     except CkptkitError:
         return None
     return any(n != names[0] for n in names[1:])

@@ -35,7 +35,7 @@ HelpWrapper.wordsep_re = textwrap.TextWrapper.wordsep_simple_re
 
 def dtype_choices() -> list[str]:
     """``--dtype``: the casts every format takes, then those only some formats take."""
-    extra = [d for f in FORMATS.values() for d in f.extra_dtypes if d not in CAST_TARGETS]
+    extra = [d for f in FORMATS.values() for d in f.info.extra_dtypes if d not in CAST_TARGETS]
     return [*CAST_TARGETS, *dict.fromkeys(extra)]
 
 
@@ -60,7 +60,7 @@ CHOICES_MARK = "{choices}"  # in an option's help: replaced by its choices
 
 def aliases() -> dict[str, str]:
     """What users type for a choice (``huggingface``, ``bf16``) and the choice they mean."""
-    found = {alias: f.name for f in FORMATS.values() for alias in f.aliases}
+    found = {alias: f.name for f in FORMATS.values() for alias in f.info.aliases}
     return found | DTYPE_ALIASES
 
 

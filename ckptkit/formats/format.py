@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
 from ckptkit.formats.containers import archive_facts, tensor_file_writer
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.writers import TensorWriter
 from ckptkit.io import copy_file, is_file, size_of
-from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
@@ -28,42 +29,66 @@ if TYPE_CHECKING:
     from ckptkit.tensors.lazy import Lazy
 
 
-class CheckpointFormat:
-    """One on-disk format.
+@dataclass(frozen=True)
+class FormatInfo:
+    """What a format's files are called and which options it takes: the facts the
+    registry, the CLI and the converter read without opening anything.
 
     Attributes:
-        name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
         expects: the files that identify it, for error messages.
-        detect_order: lower is tried first when several formats could claim a directory.
         weight_file: the names its weight files may have (checked in recorded layouts;
             files of these names are never carried over as extra files).
+        detect_order: lower is tried first when several formats could claim a directory.
         config_file: the metadata file a layout recorded from this format keeps
             (``config.json``, ``params.json``); None: never recorded as an origin.
         index_name: its index file (tensor name -> weight file), if it has one.
         metadata_names: the fixed-name files it writes besides weights and index.
         layer_field: the config field that gives the layer count, for error messages.
+        loads_in_transformers: ``from_pretrained`` (and PEFT) read the folder as it is.
+        sharding: how a fresh layout is split into files: "size" (``--max-shard-size``),
+            "ranks" (``--shards N`` model-parallel ranks), or None (neither option applies).
+        file_suffix: DST is one file whose name ends so, not a folder.
+        reads_file: SRC may be one file of this format (``detect`` is asked about files).
+        extra_dtypes: ``--dtype`` values only this format takes (``q8_0``).
+        writes_adapters: SRC may be a PEFT LoRA adapter folder (``plan_adapter``).
+        aliases: what users type meaning this format: the CLI's did-you-mean.
+        lone_file: the names of a single weight or index file of this format, asked by
+            ``inspect FILE``; None: no file of it is inspected alone.
         torchtune_checkpointers: the torchtune checkpointer components (``_component_`` of a
             recipe config's ``checkpointer:``) that read this format.
     """
 
-    name: ClassVar[str]
-    expects: ClassVar[str]
-    detect_order: ClassVar[int] = 50
+    expects: str
     weight_file: re.Pattern[str]
+    detect_order: int = 50
     config_file: str | None = None
     index_name: str | None = None
     metadata_names: tuple[str, ...] = ()
     layer_field: str = "layers"
-    loads_in_transformers: ClassVar[bool] = False  # ``from_pretrained`` (and PEFT) read the folder as it is
-    # How a fresh layout is split into files: "size" (``--max-shard-size``), "ranks"
-    # (``--shards N`` model-parallel ranks), or None (neither option applies).
-    sharding: ClassVar[str | None] = None
-    file_suffix: ClassVar[str | None] = None  # DST is one file whose name ends so, not a folder
-    reads_file: ClassVar[bool] = False  # SRC may be one file of this format (``detect`` is asked about files)
-    extra_dtypes: ClassVar[tuple[str, ...]] = ()  # --dtype values only this format takes (``q8_0``)
-    writes_adapters: ClassVar[bool] = False  # SRC may be a PEFT LoRA adapter folder (``write_adapter``)
-    aliases: tuple[str, ...] = ()  # what users type meaning this format: the CLI's did-you-mean
-    torchtune_checkpointers: ClassVar[tuple[str, ...]] = ()
+    loads_in_transformers: bool = False
+    sharding: str | None = None
+    file_suffix: str | None = None
+    reads_file: bool = False
+    extra_dtypes: tuple[str, ...] = ()
+    writes_adapters: bool = False
+    aliases: tuple[str, ...] = ()
+    lone_file: re.Pattern[str] | None = None
+    torchtune_checkpointers: tuple[str, ...] = ()
+
+
+class CheckpointFormat:
+    """One on-disk format.
+
+    Attributes:
+        name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
+        info: its files and the options it takes (:class:`FormatInfo`).
+        planner: how :meth:`plan` lays a folder of this format out: a
+            :class:`ckptkit.formats.planning.FolderPlanner` subclass, made with the format.
+    """
+
+    name: ClassVar[str]
+    info: FormatInfo
+    planner: ClassVar[type[FolderPlanner]] = FolderPlanner
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
@@ -83,10 +108,6 @@ class CheckpointFormat:
                 "--config is for folders without one, such as DCP checkpoints"
             )
         return self.open(root)
-
-    def owns_file(self, name: str) -> bool:
-        """Whether a single weight or index file of this name belongs to this format."""
-        return False
 
     def family(self, raw: RawCheckpoint) -> Family:
         """The model family the metadata describes; an error asking for --model-type when unsure."""
@@ -172,78 +193,19 @@ class CheckpointFormat:
     # --- writing --------------------------------------------------------------------
     def plan(self, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
         """How ``ckpt`` is laid out in this format: every tensor to write, its file, order and
-        ranks, and the metadata files; by default the recorded layout restored, else laid out
-        afresh (:func:`ckptkit.formats.planning.folder_plan`)."""
-        from ckptkit.formats.planning import folder_plan
-
-        return folder_plan(self, ckpt, opts)
+        ranks, and the metadata files; by default as :attr:`planner` plans a folder (the
+        recorded layout restored, else laid out afresh)."""
+        return self.planner(self).plan(ckpt, opts)
 
     def plan_adapter(self, adapter: Path, base: OpenedCheckpoint, opts: Options) -> Plan:
-        """For a format that holds LoRA adapters (``writes_adapters``): the plan of the PEFT
+        """For a format that holds LoRA adapters (``info.writes_adapters``): the plan of the PEFT
         adapter folder ``adapter``, trained on the checkpoint ``base``."""
-        raise NotImplementedError
-
-    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
-        """Tensors this format's own checkpoints carry that the model does not use."""
-        return {}
-
-    def targets(
-        self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
-    ) -> tuple[dict[str, Lazy], list[str]]:
-        """(native name -> tensor to write, notes) from the canonical tensors and ``pool``,
-        the unused tensors this conversion could carry."""
-        from ckptkit.formats.canonical import native_targets
-
-        layout = self.write_layout(ckpt)
-        targets = native_targets(ckpt.tensors, layout, ckpt.config, with_optional)
-        for name, lazy in self.extra_tensors(ckpt.family, ckpt.config).items():
-            pool.setdefault(name, lazy)
-        targets.update({k: v for k, v in pool.items() if layout.is_unused(k)})
-        dropped = [k for k in pool if not layout.is_unused(k)]
-        notes = []
-        if dropped:
-            why = f"{self.name} does not hold them, the model does not use them"
-            notes.append(note(f"not carried ({why}): {', '.join(dropped[:4])}"))
-        return targets, notes
-
-    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
-        try:
-            return self.layout(ckpt.family, ckpt.config)
-        except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
-            raise CkptkitError(f"{ckpt.path}: {e}") from None
-
-    def required(self, ckpt: OpenedCheckpoint) -> set[str]:
-        """Native names a restored layout must place."""
-        layout = self.write_layout(ckpt)
-        return {r.native for r in layout.expand(ckpt.config.num_layers) if not r.optional}
-
-    def split_dim(self, name: str, ndim: int, family: Family) -> int | None:
-        """The dim model-parallel ranks split tensor ``name`` on (None: replicated)."""
-        return None
-
-    def default_files(
-        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
-    ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        """File names and partition for a fresh layout: (files, rank split dims)."""
         raise NotImplementedError
 
     def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
         """The writer of one output weight file of ``plan``: by default the container its
         name says (:func:`ckptkit.formats.containers.tensor_file_writer`)."""
         return tensor_file_writer(path, plan.entries(file), file.metadata, file.aliases, direct, file.archive)
-
-    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        """Non-weight files to write (config, index): name -> text."""
-        return {}
-
-    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
-        """Whether this format's checkpoints (converted from ``origin``) hold an HF folder's
-        non-weight files as they were."""
-        return False
-
-    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
-        """What to do with the source's tokenizer files: by default carry them as they are."""
-        return TokenizerPlan()
 
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         """Write the files beside the weights: the plan's metadata files, the source's

@@ -23,7 +23,8 @@ from ckptkit.formats.base import (
     read_json,
 )
 from ckptkit.formats.containers import is_safetensors, open_tensor_file
-from ckptkit.formats.format import CheckpointFormat, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import entries, is_file
@@ -46,7 +47,7 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CkptkitError(f"{index_path}: has no weight_map")
         for shard in weight_map.values():
-            plain_name(shard, index_path, fmt.weight_file, "shard name")
+            plain_name(shard, index_path, fmt.info.weight_file, "shard name")
         names = sorted(set(weight_map.values()), key=natural_key)
         for name in names:
             if not is_file(root / name):
@@ -109,70 +110,15 @@ def index_text(weight_map: dict[str, str], total_size: int, total_parameters: in
     return json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
 
 
-class HFFormat(CheckpointFormat):
-    """``config.json`` + ``{stem}{ext}`` or its shards with an index, as transformers saves them."""
+class HFPlanner(FolderPlanner):
+    """An HF folder: shards of ``--max-shard-size`` and their index, config.json, tokenizer files."""
 
-    expects = "config.json + model*.safetensors or pytorch_model*.bin"
-    detect_order = 30
-    sharding = "size"
-    loads_in_transformers = True
-    torchtune_checkpointers = ("torchtune.training.FullModelHFCheckpointer",)
-    config_file = "config.json"
-    index_name: str
-    metadata_names = ("config.json",)
-    layer_field = "num_hidden_layers"
-
-    def __init__(self, name: str, stem: str, ext: str, aliases: tuple[str, ...]) -> None:
-        self.name = name  # type: ignore[misc]
-        self.aliases = aliases
-        self.stem, self.ext = stem, ext
-        self.safetensors = is_safetensors(ext)
-        self.single_name = stem + ext
-        self.index_name = f"{stem}{ext}.index.json"
-        self.shard_pattern = stem + "{suffix}" + ext  # huggingface_hub's filename pattern
-        self.weight_file = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}")
-
-    def weight_files(self, root: Path) -> list[Path]:
-        found = (p for p in entries(root) if self.weight_file.fullmatch(p.name))
-        return sorted(found, key=lambda p: natural_key(p.name))
-
-    def detect(self, root: Path) -> bool:
-        has_weights = bool(self.weight_files(root)) or is_file(root / self.index_name)
-        return is_file(root / "config.json") and has_weights
-
-    def open(self, root: Path) -> RawCheckpoint:
-        if not self.detect(root):
-            raise CkptkitError(
-                f"{root}: not an {self.name} checkpoint (needs config.json and {self.single_name} or shards)"
-            )
-        return open_raw(root, self)
-
-    def owns_file(self, name: str) -> bool:
-        return name.startswith(self.stem) and (name.endswith(self.ext) or name.endswith(self.ext + ".index.json"))
-
-    def family(self, raw: RawCheckpoint) -> Family:
-        from ckptkit.models import detect_from_hf
-
-        return detect_from_hf(raw.config, str(raw.root / raw.config_name))
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
-        try:
-            return family.config_from_hf(raw.config)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CkptkitError(f"{raw.root / raw.config_name}: missing or invalid field {e}") from None
-
-    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
-        return family.hf_layout(cfg)
-
-    def tokenizer_support(self, family: Family) -> str:
-        if family.tokenizer is None:
-            return "carried"
-        return "tokenizer.json (from a Meta tokenizer.model)"
+    fmt: HFFormat
 
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        files = size_sharded_files(targets, opts, self.shard_pattern, self.single_name, self.safetensors)
+        files = size_sharded_files(targets, opts, self.fmt.shard_pattern, self.fmt.single_name, self.fmt.safetensors)
         return files, {}
 
     def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
@@ -189,7 +135,7 @@ class HFFormat(CheckpointFormat):
         weights = list(plan.targets.values())
         main_dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
-        if recorded.get("name") == self.config_file:
+        if recorded.get("name") == self.fmt.info.config_file:
             text = recorded["text"]
             if cast is not None:
                 doc = json.loads(text)
@@ -209,9 +155,72 @@ class HFFormat(CheckpointFormat):
             else:
                 weight_map = {k: f.name for f in plan.files for k in f.keys}
                 total = sum(plan.targets[k].nbytes for k in weight_map)
-                params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.safetensors else None
-                out[self.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
+                params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.fmt.safetensors else None
+                out[self.fmt.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
         return out
+
+
+class HFFormat(CheckpointFormat):
+    """``config.json`` + ``{stem}{ext}`` or its shards with an index, as transformers saves them."""
+
+    planner = HFPlanner
+    index_name: str
+
+    def __init__(self, name: str, stem: str, ext: str, aliases: tuple[str, ...]) -> None:
+        self.name = name  # type: ignore[misc]
+        self.stem, self.ext = stem, ext
+        self.safetensors = is_safetensors(ext)
+        self.single_name = stem + ext
+        self.index_name = f"{stem}{ext}.index.json"
+        self.shard_pattern = stem + "{suffix}" + ext  # huggingface_hub's filename pattern
+        self.info = FormatInfo(
+            expects="config.json + model*.safetensors or pytorch_model*.bin",
+            weight_file=re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?{re.escape(ext)}"),
+            detect_order=30,
+            config_file="config.json",
+            index_name=self.index_name,
+            metadata_names=("config.json",),
+            layer_field="num_hidden_layers",
+            loads_in_transformers=True,
+            sharding="size",
+            aliases=aliases,
+            lone_file=re.compile(rf"{re.escape(stem)}(?s:.*){re.escape(ext)}(?:\.index\.json)?"),
+            torchtune_checkpointers=("torchtune.training.FullModelHFCheckpointer",),
+        )
+
+    def weight_files(self, root: Path) -> list[Path]:
+        found = (p for p in entries(root) if self.info.weight_file.fullmatch(p.name))
+        return sorted(found, key=lambda p: natural_key(p.name))
+
+    def detect(self, root: Path) -> bool:
+        has_weights = bool(self.weight_files(root)) or is_file(root / self.index_name)
+        return is_file(root / "config.json") and has_weights
+
+    def open(self, root: Path) -> RawCheckpoint:
+        if not self.detect(root):
+            raise CkptkitError(
+                f"{root}: not an {self.name} checkpoint (needs config.json and {self.single_name} or shards)"
+            )
+        return open_raw(root, self)
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        from ckptkit.models import detect_from_hf
+
+        return detect_from_hf(raw.config, str(raw.root / raw.config_name))
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        try:
+            return family.config_from_hf(raw.config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CkptkitError(f"{raw.root / raw.config_name}: missing or invalid field {e}") from None
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return family.hf_layout(cfg)
+
+    def tokenizer_support(self, family: Family) -> str:
+        if family.tokenizer is None:
+            return "carried"
+        return "tokenizer.json (from a Meta tokenizer.model)"
 
 
 HF_ALIASES = ("huggingface", "hugging-face", "transformers", "safetensors", "hf-safetensors")

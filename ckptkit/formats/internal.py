@@ -20,7 +20,8 @@ from ckptkit.formats.base import (
     TensorReader,
     read_json,
 )
-from ckptkit.formats.format import CheckpointFormat, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import find_format, register
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
@@ -109,16 +110,50 @@ def open_raw(root: Path) -> RawCheckpoint:
     )
 
 
+class InternalPlanner(FolderPlanner):
+    """Canonical names as they are, unused tensors under a prefix, shards of ``--max-shard-size``."""
+
+    fmt: InternalFormat
+
+    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
+        """Made from an HF layout (not by way of Meta, which keeps those files only in its record)."""
+        source = find_format(origin.get("format"))
+        return (
+            source is not None
+            and source is not self.fmt
+            and source.planner(source).keeps_hf_files({})
+            and not origin.get("tokenizer")
+        )
+
+    def targets(
+        self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
+    ) -> tuple[dict[str, Lazy], list[str]]:
+        targets = dict(ckpt.tensors)
+        targets.update({UNUSED_PREFIX + k: v for k, v in ckpt.unused.items()})
+        return targets, []
+
+    def required(self, ckpt: OpenedCheckpoint) -> set[str]:
+        return set(ckpt.tensors)
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        return size_sharded_files(targets, opts, PATTERN, SINGLE, safetensors=True), {}
+
+
 class InternalFormat(CheckpointFormat):
     """Canonical names in safetensors + ``ckptkit.json`` (config and the origin layout)."""
 
     name = "internal"
-    expects = "ckptkit.json"
-    detect_order = 10
-    sharding = "size"
-    weight_file = FILE_NAME
-    metadata_names = (INTERNAL_FILE,)
-    layer_field = "config.num_layers"
+    info = FormatInfo(
+        expects="ckptkit.json",
+        weight_file=FILE_NAME,
+        detect_order=10,
+        metadata_names=(INTERNAL_FILE,),
+        layer_field="config.num_layers",
+        sharding="size",
+    )
+    planner = InternalPlanner
 
     def detect(self, root: Path) -> bool:
         return detect(root)
@@ -176,28 +211,8 @@ class InternalFormat(CheckpointFormat):
     def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
         return raw.config.get("origin") or {}, raw.root / INTERNAL_FILE
 
-    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
-        """Made from an HF layout (not by way of Meta, which keeps those files only in its record)."""
-        source = find_format(origin.get("format"))
-        return source is not None and source is not self and source.keeps_hf_files({}) and not origin.get("tokenizer")
-
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps
-
-    def targets(
-        self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
-    ) -> tuple[dict[str, Lazy], list[str]]:
-        targets = dict(ckpt.tensors)
-        targets.update({UNUSED_PREFIX + k: v for k, v in ckpt.unused.items()})
-        return targets, []
-
-    def required(self, ckpt: OpenedCheckpoint) -> set[str]:
-        return set(ckpt.tensors)
-
-    def default_files(
-        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
-    ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        return size_sharded_files(targets, opts, PATTERN, SINGLE, safetensors=True), {}
 
     def record_origin(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         doc = {

@@ -25,7 +25,8 @@ from ckptkit.formats.base import (
     read_config,
 )
 from ckptkit.formats.containers import open_tensor_file
-from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torchtune import SINGLE_FILE as TORCHTUNE_FILE
@@ -140,59 +141,10 @@ def open_raw(root: Path) -> RawCheckpoint:
     )
 
 
-class MetaFormat(CheckpointFormat):
-    """Meta's ``consolidated.NN.pth`` ranks (or Mistral's ``consolidated.safetensors``) + ``params.json``."""
+class MetaPlanner(FolderPlanner):
+    """Meta's ranks (``--shards N``) or Mistral's one safetensors file, params.json, tokenizer.model."""
 
-    name = "meta"
-    expects = "params.json + consolidated.*.pth"
-    aliases = ("llama", "consolidated")
-    detect_order = 20
-    sharding = "ranks"
-    torchtune_checkpointers = ("torchtune.training.FullModelMetaCheckpointer",)
-    weight_file = WEIGHT_FILE
-    config_file = "params.json"
-    metadata_names = ("params.json",)
-    layer_field = "n_layers"
-
-    def detect(self, root: Path) -> bool:
-        return detect(root)
-
-    def open(self, root: Path) -> RawCheckpoint:
-        if not detect(root):
-            raise CkptkitError(f"{root}: not a Meta checkpoint (needs params.json and consolidated.*.pth)")
-        return open_raw(root)
-
-    def owns_file(self, name: str) -> bool:
-        return name.startswith("consolidated.") or bool(TORCHTUNE_FILE.fullmatch(name))
-
-    def _source(self, raw: RawCheckpoint) -> Any:
-        from ckptkit.models import MetaSource
-
-        return MetaSource(
-            raw.config,
-            {k: i.shape for k, i in raw.infos.items()},
-            "safetensors" if SAFETENSORS_FILE in raw.files else "pth",
-            lambda: _output_repeats_embeddings(raw),
-        )
-
-    def family(self, raw: RawCheckpoint) -> Family:
-        from ckptkit.models import detect_from_meta
-
-        return detect_from_meta(self._source(raw), str(raw.root / raw.config_name))
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
-        try:
-            return family.config_from_meta(self._source(raw))
-        except CkptkitError as e:
-            raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
-
-    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
-        return family.meta_layout(cfg)
-
-    def tokenizer_support(self, family: Family) -> str:
-        if family.tokenizer is None:
-            return "-"
-        return f"tokenizer.model ({family.tokenizer.kind})"
+    fmt: MetaFormat
 
     def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
         return family.meta_extra_tensors(cfg)
@@ -229,6 +181,63 @@ class MetaFormat(CheckpointFormat):
         if recorded.get("name") == "params.json":
             return {"params.json": recorded["text"]}
         return {"params.json": json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+
+
+class MetaFormat(CheckpointFormat):
+    """Meta's ``consolidated.NN.pth`` ranks (or Mistral's ``consolidated.safetensors``) + ``params.json``."""
+
+    planner = MetaPlanner
+
+    name = "meta"
+    info = FormatInfo(
+        expects="params.json + consolidated.*.pth",
+        weight_file=WEIGHT_FILE,
+        detect_order=20,
+        config_file="params.json",
+        metadata_names=("params.json",),
+        layer_field="n_layers",
+        sharding="ranks",
+        aliases=("llama", "consolidated"),
+        lone_file=re.compile(rf"(?s:consolidated\..*)|(?:{TORCHTUNE_FILE.pattern})"),
+        torchtune_checkpointers=("torchtune.training.FullModelMetaCheckpointer",),
+    )
+
+    def detect(self, root: Path) -> bool:
+        return detect(root)
+
+    def open(self, root: Path) -> RawCheckpoint:
+        if not detect(root):
+            raise CkptkitError(f"{root}: not a Meta checkpoint (needs params.json and consolidated.*.pth)")
+        return open_raw(root)
+
+    def _source(self, raw: RawCheckpoint) -> Any:
+        from ckptkit.models import MetaSource
+
+        return MetaSource(
+            raw.config,
+            {k: i.shape for k, i in raw.infos.items()},
+            "safetensors" if SAFETENSORS_FILE in raw.files else "pth",
+            lambda: _output_repeats_embeddings(raw),
+        )
+
+    def family(self, raw: RawCheckpoint) -> Family:
+        from ckptkit.models import detect_from_meta
+
+        return detect_from_meta(self._source(raw), str(raw.root / raw.config_name))
+
+    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        try:
+            return family.config_from_meta(self._source(raw))
+        except CkptkitError as e:
+            raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
+
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        return family.meta_layout(cfg)
+
+    def tokenizer_support(self, family: Family) -> str:
+        if family.tokenizer is None:
+            return "-"
+        return f"tokenizer.model ({family.tokenizer.kind})"
 
 
 def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:

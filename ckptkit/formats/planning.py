@@ -1,16 +1,17 @@
 """The plan a folder format writes by default: restore the recorded layout, or lay out afresh.
 
 :meth:`ckptkit.formats.format.CheckpointFormat.plan` is this module's :func:`folder_plan`
-unless a format lays its output out otherwise (GGUF); the format answers the questions it
-asks (its targets, its default files, its metadata and tokenizer files).
+unless a format lays its output out otherwise (GGUF); the format's :class:`FolderPlanner`
+answers the questions it asks (its targets, its default files, its metadata and tokenizer
+files).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ckptkit.errors import note
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan
 from ckptkit.models.moe import MoEFields
 from ckptkit.models.moe import experts as experts_of
@@ -20,52 +21,108 @@ from ckptkit.tensors.lazy import Lazy, decoded_lazy
 from ckptkit.tokenization import TokenizerPlan
 
 if TYPE_CHECKING:
-    from ckptkit.models import Family
+    from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
 
 
-class Target(Protocol):
-    """What :func:`folder_plan` asks of the target format."""
+class PlannedFormat(Protocol):
+    """What a planner asks of its format (a ``CheckpointFormat``): its name and layout."""
 
     name: ClassVar[str]
 
+    def layout(self, family: Family, cfg: ModelConfig) -> Layout: ...
+
+
+class FolderPlanner:
+    """How a folder format lays a checkpoint out: the questions :func:`folder_plan` asks,
+    answered by default for a format whose files hold the family's :meth:`layout`; a format
+    subclasses it for its file names (:meth:`default_files`, which every folder format
+    answers) and its metadata, tokenizer and extra tensors."""
+
+    def __init__(self, fmt: PlannedFormat) -> None:
+        self.fmt = fmt
+
+    def plan(self, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
+        """The plan of ``ckpt`` in this format (:func:`folder_plan`)."""
+        return folder_plan(self, ckpt, opts)
+
+    def extra_tensors(self, family: Family, cfg: ModelConfig) -> dict[str, Lazy]:
+        """Tensors this format's own checkpoints carry that the model does not use."""
+        return {}
+
     def targets(
         self, ckpt: OpenedCheckpoint, pool: dict[str, Lazy], with_optional: bool
-    ) -> tuple[dict[str, Lazy], list[str]]: ...
+    ) -> tuple[dict[str, Lazy], list[str]]:
+        """(native name -> tensor to write, notes) from the canonical tensors and ``pool``,
+        the unused tensors this conversion could carry."""
+        from ckptkit.formats.canonical import native_targets
 
-    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout: ...
+        layout = self.write_layout(ckpt)
+        targets = native_targets(ckpt.tensors, layout, ckpt.config, with_optional)
+        for name, lazy in self.extra_tensors(ckpt.family, ckpt.config).items():
+            pool.setdefault(name, lazy)
+        targets.update({k: v for k, v in pool.items() if layout.is_unused(k)})
+        dropped = [k for k in pool if not layout.is_unused(k)]
+        notes = []
+        if dropped:
+            why = f"{self.fmt.name} does not hold them, the model does not use them"
+            notes.append(note(f"not carried ({why}): {', '.join(dropped[:4])}"))
+        return targets, notes
 
-    def required(self, ckpt: OpenedCheckpoint) -> set[str]: ...
+    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
+        """The layout written: the format's layout of the family."""
+        try:
+            return self.fmt.layout(ckpt.family, ckpt.config)
+        except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
+            raise CkptkitError(f"{ckpt.path}: {e}") from None
 
-    def split_dim(self, name: str, ndim: int, family: Family) -> int | None: ...
+    def required(self, ckpt: OpenedCheckpoint) -> set[str]:
+        """Native names a restored layout must place."""
+        layout = self.write_layout(ckpt)
+        return {r.native for r in layout.expand(ckpt.config.num_layers) if not r.optional}
+
+    def split_dim(self, name: str, ndim: int, family: Family) -> int | None:
+        """The dim model-parallel ranks split tensor ``name`` on (None: replicated)."""
+        return None
 
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
-    ) -> tuple[list[FilePlan], dict[str, int | None]]: ...
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        """File names and partition for a fresh layout: (files, rank split dims)."""
+        raise NotImplementedError
 
-    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan: ...
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        """Non-weight files to write (config, index): name -> text."""
+        return {}
 
-    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]: ...
+    def keeps_hf_files(self, origin: dict[str, Any]) -> bool:
+        """Whether this format's checkpoints (converted from ``origin``) hold an HF folder's
+        non-weight files as they were."""
+        return False
+
+    def tokenizer(self, ckpt: OpenedCheckpoint) -> TokenizerPlan:
+        """What to do with the source's tokenizer files: by default carry them as they are."""
+        return TokenizerPlan()
 
 
-def folder_plan(fmt: Target, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
+def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
     """Decide file names, partition, order and metadata of the output."""
     origin = ckpt.origin
-    restore = origin.get("format") == fmt.name and opts.shards is None and opts.max_shard_size is None
+    restore = origin.get("format") == planner.fmt.name and opts.shards is None and opts.max_shard_size is None
     ckpt, restore = experts_view(ckpt, opts.experts, restore)
-    targets, notes = fmt.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
+    targets, notes = planner.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
     if opts.dtype is not None:
         kept = [k for k, v in targets.items() if v.dtype not in FLOATING]
         if kept:
             notes.append(note(f"not cast (not floating point, kept as stored): {', '.join(kept[:4])}"))
     targets = {k: _cast(k, v, opts.dtype, opts.allow_lossy_cast) for k, v in targets.items()}
-    plan = _restored_plan(ckpt, fmt, targets, notes) if restore else None
+    plan = _restored_plan(ckpt, planner, targets, notes) if restore else None
     if plan is None:
-        files, split = fmt.default_files(ckpt, targets, opts)
-        plan = Plan(fmt.name, targets, files, split, notes=notes)
-    plan.tokenizer = fmt.tokenizer(ckpt)
+        files, split = planner.default_files(ckpt, targets, opts)
+        plan = Plan(planner.fmt.name, targets, files, split, notes=notes)
+    plan.tokenizer = planner.tokenizer(ckpt)
     plan.notes.extend(plan.tokenizer.notes)
-    plan.metadata_files.update(fmt.metadata_files(ckpt, plan, opts.dtype))
+    plan.metadata_files.update(planner.metadata_files(ckpt, plan, opts.dtype))
     plan.verify_cast = opts.dtype
     return plan
 
@@ -102,20 +159,22 @@ def _cast(name: str, lazy: Lazy, dtype: str | None, allow_lossy: bool) -> Lazy:
     )
 
 
-def _plain_copies(ckpt: OpenedCheckpoint, fmt: Target) -> dict[str, str]:
+def _plain_copies(ckpt: OpenedCheckpoint, planner: FolderPlanner) -> dict[str, str]:
     """Native name -> the canonical tensor it is an unchanged copy of (copied or tied)."""
     from ckptkit.tensors.transforms import COPY, TIED
 
-    rules = fmt.write_layout(ckpt).expand(ckpt.config.num_layers)
+    rules = planner.write_layout(ckpt).expand(ckpt.config.num_layers)
     return {r.native: r.canonical[0] for r in rules if r.kind in (COPY, TIED) and len(r.canonical) == 1}
 
 
-def _shared_storage(ckpt: OpenedCheckpoint, fmt: Target, recorded: dict[str, str], keys: list[str]) -> dict[str, str]:
+def _shared_storage(
+    ckpt: OpenedCheckpoint, planner: FolderPlanner, recorded: dict[str, str], keys: list[str]
+) -> dict[str, str]:
     """The recorded aliases (key -> key whose storage it shares) that still hold: both
     written, both the same canonical tensor unchanged."""
     if not recorded:
         return {}
-    copies = _plain_copies(ckpt, fmt)
+    copies = _plain_copies(ckpt, planner)
     return {a: p for a, p in recorded.items() if a in keys and p in keys and copies.get(a, a) == copies.get(p, p)}
 
 
@@ -128,16 +187,19 @@ def _unused_pool(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
     return pool
 
 
-def _restored_plan(ckpt: OpenedCheckpoint, fmt: Target, targets: dict[str, Lazy], notes: list[str]) -> Plan | None:
-    """The recorded layout of ``fmt`` (file names, order, ranks, storage sharing), if it still fits."""
+def _restored_plan(
+    ckpt: OpenedCheckpoint, planner: FolderPlanner, targets: dict[str, Lazy], notes: list[str]
+) -> Plan | None:
+    """The recorded layout of ``planner`` (file names, order, ranks, storage sharing), if it still fits."""
     origin = ckpt.origin
     placed = [k for f in origin["files"] for k in f["keys"]]
-    required = fmt.required(ckpt)
+    required = planner.required(ckpt)
     missing = [k for k in targets if k not in placed and k in required]
     if missing:
         notes.append(
             note(
-                f"the recorded {fmt.name} layout does not fit this model ({missing[0]}): written in the default layout"
+                f"the recorded {planner.fmt.name} layout does not fit this model ({missing[0]}): "
+                "written in the default layout"
             )
         )
         return None
@@ -153,7 +215,7 @@ def _restored_plan(ckpt: OpenedCheckpoint, fmt: Target, targets: dict[str, Lazy]
     files = []
     for i, f in enumerate(origin["files"]):
         keys = [k for k in f["keys"] if k in targets]
-        aliases = _shared_storage(ckpt, fmt, f.get("aliases") or {}, keys)
+        aliases = _shared_storage(ckpt, planner, f.get("aliases") or {}, keys)
         files.append(
             FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases, archive=f.get("archive"))
         )
@@ -161,9 +223,9 @@ def _restored_plan(ckpt: OpenedCheckpoint, fmt: Target, targets: dict[str, Lazy]
     split = dict(origin.get("split_dims") or {})
     if n > 1:
         for k in keep:
-            split.setdefault(k, fmt.split_dim(k, len(targets[k].shape), ckpt.family))
+            split.setdefault(k, planner.split_dim(k, len(targets[k].shape), ckpt.family))
     return Plan(
-        fmt.name,
+        planner.fmt.name,
         {k: v for k, v in targets.items() if k in keep},
         files,
         split if n > 1 else {},

@@ -81,18 +81,18 @@ def get_format(name: str) -> CheckpointFormat:
 
 def torchtune_checkpointers() -> tuple[str, ...]:
     """The torchtune checkpointer components that read some registered format."""
-    return tuple(dict.fromkeys(c for f in REGISTRY.values() for c in f.torchtune_checkpointers))
+    return tuple(dict.fromkeys(c for f in REGISTRY.values() for c in f.info.torchtune_checkpointers))
 
 
 def formats_read_by(component: str) -> tuple[str, ...]:
     """The names of the registered formats torchtune's checkpointer ``component`` reads."""
-    return tuple(f.name for f in REGISTRY.values() if component in f.torchtune_checkpointers)
+    return tuple(f.name for f in REGISTRY.values() if component in f.info.torchtune_checkpointers)
 
 
 def transformers_format() -> CheckpointFormat:
     """The format to write for transformers (and PEFT) to load: the first registered one
     ``from_pretrained`` reads as it is (HF safetensors)."""
-    return next(f for f in REGISTRY.values() if f.loads_in_transformers)
+    return next(f for f in REGISTRY.values() if f.info.loads_in_transformers)
 
 
 def detect_format(root: Path) -> CheckpointFormat:
@@ -103,23 +103,23 @@ def detect_format(root: Path) -> CheckpointFormat:
         found = source_file_format(root)
         if found is not None:
             return found
-        files = [f.expects for f in REGISTRY.values() if f.reads_file]
+        files = [f.info.expects for f in REGISTRY.values() if f.info.reads_file]
         raise CkptkitError(f"{root}: expected a checkpoint directory" + "".join(f" or {e}" for e in files))
-    for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
+    for fmt in sorted(REGISTRY.values(), key=lambda f: f.info.detect_order):
         if fmt.detect(root):
             return fmt
     if not entries(root):
         raise CkptkitError(f"{root}: directory is empty")
     present = sorted(p.name for p in entries(root))
-    for fmt in sorted(REGISTRY.values(), key=lambda f: f.detect_order):
-        weights = [n for n in present if fmt.weight_file.fullmatch(n)]
-        needed = fmt.config_file or next(iter(fmt.metadata_names), None)
+    for fmt in sorted(REGISTRY.values(), key=lambda f: f.info.detect_order):
+        weights = [n for n in present if fmt.info.weight_file.fullmatch(n)]
+        needed = fmt.info.config_file or next(iter(fmt.info.metadata_names), None)
         if weights and needed and needed not in present:
             raise CkptkitError(
                 f"{root}: holds {fmt.name} weights ({weights[0]}) but no {needed}; copy the {needed} that came "
                 f"with them into the folder (it gives the model's shape)"
             )
-    names = list(dict.fromkeys(f.expects for f in REGISTRY.values()))
+    names = list(dict.fromkeys(f.info.expects for f in REGISTRY.values()))
     raise CkptkitError(f"{root}: not a recognised checkpoint (expected {', '.join(names[:-1])}, or {names[-1]})")
 
 
@@ -128,7 +128,12 @@ def source_file_format(path: Path) -> CheckpointFormat | None:
     if is_dir(path):
         return None
     return next(
-        (f for f in sorted(REGISTRY.values(), key=lambda f: f.detect_order) if f.reads_file and f.detect(path)), None
+        (
+            f
+            for f in sorted(REGISTRY.values(), key=lambda f: f.info.detect_order)
+            if f.info.reads_file and f.detect(path)
+        ),
+        None,
     )
 
 
@@ -136,12 +141,13 @@ def holds_hf_files(ckpt: OpenedCheckpoint) -> bool:
     """Whether ``ckpt`` holds an HF folder's tokenizer files as they were (an HF layout, or
     one recorded as its origin by a format that keeps them): such files are carried byte
     for byte between HF layouts and none are generated."""
-    return get_format(ckpt.raw.format).keeps_hf_files(ckpt.origin)
+    fmt = get_format(ckpt.raw.format)
+    return fmt.planner(fmt).keeps_hf_files(ckpt.origin)
 
 
 def file_format(name: str) -> CheckpointFormat | None:
     """The format a lone weight or index file of this name belongs to, if any."""
-    return next((f for f in REGISTRY.values() if f.owns_file(name)), None)
+    return next((f for f in REGISTRY.values() if f.info.lone_file and f.info.lone_file.fullmatch(name)), None)
 
 
 def is_checkpoint_file(name: str) -> bool:
@@ -150,5 +156,6 @@ def is_checkpoint_file(name: str) -> bool:
     if name == ORIGIN_FILE or holds_weights(name):
         return True
     return any(
-        f.weight_file.fullmatch(name) or name in f.metadata_names or name == f.index_name for f in REGISTRY.values()
+        f.info.weight_file.fullmatch(name) or name in f.info.metadata_names or name == f.info.index_name
+        for f in REGISTRY.values()
     )

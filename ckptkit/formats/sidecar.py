@@ -67,12 +67,12 @@ def check_origin(origin: Any, where: Path) -> dict[str, Any]:
     if not origin:
         return origin  # nothing recorded
     fmt = find_format(origin.get("format"))
-    if fmt is None or fmt.config_file is None:  # a format never recorded as an origin: internal
+    if fmt is None or fmt.info.config_file is None:  # a format never recorded as an origin: internal
         _fail(where, f"unknown format {origin.get('format')!r}")
     _need(isinstance(origin.get("model_type"), str), where, "model_type")
     files = origin.get("files")
     _need(isinstance(files, list) and bool(files), where, "files")
-    pattern = fmt.weight_file
+    pattern = fmt.info.weight_file
     names: list[str] = []
     placed: set[str] = set()
     for f in files:
@@ -96,7 +96,7 @@ def check_origin(origin: Any, where: Path) -> dict[str, Any]:
 
 def _check_config(config: Any, fmt: CheckpointFormat, where: Path) -> None:
     _need(isinstance(config, dict), where, "config")
-    _need(config.get("name") == fmt.config_file, where, f"config name {config.get('name')!r}")
+    _need(config.get("name") == fmt.info.config_file, where, f"config name {config.get('name')!r}")
     _need(isinstance(config.get("text"), str), where, "config text")
     doc = loads_json(config["text"], where, f"invalid recorded {config['name']}")
     _need(isinstance(doc, dict), where, f"{config['name']} is not a JSON object")
@@ -106,8 +106,8 @@ def _check_config(config: Any, fmt: CheckpointFormat, where: Path) -> None:
 def _check_index(index: Any, fmt: CheckpointFormat, names: list[str], placed: set[str], where: Path) -> None:
     if index is None:
         return
-    _need(fmt.index_name is not None and isinstance(index, dict), where, "index")
-    _need(index.get("name") == fmt.index_name, where, f"index name {index.get('name')!r}")
+    _need(fmt.info.index_name is not None and isinstance(index, dict), where, "index")
+    _need(index.get("name") == fmt.info.index_name, where, f"index name {index.get('name')!r}")
     _need(isinstance(index.get("text"), str), where, "index text")
     doc = loads_json(index["text"], where, "invalid recorded index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -73,9 +73,9 @@ class Checkpointer:
         from ckptkit.plan import plan_conversion
 
         with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
-            self.loads_in_transformers = ckpt.fmt.loads_in_transformers
+            self.loads_in_transformers = ckpt.fmt.info.loads_in_transformers
             component = self.torchtune_checkpointer
-            if component is not None and component not in ckpt.fmt.torchtune_checkpointers:
+            if component is not None and component not in ckpt.fmt.info.torchtune_checkpointers:
                 raise CkptkitError(
                     f"{self.checkpoint_dir}: is a {ckpt.format} checkpoint but checkpointer._component_ names "
                     f"torchtune's checkpointer for {' or '.join(formats_read_by(component))}; ckptkit's reads any "
@@ -198,7 +198,7 @@ class Checkpointer:
         if self.hf_base_dir:
             folder = Path(self.hf_base_dir)
             with open_checkpoint(folder) as ckpt:
-                if not ckpt.fmt.loads_in_transformers:
+                if not ckpt.fmt.info.loads_in_transformers:
                     raise CkptkitError(f"{folder}: is {ckpt.format}, not HF; check checkpointer.hf_base_dir")
             self.peft_base = str(folder.resolve())
             return

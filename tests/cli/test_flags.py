@@ -17,7 +17,7 @@ from ckptkit.formats import REGISTRY
 
 from conftest import FIXTURES
 
-RANKED = [name for name, fmt in REGISTRY.items() if fmt.sharding == "ranks"]
+RANKED = [name for name, fmt in REGISTRY.items() if fmt.info.sharding == "ranks"]
 
 CASES = {
     "max-shard-size for meta": (

@@ -77,7 +77,7 @@ def _outcome(src: Path, dst: Path, to: str, verify: bool = False) -> dict[str, s
 
 
 def _target(tmp: Path, name: str, to: str) -> Path:
-    suffix = REGISTRY[to].file_suffix
+    suffix = REGISTRY[to].info.file_suffix
     return tmp / (name + suffix if suffix is not None else name)
 
 

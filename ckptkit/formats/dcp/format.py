@@ -26,7 +26,8 @@ from ckptkit.formats.dcp.folder import (
 from ckptkit.formats.dcp.metadata import METADATA
 from ckptkit.formats.dcp.reading import DcpCheckpoint
 from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
-from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import register
 from ckptkit.formats.writers import TensorWriter
 
@@ -38,21 +39,58 @@ if TYPE_CHECKING:
 TIE_SAMPLE_BYTES = 4096
 
 
+class DcpPlanner(FolderPlanner):
+    """DCP ranks (``--shards N``, dim 0 split where it divides), params.json; torchtitan's names for titan."""
+
+    fmt: DcpFormat
+
+    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
+        layout = super().write_layout(ckpt)
+        if not self.fmt.titan:
+            return layout
+
+        def renamed(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+            return tuple(dataclasses.replace(r, native=titan_name(r.native)) for r in rules)
+
+        return dataclasses.replace(
+            layout, head=renamed(layout.head), layer=renamed(layout.layer), tail=renamed(layout.tail)
+        )
+
+    def default_files(
+        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
+    ) -> tuple[list[FilePlan], dict[str, int | None]]:
+        n = opts.shards or 1
+        split: dict[str, int | None] = {}
+        for k, t in targets.items():
+            split[k] = 0 if n > 1 and t.shape and t.shape[0] % n == 0 and t.shape[0] >= n else None
+        files = [
+            FilePlan(rank_file(r), [k for k in targets if r == 0 or split[k] is not None], rank=r, ranks=n)
+            for r in range(n)
+        ]
+        return files, split if n > 1 else {}
+
+    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
+        return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+
+
 class DcpFormat(CheckpointFormat):
     """``.metadata`` + ``__R_N.distcp`` (``step-N`` folders allowed), model tensors named in
     Meta's spelling or (``titan``) torchtitan's 2026 one."""
 
-    expects = ".metadata + __R_N.distcp (PyTorch DCP)"
-    detect_order = 15
-    sharding = "ranks"
-    weight_file = DISTCP
-    metadata_names = (METADATA,)
-    layer_field = "n_layers"
+    planner = DcpPlanner
 
     def __init__(self, name: str, titan: bool, aliases: tuple[str, ...]) -> None:
         self.name = name  # type: ignore[misc]
         self.titan = titan
-        self.aliases = aliases
+        self.info = FormatInfo(
+            expects=".metadata + __R_N.distcp (PyTorch DCP)",
+            weight_file=DISTCP,
+            detect_order=15,
+            metadata_names=(METADATA,),
+            layer_field="n_layers",
+            sharding="ranks",
+            aliases=aliases,
+        )
 
     def detect(self, root: Path) -> bool:
         return checkpoint_folder(root) is not None and spelled_2026(root) == self.titan
@@ -89,39 +127,11 @@ class DcpFormat(CheckpointFormat):
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.meta_layout(cfg)  # as read: opening names tensors in Meta's spelling
 
-    def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
-        layout = super().write_layout(ckpt)
-        if not self.titan:
-            return layout
-
-        def renamed(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
-            return tuple(dataclasses.replace(r, native=titan_name(r.native)) for r in rules)
-
-        return dataclasses.replace(
-            layout, head=renamed(layout.head), layer=renamed(layout.layer), tail=renamed(layout.tail)
-        )
-
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return {}  # a DCP layout (ranks, chunks) is not restored: converting to dcp lays out afresh
 
-    def default_files(
-        self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
-    ) -> tuple[list[FilePlan], dict[str, int | None]]:
-        n = opts.shards or 1
-        split: dict[str, int | None] = {}
-        for k, t in targets.items():
-            split[k] = 0 if n > 1 and t.shape and t.shape[0] % n == 0 and t.shape[0] >= n else None
-        files = [
-            FilePlan(rank_file(r), [k for k in targets if r == 0 or split[k] is not None], rank=r, ranks=n)
-            for r in range(n)
-        ]
-        return files, split if n > 1 else {}
-
     def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
         return DistcpWriter(path, plan.entries(file), direct)
-
-    def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
 
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         (out_dir / METADATA).write_bytes(metadata_bytes(plan))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
-from ckptkit.formats.format import CheckpointFormat
+from ckptkit.formats.format import CheckpointFormat, FormatInfo
 from ckptkit.formats.gguf import model
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
@@ -156,21 +156,21 @@ class GGUFFormat(CheckpointFormat):
     """One ``.gguf`` file as llama.cpp writes it; as SRC or DST, a file path ending in ``.gguf``."""
 
     name = "gguf"
-    expects = "a .gguf file"
-    detect_order = 5
-    weight_file = re.compile(r"[^/]+\.gguf")
-    layer_field = "block_count"
-    reads_file = True  # SRC is one file
-    file_suffix = ".gguf"  # DST is one file, not a folder
-    extra_dtypes = ("q8_0",)
-    writes_adapters = True  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``adapter``)
+    info = FormatInfo(
+        expects="a .gguf file",
+        weight_file=re.compile(r"[^/]+\.gguf"),
+        detect_order=5,
+        layer_field="block_count",
+        reads_file=True,  # SRC is one file
+        file_suffix=".gguf",  # DST is one file, not a folder
+        extra_dtypes=("q8_0",),
+        lone_file=re.compile(r"(?s:.*)\.gguf"),
+        writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
+    )
 
     # --- reading ------------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
         return is_file(root) and root.suffix == ".gguf"
-
-    def owns_file(self, name: str) -> bool:
-        return name.endswith(".gguf")
 
     def open(self, root: Path) -> RawCheckpoint:
         if not is_file(root):  # asked by name (--from gguf, a written GGUF verified): any file name

@@ -64,21 +64,22 @@ def is_hf_config(name: str | None) -> bool:
     as the format transformers loads says."""
     from ckptkit.formats.registry import transformers_format
 
-    return name is not None and name == transformers_format().config_file
+    return name is not None and name == transformers_format().info.config_file
 
 
 def is_hf_weights(name: str) -> bool:
     """Whether a weight file of this name is one a folder transformers loads holds."""
     from ckptkit.formats.registry import REGISTRY
 
-    return any(f.weight_file.fullmatch(name) for f in REGISTRY.values() if f.loads_in_transformers)
+    return any(f.info.weight_file.fullmatch(name) for f in REGISTRY.values() if f.info.loads_in_transformers)
 
 
 def hf_targets(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
     """The tensors of ``ckpt`` as the format transformers loads names them."""
     from ckptkit.formats.registry import transformers_format
 
-    return transformers_format().targets(ckpt, {}, with_optional=False)[0]
+    hf = transformers_format()
+    return hf.planner(hf).targets(ckpt, {}, with_optional=False)[0]
 
 
 def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def _hf_files(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], fresh: bool) -> 
     if not fresh and is_hf_config((origin.get("config") or {}).get("name")) and origin.get("files"):
         return [(f["name"], list(f["keys"])) for f in origin["files"]]
     fmt = transformers_format()
-    files, _ = fmt.default_files(ckpt, targets, Options(fmt.name))
+    files, _ = fmt.planner(fmt).default_files(ckpt, targets, Options(fmt.name))
     return [(f.name, list(f.keys)) for f in files]
 
 

@@ -60,7 +60,7 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
     from ckptkit.formats.registry import transformers_format
 
     hf = transformers_format()
-    plan = hf.tokenizer(ckpt)
+    plan = hf.planner(hf).tokenizer(ckpt)
     with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
         folder = Path(tmp) / model_name(ckpt.path)
         folder.mkdir()
@@ -70,7 +70,7 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
         for name, data in plan.files.items():
             (folder / name).write_bytes(data)
         ids = {k: v for k, v in plan.ids.items() if hparams.get(k) is None and v is not None}
-        (folder / str(hf.config_file)).write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
+        (folder / str(hf.info.config_file)).write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
         if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
             raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
         yield folder
