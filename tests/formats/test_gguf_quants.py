@@ -211,11 +211,11 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
 
     from ckptkit.formats.gguf import writer
 
-    real = writer._write
+    real = writer._write_then_release
 
-    def late(out: object, chunk: memoryview, offset: int) -> str:
+    def late(*args: object) -> None:
         time.sleep(0.002)  # the main thread makes the next chunks meanwhile
-        return real(out, chunk, offset)  # type: ignore[arg-type]
+        real(*args)  # type: ignore[arg-type]
 
     for src in (FIXTURES / "hf" / "llama2", FIXTURES / "meta" / "llama2"):
         name = src.parent.name
@@ -224,8 +224,8 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
             convert(src, tmp_path / f"{name}-torch.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         with monkeypatch.context() as m:
             m.setattr(rows, "CHUNK_BYTES", 512)  # several chunks a tensor
-            m.setattr(writer, "_write", late)
-            m.setattr(writer, "WRITES_IN_FLIGHT", in_flight)
+            m.setattr(writer, "_write_then_release", late)
+            m.setattr(writer, "DEPTH", in_flight)  # chunk buffer sets: writes in flight + 1
             convert(src, tmp_path / f"{name}-late.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         assert (tmp_path / f"{name}-late.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
 
@@ -439,7 +439,7 @@ def test_a_gguf_written_past_the_page_cache_is_the_same_file(
     rows written as stored (the bfloat16 fixtures as BF16) go from the buffer they were
     read into, placed in memory as their pages are in the file: never through the staging
     copy."""
-    from ckptkit.formats.gguf import writer
+    from ckptkit import convert as convert_module
     from ckptkit.io import direct as directio
 
     monkeypatch.setattr(rows, "CHUNK_BYTES", 10_000)  # chunks ending off page boundaries
@@ -450,7 +450,7 @@ def test_a_gguf_written_past_the_page_cache_is_the_same_file(
     staging, write_direct = directio.staging, directio._write_direct
     monkeypatch.setattr(directio, "staging", lambda: staged.append(1) or staging())
     monkeypatch.setattr(directio, "_write_direct", lambda *a: went_direct.append(1) or write_direct(*a))
-    monkeypatch.setattr(writer, "direct_pays", lambda nbytes: True)
+    monkeypatch.setattr(convert_module, "direct_pays", lambda nbytes: True)
     convert(src, tmp_path / "direct.gguf", ConvertOptions("gguf", dtype=dtype))
     assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "cached.gguf").read_bytes()
     assert went_direct and (staged if dtype == "float32" else not staged)  # widened: new arrays, staged
