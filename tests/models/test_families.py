@@ -174,7 +174,8 @@ def test_native_logits_match_transformers(name: str) -> None:
 def test_gemma2_soft_capped_attention_matches_transformers_where_it_caps() -> None:
     """Queries scaled 100x in both models, so that attention scores reach the cap (50): without
     soft-capping the logits move by 0.15 (by 1.9e-6 at the fixture's own scale)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from ckptkit.train.transformer import load_model
 
     src = FIXTURES / "hf" / "gemma2"
@@ -248,7 +249,7 @@ def test_gemma3_config_written_keeps_the_sliding_layers_rope_base(tmp_path: Path
     """The config.json ckptkit writes for Gemma 3 (what GGUF -> HF writes) is, to transformers,
     the model it read: the sliding layers' rope base (set here to 20000, neither the global 1e6
     nor the default 1e4) included, and the same logits, bit for bit."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
 
     src = shutil.copytree(FIXTURES / "hf" / "gemma3_text", tmp_path / "src")
     doc = json.loads((src / "config.json").read_text())
