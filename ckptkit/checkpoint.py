@@ -58,7 +58,7 @@ class Checkpoint:
     @functools.cached_property
     def own_layout(self) -> dict[str, Any]:
         """This checkpoint's layout, as recorded for converting back to it later."""
-        return self.fmt.own_layout(self)
+        return self.fmt.records.own(self)
 
     @property
     def origin(self) -> dict[str, Any]:
@@ -136,12 +136,13 @@ def open_checkpoint(
     if root.is_dir():
         check_source_folder(root)
     reader = get_format(fmt) if fmt else detect_format(root)
-    raw = reader.open_with_config(root, None if config is None else Path(config))
+    raw = open_raw(reader, root, config)
     try:
-        family = get_family(model_type) if model_type else reader.family(raw)
+        given = get_family(model_type) if model_type else None
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)
-        cfg = family.refine_config(reader.read_config(raw, family), raw.infos)
+        family, cfg = reader.model(raw, given)
+        cfg = family.refine_config(cfg, raw.infos)
         check_layer_count(
             cfg.num_layers, raw.infos, root / raw.config_name if root.is_dir() else root, reader.info.layer_field
         )
@@ -154,9 +155,20 @@ def open_checkpoint(
         raise
 
 
+def open_raw(reader: CheckpointFormat, root: Path, config: str | Path | None = None) -> RawCheckpoint:
+    """``reader.open(root)``, with the model config ``config`` given apart (``--config``) to a
+    format whose folders may lack one; refused for the others, which carry their own."""
+    if config is not None and not reader.info.takes_config:
+        raise CkptkitError(
+            f"--config: a {reader.name} checkpoint carries its own model config; "
+            "--config is for folders without one, such as DCP checkpoints"
+        )
+    return reader.open(root, None if config is None else Path(config))
+
+
 def _check_model_type(reader: CheckpointFormat, raw: RawCheckpoint, model_type: str) -> None:
     try:
-        detected = reader.family(raw).name
+        detected = reader.model(raw)[0].name
     except CkptkitError:
         return  # detection is unsure: the given type decides
     if detected != model_type:

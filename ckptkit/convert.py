@@ -77,7 +77,7 @@ def write_plan(
     writers: dict[str, TensorWriter] = {}
     try:
         for f in plan.files:  # the format says which writer writes each file
-            writers[f.name] = fmt.writer(out if fmt.info.file_suffix else out / f.name, plan, f, direct)
+            writers[f.name] = plan.writer(out if fmt.info.file_suffix else out / f.name, f, direct)
         by_method = _write_tensors(plan, where, writers, total, label, quiet, copy_method)
         for w in writers.values():
             w.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckptkit.checkpoint import open_checkpoint
+from ckptkit.checkpoint import open_checkpoint, open_raw
 from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats import detect_format, source_file_format
 from ckptkit.formats.base import RawCheckpoint
@@ -55,7 +55,7 @@ def _inspect_dir(root: Path, model_type: str | None, config: Path | None) -> dic
             return reader.describe(raw, _with_ignored(info, raw))
     except UnknownModel:
         pass
-    raw = reader.open_with_config(root, config)  # an unknown model: still list what is there
+    raw = open_raw(reader, root, config)  # an unknown model: still list what is there
     try:
         return reader.describe(
             raw, _with_ignored(_describe(fmt, None, list(raw.files), _per_file(raw), raw.infos), raw)

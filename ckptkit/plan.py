@@ -56,7 +56,7 @@ def _offers_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat) -> bool | No
     """Whether ``fmt`` names ``ckpt``'s tensors differently in the two experts layouts
     (None: it does not hold this family at all, which the conversion itself reports)."""
     if fmt.info.file_suffix is not None:
-        return False if fmt.supports(ckpt.family)[1] else None
+        return False if fmt.support(ckpt.family).writes else None
     try:
         planner = fmt.planner(fmt)
         names = [set(planner.targets(with_experts(ckpt, x), {}, True)[0]) for x in EXPERTS_LAYOUTS]

@@ -16,9 +16,9 @@ def support_matrix() -> dict[str, dict[str, dict[str, Any]]]:
     for name, family in FAMILIES.items():
         row = matrix[name] = {}
         for fmt_name, fmt in FORMATS.items():
-            reads, writes = fmt.supports(family)
-            tokenizer = fmt.tokenizer_support(family) if writes else "-"
-            row[fmt_name] = {"read": reads, "write": writes, "tokenizer": tokenizer}
+            held = fmt.support(family)
+            tokenizer = held.tokenizer if held.writes else "-"
+            row[fmt_name] = {"read": held.reads, "write": held.writes, "tokenizer": tokenizer}
     return matrix
 
 

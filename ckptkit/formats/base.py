@@ -18,6 +18,7 @@ from ckptkit.untrusted import loads_json
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.formats.writers import TensorWriter
     from ckptkit.models import Family, ModelConfig
     from ckptkit.tensors.lazy import Lazy
 
@@ -64,6 +65,12 @@ class FilePlan:
     archive: dict[str, str] | None = None  # a restored torch pickle's zip folder name and serialization id
 
 
+class WriterFactory(Protocol):
+    """Makes the writer of one output weight file of a plan (see :meth:`Plan.writer`)."""
+
+    def __call__(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter: ...
+
+
 @dataclass
 class Plan:
     """Everything a conversion will write, decided before any tensor is read."""
@@ -77,6 +84,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     tokenizer: TokenizerPlan = field(default_factory=TokenizerPlan)
     verify_cast: str | None = None  # --verify compares the output with the source cast to this dtype
+    writes: WriterFactory | None = None  # the writer of each weight file, as the format planned it
+
+    def writer(self, path: Path, file: FilePlan, direct: bool) -> TensorWriter:
+        """The writer of weight file ``file`` at ``path`` (``direct``: whole pages past the
+        page cache), as the format that planned it chose."""
+        if self.writes is None:  # pragma: no cover - every planner says
+            raise TypeError(f"{file.name}: planned with no writer")
+        return self.writes(path, self, file, direct)
 
     def entries(self, file: FilePlan) -> list[tuple[str, str, tuple[int, ...]]]:
         """``file``'s tensors as (name, dtype, shape stored in this file), in stored order."""

@@ -3,25 +3,24 @@
 A format is one object (a :class:`CheckpointFormat` subclass instance) that its module
 registers by name (:func:`ckptkit.formats.registry.register`). The reader asks it to
 detect and open a directory and to say which family and config the metadata describes
-and which native layout the tensors use; the converter asks it how to lay out files,
-which metadata files to write and which writer writes each weight file. Nothing outside
+and which native layout the tensors use; the converter asks it for the plan of the
+output (files, order, metadata files and the writer of each weight file) and to finish
+it (what lies beside the weights). Nothing outside
 ``ckptkit/formats/`` branches on a format's name or a file's suffix.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.base import ORIGIN_FILE, FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint, read_json
-from ckptkit.formats.containers import archive_facts, tensor_file_writer
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.planning import FolderPlanner
-from ckptkit.formats.writers import TensorWriter
-from ckptkit.io import copy_file, is_file, size_of
+from ckptkit.formats.records import LayoutRecord
+from ckptkit.io import copy_file, entries, is_file
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
@@ -51,6 +50,8 @@ class FormatInfo:
         reads_file: SRC may be one file of this format (``detect`` is asked about files).
         extra_dtypes: ``--dtype`` values only this format takes (``q8_0``).
         writes_adapters: SRC may be a PEFT LoRA adapter folder (``plan_adapter``).
+        takes_config: its folders may lack a model config, given apart (``--config``, passed to
+            ``open``); other formats carry their own and refuse it.
         aliases: what users type meaning this format: the CLI's did-you-mean.
         lone_file: the names of a single weight or index file of this format, asked by
             ``inspect FILE``; None: no file of it is inspected alone.
@@ -71,75 +72,68 @@ class FormatInfo:
     reads_file: bool = False
     extra_dtypes: tuple[str, ...] = ()
     writes_adapters: bool = False
+    takes_config: bool = False
     aliases: tuple[str, ...] = ()
     lone_file: re.Pattern[str] | None = None
     torchtune_checkpointers: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Support:
+    """What a format does with a family's checkpoints (the support matrix, ``ckptkit support``).
+
+    Attributes:
+        reads / writes: whether it reads / writes checkpoints of the family.
+        tokenizer: what a conversion into it does with the tokenizer.
+    """
+
+    reads: bool
+    writes: bool
+    tokenizer: str = "carried"
+
+
 class CheckpointFormat:
-    """One on-disk format.
+    """One on-disk format: a reading part (find, open and understand a checkpoint) and a
+    writing part (lay a checkpoint out, then write what lies beside its weights).
 
     Attributes:
         name: what ``--to`` / ``--from`` accept and ``inspect`` prints.
         info: its files and the options it takes (:class:`FormatInfo`).
-        planner: how :meth:`plan` lays a folder of this format out: a
-            :class:`ckptkit.formats.planning.FolderPlanner` subclass, made with the format.
+        planner: how :meth:`plan` lays a folder of this format out, and which writer writes
+            each of its files: a :class:`ckptkit.formats.planning.FolderPlanner` subclass,
+            made with the format.
+        records: how its checkpoints record layouts (:class:`ckptkit.formats.records.LayoutRecord`):
+            the origin sidecar and their own layout, by default.
     """
 
     name: ClassVar[str]
     info: FormatInfo
     planner: ClassVar[type[FolderPlanner]] = FolderPlanner
+    records: ClassVar[LayoutRecord] = LayoutRecord()
 
     # --- reading --------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
-        """Whether directory ``root`` holds this format (file names only, nothing read)."""
+        """Whether directory ``root`` holds this format (file names only, nothing read): by
+        default, whether it holds ``info.config_file`` and a file ``info.weight_file`` matches."""
+        config = self.info.config_file
+        has_weights = any(self.info.weight_file.fullmatch(p.name) for p in entries(root))
+        return config is not None and is_file(root / config) and has_weights
+
+    def open(self, root: Path, config: Path | None = None) -> RawCheckpoint:
+        """The raw view: config text, files and tensor metadata; tensors stay unread.
+        ``config``: the model config given apart (``--config``), only ever passed to a format
+        whose ``info.takes_config`` says its folders may lack one (DCP)."""
         raise NotImplementedError
 
-    def open(self, root: Path) -> RawCheckpoint:
-        """The raw view: config text, files and tensor metadata; tensors stay unread."""
-        raise NotImplementedError
-
-    def open_with_config(self, root: Path, config: Path | None) -> RawCheckpoint:
-        """:meth:`open`, with the model config given apart (``--config``): for formats whose
-        folders may lack one (DCP); the others carry their own and refuse it."""
-        if config is not None:
-            raise CkptkitError(
-                f"--config: a {self.name} checkpoint carries its own model config; "
-                "--config is for folders without one, such as DCP checkpoints"
-            )
-        return self.open(root)
-
-    def family(self, raw: RawCheckpoint) -> Family:
-        """The model family the metadata describes; an error asking for --model-type when unsure."""
-        raise NotImplementedError
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+    def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
+        """The model family and config the metadata describes; ``family`` given
+        (``--model-type``), the config read as that family's. An error asking for
+        ``--model-type`` when the family is unsure (:class:`ckptkit.errors.UnknownModel`)."""
         raise NotImplementedError
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         """The family's native tensor names and transforms in this format."""
         raise NotImplementedError
-
-    def supports(self, family: Family) -> tuple[bool, bool]:
-        """(reads, writes) checkpoints of ``family``: by default, whether the family has a
-        layout in this format (asked with a small probe config)."""
-        from ckptkit.models.config import ModelConfig
-
-        probe = ModelConfig(family.name, 32, 16, 1, 2, 2, 8, 32, extra=family.fields())
-        try:
-            self.layout(family, probe)
-        except CkptkitError:
-            return False, False
-        return True, True
-
-    def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
-        """What ``inspect`` prints of an opened checkpoint: ``info`` as built from the tensor
-        infos by default; a format may add its own metadata or stored types."""
-        return info
-
-    def tokenizer_support(self, family: Family) -> str:
-        """What a conversion into this format does with the tokenizer (support matrix)."""
-        return "carried"
 
     def canonical_view(
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig
@@ -149,52 +143,29 @@ class CheckpointFormat:
 
         return canonical_view(raw, self.layout(family, cfg), cfg)
 
-    def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
-        """The layout recorded when these files were converted, if it still matches them,
-        unchecked, with the file it came from (:func:`ckptkit.formats.sidecar.recorded_origin`
-        checks it)."""
-        path = raw.root / ORIGIN_FILE
-        if not is_file(path):
-            return None
+    def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
+        """What ``inspect`` prints of an opened checkpoint: ``info`` as built from the tensor
+        infos by default; a format may add its own metadata or stored types."""
+        return info
+
+    def support(self, family: Family) -> Support:
+        """Whether it reads and writes checkpoints of ``family``, and what it does with their
+        tokenizer: by default, both when the family has a layout in this format (asked with
+        a small probe config), the tokenizer files carried as they are."""
+        from ckptkit.models.config import ModelConfig
+
+        probe = ModelConfig(family.name, 32, 16, 1, 2, 2, 8, 32, extra=family.fields())
         try:
-            _, doc = read_json(path)
-            written = doc["written"]
-            sizes = {name: size_of(raw.root / name) for name in raw.files}
-            if written["format"] != raw.format or written["files"] != sizes:
-                return None
-            return doc["origin"], path
-        except (CkptkitError, KeyError, TypeError, OSError):
-            return None
-
-    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
-        """This checkpoint's layout, as recorded for converting back to it later."""
-        from ckptkit.tensors.dtypes import dtype_name
-        from ckptkit.tensors.lazy import encode_lazy
-
-        raw = ckpt.raw
-        small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}
-        archives = {name: archive_facts(raw.root / name) for name in raw.files}
-        return {
-            "format": raw.format,
-            "model_type": ckpt.family.name,
-            "files": [
-                {"name": name, "keys": keys, "metadata": raw.file_metadata.get(name)}
-                | ({"aliases": raw.file_aliases[name]} if raw.file_aliases.get(name) else {})
-                | ({"archive": archives[name]} if archives[name] else {})
-                for name, keys in raw.files.items()
-            ],
-            "dtypes": {k: dtype_name(i.dtype) for k, i in raw.infos.items()},
-            "split_dims": raw.split_dims,
-            "config": {"name": raw.config_name, "text": raw.config_text},
-            "index": raw.index,
-            "unused": {k: encode_lazy(v) for k, v in small.items()},
-        }
+            self.layout(family, probe)
+        except CkptkitError:
+            return Support(False, False, "-")
+        return Support(True, True)
 
     # --- writing --------------------------------------------------------------------
     def plan(self, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
-        """How ``ckpt`` is laid out in this format: every tensor to write, its file, order and
-        ranks, and the metadata files; by default as :attr:`planner` plans a folder (the
-        recorded layout restored, else laid out afresh)."""
+        """How ``ckpt`` is laid out in this format: every tensor to write, its file, order,
+        ranks and writer, and the metadata files; by default as :attr:`planner` plans a
+        folder (the recorded layout restored, else laid out afresh)."""
         return self.planner(self).plan(ckpt, opts)
 
     def plan_adapter(self, adapter: Path, base: OpenedCheckpoint, opts: Options) -> Plan:
@@ -202,34 +173,18 @@ class CheckpointFormat:
         adapter folder ``adapter``, trained on the checkpoint ``base``."""
         raise NotImplementedError
 
-    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
-        """The writer of one output weight file of ``plan``: by default the container its
-        name says (:func:`ckptkit.formats.containers.tensor_file_writer`)."""
-        return tensor_file_writer(path, plan.entries(file), file.metadata, file.aliases, direct, file.archive)
-
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         """Write the files beside the weights: the plan's metadata files, the source's
-        layout (recorded so that converting back restores it exactly), and the source's
-        other files (tokenizer, generation config) as the plan's tokenizer says."""
+        layout (:attr:`records`, so that converting back restores it exactly), and the
+        source's other files (tokenizer, generation config) as the plan's tokenizer says."""
         for name, text in plan.metadata_files.items():
             (out_dir / name).write_text(text, encoding="utf-8")
-        self.record_origin(ckpt, plan, out_dir)
+        self.records.write(ckpt, plan, out_dir)
         for extra in ckpt.extra_files():
             if extra.name not in plan.tokenizer.skip:
                 copy_file(extra, out_dir / extra.name)
         for name, data in plan.tokenizer.files.items():
             (out_dir / name).write_bytes(data)
-
-    def record_origin(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
-        """The source's layout, recorded beside the written weights (a sidecar)."""
-        origin = ckpt.origin
-        if plan.restored or origin.get("format") in (None, plan.format):
-            return
-        if plan.tokenizer.record is not None:  # tokenizer files this format does not hold
-            origin = {**origin, "tokenizer": plan.tokenizer.record}
-        sizes = {f.name: (out_dir / f.name).stat().st_size for f in plan.files}
-        doc = {"written": {"format": plan.format, "files": sizes}, "origin": origin}
-        (out_dir / ORIGIN_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
 def size_sharded_files(

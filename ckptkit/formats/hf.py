@@ -23,7 +23,7 @@ from ckptkit.formats.base import (
     read_json,
 )
 from ckptkit.formats.containers import is_safetensors, open_tensor_file
-from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support, size_sharded_files
 from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
@@ -196,31 +196,30 @@ class HFFormat(CheckpointFormat):
         has_weights = bool(self.weight_files(root)) or is_file(root / self.index_name)
         return is_file(root / "config.json") and has_weights
 
-    def open(self, root: Path) -> RawCheckpoint:
+    def open(self, root: Path, config: Path | None = None) -> RawCheckpoint:
         if not self.detect(root):
             raise CkptkitError(
                 f"{root}: not an {self.name} checkpoint (needs config.json and {self.single_name} or shards)"
             )
         return open_raw(root, self)
 
-    def family(self, raw: RawCheckpoint) -> Family:
+    def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
         from ckptkit.models import detect_from_hf
 
-        return detect_from_hf(raw.config, str(raw.root / raw.config_name))
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        family = family or detect_from_hf(raw.config, str(raw.root / raw.config_name))
         try:
-            return family.config_from_hf(raw.config)
+            return family, family.config_from_hf(raw.config)
         except (KeyError, TypeError, ValueError) as e:
             raise CkptkitError(f"{raw.root / raw.config_name}: missing or invalid field {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.hf_layout(cfg)
 
-    def tokenizer_support(self, family: Family) -> str:
+    def support(self, family: Family) -> Support:
+        found = super().support(family)
         if family.tokenizer is None:
-            return "carried"
-        return "tokenizer.json (from a Meta tokenizer.model)"
+            return found
+        return dataclasses.replace(found, tokenizer="tokenizer.json (from a Meta tokenizer.model)")
 
 
 HF_ALIASES = ("huggingface", "hugging-face", "transformers", "safetensors", "hf-safetensors")

@@ -20,8 +20,9 @@ from ckptkit.formats.base import (
     TensorReader,
     read_json,
 )
-from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support, size_sharded_files
 from ckptkit.formats.planning import FolderPlanner
+from ckptkit.formats.records import LayoutRecord
 from ckptkit.formats.registry import find_format, register
 from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
@@ -141,6 +142,27 @@ class InternalPlanner(FolderPlanner):
         return size_sharded_files(targets, opts, PATTERN, SINGLE, safetensors=True), {}
 
 
+class InternalRecord(LayoutRecord):
+    """The origin layout kept in ``ckptkit.json``, with the config and the files."""
+
+    def read(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
+        return raw.config.get("origin") or {}, raw.root / INTERNAL_FILE
+
+    def own(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
+        return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps
+
+    def write(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
+        doc = {
+            "format": plan.format,
+            "version": VERSION,
+            "model_type": ckpt.family.name,
+            "config": config_doc(ckpt.config),
+            "files": {f.name: f.keys for f in plan.files},
+            "origin": ckpt.origin,
+        }
+        (out_dir / INTERNAL_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
 class InternalFormat(CheckpointFormat):
     """Canonical names in safetensors + ``ckptkit.json`` (config and the origin layout)."""
 
@@ -154,29 +176,23 @@ class InternalFormat(CheckpointFormat):
         sharding="size",
     )
     planner = InternalPlanner
+    records = InternalRecord()
 
     def detect(self, root: Path) -> bool:
         return detect(root)
 
-    def supports(self, family: Family) -> tuple[bool, bool]:
-        return True, True  # canonical names: every family
+    def support(self, family: Family) -> Support:
+        return Support(True, True)  # canonical names: every family
 
-    def open(self, root: Path) -> RawCheckpoint:
+    def open(self, root: Path, config: Path | None = None) -> RawCheckpoint:
         return open_raw(root)
 
-    def family(self, raw: RawCheckpoint) -> Family:
-        from ckptkit.models import get_family
+    def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
+        from ckptkit.models import ModelConfig, get_family
 
         try:
-            return get_family(raw.config["config"]["model_type"])
-        except (KeyError, TypeError) as e:
-            raise CkptkitError(f"{raw.root / INTERNAL_FILE}: invalid config ({e})") from None
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
-        from ckptkit.models import ModelConfig
-
-        try:
-            return ModelConfig.from_dict(raw.config["config"], family.fields)
+            family = family or get_family(raw.config["config"]["model_type"])
+            return family, ModelConfig.from_dict(raw.config["config"], family.fields)
         except (KeyError, TypeError) as e:
             raise CkptkitError(f"{raw.root / INTERNAL_FILE}: invalid config ({e})") from None
 
@@ -207,23 +223,6 @@ class InternalFormat(CheckpointFormat):
             if tensors[name].shape != shape:
                 raise CkptkitError(f"{root / tensors[name].file}: the config contradicts the tensor shapes: {name}")
         return {k: tensors[k] for k in expected}, unused
-
-    def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
-        return raw.config.get("origin") or {}, raw.root / INTERNAL_FILE
-
-    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
-        return ckpt.recorded_origin or {}  # canonical names: the origin is what it keeps
-
-    def record_origin(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
-        doc = {
-            "format": self.name,
-            "version": VERSION,
-            "model_type": ckpt.family.name,
-            "config": config_doc(ckpt.config),
-            "files": {f.name: f.keys for f in plan.files},
-            "origin": ckpt.origin,
-        }
-        (out_dir / INTERNAL_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
 register(InternalFormat())

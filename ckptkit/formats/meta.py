@@ -8,6 +8,7 @@ Ranks are merged on read: column-parallel tensors on dim 0, row-parallel on dim 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -25,7 +26,7 @@ from ckptkit.formats.base import (
     read_config,
 )
 from ckptkit.formats.containers import open_tensor_file
-from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
 from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
@@ -205,7 +206,7 @@ class MetaFormat(CheckpointFormat):
     def detect(self, root: Path) -> bool:
         return detect(root)
 
-    def open(self, root: Path) -> RawCheckpoint:
+    def open(self, root: Path, config: Path | None = None) -> RawCheckpoint:
         if not detect(root):
             raise CkptkitError(f"{root}: not a Meta checkpoint (needs params.json and consolidated.*.pth)")
         return open_raw(root)
@@ -220,24 +221,22 @@ class MetaFormat(CheckpointFormat):
             lambda: _output_repeats_embeddings(raw),
         )
 
-    def family(self, raw: RawCheckpoint) -> Family:
+    def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
         from ckptkit.models import detect_from_meta
 
-        return detect_from_meta(self._source(raw), str(raw.root / raw.config_name))
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        source = self._source(raw)
+        family = family or detect_from_meta(source, str(raw.root / raw.config_name))
         try:
-            return family.config_from_meta(self._source(raw))
+            return family, family.config_from_meta(source)
         except CkptkitError as e:
             raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.meta_layout(cfg)
 
-    def tokenizer_support(self, family: Family) -> str:
-        if family.tokenizer is None:
-            return "-"
-        return f"tokenizer.model ({family.tokenizer.kind})"
+    def support(self, family: Family) -> Support:
+        spec = family.tokenizer
+        return dataclasses.replace(super().support(family), tokenizer=f"tokenizer.model ({spec.kind})" if spec else "-")
 
 
 def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:

@@ -3,16 +3,19 @@
 :meth:`ckptkit.formats.format.CheckpointFormat.plan` is this module's :func:`folder_plan`
 unless a format lays its output out otherwise (GGUF); the format's :class:`FolderPlanner`
 answers the questions it asks (its targets, its default files, its metadata and tokenizer
-files).
+files) and says which writer writes each weight file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan
+from ckptkit.formats.containers import tensor_file_writer
+from ckptkit.formats.writers import TensorWriter
 from ckptkit.models.moe import MoEFields
 from ckptkit.models.moe import experts as experts_of
 from ckptkit.tensors.casting import checked_cast
@@ -104,6 +107,11 @@ class FolderPlanner:
         """What to do with the source's tokenizer files: by default carry them as they are."""
         return TokenizerPlan()
 
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        """The writer of one output weight file of ``plan``: by default the container its
+        name says (:func:`ckptkit.formats.containers.tensor_file_writer`)."""
+        return tensor_file_writer(path, plan.entries(file), file.metadata, file.aliases, direct, file.archive)
+
 
 def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -> Plan:
     """Decide file names, partition, order and metadata of the output."""
@@ -124,6 +132,7 @@ def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -
     plan.notes.extend(plan.tokenizer.notes)
     plan.metadata_files.update(planner.metadata_files(ckpt, plan, opts.dtype))
     plan.verify_cast = opts.dtype
+    plan.writes = planner.writer
     return plan
 
 

@@ -25,15 +25,15 @@ from ckptkit.models.fields import check_config_fields
 from ckptkit.tensors.dtypes import ITEMSIZE
 from ckptkit.untrusted import loads_json, plain_name
 
-MAX_RECORDED_TENSOR = 1 << 16  # own_layout records only small unused tensors
+MAX_RECORDED_TENSOR = 1 << 16  # LayoutRecord.own records only small unused tensors
 MAX_RECORDED_FILE = 64 << 20  # a recorded tokenizer file (Llama 3's tokenizer.json: 9 MB)
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def recorded_origin(fmt: CheckpointFormat, raw: RawCheckpoint) -> dict[str, Any] | None:
-    """The layout recorded when ``raw``'s files were converted (``fmt.read_origin``), if it
+    """The layout recorded when ``raw``'s files were converted (``fmt.records.read``), if it
     still matches them; a matching record that is malformed is an error, not ignored."""
-    found = fmt.read_origin(raw)
+    found = fmt.records.read(raw)
     if found is None:
         return None
     origin, where = found

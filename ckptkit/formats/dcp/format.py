@@ -28,6 +28,7 @@ from ckptkit.formats.dcp.reading import DcpCheckpoint
 from ckptkit.formats.dcp.writing import DistcpWriter, metadata_bytes, rank_file
 from ckptkit.formats.format import CheckpointFormat, FormatInfo
 from ckptkit.formats.planning import FolderPlanner
+from ckptkit.formats.records import LayoutRecord
 from ckptkit.formats.registry import register
 from ckptkit.formats.writers import TensorWriter
 
@@ -72,12 +73,16 @@ class DcpPlanner(FolderPlanner):
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
 
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        return DistcpWriter(path, plan.entries(file), direct)
+
 
 class DcpFormat(CheckpointFormat):
     """``.metadata`` + ``__R_N.distcp`` (``step-N`` folders allowed), model tensors named in
     Meta's spelling or (``titan``) torchtitan's 2026 one."""
 
     planner = DcpPlanner
+    records = LayoutRecord(restores=False)  # ranks and chunks are not restored: laid out afresh
 
     def __init__(self, name: str, titan: bool, aliases: tuple[str, ...]) -> None:
         self.name = name  # type: ignore[misc]
@@ -89,16 +94,14 @@ class DcpFormat(CheckpointFormat):
             metadata_names=(METADATA,),
             layer_field="n_layers",
             sharding="ranks",
+            takes_config=True,
             aliases=aliases,
         )
 
     def detect(self, root: Path) -> bool:
         return checkpoint_folder(root) is not None and spelled_2026(root) == self.titan
 
-    def open(self, root: Path) -> RawCheckpoint:
-        return open_dcp(root, None, self.name)
-
-    def open_with_config(self, root: Path, config: Path | None) -> RawCheckpoint:
+    def open(self, root: Path, config: Path | None = None) -> RawCheckpoint:
         return open_dcp(root, config, self.name)
 
     def _source(self, raw: RawCheckpoint) -> Any:
@@ -108,30 +111,19 @@ class DcpFormat(CheckpointFormat):
             raw.config, {k: i.shape for k, i in raw.infos.items()}, "pth", lambda: _output_repeats_embeddings(raw)
         )
 
-    def family(self, raw: RawCheckpoint) -> Family:
+    def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
         from ckptkit.models import detect_from_hf, detect_from_meta
 
         where = str(raw.root / raw.config_name)
-        if _dcp(raw).config_kind == HF_CONFIG:
-            return detect_from_hf(raw.config, where)
-        return detect_from_meta(self._source(raw), where)
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+        hf, source = _dcp(raw).config_kind == HF_CONFIG, self._source(raw)
+        family = family or (detect_from_hf(raw.config, where) if hf else detect_from_meta(source, where))
         try:
-            if _dcp(raw).config_kind == HF_CONFIG:
-                return family.config_from_hf(raw.config)
-            return family.config_from_meta(self._source(raw))
+            return family, family.config_from_hf(raw.config) if hf else family.config_from_meta(source)
         except CkptkitError as e:
-            raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
+            raise CkptkitError(f"{where}: {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.meta_layout(cfg)  # as read: opening names tensors in Meta's spelling
-
-    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
-        return {}  # a DCP layout (ranks, chunks) is not restored: converting to dcp lays out afresh
-
-    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
-        return DistcpWriter(path, plan.entries(file), direct)
 
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         (out_dir / METADATA).write_bytes(metadata_bytes(plan))

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel
-from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
-from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.base import OpenedCheckpoint, Options, Plan, RawCheckpoint
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
 from ckptkit.formats.gguf import model
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
+from ckptkit.formats.records import LayoutRecord
 from ckptkit.formats.registry import register
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.formats.writers import TensorWriter
 from ckptkit.io import Span, is_file, open_source, read_at
 
 if TYPE_CHECKING:
@@ -168,11 +168,13 @@ class GGUFFormat(CheckpointFormat):
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
     )
 
+    records = LayoutRecord(sidecar=False, restores=False)  # written afresh, as llama.cpp writes it
+
     # --- reading ------------------------------------------------------------------------
     def detect(self, root: Path) -> bool:
         return is_file(root) and root.suffix == ".gguf"
 
-    def open(self, root: Path) -> RawCheckpoint:
+    def open(self, root: Path, config: Path | None = None) -> RawCheckpoint:
         if not is_file(root):  # asked by name (--from gguf, a written GGUF verified): any file name
             raise CkptkitError(f"{root}: not a GGUF checkpoint (expected a file ending in .gguf)")
         header = read_header(root)
@@ -183,9 +185,9 @@ class GGUFFormat(CheckpointFormat):
             try:
                 if meta_str(header, "general.type") == "adapter":  # what --to gguf writes for a LoRA adapter
                     raise CkptkitError("it is a LoRA adapter GGUF (general.type adapter), not a model")
-                config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
-            except CkptkitError as e:  # inspect still lists the tensors; family() says why
-                config, unsure = {}, str(e)
+                hf_config = model.hf_config(header, lambda: tensors.read(model.ROPE_FREQS).reshape(-1))
+            except CkptkitError as e:  # inspect still lists the tensors; model() says why
+                hf_config, unsure = {}, str(e)
         except BaseException:
             tensors.close()
             raise
@@ -197,23 +199,22 @@ class GGUFFormat(CheckpointFormat):
             readers={root.name: tensors},
             config_name=root.name,
             config_text="",
-            config=config,
+            config=hf_config,
             lossy={t.name: t.kind for t in header.tensors if t.kind not in PLAIN},
         )
         raw.header, raw.unsure = header, unsure
         return raw
 
-    def family(self, raw: RawCheckpoint) -> Family:
-        unsure = _opened(raw).unsure
-        if unsure is not None:
-            raise UnknownModel(f"cannot tell the model type: {unsure}")
-        return model.family_of(_header(raw), raw.config)
-
-    def read_config(self, raw: RawCheckpoint, family: Family) -> ModelConfig:
+    def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
+        if family is None:
+            unsure = _opened(raw).unsure
+            if unsure is not None:
+                raise UnknownModel(f"cannot tell the model type: {unsure}")
+            family = model.family_of(_header(raw), raw.config)
         if not raw.config:
             raise UnknownModel(f"{raw.root / raw.config_name}: no model type ckptkit knows; see inspect")
         try:
-            return family.config_from_hf(raw.config)
+            return family, family.config_from_hf(raw.config)
         except (KeyError, TypeError, ValueError) as e:
             raise CkptkitError(f"{raw.root / raw.config_name}: metadata lacks or misstates {e}") from None
 
@@ -244,19 +245,11 @@ class GGUFFormat(CheckpointFormat):
             tensors[name] = Lazy(lazy.shape, restored or "float32", get, lazy.file)
         return tensors, unused
 
-    def read_origin(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
-        return None
-
-    def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
-        return {}  # never restored: written afresh, as llama.cpp writes it
-
-    def supports(self, family: Family) -> tuple[bool, bool]:
+    def support(self, family: Family) -> Support:
         """Read and written for the model types llama.cpp's converter takes."""
-        spec = family.gguf_spec()
-        return spec is not None, spec is not None
-
-    def tokenizer_support(self, family: Family) -> str:
-        return "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
+        held = family.gguf_spec() is not None
+        tokenizer = "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
+        return Support(held, held, tokenizer)
 
     def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
         """``inspect``: stored GGML types and bytes, the GGUF version and its key/values."""
@@ -290,13 +283,6 @@ class GGUFFormat(CheckpointFormat):
 
         _check_dtype(opts.dtype)
         return plan_adapter(self.name, adapter, base, opts)
-
-    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
-        from ckptkit.formats.gguf.writer import GGUFFileWriter, GGUFPlan
-
-        if not isinstance(plan, GGUFPlan):  # pragma: no cover - the format plans its own
-            raise TypeError(f"{path}: not planned by the gguf format")
-        return GGUFFileWriter(path, plan, direct)
 
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         return None  # everything is in the one file

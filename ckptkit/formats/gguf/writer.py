@@ -184,6 +184,9 @@ class GGUFPlan(Plan):
     def nbytes(self, key: str) -> int:
         return self.tensors[key].nbytes
 
+    def writer(self, path: Path, file: FilePlan, direct: bool) -> GGUFFileWriter:
+        return GGUFFileWriter(path, self, direct)
+
     def approximates(self, name: str, kind: str, rounded_to: str) -> bool:
         """The read-back tensor ``name`` differs from the source as its stored type says:
         widened (same values), rounded to its F16/BF16, or quantized."""

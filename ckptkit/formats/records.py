@@ -1,0 +1,84 @@
+"""Where a format keeps layouts: the layout a checkpoint was converted from, recorded with
+what it was converted to, and a checkpoint's own layout, recorded for converting back.
+
+A format names its :class:`LayoutRecord` (``CheckpointFormat.records``): by default a
+``ckptkit-origin.json`` sidecar beside the written weights and the checkpoint's own layout
+recorded in full, so that converting back restores every file as it was.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import ORIGIN_FILE, OpenedCheckpoint, Plan, RawCheckpoint, read_json
+from ckptkit.formats.containers import archive_facts
+from ckptkit.io import is_file, size_of
+from ckptkit.tensors.dtypes import dtype_name
+from ckptkit.tensors.lazy import encode_lazy
+
+
+class LayoutRecord:
+    """How a format's checkpoints record layouts.
+
+    ``sidecar``: the layout a checkpoint was converted from is kept in a ``ckptkit-origin.json``
+    beside its weights (False: a format that keeps none, GGUF). ``restores``: a checkpoint's
+    own layout is recorded, to be restored when converting back to the format (False: it is
+    laid out afresh each time, as DCP folders and GGUF files are).
+    """
+
+    def __init__(self, sidecar: bool = True, restores: bool = True) -> None:
+        self.sidecar, self.restores = sidecar, restores
+
+    def read(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
+        """The layout recorded when ``raw``'s files were converted, if it still matches them,
+        unchecked, with the file it came from (:func:`ckptkit.formats.sidecar.recorded_origin`
+        checks it)."""
+        path = raw.root / ORIGIN_FILE
+        if not self.sidecar or not is_file(path):
+            return None
+        try:
+            _, doc = read_json(path)
+            written = doc["written"]
+            sizes = {name: size_of(raw.root / name) for name in raw.files}
+            if written["format"] != raw.format or written["files"] != sizes:
+                return None
+            return doc["origin"], path
+        except (CkptkitError, KeyError, TypeError, OSError):
+            return None
+
+    def own(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
+        """``ckpt``'s own layout, as recorded for converting back to it later ({}: never restored)."""
+        if not self.restores:
+            return {}
+        raw = ckpt.raw
+        small = {k: v for k, v in ckpt.unused.items() if v.nbytes <= 1 << 16}
+        archives = {name: archive_facts(raw.root / name) for name in raw.files}
+        return {
+            "format": raw.format,
+            "model_type": ckpt.family.name,
+            "files": [
+                {"name": name, "keys": keys, "metadata": raw.file_metadata.get(name)}
+                | ({"aliases": raw.file_aliases[name]} if raw.file_aliases.get(name) else {})
+                | ({"archive": archives[name]} if archives[name] else {})
+                for name, keys in raw.files.items()
+            ],
+            "dtypes": {k: dtype_name(i.dtype) for k, i in raw.infos.items()},
+            "split_dims": raw.split_dims,
+            "config": {"name": raw.config_name, "text": raw.config_text},
+            "index": raw.index,
+            "unused": {k: encode_lazy(v) for k, v in small.items()},
+        }
+
+    def write(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
+        """The source's layout, recorded beside the weights ``plan`` wrote into ``out_dir``."""
+        origin = ckpt.origin
+        if not self.sidecar or plan.restored or origin.get("format") in (None, plan.format):
+            return
+        if plan.tokenizer.record is not None:  # tokenizer files this format does not hold
+            origin = {**origin, "tokenizer": plan.tokenizer.record}
+        sizes = {f.name: (out_dir / f.name).stat().st_size for f in plan.files}
+        doc = {"written": {"format": plan.format, "files": sizes}, "origin": origin}
+        (out_dir / ORIGIN_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
