@@ -122,6 +122,8 @@ class RawCheckpoint:
         files: weight files in order, each with its tensor names in stored order.
         infos: every native tensor (Meta ranks merged) in stored order.
         config_name / config_text / config: the metadata file (config.json, params.json).
+        hf_config: ``config`` is a Hugging Face ``config.json``, as transformers reads it
+            (an HF folder's, or the one a DCP folder holds).
         index: ``{"name", "text"}`` of an HF index file, or None.
         file_metadata: safetensors ``__metadata__`` per file (None for pickles).
         split_dims: Meta rank-split dim per tensor (None: replicated); empty otherwise.
@@ -148,6 +150,7 @@ class RawCheckpoint:
     lossy: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # entries besides the model (optimizer state)
+    hf_config: bool = False
 
     def files_folder(self) -> Path | None:
         """A folder the format made with the checkpoint's non-weight files (tokenizer,
@@ -266,10 +269,3 @@ def read_config(path: Path) -> tuple[str, dict[str, Any]]:
 
 def natural_key(name: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def torch_reader(path: Path) -> TensorReader:
-    """A reader for a torch pickle (imports torch, which safetensors-only work avoids)."""
-    from ckptkit.formats.torch_io import TorchPickleReader
-
-    return TorchPickleReader(path)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-from ckptkit.formats.base import TensorReader, torch_reader
+from ckptkit.formats.base import TensorReader
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
 from ckptkit.formats.writers import TensorWriter
 
@@ -52,11 +52,23 @@ def container_name(name: str) -> str:
     return "safetensors" if is_safetensors(name) else "torch"
 
 
-def open_tensor_file(path: Path) -> TensorReader:
+class TensorFile(TensorReader, Protocol):
+    """A reader of one safetensors file or torch pickle, with what the file holds besides
+    tensors: ``metadata``, a safetensors file's ``__metadata__`` (None: a pickle), and
+    ``aliases``, tensors a pickle stores as another tensor's storage -> that tensor."""
+
+    metadata: dict[str, str] | None
+    aliases: dict[str, str]
+
+
+def open_tensor_file(path: Path) -> TensorFile:
     """A lazy reader for one safetensors file or torch pickle (headers only; torch is
     imported for a pickle's first tensor read)."""
-    reader: Any = SafetensorsReader(path) if is_safetensors(path.name) else torch_reader(path)
-    return reader
+    if is_safetensors(path.name):
+        return SafetensorsReader(path)
+    from ckptkit.formats.torch_io import TorchPickleReader  # imports torch, which safetensors work avoids
+
+    return TorchPickleReader(path)
 
 
 def tensor_file_writer(

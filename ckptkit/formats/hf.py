@@ -67,11 +67,11 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
     file_metadata: dict[str, dict[str, str] | None] = {}
     file_aliases: dict[str, dict[str, str]] = {}
     for name in names:
-        reader: Any = open_tensor_file(root / name)
+        reader = open_tensor_file(root / name)
         readers[name] = reader
         files[name] = list(reader.infos)
-        file_metadata[name] = reader.metadata if is_safetensors(name) else None
-        if getattr(reader, "aliases", None):
+        file_metadata[name] = reader.metadata
+        if reader.aliases:
             file_aliases[name] = reader.aliases
         for key, info in reader.infos.items():
             if key in infos:
@@ -99,6 +99,7 @@ def open_raw(root: Path, fmt: HFFormat) -> RawCheckpoint:
         index=index,
         file_metadata=file_metadata,
         file_aliases=file_aliases,
+        hf_config=True,
     )
 
 

@@ -21,11 +21,10 @@ from ckptkit.formats.base import (
     Options,
     Plan,
     RawCheckpoint,
-    TensorReader,
     natural_key,
     read_config,
 )
-from ckptkit.formats.containers import open_tensor_file
+from ckptkit.formats.containers import TensorFile, open_tensor_file
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
 from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
@@ -101,10 +100,10 @@ def open_raw(root: Path) -> RawCheckpoint:
     for i, p in enumerate(paths):
         if RANK_FILE.fullmatch(p.name) and p.name != rank_file(i):
             raise CkptkitError(f"{root}: model-parallel ranks are not numbered 00..{len(paths) - 1:02d} ({p.name})")
-    readers: dict[str, TensorReader] = {}
+    readers: dict[str, TensorFile] = {}
     files: dict[str, list[str]] = {}
     for p in paths:
-        reader: Any = open_tensor_file(p)
+        reader = open_tensor_file(p)
         readers[p.name], files[p.name] = reader, list(reader.infos)
     first = paths[0].name
     for name, keys in files.items():
@@ -133,11 +132,11 @@ def open_raw(root: Path) -> RawCheckpoint:
         root=root,
         files=files,
         infos=infos,
-        readers=readers,
+        readers=dict(readers),
         config_name="params.json",
         config_text=config_text,
         config=params,
-        file_metadata={f: getattr(r, "metadata", None) for f, r in readers.items()},
+        file_metadata={f: r.metadata for f, r in readers.items()},
         split_dims=split_dims if n > 1 else {},
     )
 

@@ -128,6 +128,7 @@ class SafetensorsReader:
         self.path = path
         infos, self.metadata, self._data_start, self._offsets = read_layout(path)
         self.infos = {i.name: i for i in infos}
+        self.aliases: dict[str, str] = {}  # a safetensors file shares no storage between tensors
         self._file: SourceFile | None = None
 
     def _source(self) -> SourceFile:

@@ -136,6 +136,7 @@ class TorchPickleReader:
         self._index: dict[str, TensorMeta] = {}
         self._stored: dict[str, StoredRecord] = {}  # plain data/<key> records by key
         self.aliases: dict[str, str] = {}  # tensor stored as another one of this file -> that one
+        self.metadata: dict[str, str] | None = None  # a pickle has no safetensors __metadata__
         self._verifier = Verifier(path, self._corrupt)  # storage records' CRC-32s, each checked once
         try:
             index, records = read_index(path)

@@ -185,7 +185,7 @@ def open_dcp(root: Path, config: Path | None, fmt: str) -> DcpCheckpoint:
         config=doc,
         entries=entries,
         ignored=ignored,
-        config_kind=kind,
+        hf_config=kind == HF_CONFIG,
     )
 
 

@@ -16,7 +16,6 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.dcp.folder import (
     DISTCP,
-    HF_CONFIG,
     PARAMS,
     checkpoint_folder,
     open_dcp,
@@ -115,7 +114,7 @@ class DcpFormat(CheckpointFormat):
         from ckptkit.models import detect_from_hf, detect_from_meta
 
         where = str(raw.root / raw.config_name)
-        hf, source = _dcp(raw).config_kind == HF_CONFIG, self._source(raw)
+        hf, source = raw.hf_config, self._source(raw)
         family = family or (detect_from_hf(raw.config, where) if hf else detect_from_meta(source, where))
         try:
             return family, family.config_from_hf(raw.config) if hf else family.config_from_meta(source)

@@ -54,7 +54,6 @@ class DcpCheckpoint(RawCheckpoint):
 
     entries: dict[str, Entry] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
-    config_kind: str = ""  # the model config: "params.json" or "config.json"
     _stored: dict[tuple[str, int], _Stored] = field(default_factory=dict)
     _verifiers: dict[str, Verifier] = field(default_factory=dict)
 

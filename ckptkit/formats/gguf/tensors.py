@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
 from ckptkit.formats.gguf.params import rope
+from ckptkit.formats.registry import find_format, transformers_format
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import experts
 
@@ -59,25 +60,15 @@ def spec_of(family: Family, where: object) -> GGUFSpec:
     return spec
 
 
-def is_hf_config(name: str | None) -> bool:
-    """Whether a model config file of this name is the one an HF folder holds (config.json),
-    as the format transformers loads says."""
-    from ckptkit.formats.registry import transformers_format
-
-    return name is not None and name == transformers_format().info.config_file
-
-
-def is_hf_weights(name: str) -> bool:
-    """Whether a weight file of this name is one a folder transformers loads holds."""
-    from ckptkit.formats.registry import REGISTRY
-
-    return any(f.info.weight_file.fullmatch(name) for f in REGISTRY.values() if f.info.loads_in_transformers)
+def loads_in_transformers(fmt: object) -> bool:
+    """Whether the format named ``fmt`` (a checkpoint's, or a recorded origin's) is a folder
+    transformers loads as it is: its weights and config.json are an HF folder's."""
+    found = find_format(fmt)
+    return found is not None and found.info.loads_in_transformers
 
 
 def hf_targets(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
     """The tensors of ``ckpt`` as the format transformers loads names them."""
-    from ckptkit.formats.registry import transformers_format
-
     hf = transformers_format()
     return hf.planner(hf).targets(ckpt, {}, with_optional=False)[0]
 
@@ -85,10 +76,10 @@ def hf_targets(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
 def hf_hparams(ckpt: OpenedCheckpoint) -> dict[str, Any]:
     """config.json as llama.cpp would read it in the HF folder of this model: the source's
     own, the one it was converted from (recorded), or the one ckptkit writes for HF."""
-    if is_hf_config(ckpt.raw.config_name):
+    if ckpt.raw.hf_config:
         return dict(ckpt.raw.config)
     recorded = ckpt.origin.get("config") or {}
-    if is_hf_config(recorded.get("name")):  # checked to be a JSON object when the origin was read
+    if loads_in_transformers(ckpt.origin.get("format")):  # checked to be a JSON object when the origin was read
         config: dict[str, Any] = json.loads(recorded["text"])
         return config
     weights = list(ckpt.tensors.values())
@@ -101,14 +92,13 @@ def _hf_files(ckpt: OpenedCheckpoint, targets: dict[str, Lazy], fresh: bool) -> 
     the source itself, the HF folder it was converted from (recorded), or (always when
     ``fresh``) what ``--to hf`` writes for it."""
     from ckptkit.formats.base import Options
-    from ckptkit.formats.registry import transformers_format
 
     raw = ckpt.raw
-    hf = is_hf_config(raw.config_name) and all(is_hf_weights(f) for f in raw.files)
+    hf = loads_in_transformers(raw.format)
     if hf and not fresh:
         return [(f, list(keys)) for f, keys in raw.files.items()]
     origin = ckpt.origin
-    if not fresh and is_hf_config((origin.get("config") or {}).get("name")) and origin.get("files"):
+    if not fresh and loads_in_transformers(origin.get("format")) and origin.get("files"):
         return [(f["name"], list(f["keys"])) for f in origin["files"]]
     fmt = transformers_format()
     files, _ = fmt.planner(fmt).default_files(ckpt, targets, Options(fmt.name))

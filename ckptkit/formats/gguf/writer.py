@@ -27,8 +27,9 @@ from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
-from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, is_hf_config, model_tensors, spec_of
+from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
+from ckptkit.formats.registry import transformers_format
 from ckptkit.formats.writers import FileWriter, Job
 from ckptkit.io import ALIGN, DEPTH, OutputFile, SpanReader, copy_file, is_dir
 
@@ -43,10 +44,10 @@ if TYPE_CHECKING:
 def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
     """The tokenizer side of the source as an HF folder: the source itself when it is one,
     else a temporary folder with what ``--to hf`` would write beside the weights."""
-    if is_hf_config(ckpt.raw.config_name) and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
+    if ckpt.raw.hf_config and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
         yield ckpt.path
         return
-    if is_hf_config(ckpt.raw.config_name) and is_dir(ckpt.path):  # not on this disk, or --tokenizer: copied here
+    if ckpt.raw.hf_config and is_dir(ckpt.path):  # not on this disk, or --tokenizer: copied here
         with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
             folder = Path(tmp) / ckpt.path.name
             folder.mkdir()
@@ -57,8 +58,6 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
             except CkptkitError as e:  # named by the source, not this temporary folder
                 raise CkptkitError(str(e).replace(str(folder), str(ckpt.path))) from None
         return
-    from ckptkit.formats.registry import transformers_format
-
     hf = transformers_format()
     plan = hf.planner(hf).tokenizer(ckpt)
     with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
