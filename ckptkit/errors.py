@@ -21,6 +21,11 @@ class UnknownModel(CkptkitError):
     does not know: ``inspect`` still lists what is there."""
 
 
+class ConfigError(CkptkitError):
+    """A training config's key is unknown, missing or wrong (``config key x: ...``): the CLI
+    says which config file, and that the overrides count."""
+
+
 class FlagError(CkptkitError):
     """Command-line options that contradict each other or the target: bad usage (exit 2), in one line."""
 

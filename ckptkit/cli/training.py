@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ckptkit.cli.app import MODEL_TYPE_HELP, NOTHING_WRITTEN, Command, app, err, out, user_errors
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, ConfigError
 
 # --- recipes: run, ls, cp --------------------------------------------------------------
 
@@ -44,9 +44,7 @@ def run(
             entry(cfg)
         else:
             launch_torchrun(recipe, nproc_per_node, config, overrides or [], cfg)
-    except CkptkitError as e:  # "config key x: ...": say which file (and that overrides count)
-        if not str(e).startswith("config"):
-            raise
+    except ConfigError as e:  # "config key x: ...": say which file (and that overrides count)
         given = " with the KEY=VALUE overrides" if overrides else ""
         raise CkptkitError(f"{resolve_config(config)}{given}: {e}") from None
 

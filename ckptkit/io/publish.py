@@ -116,7 +116,7 @@ class Stopped(KeyboardInterrupt):
 
 def signal_of(stop: KeyboardInterrupt) -> int:
     """The signal behind ``stop``: SIGINT for a plain KeyboardInterrupt (Ctrl-C)."""
-    return getattr(stop, "signum", signal.SIGINT)
+    return stop.signum if isinstance(stop, Stopped) else signal.SIGINT
 
 
 def stopped_by() -> int | None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, ConfigError
 from ckptkit.formats import formats_read_by, transformers_format
 from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
 from ckptkit.formats.torch_io import save_torch
@@ -48,7 +48,7 @@ class Checkpointer:
 
     def __init__(self, conf: CheckpointerConfig, resume: bool = False):
         if conf.output_dir is None:
-            raise CkptkitError("config is missing required key checkpointer.output_dir")
+            raise ConfigError("config is missing required key checkpointer.output_dir")
         self.checkpoint_dir = Path(conf.checkpoint_dir)
         self.checkpoint_files = conf.checkpoint_files
         self.model_type = conf.model_type

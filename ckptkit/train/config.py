@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, TypeVar, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
@@ -96,11 +96,11 @@ def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def lookup(key: str, seen: tuple[str, ...]) -> Any:
         if key in seen:
-            raise CkptkitError(f"config: ${{{key}}} refers to itself ({' -> '.join((*seen, key))})")
+            raise ConfigError(f"config: ${{{key}}} refers to itself ({' -> '.join((*seen, key))})")
         node: Any = cfg
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
-                raise CkptkitError(f"config: ${{{key}}} refers to a key the config does not have")
+                raise ConfigError(f"config: ${{{key}}} refers to a key the config does not have")
             node = node[part]
         return resolve(node, (*seen, key))
 
@@ -186,7 +186,7 @@ def parse_config(raw: dict[str, Any], schema: type[M]) -> M:
     except ValidationError as e:
         errors = e.errors(include_url=False)
         more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
-        raise CkptkitError(describe_error(errors[0], schema) + more) from None
+        raise ConfigError(describe_error(errors[0], schema) + more) from None
 
 
 def describe_error(error: Any, schema: type[BaseModel]) -> str:

@@ -74,6 +74,7 @@ class Recipe:
         self.writer = placement.rank == 0  # logs and writes checkpoints
         self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint)
         self.metrics: MetricLogger | None = None
+        self.finished = False  # every epoch ran (set by the training loop)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
 
@@ -292,7 +293,7 @@ class Recipe:
         if self.metrics is not None:
             self.metrics.close()
             if hasattr(self, "progress"):  # what was reached, the checkpoints, how to resume a stopped run
-                self.progress.summary(self.global_step, self.checkpointer, getattr(self, "finished", False))
+                self.progress.summary(self.global_step, self.checkpointer, self.finished)
 
 
 # --- the bundled recipes: schema and strategies --------------------------------------------
