@@ -36,9 +36,6 @@ WEIGHTS = "tensors.flat"  # a safetensors container under a suffix no built-in c
 class FlatPlanner(FolderPlanner):
     """The flat folder: every tensor in one file, the model type and config in ``flat.json``."""
 
-    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
-        return SafetensorsWriter(path, plan.entries(file), None, direct=direct)
-
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
@@ -47,6 +44,10 @@ class FlatPlanner(FolderPlanner):
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         doc = {"model_type": ckpt.family.name, "config": ckpt.config.to_dict()}
         return {CONFIG: json.dumps(doc, indent=1) + "\n"}
+
+    def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
+        # a safetensors container under a suffix the default writer (chosen by name) does not know
+        return SafetensorsWriter(path, plan.entries(file), None, direct=direct)
 
 
 class FlatFormat(CheckpointFormat):
@@ -71,7 +72,7 @@ class FlatFormat(CheckpointFormat):
             root=root,
             files={WEIGHTS: list(reader.infos)},
             infos=dict(reader.infos),
-            readers={WEIGHTS: reader},  # type: ignore[dict-item]
+            readers={WEIGHTS: reader},
             config_name=CONFIG,
             config_text=text,
             config=doc,
