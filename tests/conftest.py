@@ -7,6 +7,7 @@ import json
 import os
 import random
 import struct
+import sys
 import zipfile
 from pathlib import Path
 
@@ -17,6 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# A test module may import a sibling folder's helpers (``from test_errors import ...``): every
+# folder of tests/ is on the path, so that ``pytest tests/convert`` also runs alone.
+sys.path[:0] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if p.is_dir() and p.name[0] not in "._"]
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 META_FAMILIES = ("llama2", "llama3", "llama3_1", "llama3_2", "mistral")
