@@ -24,13 +24,14 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
-from ckptkit.formats import formats_read_by, transformers_format
+from ckptkit.formats import formats_read_by, source_file_format, transformers_format
 from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
 from ckptkit.formats.torch_io import save_torch
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
 from ckptkit.train.lora import lora_modules, model_config
+from ckptkit.train.metrics import METRICS_FILE
 from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
 from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import CheckpointerConfig
@@ -67,6 +68,27 @@ class Checkpointer:
         self.saved: list[Path] = []
 
     # --- checks before any weight is read --------------------------------------------
+    def check_fresh(self) -> None:
+        """Refuse, unless resuming, an ``output_dir`` that holds another run (its checkpoint
+        folders or its ``metrics.jsonl``): the runs would mix, the old metrics be lost."""
+        if self.resume or not self.output_dir.is_dir():
+            return
+        runs = [p for p in self.output_dir.iterdir() if p.name == METRICS_FILE or CHECKPOINT_NAME.fullmatch(p.name)]
+        if not runs:
+            return
+        found = ", ".join(sorted(p.name for p in runs)[:4]) + (", ..." if len(runs) > 4 else "")
+        saved = [p for p in runs if p.is_dir()]
+        newest = max(saved, key=lambda p: p.stat().st_mtime_ns) if saved else None
+        other, fix = "another run", "choose another checkpointer.output_dir, or delete it (it saved no checkpoint)"
+        if newest is not None and self.holds_state(newest):
+            fix = (
+                f"resume it with resume_from_checkpoint=true checkpointer.recipe_checkpoint={newest}, "
+                "or choose another checkpointer.output_dir"
+            )
+        elif newest is not None:
+            other, fix = "a finished run", "choose another checkpointer.output_dir"
+        raise CkptkitError(f"checkpointer.output_dir {self.output_dir} holds {other} ({found}); {fix}")
+
     def model_config(self) -> ModelConfig:
         """The base's config (metadata only), after checking its format and that it can be written back."""
         from ckptkit.formats.base import Options
@@ -259,7 +281,12 @@ class Checkpointer:
     def write_model(self, folder: Path, model_state: dict[str, Any]) -> None:
         """The model (canonical names -> tensors or :class:`~ckptkit.tensors.lazy.Lazy`, read one at a
         time) in the input's format, file names and shard partition, into ``folder``."""
-        write_like(self.checkpoint_dir, model_state, folder, model_type=self.model_type)
+        write_like(self.checkpoint_dir, model_state, self.model_in(folder), model_type=self.model_type)
+
+    def model_in(self, folder: Path) -> Path:
+        """Where checkpoint folder ``folder`` holds the model: the folder itself, or, for a base
+        that is one file (a GGUF: the merged model written back in GGUF), that file's name in it."""
+        return folder / self.checkpoint_dir.name if source_file_format(self.checkpoint_dir) is not None else folder
 
     def write_adapter(self, model: nn.Module, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """The model's LoRA adapter (or ``weights``, gathered whole) in PEFT's format in ``folder/adapter``."""
@@ -267,10 +294,12 @@ class Checkpointer:
 
     def latest_resumable(self) -> Path | None:
         """The newest checkpoint written by this run that holds a recipe state."""
-        for path in reversed(self.saved):
-            if (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file() or (path / RECIPE_STATE_DIR / ".metadata").is_file():
-                return path
-        return None
+        return next((path for path in reversed(self.saved) if self.holds_state(path)), None)
+
+    @staticmethod
+    def holds_state(path: Path) -> bool:
+        """Whether checkpoint folder ``path`` holds a recipe state (one device's file, or DCP shards)."""
+        return (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file() or (path / RECIPE_STATE_DIR / ".metadata").is_file()
 
     def prune(self, steps_per_epoch: int) -> list[Path]:
         """Delete all but the newest ``keep_last_n_checkpoints`` checkpoint folders of ``output_dir``.

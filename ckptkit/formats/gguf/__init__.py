@@ -22,7 +22,7 @@ from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat, FormatInfo
 from ckptkit.formats.gguf import model
-from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
+from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_int, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
 from ckptkit.formats.registry import register
@@ -248,7 +248,11 @@ class GGUFFormat(CheckpointFormat):
         return None
 
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
-        return {}  # never restored: written afresh, as llama.cpp writes it
+        """The file type and each tensor's GGML type, which a GGUF written back from this one's
+        tensors keeps (merge, training); no ``format``: never restored by a conversion."""
+        header = _header(ckpt.raw)
+        types = {t.name: t.kind for t in header.tensors}
+        return {"gguf": {"file_type": meta_int(header, "general.file_type"), "types": types}}
 
     def supports(self, family: Family) -> tuple[bool, bool]:
         """Read and written for the model types llama.cpp's converter takes."""
