@@ -64,6 +64,7 @@ class Checkpointer:
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
         sweep(self.output_dir)  # what killed runs left half-written
         self.loads_in_transformers = False
+        self.quantized = False
         self.peft_base = ""  # base_model_name_or_path of the adapters written
         self.saved: list[Path] = []
 
@@ -96,6 +97,7 @@ class Checkpointer:
 
         with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
             self.loads_in_transformers = ckpt.fmt.info.loads_in_transformers
+            self.quantized = bool(ckpt.raw.lossy)  # a GGUF's Q8_0, k-quants: trained dequantized
             component = self.torchtune_checkpointer
             if component is not None and component not in ckpt.fmt.info.torchtune_checkpointers:
                 raise CkptkitError(
@@ -210,9 +212,10 @@ class Checkpointer:
         """Set ``peft_base``: a base PEFT and llama.cpp can load, for ``base_model_name_or_path``
         of the adapters.
 
-        An HF base is named as it is; any other (Meta, internal) needs an HF copy:
+        An HF base is named as it is; any other (Meta, internal, GGUF) needs an HF copy:
         ``checkpointer.hf_base_dir`` when given (checked to be HF), else one converted once
-        into ``output_dir/base_hf`` (reused while it was made from this same base).
+        into ``output_dir/base_hf`` (reused while it was made from this same base; a quantized
+        GGUF dequantized to float32).
         """
         if self.loads_in_transformers:
             self.peft_base = str(self.checkpoint_dir.resolve())
@@ -233,7 +236,12 @@ class Checkpointer:
             convert(
                 self.checkpoint_dir,
                 folder,
-                ConvertOptions(transformers_format().name, model_type=self.model_type, force=True),
+                ConvertOptions(
+                    transformers_format().name,
+                    dtype="float32" if self.quantized else None,  # dequantized, as trained
+                    model_type=self.model_type,
+                    force=True,
+                ),
             )
             stamp.write_text(source)
         self.peft_base = str(folder.resolve())
