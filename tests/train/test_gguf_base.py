@@ -158,3 +158,23 @@ def test_tensor_types_ckptkit_does_not_write_are_noted() -> None:
         "base.gguf: ckptkit writes GGUF tensors as F32, F16, BF16 or Q8_0: tensors of other types written "
         "Q4_K as BF16; to quantize them as before, run llama.cpp's llama-quantize on the output"
     ]
+
+
+@pytest.mark.slow
+def test_two_processes_train_on_a_gguf_base_and_write_gguf_checkpoints(ggufs: dict[str, Path], tmp_path: Path) -> None:
+    """FSDP2 on 2 gloo processes: rank 0 converts each checkpoint's model from the shards into a
+    GGUF of the base's name and types."""
+    import subprocess
+    import sys
+
+    base, out = ggufs["q8_0"], tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "full_finetune_distributed", "--nproc-per-node", "2",
+         "--config", "tiny_full_distributed", "epochs=2", "max_steps_per_epoch=1", "quiet=true",
+         f"checkpointer.checkpoint_dir={base}", f"checkpointer.output_dir={out}"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for epoch in ("epoch_0", "epoch_1"):
+        written = tensors(out / epoch / base.name)
+        assert {k: v[0] for k, v in written.items()} == {k: v[0] for k, v in tensors(base).items()}
