@@ -115,6 +115,13 @@ def test_generate_from_a_gguf_uses_its_tokenizer_and_gives_the_hf_model_s_tokens
     assert generate_text(str(ggufs["bf16"]), prompt, max_new_tokens=12) == expected
 
 
+def test_merge_of_a_gguf_into_a_folder_path_is_one_line(ggufs: dict[str, Path], adapter: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["merge", str(ggufs["bf16"]), str(adapter), str(tmp_path / "merged")])
+    assert result.exit_code == 1
+    assert result.output == f"error: {tmp_path / 'merged'}: a gguf destination is a file path ending in .gguf\n"
+    assert not (tmp_path / "merged").exists()
+
+
 def test_chat_with_a_gguf_that_has_no_template_is_one_line(ggufs: dict[str, Path]) -> None:
     with pytest.raises(CkptkitError, match=r"llama2\.gguf: holds no chat template; drop --chat"):
         generate_text(str(ggufs["bf16"]), "hi", max_new_tokens=2, chat=True)
