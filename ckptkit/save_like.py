@@ -33,7 +33,7 @@ def save_checkpoint_like(
     source, out_dir = Path(source), Path(out_dir)
     with open_checkpoint(source, model_type=model_type) as src:
         mine = _like(src, state_dict)
-        check_destination(source, out_dir, force)
+        check_destination(source, out_dir, force, src.fmt)  # a GGUF's: a file path ending in .gguf
         return write_checkpoint(mine, out_dir, Options(src.format), quiet=quiet, force=force)
 
 

@@ -24,13 +24,14 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError, ConfigError
-from ckptkit.formats import formats_read_by, transformers_format
+from ckptkit.formats import formats_read_by, source_file_format, transformers_format
 from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
 from ckptkit.formats.torch_io import save_torch
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
 from ckptkit.train.lora import lora_modules, model_config
+from ckptkit.train.metrics import METRICS_FILE
 from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
 from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import CheckpointerConfig
@@ -63,10 +64,32 @@ class Checkpointer:
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
         sweep(self.output_dir)  # what killed runs left half-written
         self.loads_in_transformers = False
+        self.quantized = False
         self.peft_base = ""  # base_model_name_or_path of the adapters written
         self.saved: list[Path] = []
 
     # --- checks before any weight is read --------------------------------------------
+    def check_fresh(self) -> None:
+        """Refuse, unless resuming, an ``output_dir`` that holds another run (its checkpoint
+        folders or its ``metrics.jsonl``): the runs would mix, the old metrics be lost."""
+        if self.resume or not self.output_dir.is_dir():
+            return
+        runs = [p for p in self.output_dir.iterdir() if p.name == METRICS_FILE or CHECKPOINT_NAME.fullmatch(p.name)]
+        if not runs:
+            return
+        found = ", ".join(sorted(p.name for p in runs)[:4]) + (", ..." if len(runs) > 4 else "")
+        saved = [p for p in runs if p.is_dir()]
+        newest = max(saved, key=lambda p: p.stat().st_mtime_ns) if saved else None
+        other, fix = "another run", "choose another checkpointer.output_dir, or delete it (it saved no checkpoint)"
+        if newest is not None and self.holds_state(newest):
+            fix = (
+                f"resume it with resume_from_checkpoint=true checkpointer.recipe_checkpoint={newest}, "
+                "or choose another checkpointer.output_dir"
+            )
+        elif newest is not None:
+            other, fix = "a finished run", "choose another checkpointer.output_dir"
+        raise CkptkitError(f"checkpointer.output_dir {self.output_dir} holds {other} ({found}); {fix}")
+
     def model_config(self) -> ModelConfig:
         """The base's config (metadata only), after checking its format and that it can be written back."""
         from ckptkit.formats.base import Options
@@ -74,6 +97,7 @@ class Checkpointer:
 
         with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
             self.loads_in_transformers = ckpt.fmt.info.loads_in_transformers
+            self.quantized = bool(ckpt.raw.lossy)  # a GGUF's Q8_0, k-quants: trained dequantized
             component = self.torchtune_checkpointer
             if component is not None and component not in ckpt.fmt.info.torchtune_checkpointers:
                 raise CkptkitError(
@@ -188,9 +212,10 @@ class Checkpointer:
         """Set ``peft_base``: a base PEFT and llama.cpp can load, for ``base_model_name_or_path``
         of the adapters.
 
-        An HF base is named as it is; any other (Meta, internal) needs an HF copy:
+        An HF base is named as it is; any other (Meta, internal, GGUF) needs an HF copy:
         ``checkpointer.hf_base_dir`` when given (checked to be HF), else one converted once
-        into ``output_dir/base_hf`` (reused while it was made from this same base).
+        into ``output_dir/base_hf`` (reused while it was made from this same base; a quantized
+        GGUF dequantized to float32).
         """
         if self.loads_in_transformers:
             self.peft_base = str(self.checkpoint_dir.resolve())
@@ -211,7 +236,12 @@ class Checkpointer:
             convert(
                 self.checkpoint_dir,
                 folder,
-                ConvertOptions(transformers_format().name, model_type=self.model_type, force=True),
+                ConvertOptions(
+                    transformers_format().name,
+                    dtype="float32" if self.quantized else None,  # dequantized, as trained
+                    model_type=self.model_type,
+                    force=True,
+                ),
             )
             stamp.write_text(source)
         self.peft_base = str(folder.resolve())
@@ -259,7 +289,12 @@ class Checkpointer:
     def write_model(self, folder: Path, model_state: dict[str, Any]) -> None:
         """The model (canonical names -> tensors or :class:`~ckptkit.tensors.lazy.Lazy`, read one at a
         time) in the input's format, file names and shard partition, into ``folder``."""
-        write_like(self.checkpoint_dir, model_state, folder, model_type=self.model_type)
+        write_like(self.checkpoint_dir, model_state, self.model_in(folder), model_type=self.model_type)
+
+    def model_in(self, folder: Path) -> Path:
+        """Where checkpoint folder ``folder`` holds the model: the folder itself, or, for a base
+        that is one file (a GGUF: the merged model written back in GGUF), that file's name in it."""
+        return folder / self.checkpoint_dir.name if source_file_format(self.checkpoint_dir) is not None else folder
 
     def write_adapter(self, model: nn.Module, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """The model's LoRA adapter (or ``weights``, gathered whole) in PEFT's format in ``folder/adapter``."""
@@ -267,10 +302,12 @@ class Checkpointer:
 
     def latest_resumable(self) -> Path | None:
         """The newest checkpoint written by this run that holds a recipe state."""
-        for path in reversed(self.saved):
-            if (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file() or (path / RECIPE_STATE_DIR / ".metadata").is_file():
-                return path
-        return None
+        return next((path for path in reversed(self.saved) if self.holds_state(path)), None)
+
+    @staticmethod
+    def holds_state(path: Path) -> bool:
+        """Whether checkpoint folder ``path`` holds a recipe state (one device's file, or DCP shards)."""
+        return (path / RECIPE_STATE_DIR / RECIPE_STATE).is_file() or (path / RECIPE_STATE_DIR / ".metadata").is_file()
 
     def prune(self, steps_per_epoch: int) -> list[Path]:
         """Delete all but the newest ``keep_last_n_checkpoints`` checkpoint folders of ``output_dir``.

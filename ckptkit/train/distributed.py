@@ -287,6 +287,11 @@ def load_recipe_state(path: Path, state: dict[str, Any]) -> None:
         raise CkptkitError(f"{path}: cannot load the recipe state ({first})") from None
 
 
+class PeerFailed(CkptkitError):
+    """A block failed on another rank: raised, with that rank's line, on the ranks where it
+    did not (the failing rank prints the line; these exit without repeating it)."""
+
+
 def one_line(error: BaseException) -> str:
     """What a failed rank tells the others: a CkptkitError's line, an OS error's file and
     reason, else the exception's type and first line."""
@@ -303,7 +308,7 @@ def failing_together() -> Iterator[None]:
     """Every rank runs the block, then they compare outcomes (one collective): when it failed on
     some rank it fails on all, so that no rank waits in a later collective for one that left.
     A rank where it failed raises its error (an OS error as its one line); the others raise
-    that rank's one line as a :class:`CkptkitError`."""
+    that rank's one line as a :class:`PeerFailed`."""
     error: Exception | None = None
     try:
         yield
@@ -316,7 +321,7 @@ def failing_together() -> Iterator[None]:
         raise error
     failed = next((line for line in lines if line is not None), None)
     if failed is not None:
-        raise CkptkitError(failed)
+        raise PeerFailed(failed)
 
 
 def gather_objects(value: T) -> list[T]:

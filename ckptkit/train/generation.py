@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.train.tokenizer import Tokenizer, load_tokenizer
+from ckptkit.train.tokenizer import Tokenizer, load_tokenizer, tokenizer_folder
 from ckptkit.train.transformer import KVCache, Transformer, load_model
 
 
@@ -150,10 +150,21 @@ def chat_prompt_ids(checkpoint: str, prompt: str, tokenizer: Tokenizer) -> list[
     opened, tokenised as transformers' ``apply_chat_template`` does (the template writes any BOS)."""
     from ckptkit.train.chat_template import load_chat_template
 
-    folder = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
-    jinja = folder / "chat_template.jinja"
-    missing = f"drop --chat to continue PROMPT as plain text, or save the model's chat template as {jinja}"
-    template = load_chat_template(folder, missing=missing)
+    own = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
+    with tokenizer_folder(checkpoint) as folder:
+        if folder == own:
+            missing = (
+                "drop --chat to continue PROMPT as plain text, "
+                f"or save the model's chat template as {own / 'chat_template.jinja'}"
+            )
+            template = load_chat_template(folder, missing=missing)
+        else:  # rebuilt from the checkpoint's metadata (a GGUF's tokenizer.chat_template)
+            try:
+                template = load_chat_template(folder)
+            except CkptkitError:
+                raise CkptkitError(
+                    f"{checkpoint}: holds no chat template; drop --chat to continue PROMPT as plain text"
+                ) from None
     text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tokenizer.encode(text, add_bos=False)
 

@@ -24,7 +24,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from ckptkit.io import signal_of, stopped_by, stopping_on_signals
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
 from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
+from ckptkit.train.distributed import PeerFailed
 from ckptkit.train.metrics import MetricLogger, Progress
 from ckptkit.train.placement import FSDP2, Placement, Save, SingleDevice, open_source
 from ckptkit.train.recipe_state import RecipeState, RunProgress
@@ -56,7 +56,7 @@ from ckptkit.train.step import (
     label_tokens,
     router_aux_weight,
 )
-from ckptkit.train.tokenizer import load_tokenizer
+from ckptkit.train.tokenizer import load_tokenizer, tokenizer_folder
 from ckptkit.train.trainable import FullWeights, LoRAAdapters, Trainable
 from ckptkit.train.transformer import build_model
 
@@ -82,6 +82,9 @@ class Recipe:
     def setup(self) -> None:
         """Model (and its saved state when resuming), data, optimizer, schedule, logging."""
         cfg, ckpt, placement = self.cfg, self.checkpointer, self.placement
+        with placement.together():  # rank 0 looks; every rank stops on its verdict before any writes
+            if self.writer:
+                ckpt.check_fresh()
         progress = placement.read_progress(ckpt)
         if progress is not None:
             self._check_progress(progress)
@@ -102,10 +105,9 @@ class Recipe:
         if cfg.compile:
             compile_layers(self.model)
 
-        tokenizer_dir = cfg.tokenizer or str(ckpt.checkpoint_dir)
-        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
-        folder = Path(tokenizer_dir) if Path(tokenizer_dir).is_dir() else Path(tokenizer_dir).parent
-        self.dataset, self.val_dataset = build_datasets(cfg.dataset, self.tokenizer, folder, self.seed)
+        with tokenizer_folder(cfg.tokenizer or ckpt.checkpoint_dir) as folder:  # a GGUF's: rebuilt from it
+            self.tokenizer = load_tokenizer(cfg.tokenizer or ckpt.checkpoint_dir, model_cfg.eos_token_id)
+            self.dataset, self.val_dataset = build_datasets(cfg.dataset, self.tokenizer, folder, self.seed)
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.global_batch // cfg.gradient_accumulation_steps
         if batches == 0:
@@ -356,9 +358,10 @@ def main(recipe: str, doc: str) -> None:
             code = 128 + signal_of(stop)
         except CkptkitError as e:
             if stopped_by() is None:
-                rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-                sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
                 code = 1
+                if not isinstance(e, PeerFailed):  # the rank where it failed says it, once
+                    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+                    sys.stderr.write(f"error: {rank}{e}\n")  # one write: the ranks' lines do not interleave
         except Exception:
             if stopped_by() is None:
                 raise

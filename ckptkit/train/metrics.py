@@ -17,6 +17,8 @@ from ckptkit.errors import CkptkitError
 if TYPE_CHECKING:
     from ckptkit.train.schema import WandbConfig
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricLogger:
     """Metrics as JSON lines in ``output_dir/metrics.jsonl``; TensorBoard when installed; W&B
@@ -34,7 +36,8 @@ class MetricLogger:
             settings = {k: v for k, v in vars(wandb).items() if v is not None}
             self.wandb = wandb_lib.init(dir=str(output_dir), config=run_config, resume="allow", **settings)
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = (output_dir / "metrics.jsonl").open("a" if resume else "w", encoding="utf-8")
+        # a resumed run appends; a fresh one starts it (Checkpointer.check_fresh refused a folder holding one)
+        self.file = (output_dir / METRICS_FILE).open("a" if resume else "w", encoding="utf-8")
         try:
             from torch.utils.tensorboard import SummaryWriter
 

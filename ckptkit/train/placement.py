@@ -320,5 +320,6 @@ def _finish(
 
 def open_source(checkpointer: Checkpointer, folder: Path | None) -> Checkpoint:
     """The checkpoint the weights come from: the base, or ``folder`` (one saved by this recipe)."""
-
-    return checkpointer.open_base() if folder is None else open_checkpoint(folder, model_type=checkpointer.model_type)
+    if folder is None:
+        return checkpointer.open_base()
+    return open_checkpoint(checkpointer.model_in(folder), model_type=checkpointer.model_type)

@@ -1,12 +1,16 @@
-"""Tokenizer found next to a checkpoint: HF ``tokenizer.json``, or a sentencepiece or tiktoken ``tokenizer.model``."""
+"""Tokenizer found next to a checkpoint: HF ``tokenizer.json``, or a sentencepiece or tiktoken
+``tokenizer.model``; for a GGUF, the one rebuilt from its metadata."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats import source_file_format
 from ckptkit.tokenization import tiktoken_bpe
 
 
@@ -101,28 +105,42 @@ def _read_tokenizer_model(path: Path) -> Tokenizer:
     return SentencePieceTokenizer(path)
 
 
+@contextlib.contextmanager
+def tokenizer_folder(checkpoint: str | Path) -> Iterator[Path]:
+    """The folder of ``checkpoint``'s tokenizer files while the block lasts: the checkpoint
+    folder (or the folder of a file in it), or, for a one-file checkpoint that carries its
+    tokenizer (a GGUF), the folder its format rebuilds the files in."""
+    path = Path(checkpoint)
+    if source_file_format(path) is None:
+        yield path if path.is_dir() else path.parent
+        return
+    from ckptkit.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as ckpt:
+        yield ckpt.side_folder
+
+
 def load_tokenizer(checkpoint: str | Path, eos_token_id: int | list[int] | None = None) -> Tokenizer:
-    """The tokenizer stored with ``checkpoint`` (a checkpoint dir, or a file inside one).
+    """The tokenizer stored with ``checkpoint`` (a checkpoint dir, a file inside one, or a GGUF).
 
     Prefers ``tokenizer.json``, then ``tokenizer.model``, then a ``tokenizer.model`` one
     level up (Meta downloads keep it beside the model folder). End-of-sequence ids are
     ``eos_token_id`` (from the model config) plus those in ``generation_config.json``.
     """
-    path = Path(checkpoint)
-    folder = path if path.is_dir() else path.parent
-    tok: Tokenizer
-    if (folder / "tokenizer.json").is_file():
-        tok = HFTokenizer(folder / "tokenizer.json")
-    elif (folder / "tokenizer.model").is_file():
-        tok = _read_tokenizer_model(folder / "tokenizer.model")
-    elif (folder.parent / "tokenizer.model").is_file():
-        tok = _read_tokenizer_model(folder.parent / "tokenizer.model")
-    else:
-        raise CkptkitError(f"no tokenizer found for {checkpoint} (expected tokenizer.json or tokenizer.model)")
-    eos = set(tok.eos_ids) | set(_as_list(eos_token_id))
-    gen_cfg = folder / "generation_config.json"
-    if gen_cfg.is_file():
-        eos |= set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")))
+    with tokenizer_folder(checkpoint) as folder:
+        tok: Tokenizer
+        if (folder / "tokenizer.json").is_file():
+            tok = HFTokenizer(folder / "tokenizer.json")
+        elif (folder / "tokenizer.model").is_file():
+            tok = _read_tokenizer_model(folder / "tokenizer.model")
+        elif (folder.parent / "tokenizer.model").is_file():
+            tok = _read_tokenizer_model(folder.parent / "tokenizer.model")
+        else:
+            raise CkptkitError(f"no tokenizer found for {checkpoint} (expected tokenizer.json or tokenizer.model)")
+        eos = set(tok.eos_ids) | set(_as_list(eos_token_id))
+        gen_cfg = folder / "generation_config.json"
+        if gen_cfg.is_file():
+            eos |= set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")))
     tok.eos_ids = sorted(eos)
     return tok
 

@@ -22,7 +22,7 @@ from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
 from ckptkit.formats.gguf import model
-from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
+from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_int, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
 from ckptkit.formats.records import LayoutRecord
@@ -152,6 +152,20 @@ class GGUFCheckpoint(RawCheckpoint):
             self._side = None
 
 
+class GGUFRecord(LayoutRecord):
+    """No sidecar and never restored by a conversion (written afresh, as llama.cpp writes it);
+    its own layout is the file type and each tensor's GGML type, which a GGUF written back
+    from this one's tensors keeps (merge, training)."""
+
+    def __init__(self) -> None:
+        super().__init__(sidecar=False, restores=False)
+
+    def own(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
+        header = _header(ckpt.raw)
+        types = {t.name: t.kind for t in header.tensors}
+        return {"gguf": {"file_type": meta_int(header, "general.file_type"), "types": types}}
+
+
 class GGUFFormat(CheckpointFormat):
     """One ``.gguf`` file as llama.cpp writes it; as SRC or DST, a file path ending in ``.gguf``."""
 
@@ -168,7 +182,7 @@ class GGUFFormat(CheckpointFormat):
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
     )
 
-    records = LayoutRecord(sidecar=False, restores=False)  # written afresh, as llama.cpp writes it
+    records = GGUFRecord()
 
     # --- reading ------------------------------------------------------------------------
     def detect(self, root: Path) -> bool:

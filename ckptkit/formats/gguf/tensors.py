@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError, UnknownModel
+from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.registry import find_format, transformers_format
@@ -162,6 +162,38 @@ def file_type(dtype: str | None, first_dtype: str) -> Any:
     if dtype is None:
         return t.MOSTLY_BF16 if first_dtype == "bfloat16" else t.MOSTLY_F16
     return {"float32": t.ALL_F32, "float16": t.MOSTLY_F16, "bfloat16": t.MOSTLY_BF16, "q8_0": t.MOSTLY_Q8_0}[dtype]
+
+
+def kept_dtype(ftype: int | None) -> str | None:
+    """The ``--dtype`` of a ``general.file_type`` ckptkit writes (None: another, or none)."""
+    import gguf
+
+    t = gguf.LlamaFileType
+    kept = {t.ALL_F32: "float32", t.MOSTLY_F16: "float16", t.MOSTLY_BF16: "bfloat16", t.MOSTLY_Q8_0: "q8_0"}
+    return next((dtype for kind, dtype in kept.items() if int(kind) == ftype), None)
+
+
+def keep_types(tensors: list[GGUFTensor], types: dict[str, str], where: object) -> list[str]:
+    """Give each tensor the GGML type it has in the GGUF ``types`` (name -> type) was read
+    from, where ckptkit writes that type; notes on the others (left as the file type says)."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    writable = {"F32", "F16", "BF16", "Q8_0"}
+    others: dict[str, str] = {}
+    for t in tensors:
+        kind = types.get(t.name)
+        if kind is None or kind == q(t.qtype).name:
+            continue
+        if kind in writable and (kind != "Q8_0" or t.shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0):
+            t.qtype = q[kind]
+        else:
+            others.setdefault(kind, q(t.qtype).name)
+    if not others:
+        return []
+    written = ", ".join(f"{kind} as {now}" for kind, now in sorted(others.items()))
+    fact = f"{where}: ckptkit writes GGUF tensors as F32, F16, BF16 or Q8_0: tensors of other types written {written}"
+    return [note(fact, "to quantize them as before, run llama.cpp's llama-quantize on the output")]
 
 
 def qtype(name: str, shape: tuple[int, ...], ftype: Any) -> Any:

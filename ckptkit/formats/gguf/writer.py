@@ -27,7 +27,7 @@ from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
-from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, model_tensors, spec_of
+from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, keep_types, kept_dtype, model_tensors, spec_of
 from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
 from ckptkit.formats.registry import transformers_format
 from ckptkit.formats.writers import FileWriter, Job
@@ -327,10 +327,14 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     from shapes and types, and how each tensor's bytes are made."""
     import gguf
 
-    dtype = opts.dtype
+    # a GGUF's tensors written back (merge, training; :func:`ckptkit.save_checkpoint_like`): its own types
+    same = (ckpt.recorded_origin or {}).get("gguf") if opts.dtype is None else None
+    dtype = opts.dtype if same is None else kept_dtype(same["file_type"])
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
     tensors, ftype = model_tensors(ckpt, hparams, dtype)
+    if same is not None:
+        ckpt.notes.extend(keep_types(tensors, same["types"], ckpt.path))
     ckpt.notes.extend(_not_kept(hparams, spec))
     w = planned_writer(spec.arch, tensors)
     with hf_folder(ckpt, hparams) as folder, quiet_gguf():
