@@ -32,7 +32,7 @@ def resolve_source(source: str) -> Path | str:
             return candidate
     if not path.is_absolute() and path.suffix not in BUILDERS and len(parts) <= 2 and all(parts):
         return source  # owner/name on the Hub
-    raise CkptkitError(f"dataset.source: {source}: no such file, folder or bundled dataset")
+    raise CkptkitError(f"config key dataset.source: {source}: no such file, folder or bundled dataset")
 
 
 def load_rows(source: str, split: str, column_map: dict[str, str] | None = None) -> list[Row]:

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.io import signal_of, stopped_by, stopping_on_signals
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
-from ckptkit.train.config import load_config, parse_config
+from ckptkit.train.config import config_path, load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
 from ckptkit.train.metrics import MetricLogger, Progress
 from ckptkit.train.placement import FSDP2, Placement, Save, SingleDevice, open_source
@@ -101,7 +101,7 @@ class Recipe:
         if cfg.compile:
             compile_layers(self.model)
 
-        tokenizer_dir = cfg.tokenizer or str(ckpt.checkpoint_dir)
+        tokenizer_dir = str(config_path("tokenizer", cfg.tokenizer)) if cfg.tokenizer else str(ckpt.checkpoint_dir)
         self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.eos_token_id)
         folder = Path(tokenizer_dir) if Path(tokenizer_dir).is_dir() else Path(tokenizer_dir).parent
         self.dataset, self.val_dataset = build_datasets(cfg.dataset, self.tokenizer, folder, self.seed)
