@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -62,15 +62,36 @@ def inspect(
     out.print(f"files       {', '.join(info['files'])}")
     if info.get("ignored"):
         out.print(f"not model   {len(info['ignored'])} entries, not converted: {', '.join(info['ignored'][:6])}")
-    table = Table(box=None, header_style="bold")
-    table.add_column("name", overflow="fold")
-    for column in ("shape", "dtype", "file"):
-        table.add_column(column, no_wrap=True)
     if not out.is_terminal:  # piped: full names on one line each, for grep and friends
         out.width = 1000
-    for t in info["tensors"]:
-        table.add_row(t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"])
-    out.print(table)
+    for part in tensor_tables(info["tensors"], out.width):
+        out.print(part, highlight=False, markup=False)
+
+
+def tensor_tables(tensors: list[dict[str, Any]], width: int) -> list[Table | str]:
+    """``inspect``'s tensor table, each row on one line of ``width`` columns with the name
+    whole (copyable): name, shape, dtype and file; where the file does not fit beside the
+    rest, one table of name, shape and dtype per file, under the file's name."""
+    rows: list[tuple[str, ...]] = [
+        (t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"]) for t in tensors
+    ]
+    headers = ("name", "shape", "dtype", "file")
+
+    def table(columns: int, items: list[tuple[str, ...]]) -> Table:
+        made = Table(box=None, header_style="bold")
+        for header in headers[:columns]:
+            made.add_column(header, no_wrap=True)
+        for row in items:
+            made.add_row(*row[:columns])
+        return made
+
+    widest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    if sum(widest) + 2 * len(headers) <= width:  # rich pads each cell by one on both sides
+        return [table(4, rows)]
+    by_file: dict[str, list[tuple[str, ...]]] = {}
+    for row in rows:
+        by_file.setdefault(row[3], []).append(row)
+    return [part for file, items in by_file.items() for part in (f"{file}:", table(3, items))]
 
 
 @app.command(cls=Command)
