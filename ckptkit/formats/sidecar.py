@@ -38,7 +38,8 @@ def recorded_origin(fmt: CheckpointFormat, raw: RawCheckpoint) -> dict[str, Any]
         found = fmt.read_origin(raw)
         return None if found is None else check_origin(*found)
     except CkptkitError as e:
-        raw.notes.append(note(f"{e}; the source layout it records will not be restored (DST gets its format's own)"))
+        lost = "so the source layout it records will not be restored: written in the default layout"
+        raw.notes.append(note(f"{e}, {lost}"))
         return None
 
 
