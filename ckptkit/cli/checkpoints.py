@@ -128,6 +128,12 @@ def convert(
         typer.Option("--allow-lossy-cast", help="Let --dtype overflow values to inf (an error otherwise)."),
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print one JSON object on stdout (what was written, seconds, peak memory, notes); no bar."
+        ),
+    ] = False,
     force_model_type: Annotated[
         bool,
         typer.Option("--force-model-type", help="Use --model-type even where the files describe another type."),
@@ -186,7 +192,7 @@ def convert(
             max_shard_size=max_shard_size,
             force=force,
             verify=verify,
-            quiet=quiet,
+            quiet=quiet or json_out,
             on_verify=reports.append,
             copy_method=None if copy_method == NO_COPY else copy_method,
             allow_lossy_cast=allow_lossy_cast,
@@ -197,6 +203,12 @@ def convert(
             tokenizer=tokenizer,
         )
         result = run_convert(src, dst, opts)
+    if json_out:
+        summary = written_summary(dst, to, result.bytes_written, time.perf_counter() - start, result.notes)
+        if verify:
+            summary["verify"] = {"verdict": reports[0].to_json()["verdict"], "line": _verified(dtype, reports)}
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
     if quiet:
         return
     for note in result.notes:
@@ -214,6 +226,24 @@ def convert(
     if verbose:
         ways = ", ".join(f"{method} {human(n)}" for method, n in sorted(result.bytes_by_method.items()))
         err.print(f"tensor bytes by method: {ways or 'none'}", highlight=False)
+
+
+def written_summary(dst: Path, fmt: str, nbytes: int, seconds: float, notes: list[str]) -> dict[str, Any]:
+    """``convert --json``'s object: DST, its format, files and bytes, the seconds taken, the
+    process's peak resident memory (``getrusage``'s ``ru_maxrss``) in bytes, the notes."""
+    import resource
+
+    files = sorted(p.name for p in dst.iterdir() if p.is_file()) if dst.is_dir() else [dst.name]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {
+        "path": str(dst),
+        "format": fmt,
+        "files": files,
+        "bytes": nbytes,
+        "seconds": round(seconds, 3),
+        "peak_rss_bytes": peak,
+        "notes": notes,
+    }
 
 
 def _verified(dtype: str | None, reports: list[Report]) -> str:
