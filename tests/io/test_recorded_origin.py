@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ckptkit.convert import ConvertOptions, convert
 
@@ -110,3 +113,36 @@ def test_an_intact_record_restores_the_source_layout_without_a_note(tmp_path: Pa
     convert(FIXTURES / "hf/llama2", tmp_path / "meta", ConvertOptions("meta"))
     result = convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     assert result.plan.restored and not [n for n in result.notes if ORIGIN in n]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """hf/llama2 as Meta with its origin record, and its conversion back to HF without the record."""
+    made = tmp_path_factory.mktemp("recorded")
+    convert(FIXTURES / "hf/llama2", made / "meta", ConvertOptions("meta"))
+    plain = made / "plain"
+    shutil.copytree(made / "meta", plain)
+    (plain / ORIGIN).unlink()
+    convert(plain, made / "plain-hf", ConvertOptions("hf"))
+    return made / "meta", made / "plain-hf"
+
+
+@settings(max_examples=15, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_fuzzed_record_is_used_whole_or_not_at_all(
+    data: st.DataObject, recorded: tuple[Path, Path], tmp_path: Path
+) -> None:
+    meta, plain_hf = recorded
+    work = Path(tempfile.mkdtemp(dir=tmp_path))
+    src = work / "src"
+    shutil.copytree(meta, src)
+    text = bytearray((src / ORIGIN).read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        text[data.draw(st.integers(0, len(text) - 1))] = data.draw(st.integers(0, 255))
+    (src / ORIGIN).write_bytes(bytes(text))
+    result = convert(src, work / "out", ConvertOptions("hf"))
+    about = [n for n in result.notes if ORIGIN in n]
+    assert len(about) <= 1
+    if about:  # not used at all: the output is the conversion without a record
+        assert "will not be restored" in about[0] and not result.plan.restored
+        assert tree_hashes(work / "out") == tree_hashes(plain_hf)
