@@ -172,10 +172,26 @@ def check_destination(src: Path, dst: Path, force: bool, fmt: CheckpointFormat |
         raise CkptkitError(f"{dst}: the destination may not be the source or lie inside it")
     if d in s.parents:
         raise CkptkitError(f"{dst}: the destination contains the source; choose another directory")
+    if fmt is not None:
+        check_destination_name(fmt, dst)
     if suffix is None:
         check_replaceable(dst, force)
-    elif dst.suffix != suffix:
-        raise CkptkitError(f"{dst}: a {fmt.name if fmt else ''} destination is a file path ending in {suffix}")
+
+
+def check_destination_name(fmt: CheckpointFormat, dst: Path) -> None:
+    """Bad usage (exit 2) in one line: a one-file format's DST not ending in its suffix, or a
+    folder format's DST ending in the suffix of another format's one file (``--to hf x.gguf``)."""
+    suffix = fmt.info.file_suffix
+    if suffix is not None:
+        if dst.suffix != suffix:
+            raise FlagError(f"{dst}: --to {fmt.name} writes one file; name DST ending in {suffix}")
+        return
+    owner = next((f for f in REGISTRY.values() if f.info.file_suffix and f.info.file_suffix == dst.suffix), None)
+    if owner is not None:
+        raise FlagError(
+            f"{dst}: a {owner.name} file name, but --to {fmt.name} writes a folder; "
+            f"choose a DST not ending in {dst.suffix}, or pass --to {owner.name}"
+        )
 
 
 @dataclass
@@ -317,6 +333,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
     if o.shards is not None and o.shards < 1:
         raise CkptkitError("--shards must be at least 1")
     check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
+    check_destination_name(fmt, dst)
     if src.is_dir() and is_adapter_folder(src):
         return convert_adapter(src, dst, fmt, o)
     if o.base is not None and src.exists():

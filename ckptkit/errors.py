@@ -3,13 +3,14 @@ and notes: what the user should know about a result that is not an error."""
 
 from __future__ import annotations
 
-NOTHING_TO_DO = "nothing to do"
+NOTHING_TO_DO = "nothing to do"  # an action, only where a user would otherwise act
 
 
 def note(fact: str, action: str | None = None) -> str:
-    """A note that says whether anything needs doing: ``"<fact>; <action>"``, where
-    ``action`` starts with "to ..." (what to do, and what for), or ``"<fact>; nothing to do"``."""
-    return f"{fact}; {action or NOTHING_TO_DO}"
+    """A note: ``"<fact>"``, or ``"<fact>; <action>"`` where something needs doing, ``action``
+    starting with "to ..." (what for, then what to do). A note asks for action only when
+    action is needed; :data:`NOTHING_TO_DO` as the action only where saying so is the point."""
+    return f"{fact}; {action}" if action else fact
 
 
 class CkptkitError(Exception):

@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -62,15 +62,36 @@ def inspect(
     out.print(f"files       {', '.join(info['files'])}")
     if info.get("ignored"):
         out.print(f"not model   {len(info['ignored'])} entries, not converted: {', '.join(info['ignored'][:6])}")
-    table = Table(box=None, header_style="bold")
-    table.add_column("name", overflow="fold")
-    for column in ("shape", "dtype", "file"):
-        table.add_column(column, no_wrap=True)
     if not out.is_terminal:  # piped: full names on one line each, for grep and friends
         out.width = 1000
-    for t in info["tensors"]:
-        table.add_row(t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"])
-    out.print(table)
+    for part in tensor_tables(info["tensors"], out.width):
+        out.print(part, highlight=False, markup=False)
+
+
+def tensor_tables(tensors: list[dict[str, Any]], width: int) -> list[Table | str]:
+    """``inspect``'s tensor table, each row on one line of ``width`` columns with the name
+    whole (copyable): name, shape, dtype and file; where the file does not fit beside the
+    rest, one table of name, shape and dtype per file, under the file's name."""
+    rows: list[tuple[str, ...]] = [
+        (t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"]) for t in tensors
+    ]
+    headers = ("name", "shape", "dtype", "file")
+
+    def table(columns: int, items: list[tuple[str, ...]]) -> Table:
+        made = Table(box=None, header_style="bold")
+        for header in headers[:columns]:
+            made.add_column(header, no_wrap=True)
+        for row in items:
+            made.add_row(*row[:columns])
+        return made
+
+    widest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    if sum(widest) + 2 * len(headers) <= width:  # rich pads each cell by one on both sides
+        return [table(4, rows)]
+    by_file: dict[str, list[tuple[str, ...]]] = {}
+    for row in rows:
+        by_file.setdefault(row[3], []).append(row)
+    return [part for file, items in by_file.items() for part in (f"{file}:", table(3, items))]
 
 
 @app.command(cls=Command)
@@ -107,6 +128,12 @@ def convert(
         typer.Option("--allow-lossy-cast", help="Let --dtype overflow values to inf (an error otherwise)."),
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or summary.")] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print one JSON object on stdout (what was written, seconds, peak memory, notes); no bar."
+        ),
+    ] = False,
     force_model_type: Annotated[
         bool,
         typer.Option("--force-model-type", help="Use --model-type even where the files describe another type."),
@@ -165,7 +192,7 @@ def convert(
             max_shard_size=max_shard_size,
             force=force,
             verify=verify,
-            quiet=quiet,
+            quiet=quiet or json_out,
             on_verify=reports.append,
             copy_method=None if copy_method == NO_COPY else copy_method,
             allow_lossy_cast=allow_lossy_cast,
@@ -176,6 +203,12 @@ def convert(
             tokenizer=tokenizer,
         )
         result = run_convert(src, dst, opts)
+    if json_out:
+        summary = written_summary(dst, to, result.bytes_written, time.perf_counter() - start, result.notes)
+        if verify:
+            summary["verify"] = {"verdict": reports[0].to_json()["verdict"], "line": _verified(dtype, reports)}
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
     if quiet:
         return
     for note in result.notes:
@@ -193,6 +226,24 @@ def convert(
     if verbose:
         ways = ", ".join(f"{method} {human(n)}" for method, n in sorted(result.bytes_by_method.items()))
         err.print(f"tensor bytes by method: {ways or 'none'}", highlight=False)
+
+
+def written_summary(dst: Path, fmt: str, nbytes: int, seconds: float, notes: list[str]) -> dict[str, Any]:
+    """``convert --json``'s object: DST, its format, files and bytes, the seconds taken, the
+    process's peak resident memory (``getrusage``'s ``ru_maxrss``) in bytes, the notes."""
+    import resource
+
+    files = sorted(p.name for p in dst.iterdir() if p.is_file()) if dst.is_dir() else [dst.name]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {
+        "path": str(dst),
+        "format": fmt,
+        "files": files,
+        "bytes": nbytes,
+        "seconds": round(seconds, 3),
+        "peak_rss_bytes": peak,
+        "notes": notes,
+    }
 
 
 def _verified(dtype: str | None, reports: list[Report]) -> str:

@@ -97,9 +97,13 @@ def detect(root: Path) -> bool:
 def open_raw(root: Path) -> RawCheckpoint:
     config_text, params = read_config(root / "params.json")
     paths = weight_files(root)
-    for i, p in enumerate(paths):
-        if RANK_FILE.fullmatch(p.name) and p.name != rank_file(i):
-            raise CkptkitError(f"{root}: model-parallel ranks are not numbered 00..{len(paths) - 1:02d} ({p.name})")
+    ranks = [int(m.group(1)) for p in paths if (m := RANK_FILE.fullmatch(p.name))]
+    gaps = [r for r in range(max(ranks, default=-1) + 1) if r not in ranks]
+    if gaps:
+        raise CkptkitError(
+            f"{root / rank_file(gaps[0])}: missing: the rank files go up to {rank_file(max(ranks))}, "
+            f"so the checkpoint has {max(ranks) + 1} model-parallel ranks; copy every rank file"
+        )
     readers: dict[str, TensorFile] = {}
     files: dict[str, list[str]] = {}
     for p in paths:
@@ -127,6 +131,8 @@ def open_raw(root: Path) -> RawCheckpoint:
                 shape = tuple(s * n if i == d else s for i, s in enumerate(shape))
         split_dims[key] = d
         infos[key] = TensorInfo(key, shape, shards[0].dtype, first)
+    if ranks:
+        check_rank_count(root, params, infos, len(ranks))
     return RawCheckpoint(
         format="meta",
         root=root,
@@ -138,6 +144,26 @@ def open_raw(root: Path) -> RawCheckpoint:
         config=params,
         file_metadata={f: r.metadata for f, r in readers.items()},
         split_dims=split_dims if n > 1 else {},
+    )
+
+
+def check_rank_count(root: Path, params: dict[str, Any], infos: dict[str, TensorInfo], n: int) -> None:
+    """A one-line error naming the first missing rank file when the rank files found hold
+    a fraction of the query projection params.json describes (``n_heads`` x ``head_dim`` rows)."""
+    wq = infos.get("layers.0.attention.wq.weight")
+    try:
+        n_heads = int(params["n_heads"])
+        rows = n_heads * int(params.get("head_dim") or int(params["dim"]) // n_heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return  # the family's config check names the field
+    per_rank = wq.shape[0] // n if wq is not None and wq.shape else 0
+    if per_rank == 0 or wq is None or wq.shape[0] >= rows or rows % per_rank:
+        return
+    held = f"{n} rank files hold" if n > 1 else f"{rank_file(0)} holds"
+    raise CkptkitError(
+        f"{root / rank_file(n)}: missing: params.json's n_heads x head_dim give {rows} rows of "
+        f"layers.0.attention.wq.weight, {held} {wq.shape[0]}, so the checkpoint has {rows // per_rank} "
+        "model-parallel ranks; copy every rank file"
     )
 
 

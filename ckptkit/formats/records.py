@@ -33,21 +33,24 @@ class LayoutRecord:
         self.sidecar, self.restores = sidecar, restores
 
     def read(self, raw: RawCheckpoint) -> tuple[Any, Path] | None:
-        """The layout recorded when ``raw``'s files were converted, if it still matches them,
-        unchecked, with the file it came from (:func:`ckptkit.formats.sidecar.recorded_origin`
-        checks it)."""
+        """The layout recorded when ``raw``'s files were converted, unchecked, with the file it
+        came from (:func:`ckptkit.formats.sidecar.recorded_origin` checks it); None: none
+        recorded; a one-line CkptkitError when the record is damaged or was written for other
+        files."""
         path = raw.root / ORIGIN_FILE
         if not self.sidecar or not is_file(path):
             return None
+        _, doc = read_json(path)  # a one-line CkptkitError when it is not a JSON object
+        written = doc.get("written")
+        if not isinstance(written, dict) or "origin" not in doc:
+            raise CkptkitError(f"{path}: invalid recorded layout (no 'written' and 'origin' records)")
         try:
-            _, doc = read_json(path)
-            written = doc["written"]
             sizes = {name: size_of(raw.root / name) for name in raw.files}
-            if written["format"] != raw.format or written["files"] != sizes:
-                return None
-            return doc["origin"], path
-        except (CkptkitError, KeyError, TypeError, OSError):
-            return None
+        except OSError as e:
+            raise CkptkitError(f"{path}: cannot compare with the weight files ({e.strerror})") from None
+        if written.get("format") != raw.format or written.get("files") != sizes:
+            raise CkptkitError(f"{path}: recorded for other weight files than these (changed since)")
+        return doc["origin"], path
 
     def own(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         """``ckpt``'s own layout, as recorded for converting back to it later ({}: never restored)."""

@@ -16,7 +16,7 @@ import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.formats.pickle_index import ARCHIVE_NAME, SERIALIZATION_ID
@@ -32,12 +32,15 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def recorded_origin(fmt: CheckpointFormat, raw: RawCheckpoint) -> dict[str, Any] | None:
     """The layout recorded when ``raw``'s files were converted (``fmt.records.read``), if it
-    still matches them; a matching record that is malformed is an error, not ignored."""
-    found = fmt.records.read(raw)
-    if found is None:
+    is well formed and still matches them; else None, and a note on ``raw`` saying why the
+    source layout will not be restored (the record is never used in part)."""
+    try:
+        found = fmt.records.read(raw)
+        return None if found is None else check_origin(*found)
+    except CkptkitError as e:
+        lost = "so the source layout it records will not be restored: written in the default layout"
+        raw.notes.append(note(f"{e}, {lost}"))
         return None
-    origin, where = found
-    return check_origin(origin, where)
 
 
 def _fail(where: Path, what: str) -> NoReturn:

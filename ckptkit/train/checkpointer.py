@@ -30,6 +30,7 @@ from ckptkit.formats.torch_io import save_torch
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
+from ckptkit.train.config import config_path
 from ckptkit.train.lora import lora_modules, model_config
 from ckptkit.train.metrics import METRICS_FILE
 from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
@@ -95,7 +96,7 @@ class Checkpointer:
         from ckptkit.formats.base import Options
         from ckptkit.plan import plan_conversion
 
-        with open_checkpoint(self.checkpoint_dir, model_type=self.model_type) as ckpt:
+        with open_checkpoint(self.base_path(), model_type=self.model_type) as ckpt:
             self.loads_in_transformers = ckpt.fmt.info.loads_in_transformers
             self.quantized = bool(ckpt.raw.lossy)  # a GGUF's Q8_0, k-quants: trained dequantized
             component = self.torchtune_checkpointer
@@ -131,9 +132,13 @@ class Checkpointer:
                     return candidate
         return path
 
+    def base_path(self) -> Path:
+        """``checkpointer.checkpoint_dir``; a one-line error naming the key when it is missing."""
+        return config_path("checkpointer.checkpoint_dir", str(self.checkpoint_dir))
+
     def open_base(self) -> Checkpoint:
         """The base checkpoint opened lazily (tensors read by ``get()``), its files checked."""
-        ckpt = open_checkpoint(self.checkpoint_dir, model_type=self.model_type)
+        ckpt = open_checkpoint(self.base_path(), model_type=self.model_type)
         if self.checkpoint_files:
             found = set(ckpt.raw.files)
             listed = {Path(f).name for f in self.checkpoint_files}

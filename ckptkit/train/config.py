@@ -23,6 +23,17 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from ckptkit.errors import CkptkitError, ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+# A bundled config's relative paths to read (the tiny fixtures, datasets) are relative to the
+# ckptkit checkout that ships it, so it runs from any directory; outputs stay relative to the cwd.
+BUNDLE_ROOT = Path(__file__).resolve().parents[2]
+INPUT_KEYS = (
+    "checkpointer.checkpoint_dir",
+    "checkpointer.adapter_checkpoint",
+    "checkpointer.recipe_checkpoint",
+    "checkpointer.hf_base_dir",
+    "tokenizer",
+    "dataset.source",
+)
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
 
@@ -55,9 +66,32 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         raise CkptkitError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(cfg, dict):
         raise CkptkitError(f"{path}: a config must be a YAML mapping")
+    if path.parent == CONFIG_DIR:
+        anchor_inputs(cfg, BUNDLE_ROOT)
     for item in overrides:
         apply_override(cfg, item)
     return resolve_interpolations(cfg)
+
+
+def anchor_inputs(cfg: dict[str, Any], root: Path) -> None:
+    """Make each relative path of :data:`INPUT_KEYS` in ``cfg`` that exists under ``root``
+    absolute (a bundled dataset name, ``tiny_alpaca``, stays a name)."""
+    for key in INPUT_KEYS:
+        *parents, leaf = key.split(".")
+        node: Any = cfg
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not Path(value).is_absolute() and (root / value).exists():
+            node[leaf] = str(root / value)
+
+
+def config_path(key: str, value: str) -> Path:
+    """The path config key ``key`` names; a one-line error naming the key when nothing is there."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"config key {key}: {value}: no such file or directory")
+    return path
 
 
 def parse_value(text: str) -> Any:

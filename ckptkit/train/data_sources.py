@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, ConfigError
 
 DATASET_DIR = Path(__file__).parent / "datasets"
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
@@ -32,7 +32,7 @@ def resolve_source(source: str) -> Path | str:
             return candidate
     if not path.is_absolute() and path.suffix not in BUILDERS and len(parts) <= 2 and all(parts):
         return source  # owner/name on the Hub
-    raise CkptkitError(f"dataset.source: {source}: no such file, folder or bundled dataset")
+    raise ConfigError(f"config key dataset.source: {source}: no such file, folder or bundled dataset")
 
 
 def load_rows(source: str, split: str, column_map: dict[str, str] | None = None) -> list[Row]:

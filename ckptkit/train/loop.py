@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.io import signal_of, stopped_by, stopping_on_signals
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
-from ckptkit.train.config import load_config, parse_config
+from ckptkit.train.config import config_path, load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
 from ckptkit.train.distributed import PeerFailed
 from ckptkit.train.metrics import MetricLogger, Progress
@@ -105,8 +105,9 @@ class Recipe:
         if cfg.compile:
             compile_layers(self.model)
 
-        with tokenizer_folder(cfg.tokenizer or ckpt.checkpoint_dir) as folder:  # a GGUF's: rebuilt from it
-            self.tokenizer = load_tokenizer(cfg.tokenizer or ckpt.checkpoint_dir, model_cfg.eos_token_id)
+        tokenizer_src = config_path("tokenizer", cfg.tokenizer) if cfg.tokenizer else ckpt.checkpoint_dir
+        with tokenizer_folder(tokenizer_src) as folder:  # a GGUF's: rebuilt from it
+            self.tokenizer = load_tokenizer(tokenizer_src, model_cfg.eos_token_id)
             self.dataset, self.val_dataset = build_datasets(cfg.dataset, self.tokenizer, folder, self.seed)
         self.pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else 0
         batches = len(self.dataset) // self.global_batch // cfg.gradient_accumulation_steps

@@ -142,3 +142,35 @@ def test_measured_pattern_catches_what_it_is_for() -> None:
         assert MEASURED.search(claim), claim
     for fact in ["a 4 KiB sample", "Llama-2-7B", "bf16", "CRC-32", "step 500", "Python 3.11", "CRC-32s"]:
         assert not MEASURED.search(fact), fact
+
+
+SUITE_TIME = re.compile(r"<!-- suite-time -->`([^`]*)`<!-- /suite-time -->")
+
+
+def _suite_figure(report: Path) -> str:
+    """The one line in the text block of a report bench/suite.py wrote."""
+    (body,) = [b for lang, b in FENCE.findall(report.read_text()) if lang == "text"]
+    (line,) = body.strip().splitlines()
+    return line
+
+
+def test_the_readme_quotes_the_suite_time_ci_wrote() -> None:
+    (quoted,) = SUITE_TIME.findall((ROOT / "README.md").read_text())
+    assert quoted == _suite_figure(ROOT / "docs" / "bench" / "suite.md")
+    assert re.fullmatch(r"\d+ tests in \d+ s \(\d+\.\d min\) on \d+ CPUs(; \.ci/run in all \d+ s)?", quoted)
+
+
+def test_the_suite_script_writes_the_junit_figures_into_the_report_and_the_readme(tmp_path: Path) -> None:
+    (tmp_path / "junit.xml").write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="0" failures="1" skipped="2" '
+        'tests="7" time="61.4"></testsuite></testsuites>'
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text("Takes <!-- suite-time -->`old`<!-- /suite-time -->.\n")
+    report = tmp_path / "suite.md"
+    cmd = [sys.executable, str(ROOT / "bench" / "suite.py"), "--junit", str(tmp_path / "junit.xml"),
+           "--readme", str(readme), "--report", str(report)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    line = f"7 tests in 61 s (1.0 min) on {os.cpu_count()} CPUs"
+    assert _suite_figure(report) == line and report.read_text().startswith("Written by `python bench/suite.py ")
+    assert readme.read_text() == f"Takes <!-- suite-time -->`{line}`<!-- /suite-time -->.\n"

@@ -467,7 +467,20 @@ def _(tmp: Path) -> Case:
 def _(tmp: Path) -> Case:
     src = copy_fixture("meta/llama2-2rank", tmp / "src")
     (src / "consolidated.00.pth").unlink()
-    return converting(src, tmp, "src", "consolidated.01.pth", "not numbered")
+    return converting(src, tmp, "src/consolidated.00.pth: missing", "up to consolidated.01.pth", "2 model-parallel")
+
+
+@pytest.mark.parametrize("fixture", ["meta/llama2-2rank", "meta/mixtral-2rank"])
+def test_a_missing_last_rank_file_is_named(fixture: str, tmp_path: Path) -> None:
+    """params.json says nothing of ranks: the query projection's rows it gives tell how many."""
+    src = copy_fixture(fixture, tmp_path / "src")
+    (src / "consolidated.01.pth").unlink()
+    with pytest.raises(CkptkitError) as caught:
+        convert(src, tmp_path / "out", ConvertOptions("hf"))
+    message = str(caught.value)
+    assert message.startswith(f"{src / 'consolidated.01.pth'}: missing: ")
+    assert message.endswith("so the checkpoint has 2 model-parallel ranks; copy every rank file")
+    assert not (tmp_path / "out").exists()
 
 
 @case("tied-copy-differs")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptkit.convert import ConvertOptions, convert
+from ckptkit.errors import FlagError
 from ckptkit.formats import REGISTRY
 
 from conftest import FIXTURES
@@ -76,6 +77,33 @@ def test_force_model_type_overrides_what_the_files_say(tmp_path: Path) -> None:
 
 def test_a_model_type_that_agrees_with_the_files_is_accepted(tmp_path: Path) -> None:
     convert(FIXTURES / "meta/llama3", tmp_path / "out", ConvertOptions("hf", model_type="llama3"))
+
+
+ONE_FILE = {name: fmt.info.file_suffix for name, fmt in REGISTRY.items() if fmt.info.file_suffix}
+FOLDERS = [name for name, fmt in REGISTRY.items() if fmt.info.file_suffix is None]
+
+
+def test_a_folder_format_into_a_gguf_file_name_is_bad_usage(tmp_path: Path) -> None:
+    proc = run(["hf/llama2", "--to", "hf"], tmp_path / "model.gguf")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0] == (
+        f"error: {tmp_path / 'model.gguf'}: a gguf file name, but --to hf writes a folder; "
+        "choose a DST not ending in .gguf, or pass --to gguf"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("one_file", list(ONE_FILE))
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_no_folder_format_writes_a_folder_named_like_a_one_file_format(
+    folder: str, one_file: str, tmp_path: Path
+) -> None:
+    dst = tmp_path / f"model{ONE_FILE[one_file]}"
+    with pytest.raises(FlagError, match=f"--to {folder} writes a folder.*--to {one_file}$"):
+        convert(FIXTURES / "hf/llama2", dst, ConvertOptions(folder))
+    assert list(tmp_path.iterdir()) == []
 
 
 # Every command, as a user mistypes it: (arguments, what the one line must say).

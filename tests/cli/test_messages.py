@@ -195,7 +195,8 @@ def test_resuming_with_an_adapter_of_another_base_names_the_adapter_and_the_keys
 
 # --- notes say whether anything needs doing ---------------------------------------------------
 
-VERDICT = re.compile(r".+; (nothing to do|to [^;]+)")  # "<fact>; nothing to do" or "<fact>; to <goal>, <action>"
+# "<fact>", or "<fact>; to <goal>, <action>" where action is needed: never a bare "nothing to do"
+VERDICT = re.compile(r"(?!.*nothing to do$).+")
 
 
 @pytest.mark.slow
@@ -220,6 +221,14 @@ def test_every_note_of_the_fixture_conversions_says_whether_action_is_needed(tmp
                 notes.update({n: f"{src.relative_to(FIXTURES)} --to {to} --dtype {dtype}" for n in result.notes})
     assert len(notes) >= 4  # tokenizer specials, unused tensors not carried, no tokenizer...
     assert [f"{where}: {n}" for n, where in notes.items() if not VERDICT.fullmatch(n)] == []
+    assert any("; to " in n for n in notes)  # the ones that need action say so (no tokenizer...)
+
+
+def test_a_note_asks_for_action_only_when_it_is_given() -> None:
+    from ckptkit.errors import note
+
+    assert note("not cast (kept as stored): x") == "not cast (kept as stored): x"
+    assert note("no tokenizer", "to have one, convert again") == "no tokenizer; to have one, convert again"
 
 
 def test_every_note_is_made_by_the_function_that_adds_the_verdict() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ckptkit.convert import ConvertOptions, convert
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FlagError
 
 from conftest import FIXTURES
 from tokenizer_helpers import write_tiny_meta_llama3
@@ -335,7 +335,7 @@ def test_q8_0_is_refused_for_other_targets(tmp_path: Path) -> None:
 
 
 def test_gguf_destination_must_end_in_gguf(tmp_path: Path) -> None:
-    with pytest.raises(CkptkitError, match=r"ending in \.gguf"):
+    with pytest.raises(FlagError, match=r"--to gguf writes one file; name DST ending in \.gguf$"):
         convert(FIXTURES / "hf" / "llama2", tmp_path / "model.bin", ConvertOptions("gguf"))
     assert list(tmp_path.iterdir()) == []
 

@@ -4,17 +4,23 @@ weights) run here with their own settings on the tiny fixture of their model typ
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from ckptkit.cli import app
+from ckptkit.errors import CkptkitError
+from ckptkit.train.checkpointer import Checkpointer
 from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.loop import RECIPES as SCHEMAS
 from ckptkit.train.recipes import RECIPES, recipe_entry
 
 from conftest import FIXTURES
+
+CONFIGS = Path(__file__).resolve().parents[2] / "ckptkit" / "train" / "configs"
 
 NEW = {  # config -> recipe
     "qwen3_8B_lora": "lora_finetune",
@@ -62,3 +68,52 @@ def test_realistic_config_runs_on_the_tiny_fixture_of_its_model_type(name: str, 
     assert (out / "config.json").is_file()
     if "lora" in recipe:
         assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+TINY = [(r, n) for r, names in RECIPES.items() for n in names if n.startswith("tiny_")]
+
+
+@pytest.mark.parametrize(("recipe", "name"), TINY)
+def test_a_tiny_config_reads_the_fixture_from_any_directory(
+    recipe: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config(load_config(name), SCHEMAS[recipe][0])
+    assert Path(cfg.checkpointer.checkpoint_dir) == FIXTURES / "hf" / "llama2"
+    assert cfg.dataset.source == "tiny_alpaca"  # a bundled dataset's name stays a name
+    assert cfg.checkpointer.output_dir is not None and not Path(cfg.checkpointer.output_dir).is_absolute()
+    with Checkpointer(cfg.checkpointer).open_base() as base:
+        assert base.path == FIXTURES / "hf" / "llama2" and base.family.name == "llama2"
+
+
+def test_an_override_path_is_the_users_relative_to_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny_lora", ["checkpointer.checkpoint_dir=fixtures/hf/llama2"])
+    assert cfg["checkpointer"]["checkpoint_dir"] == "fixtures/hf/llama2"
+
+
+def test_a_missing_path_is_named_by_its_config_key(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora",
+           "checkpointer.checkpoint_dir=gone"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: {CONFIGS / 'tiny_lora.yaml'} with the KEY=VALUE overrides: config key checkpointer.checkpoint_dir: "
+        "gone: no such file or directory"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_tokenizer_is_named_by_its_config_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CkptkitError, match="^config key tokenizer: gone: no such file or directory$"):
+        recipe_entry("lora_finetune")(load_config("tiny_lora", ["tokenizer=gone", "quiet=true"]))
+
+
+@pytest.mark.slow
+def test_a_tiny_recipe_runs_from_any_directory(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
+           "max_steps_per_epoch=1", "quiet=true"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "tiny_lora" / "epoch_0" / "adapter").is_dir()  # outputs in the cwd

@@ -224,7 +224,7 @@ def test_data_config_errors_are_one_line() -> None:
         "config: unknown key dataset.packd; did you mean dataset.packed?": {"packd": True},
         "config key dataset.validation_fraction: input should be less than 1": {"validation_fraction": 1.5},
         "set validation_split or validation_fraction, not both": {"validation_split": "a", "validation_fraction": 0.1},
-        "dataset.source: /nope/x.jsonl: no such file": {"source": "/nope/x.jsonl"},
+        "config key dataset.source: /nope/x.jsonl: no such file": {"source": "/nope/x.jsonl"},
         "dataset.max_seq_len=4 leaves no sample a token to train on": {"max_seq_len": 4},  # prompts fill it
     }
     for message, cfg in cases.items():

@@ -224,7 +224,8 @@ def test_launch_and_resume_mistakes_are_one_line(tmp_path: Path) -> None:
            "--config", "tiny_full_distributed", f"checkpointer.checkpoint_dir={tmp_path / 'missing'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'missing'}: no such file or directory"
+        f"error: {REPO / 'ckptkit/train/configs/tiny_full_distributed.yaml'} with the KEY=VALUE overrides: "
+        f"config key checkpointer.checkpoint_dir: {tmp_path / 'missing'}: no such file or directory"
     ]
     with pytest.raises(CkptkitError, match="full_finetune runs on one device; use full_finetune_distributed"):
         launch_torchrun("full_finetune", 2, "tiny_full", [], load_config("tiny_full"))

@@ -71,7 +71,7 @@ def test_yaml_typo_and_wrong_recipe_are_refused(tmp_path: Path) -> None:
     assert "has a lora section: it is a lora_finetune config" in _fails("full_finetune", "tiny_lora", tmp_path=tmp_path)
     # a missing absolute data file is one line too (was NotImplementedError from a glob)
     message = _fails("full_finetune", "tiny_full", "dataset.source=/nowhere/data.json", tmp_path=tmp_path)
-    assert "dataset.source: /nowhere/data.json: no such file" in message
+    assert "config key dataset.source: /nowhere/data.json: no such file" in message
 
 
 def test_too_short_max_seq_len_is_refused_before_training(tmp_path: Path) -> None:
