@@ -12,6 +12,7 @@ again.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -35,12 +36,24 @@ def _versions() -> list[str]:
     return found
 
 
+def _file_bytes(path: Path) -> bytes:
+    """The file's bytes; PEFT's adapter_config.json with its ``target_modules`` sorted (PEFT
+    writes a set there, in an order that changes with every interpreter's hash seed)."""
+    data = path.read_bytes()
+    if path.name == "adapter_config.json":
+        doc = json.loads(data)
+        if isinstance(doc.get("target_modules"), list):
+            doc["target_modules"] = sorted(doc["target_modules"])
+        data = json.dumps(doc, sort_keys=True).encode()
+    return data
+
+
 def _folder_digest(folder: Path, h: hashlib._Hash) -> None:
     h.update(folder.name.encode() + b"\0")
     for p in sorted(folder.rglob("*")):
         if p.is_file():
             h.update(str(p.relative_to(folder)).encode() + b"\0")
-            h.update(hashlib.sha256(p.read_bytes()).digest())
+            h.update(hashlib.sha256(_file_bytes(p)).digest())
 
 
 def cached_outputs(inputs: list[Path], args: list[str], outs: list[Path], run: Callable[[], None]) -> None:
