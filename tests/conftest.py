@@ -85,30 +85,6 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(FUZZ_SEED, str(random.SystemRandom().randrange(2**32)))
 
 
-def _shared_fixture_module(item: pytest.Item) -> str | None:
-    """The module of ``item`` where it uses a fixture made once per module (or once per
-    session by a test module, not conftest): tests that share one must run on one worker."""
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in info.name2fixturedefs.values() if info else ():
-        scope, where = defs[-1].scope, defs[-1].baseid
-        if scope in ("module", "class", "package") or (scope == "session" and where.endswith(".py")):
-            return item.nodeid.split("::")[0]
-    return None
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The ``slow`` tests first, each part in its collected order: pytest-xdist hands tests
-    out in this order, so the long ones start while the short ones can still even out the
-    workers, instead of one worker finishing a long test alone at the end. Tests that share
-    a fixture made once per module go to one worker together (``--dist loadgroup``): split
-    between workers, each worker would make it (a training run, a driver of every case)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    for item in items:
-        module = _shared_fixture_module(item)
-        if module is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The seed, at the end of any session that ran the fuzz tests (shown with ``-q`` too)."""
     reports = [r for group in terminalreporter.stats.values() for r in group]
