@@ -23,6 +23,7 @@ from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError, FlagError
 
 from conftest import FIXTURES
+from reference_cache import cached_outputs
 from tokenizer_helpers import write_tiny_meta_llama3
 
 OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", None: "auto"}
@@ -53,13 +54,17 @@ for out, outtype in zip(outs[::2], outs[1::2]):
 
 
 def llama_cpp_ggufs(llama_cpp: Path, hf_dir: Path, outs: dict[str, Path], pre: str | None = None) -> dict[str, Path]:
-    """llama.cpp's GGUF of ``hf_dir`` for each outtype of ``outs`` (outtype -> file)."""
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    args = [str(hf_dir), pre or "", *[str(x) for outtype, out in outs.items() for x in (out, outtype)]]
-    res = subprocess.run(
-        [sys.executable, "-c", CONVERTER, *args], cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    """llama.cpp's GGUF of ``hf_dir`` for each outtype of ``outs`` (outtype -> file), run once
+    per input (``reference_cache``)."""
+
+    def run() -> None:
+        env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+        args = [str(hf_dir), pre or "", *[str(x) for outtype, out in outs.items() for x in (out, outtype)]]
+        cmd = [sys.executable, "-c", CONVERTER, *args]
+        res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    cached_outputs([hf_dir], [CONVERTER, pre or "", *outs], list(outs.values()), run)
     return outs
 
 

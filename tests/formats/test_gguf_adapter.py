@@ -25,6 +25,7 @@ from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 
 from conftest import FIXTURES
+from reference_cache import cached_outputs
 
 OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0"}
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -68,11 +69,15 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def llama_cpp_lora(llama_cpp: Path, adapter: Path, base: Path, out: Path, outtype: str | None) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     cmd = [sys.executable, "convert_lora_to_gguf.py", str(adapter), "--base", str(base), "--outfile", str(out)]
     cmd += ["--outtype", outtype] if outtype is not None else []  # None: the script's own default
-    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+
+    def run() -> None:
+        env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+        res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    cached_outputs([adapter, base], [cmd[1], *cmd[7:]], [out], run)  # llama.cpp's run for these inputs, made once
     return out
 
 

@@ -22,15 +22,20 @@ from ckptkit.convert import ConvertOptions, convert
 from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES
+from reference_cache import cached_outputs
 from tokenizer_helpers import write_tiny_meta_llama3
 
 
 def _to_gguf(llama_cpp: Path, hf_dir: Path, out: Path) -> dict[str, object]:
     """Run the converter; return the tokenizer metadata of the GGUF it wrote."""
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     cmd = [sys.executable, "convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(out)]
-    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+
+    def run() -> None:
+        env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+        res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    cached_outputs([hf_dir], cmd[1:2], [out], run)  # llama.cpp's run for these inputs, made once
     sys.path.insert(0, str(llama_cpp / "gguf-py"))
     try:
         from gguf import GGUFReader

@@ -28,6 +28,7 @@ from ckptkit.models.llama import LLAMA2_TOKENIZER, LLAMA3_1_TOKENIZER, LLAMA3_TO
 from ckptkit.models.mistral import MISTRAL_TOKENIZER
 from ckptkit.tokenization.hf_files import build_hf_tokenizer
 
+from reference_cache import cached_outputs
 from tokenizer_helpers import (
     CORPUS,
     autotokenizer_without_extras,
@@ -298,11 +299,15 @@ def test_llama3_hf_folder_gives_llama_cpp_the_official_vocabulary(tmp_path: Path
     (tmp_path / "meta" / "params.json").write_text(json.dumps(params))
     convert(tmp_path / "meta", tmp_path / "hf", ConvertOptions("hf"))
     llama_cpp = llama_cpp_dir()
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     out = tmp_path / "vocab.gguf"
     cmd = [sys.executable, "convert_hf_to_gguf.py", str(tmp_path / "hf"), "--vocab-only", "--outfile", str(out)]
-    res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+
+    def run() -> None:
+        env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+        res = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    cached_outputs([tmp_path / "hf"], [cmd[1], cmd[3]], [out], run)  # llama.cpp's run for these inputs, made once
     ours = gguf_reader(out).fields  # type: ignore[attr-defined]
     official = gguf_reader(llama_cpp / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
     assert ours["tokenizer.ggml.pre"].contents() == "llama-bpe"
