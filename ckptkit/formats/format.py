@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,6 +27,20 @@ if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
     from ckptkit.tensors.lazy import Lazy
+
+
+@dataclass(frozen=True)
+class WriteSupport:
+    """A support matrix cell of a format that writes a family.
+
+    Attributes:
+        tokenizer: what the conversion does with the tokenizer.
+        needs: what a checkpoint must have to be written, by topic (a conversion that lacks
+            one is refused in one line saying so).
+    """
+
+    tokenizer: str
+    needs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,8 @@ class FormatInfo:
         file_suffix: DST is one file whose name ends so, not a folder.
         reads_file: SRC may be one file of this format (``detect`` is asked about files).
         extra_dtypes: ``--dtype`` values only this format takes (``q8_0``).
+        takes_pre_tokenizer: ``--gguf-pre`` names the pre-tokenizer it writes for a
+            tokenizer it does not recognise (GGUF).
         writes_adapters: SRC may be a PEFT LoRA adapter folder (``plan_adapter``).
         aliases: what users type meaning this format: the CLI's did-you-mean.
         lone_file: the names of a single weight or index file of this format, asked by
@@ -70,6 +86,7 @@ class FormatInfo:
     file_suffix: str | None = None
     reads_file: bool = False
     extra_dtypes: tuple[str, ...] = ()
+    takes_pre_tokenizer: bool = False
     writes_adapters: bool = False
     aliases: tuple[str, ...] = ()
     lone_file: re.Pattern[str] | None = None
@@ -137,9 +154,10 @@ class CheckpointFormat:
         infos by default; a format may add its own metadata or stored types."""
         return info
 
-    def tokenizer_support(self, family: Family) -> str:
-        """What a conversion into this format does with the tokenizer (support matrix)."""
-        return "carried"
+    def write_support(self, family: Family) -> WriteSupport:
+        """What a conversion into this format does with the tokenizer, and what it needs of a
+        checkpoint of ``family`` (support matrix), for a family it writes."""
+        return WriteSupport("carried")
 
     def canonical_view(
         self, raw: RawCheckpoint, family: Family, cfg: ModelConfig

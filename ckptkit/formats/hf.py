@@ -23,7 +23,7 @@ from ckptkit.formats.base import (
     read_json,
 )
 from ckptkit.formats.containers import is_safetensors, open_tensor_file
-from ckptkit.formats.format import CheckpointFormat, FormatInfo, size_sharded_files
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, WriteSupport, size_sharded_files
 from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
@@ -217,10 +217,8 @@ class HFFormat(CheckpointFormat):
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.hf_layout(cfg)
 
-    def tokenizer_support(self, family: Family) -> str:
-        if family.tokenizer is None:
-            return "carried"
-        return "tokenizer.json (from a Meta tokenizer.model)"
+    def write_support(self, family: Family) -> WriteSupport:
+        return WriteSupport("carried" if family.tokenizer is None else "tokenizer.json (from a Meta tokenizer.model)")
 
 
 HF_ALIASES = ("huggingface", "hugging-face", "transformers", "safetensors", "hf-safetensors")

@@ -25,7 +25,7 @@ from ckptkit.formats.base import (
     read_config,
 )
 from ckptkit.formats.containers import open_tensor_file
-from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, WriteSupport
 from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
@@ -234,10 +234,8 @@ class MetaFormat(CheckpointFormat):
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
         return family.meta_layout(cfg)
 
-    def tokenizer_support(self, family: Family) -> str:
-        if family.tokenizer is None:
-            return "-"
-        return f"tokenizer.model ({family.tokenizer.kind})"
+    def write_support(self, family: Family) -> WriteSupport:
+        return WriteSupport("-" if family.tokenizer is None else f"tokenizer.model ({family.tokenizer.kind})")
 
 
 def _output_repeats_embeddings(raw: RawCheckpoint) -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
-from ckptkit.formats.format import CheckpointFormat, FormatInfo
+from ckptkit.formats.format import CheckpointFormat, FormatInfo, WriteSupport
 from ckptkit.formats.gguf import model
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
@@ -164,6 +164,7 @@ class GGUFFormat(CheckpointFormat):
         reads_file=True,  # SRC is one file
         file_suffix=".gguf",  # DST is one file, not a folder
         extra_dtypes=("q8_0",),
+        takes_pre_tokenizer=True,
         lone_file=re.compile(r"(?s:.*)\.gguf"),
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
     )
@@ -255,8 +256,21 @@ class GGUFFormat(CheckpointFormat):
         spec = family.gguf_spec()
         return spec is not None, spec is not None
 
-    def tokenizer_support(self, family: Family) -> str:
-        return "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
+    def write_support(self, family: Family) -> WriteSupport:
+        """The tokenizer keys, and what llama.cpp's converter needs of a model of ``family``."""
+        from ckptkit.formats.gguf.experts import EXPERTS_EVERYWHERE, takes_dense_layers
+        from ckptkit.formats.gguf.vocab import VOCAB_NEEDS, VOCAB_ROWS
+
+        spec = family.gguf_spec()
+        assert spec is not None, f"{family.name}: not written to GGUF"
+        needs = {"tokenizer": f"{VOCAB_NEEDS[spec.vocab]} (the source's, or --tokenizer PATH)"}
+        if spec.embeddings_to_vocab:
+            needs["vocab"] = VOCAB_ROWS
+        if spec.experts is not None and not takes_dense_layers(spec):
+            needs["experts"] = EXPERTS_EVERYWHERE.format(arch=spec.arch)
+        return WriteSupport(
+            "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)", needs
+        )
 
     def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
         """``inspect``: stored GGML types and bytes, the GGUF version and its key/values."""

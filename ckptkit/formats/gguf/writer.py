@@ -56,6 +56,8 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
                 yield folder
             except CkptkitError as e:  # named by the source, not this temporary folder
                 raise CkptkitError(str(e).replace(str(folder), str(ckpt.path))) from None
+            finally:
+                ckpt.notes[:] = [n.replace(str(folder), str(ckpt.path)) for n in ckpt.notes]
         return
     from ckptkit.formats.registry import transformers_format
 
@@ -73,7 +75,13 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
         (folder / str(hf.info.config_file)).write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
         if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
             raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
-        yield folder
+        made = str(folder / "tokenizer.json"), f"the tokenizer.json made of {ckpt.path}'s tokenizer"
+        try:
+            yield folder
+        except CkptkitError as e:  # named by the source, not this temporary folder
+            raise CkptkitError(str(e).replace(*made).replace(str(folder), str(ckpt.path))) from None
+        finally:
+            ckpt.notes[:] = [n.replace(*made).replace(str(folder), str(ckpt.path)) for n in ckpt.notes]
 
 
 @contextmanager
@@ -338,6 +346,6 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
         add_model_card(w, folder, model_name(ckpt.path))
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams))
+        ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams, opts.gguf_pre))
     checked = dtype in NARROWING and not opts.allow_lossy_cast
     return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)
