@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "ckptkit" / "formats" / "gguf" / "llama_cpp_pre.py"
 HEADER = '''"""llama.cpp's byte-level BPE pre-tokenizers: the sha256 of ``str(ids)`` of its probe text
@@ -44,6 +46,94 @@ def table_source(llama_cpp: Path) -> str:
 
 def test_the_table_is_llama_cpp_s(llama_cpp: Path) -> None:
     assert TABLE.read_text() == table_source(llama_cpp), f"stale: run python {Path(__file__).relative_to(ROOT)}"
+
+
+def names(llama_cpp: Path) -> set[str]:
+    return set(llama_cpp_pre_tokenizers(llama_cpp).values())
+
+
+def test_the_fixtures_pre_tokenizers_are_among_llama_cpp_s_names(llama_cpp: Path) -> None:
+    assert {"llama-bpe", "qwen2"} <= names(llama_cpp)
+
+
+def ids(folder: Path, texts: list[str]) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return [tok.encode(t, add_special_tokens=False).ids for t in texts]
+
+
+# (fixture, the pre-tokenizer its tiny tokenizer was made with, a wrong one)
+EDITED = [("hf/llama3", "llama-bpe", "qwen2"), ("hf/qwen2", "qwen2", "llama-bpe"), ("hf/olmo2", "llama-bpe", "qwen2")]
+
+
+@pytest.mark.parametrize(("fixture", "right", "wrong"), EDITED)
+def test_a_tokenizer_llama_cpp_does_not_recognise_goes_to_gguf_with_gguf_pre(
+    fixture: str, right: str, wrong: str, llama_cpp: Path, tmp_path: Path
+) -> None:
+    """Written with tokenizer.ggml.pre NAME and a note that llama.cpp's converter would refuse
+    it; the tokenizer the GGUF's vocabulary gives with NAME's split (as ckptkit rebuilds it,
+    which gives llama.cpp's official ids for llama-bpe: test_gguf_read.py) is the source's,
+    id for id. With a wrong NAME the note asks to check the ids."""
+    from test_gguf_read import cli
+
+    from conftest import FIXTURES
+    from tokenizer_helpers import CORPUS, gguf_reader
+
+    src = FIXTURES / fixture
+    code, _, err = cli("convert", src, tmp_path / "no.gguf", "--to", "gguf")
+    assert code == 1 and "llama.cpp does not recognise this BPE pre-tokenizer" in err, err
+    texts = [t for t in CORPUS if t.strip()]
+    for name, same in ((right, True), (wrong, False)):
+        out = tmp_path / f"{name}.gguf"
+        code, _, err = cli("convert", src, out, "--to", "gguf", "--gguf-pre", name)
+        assert code == 0, err
+        notes = [line for line in err.splitlines() if line.startswith("note:")]
+        assert len(notes) == 1 and "llama.cpp's converter would refuse" in notes[0], err
+        assert notes[0].endswith("nothing to do") == same, notes[0]
+        fields = gguf_reader(out).fields  # type: ignore[attr-defined]
+        assert fields["tokenizer.ggml.pre"].contents() == name
+        assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+        code, _, err = cli("convert", out, tmp_path / name, "--to", "hf")
+        assert code == 0, err
+        if same:  # (a tiny vocabulary may give the same ids with another split: the wrong one is not checked)
+            assert ids(tmp_path / name, texts) == ids(src, texts)
+
+
+def test_gguf_pre_names_only_what_llama_cpp_knows_in_one_line(llama_cpp: Path, tmp_path: Path) -> None:
+    from test_gguf_read import cli
+
+    from conftest import FIXTURES
+
+    src = FIXTURES / "hf" / "qwen2"
+    code, _, err = cli("convert", src, tmp_path / "m.gguf", "--to", "gguf", "--gguf-pre", "qwen-2")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "--gguf-pre 'qwen-2': not a pre-tokenizer llama.cpp knows" in err
+    listed = set(err.strip().split("; one of ", 1)[1].split(", "))
+    assert listed == names(llama_cpp)
+    code, _, err = cli("convert", src, tmp_path / "hf", "--to", "hf", "--gguf-pre", "qwen2")
+    assert (
+        code == 2 and err.strip() == "error: --gguf-pre (a llama.cpp pre-tokenizer) applies to --to gguf, not --to hf"
+    )
+    code, _, err = cli(
+        "convert", FIXTURES / "hf" / "llama2", tmp_path / "m.gguf", "--to", "gguf", "--gguf-pre", "qwen2"
+    )
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "sentencepiece's tokenizer.model" in err, err
+    assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_llama_cpp_recognises_keeps_its_name(tmp_path: Path) -> None:
+    """Meta's real Llama 3 tokenizer is llama-bpe to llama.cpp: --gguf-pre may say so, not otherwise."""
+    from test_gguf_read import cli
+
+    from tokenizer_helpers import write_tiny_meta_llama3
+
+    write_tiny_meta_llama3(tmp_path / "meta")
+    code, _, err = cli("convert", tmp_path / "meta", tmp_path / "m.gguf", "--to", "gguf", "--gguf-pre", "qwen2")
+    assert code == 1 and "llama.cpp recognises this pre-tokenizer as 'llama-bpe'; drop --gguf-pre qwen2" in err, err
+    code, _, err = cli("convert", tmp_path / "meta", tmp_path / "m.gguf", "--to", "gguf", "--gguf-pre", "llama-bpe")
+    assert code == 0 and "note:" not in err, err
 
 
 if __name__ == "__main__":
