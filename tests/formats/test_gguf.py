@@ -201,6 +201,19 @@ def test_dense_layers_of_a_qwen3_moe_are_refused_as_llama_cpp_has_none(tmp_path:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_llama_cpp_s_converter_refuses_the_dense_layer_of_a_qwen3_moe_too(llama_cpp: Path, tmp_path: Path) -> None:
+    """What the support matrix says of qwen3_moe (experts in every layer) is llama.cpp's rule:
+    its converter fails on the fixture's first dense tensor (told the tokenizer's pre-tokenizer)."""
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    args = [str(FIXTURES / "hf" / "qwen3_moe"), "qwen2", str(tmp_path / "m.gguf"), "auto"]
+    res = subprocess.run(
+        [sys.executable, "-c", CONVERTER, *args], cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode != 0 and "Can not map tensor 'model.layers.1.mlp." in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "m.gguf").exists()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "mixtral-stacked"])
 def test_experts_are_read_one_merged_tensor_at_a_time(family: str) -> None:
     """Planning reads nothing; each merged tensor reads its own layer's experts of its projection,
