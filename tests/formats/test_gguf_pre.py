@@ -122,6 +122,26 @@ def test_gguf_pre_names_only_what_llama_cpp_knows_in_one_line(llama_cpp: Path, t
     assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "hf").exists()
 
 
+def test_a_gguf_written_with_gguf_pre_converts_to_gguf_again_with_its_recorded_name(tmp_path: Path) -> None:
+    """Its tokenizer (rebuilt from the GGUF) is still one llama.cpp does not recognise: the
+    GGUF's own tokenizer.ggml.pre is taken, with the note; a tokenizer --tokenizer gives is not."""
+    from test_gguf_read import cli
+
+    from conftest import FIXTURES
+    from tokenizer_helpers import gguf_reader
+
+    src = FIXTURES / "hf" / "qwen2"
+    code, _, err = cli("convert", src, tmp_path / "a.gguf", "--to", "gguf", "--gguf-pre", "qwen2", "--quiet")
+    assert code == 0, err
+    code, _, err = cli("convert", tmp_path / "a.gguf", tmp_path / "b.gguf", "--to", "gguf")
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "written with tokenizer.ggml.pre 'qwen2' as the source GGUF records" in notes[0]
+    assert gguf_reader(tmp_path / "b.gguf").fields["tokenizer.ggml.pre"].contents() == "qwen2"  # type: ignore[attr-defined]
+    code, _, err = cli("convert", tmp_path / "a.gguf", tmp_path / "c.gguf", "--to", "gguf", "--tokenizer", src)
+    assert code == 1 and "name it with --gguf-pre NAME" in err, err
+
+
 @pytest.mark.slow
 def test_a_tokenizer_llama_cpp_recognises_keeps_its_name(tmp_path: Path) -> None:
     """Meta's real Llama 3 tokenizer is llama-bpe to llama.cpp: --gguf-pre may say so, not otherwise."""

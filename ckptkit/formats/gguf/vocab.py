@@ -128,10 +128,17 @@ def check_pre_name(name: str) -> None:
         raise CkptkitError(f"{PRE_OPTION} {name!r}: not a pre-tokenizer llama.cpp knows; one of {', '.join(PRE_NAMES)}")
 
 
-def pre_tokenizer(path: Path, ids: list[int], given: str | None, notes: list[str]) -> str:
+ASKED = f"as {PRE_OPTION} asks"
+RECORDED = "as the source GGUF records"  # a GGUF source's own tokenizer.ggml.pre, when no --gguf-pre
+
+
+def pre_tokenizer(path: Path, ids: list[int], given: str | None, notes: list[str], by: str = ASKED) -> str:
     """``tokenizer.ggml.pre`` for the tokenizer at ``path`` that encodes llama.cpp's probe text as
-    ``ids``: the name llama.cpp's converter recognises it by, else the one ``--gguf-pre`` gives."""
+    ``ids``: the name llama.cpp's converter recognises it by, else the one ``--gguf-pre`` gives
+    (or, ``by`` RECORDED, the one a GGUF source records)."""
     known = PRE_TOKENIZERS.get(sha256(str(ids).encode()).hexdigest())
+    if by == RECORDED and known is not None:
+        return known
     if given is None and known is None:
         raise CkptkitError(
             f"{path}: llama.cpp does not recognise this BPE pre-tokenizer (its encoding of llama.cpp's probe "
@@ -144,7 +151,7 @@ def pre_tokenizer(path: Path, ids: list[int], given: str | None, notes: list[str
         raise CkptkitError(f"{path}: llama.cpp recognises this pre-tokenizer as {known!r}; drop {PRE_OPTION} {given}")
     fact = (
         f"llama.cpp's converter would refuse {path} (it does not recognise its pre-tokenizer); written with "
-        f"tokenizer.ggml.pre {given!r} as {PRE_OPTION} asks"
+        f"tokenizer.ggml.pre {given!r} {by}"
     )
     if same_split(path, given):
         notes.append(note(fact + f", whose split rule is the one {path.name} gives"))
@@ -165,7 +172,7 @@ def same_split(path: Path, pre: str) -> bool:
 
 
 def bpe_vocab(
-    folder: Path, hparams: dict[str, Any], given: str | None = None, notes: list[str] | None = None
+    folder: Path, hparams: dict[str, Any], given: str | None = None, notes: list[str] | None = None, by: str = ASKED
 ) -> tuple[list[str], list[int], str]:
     """llama.cpp's ``get_vocab_base`` for byte-level BPE, with the ``tokenizers`` library
     (``given``: ``--gguf-pre``, for a pre-tokenizer llama.cpp does not recognise; notes go to ``notes``)."""
@@ -177,7 +184,7 @@ def bpe_vocab(
         raise no_tokenizer(folder)
     tok = Tokenizer.from_file(str(path))
     notes = [] if notes is None else notes
-    pre = pre_tokenizer(path, tok.encode(CHKTXT, add_special_tokens=True).ids, given, notes)
+    pre = pre_tokenizer(path, tok.encode(CHKTXT, add_special_tokens=True).ids, given, notes, by)
     vocab = tok.get_vocab(with_added_tokens=True)
     vocab_size = hparams.get("vocab_size", len(vocab))
     reverse = {i: t for t, i in vocab.items()}
@@ -220,10 +227,12 @@ def special_vocab(folder: Path, **kwargs: Any) -> Any:
     return special
 
 
-def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any], pre: str | None = None) -> list[str]:
+def add_vocab(
+    w: Any, kind: str, folder: Path, hparams: dict[str, Any], pre: str | None = None, by: str = ASKED
+) -> list[str]:
     """The ``tokenizer.ggml.*`` keys, as the ``set_vocab`` of a spec's ``vocab`` kind adds them
-    (``pre``: ``--gguf-pre``); returns notes on what llama.cpp will tokenize otherwise than the
-    model's tokenizer."""
+    (``pre``: ``--gguf-pre``, or ``by`` RECORDED a GGUF source's); returns notes on what
+    llama.cpp will tokenize otherwise than the model's tokenizer."""
     import gguf
 
     if pre is not None:
@@ -243,7 +252,7 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any], pre: str
 
     def gpt2_keys() -> None:
         nonlocal wrote_bpe
-        tokens, types, name = bpe_vocab(folder, hparams, pre, notes)
+        tokens, types, name = bpe_vocab(folder, hparams, pre, notes, by)
         wrote_bpe = True
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(name)
@@ -294,7 +303,7 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any], pre: str
         gpt2_keys()
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")
-    if pre is not None and not wrote_bpe:
+    if pre is not None and not wrote_bpe and by == ASKED:
         raise CkptkitError(
             f"{folder}: {PRE_OPTION} names the pre-tokenizer of a byte-level BPE tokenizer.json; this one is "
             "sentencepiece's tokenizer.model, which has none: drop it"
