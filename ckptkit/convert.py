@@ -241,6 +241,13 @@ def check_options(
         raise FlagError(f"--shards (model-parallel ranks) applies to --to {rank_formats}, not --to {fmt.name}{instead}")
 
 
+def check_gguf_pre(fmt: CheckpointFormat, name: str | None) -> None:
+    """``--gguf-pre`` goes with a format that takes it (which checks the name)."""
+    if name is not None and not fmt.info.takes_pre_tokenizer:
+        takers = " or ".join(f"--to {f.name}" for f in REGISTRY.values() if f.info.takes_pre_tokenizer)
+        raise FlagError(f"--gguf-pre (a llama.cpp pre-tokenizer) applies to {takers}, not --to {fmt.name}")
+
+
 def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
     """Tensors the source holds only approximately (quantized) are read with an explicit
     --dtype, and the conversion says it is lossy."""
@@ -271,7 +278,8 @@ class ConvertOptions:
     model's experts are stored (None: as in the source); ``base``: a LoRA adapter source's
     base checkpoint; ``on_verify`` receives ``--verify``'s report; ``tokenizer``
     (``--tokenizer``) gives the tokenizer files, in place of the source's own (see
-    :func:`~ckptkit.checkpoint.tokenizer_from`).
+    :func:`~ckptkit.checkpoint.tokenizer_from`); ``gguf_pre`` (``--gguf-pre``, ``--to gguf``
+    only) names the pre-tokenizer of a byte-level BPE tokenizer llama.cpp does not recognise.
     """
 
     to: str
@@ -291,10 +299,13 @@ class ConvertOptions:
     experts: str | None = None
     base: str | Path | None = None
     tokenizer: str | Path | None = None
+    gguf_pre: str | None = None
 
     def plan_options(self) -> Options:
         """What the target format plans from."""
-        return Options(self.to, self.dtype, self.shards, self.max_shard_size, self.allow_lossy_cast, self.experts)
+        return Options(
+            self.to, self.dtype, self.shards, self.max_shard_size, self.allow_lossy_cast, self.experts, self.gguf_pre
+        )
 
 
 _P = ParamSpec("_P")
@@ -333,7 +344,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
     if o.shards is not None and o.shards < 1:
         raise CkptkitError("--shards must be at least 1")
     check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
-    check_destination_name(fmt, dst)
+    check_gguf_pre(fmt, o.gguf_pre)
     if src.is_dir() and is_adapter_folder(src):
         return convert_adapter(src, dst, fmt, o)
     if o.base is not None and src.exists():
@@ -355,7 +366,7 @@ def convert_adapter(src: Path, dst: Path, fmt: CheckpointFormat, opts: ConvertOp
             f"its base with ckptkit merge BASE {src} MERGED"
         )
     given = {"--from": opts.from_format, "--model-type": opts.model_type, "--config": opts.config}
-    given["--tokenizer"] = opts.tokenizer
+    given["--tokenizer"], given["--gguf-pre"] = opts.tokenizer, opts.gguf_pre
     extra = next((flag for flag, value in given.items() if value is not None), None)
     extra = extra or ("--experts" if opts.experts is not None else "--verify" if opts.verify else None)
     if extra is not None:

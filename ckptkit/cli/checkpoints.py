@@ -175,6 +175,15 @@ def convert(
             "tokenizer.json, or a folder with the HF tokenizer files and/or tokenizer.model.",
         ),
     ] = None,
+    gguf_pre: Annotated[
+        str | None,
+        typer.Option(
+            "--gguf-pre",
+            metavar="NAME",
+            help="With --to gguf: the llama.cpp pre-tokenizer (tokenizer.ggml.pre, e.g. llama-bpe, qwen2) of a "
+            "byte-level BPE tokenizer llama.cpp does not recognise (an edited one); a wrong NAME lists them.",
+        ),
+    ] = None,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
     from ckptkit.convert import COMPUTED, ConvertOptions
@@ -201,6 +210,7 @@ def convert(
             experts=experts,
             base=base,
             tokenizer=tokenizer,
+            gguf_pre=gguf_pre,
         )
         result = run_convert(src, dst, opts)
     if json_out:

@@ -50,6 +50,7 @@ class Options:
     max_shard_size: str | None = None
     allow_lossy_cast: bool = False  # let --dtype overflow values to inf
     experts: str | None = None  # MoE experts on disk: "per-expert" or "stacked" (None: as the source)
+    gguf_pre: str | None = None  # GGUF's tokenizer.ggml.pre for a BPE tokenizer llama.cpp does not recognise
 
 
 @dataclass

@@ -12,7 +12,7 @@ it (what lies beside the weights). Nothing outside
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -49,6 +49,8 @@ class FormatInfo:
         file_suffix: DST is one file whose name ends so, not a folder.
         reads_file: SRC may be one file of this format (``detect`` is asked about files).
         extra_dtypes: ``--dtype`` values only this format takes (``q8_0``).
+        takes_pre_tokenizer: ``--gguf-pre`` names the pre-tokenizer it writes for a
+            tokenizer it does not recognise (GGUF).
         writes_adapters: SRC may be a PEFT LoRA adapter folder (``plan_adapter``).
         takes_config: its folders may lack a model config, given apart (``--config``, passed to
             ``open``); other formats carry their own and refuse it.
@@ -71,6 +73,7 @@ class FormatInfo:
     file_suffix: str | None = None
     reads_file: bool = False
     extra_dtypes: tuple[str, ...] = ()
+    takes_pre_tokenizer: bool = False
     writes_adapters: bool = False
     takes_config: bool = False
     aliases: tuple[str, ...] = ()
@@ -85,11 +88,14 @@ class Support:
     Attributes:
         reads / writes: whether it reads / writes checkpoints of the family.
         tokenizer: what a conversion into it does with the tokenizer.
+        needs: what a checkpoint must have to be written, by topic (a conversion that lacks
+            one is refused in one line saying so).
     """
 
     reads: bool
     writes: bool
     tokenizer: str = "carried"
+    needs: dict[str, str] = field(default_factory=dict)
 
 
 class CheckpointFormat:

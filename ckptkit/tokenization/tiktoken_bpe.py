@@ -95,14 +95,14 @@ def build_tokenizer(ranks: dict[bytes, int], specials: list[str], bos: str | Non
     return tok
 
 
-def _split_patterns(node: Any) -> list[str]:
+def split_patterns(node: Any) -> list[str]:
     """The regexes of every ``Split`` step in a serialised pre-tokenizer."""
     if isinstance(node, list):
-        return [p for item in node for p in _split_patterns(item)]
+        return [p for item in node for p in split_patterns(item)]
     if not isinstance(node, dict):
         return []
     found = [node["pattern"]["Regex"]] if node.get("type") == "Split" and "Regex" in node.get("pattern", {}) else []
-    return found + _split_patterns(node.get("pretokenizers"))
+    return found + split_patterns(node.get("pretokenizers"))
 
 
 def ranks_from_tokenizer_json(path: Path) -> dict[bytes, int] | None:
@@ -113,7 +113,7 @@ def ranks_from_tokenizer_json(path: Path) -> dict[bytes, int] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CkptkitError(f"{path}: unreadable tokenizer.json ({e})") from None
     model = doc.get("model") or {}
-    if model.get("type") != "BPE" or LLAMA3_PATTERN not in _split_patterns(doc.get("pre_tokenizer")):
+    if model.get("type") != "BPE" or LLAMA3_PATTERN not in split_patterns(doc.get("pre_tokenizer")):
         return None
     added = {t["content"] for t in doc.get("added_tokens") or []}
     try:

@@ -33,7 +33,7 @@ NAMING = ("general.name", "general.size_label", "general.basename", "general.fin
 # Runs convert_hf_to_gguf.py's main once per (outfile, outtype) in one process: its start
 # (torch, transformers) is most of its time. With a pre-tokenizer name, llama.cpp takes it for
 # a byte-level BPE tokenizer it does not know (the fixtures' tiny BPE tokenizers); ckptkit is
-# then given the same name (:func:`tiny_bpe_as`).
+# then given the same name with ``--gguf-pre`` (:func:`tiny_bpe`).
 CONVERTER = """
 import runpy, sys
 import conversion.base as base
@@ -126,24 +126,9 @@ def assert_same_gguf(ours: Path, theirs: Path) -> None:
 TINY_BPE = {"qwen3": "qwen2", "qwen3_moe": "qwen2", "olmo2": "llama-bpe"}
 
 
-class UnknownHashMeans(dict[str, str]):
-    """ckptkit's table of pre-tokenizer hashes, reading an unknown hash as ``pre``."""
-
-    def __init__(self, known: dict[str, str], pre: str) -> None:
-        super().__init__(known)
-        self.pre = pre
-
-    def get(self, key: str, default: object = None) -> str:  # type: ignore[override]
-        return super().get(key, self.pre)
-
-
-def tiny_bpe_as(monkeypatch: pytest.MonkeyPatch, family: str) -> str | None:
-    from ckptkit.formats.gguf import vocab
-
-    pre = TINY_BPE.get(family.split("/")[-1].removesuffix("-stacked"))
-    if pre is not None:
-        monkeypatch.setattr(vocab, "PRE_TOKENIZERS", UnknownHashMeans(vocab.PRE_TOKENIZERS, pre))
-    return pre
+def tiny_bpe(family: str) -> str | None:
+    """The ``--gguf-pre`` both converters are given for a fixture (None: llama.cpp needs none)."""
+    return TINY_BPE.get(family.split("/")[-1].removesuffix("-stacked"))
 
 
 # HF sources by fixture name (gemma2, gemma3_text and olmo2: auto, where test_gguf_read.py reads
@@ -177,7 +162,7 @@ def hf_reference(
     def reference(name: str, dtype: str | None) -> tuple[Path, Path, Path, str | None]:
         if name not in made:
             tmp = tmp_path_factory.mktemp(name.replace("/", "-"))
-            pre = TINY_BPE.get(name.split("/")[-1].removesuffix("-stacked"))
+            pre = tiny_bpe(name)
             if name.startswith("qwen3_moe"):
                 qwen3_moe.update(qwen3_moe or all_moe_qwen3(tmp_path_factory.mktemp("qwen3_moe")))
                 src = ref = qwen3_moe["stacked" if name.endswith("-stacked") else "per-expert"]
@@ -204,15 +189,13 @@ def hf_reference(
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
 @pytest.mark.parametrize("family", HF_SOURCES)
-def test_hf_to_gguf_equals_llama_cpp(
-    family: str, dtype: str | None, hf_reference: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_hf_to_gguf_equals_llama_cpp(family: str, dtype: str | None, hf_reference: Any, tmp_path: Path) -> None:
     """Experts (both HF layouts) merged into ffn_*_exps [E, rows, cols] in llama.cpp's order, the
     router ffn_gate_inp in F32, the expert keys."""
-    src, _, theirs, _ = hf_reference(family, dtype)
-    tiny_bpe_as(monkeypatch, family)
+    src, _, theirs, pre = hf_reference(family, dtype)
     # llama.cpp's casts are lossy (a weight under float16's range becomes 0): so are ours, asked to be
-    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
+    lossy = dtype is not None
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=lossy, gguf_pre=pre))
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
 
 
@@ -221,6 +204,19 @@ def test_dense_layers_of_a_qwen3_moe_are_refused_as_llama_cpp_has_none(tmp_path:
     with pytest.raises(CkptkitError, match=r"experts in every layer, but layer\(s\) 1 .* dense MLP"):
         convert(FIXTURES / "hf" / "qwen3_moe", tmp_path / "m.gguf", ConvertOptions("gguf"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_llama_cpp_s_converter_refuses_the_dense_layer_of_a_qwen3_moe_too(llama_cpp: Path, tmp_path: Path) -> None:
+    """What the support matrix says of qwen3_moe (experts in every layer) is llama.cpp's rule:
+    its converter fails on the fixture's first dense tensor (told the tokenizer's pre-tokenizer)."""
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    args = [str(FIXTURES / "hf" / "qwen3_moe"), "qwen2", str(tmp_path / "m.gguf"), "auto"]
+    res = subprocess.run(
+        [sys.executable, "-c", CONVERTER, *args], cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode != 0 and "Can not map tensor 'model.layers.1.mlp." in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "m.gguf").exists()
 
 
 @pytest.mark.parametrize("family", ["mixtral", "mixtral-stacked"])
@@ -262,24 +258,25 @@ META_CASES += [("internal/gemma3_text", None)]
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype"), META_CASES)
 def test_meta_to_gguf_directly_equals_llama_cpp_on_the_hf_copy(
-    family: str, dtype: str | None, llama_cpp: Path, hf_reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, dtype: str | None, llama_cpp: Path, hf_reference: Any, tmp_path: Path
 ) -> None:
     """Meta ranks go to GGUF with no HF step, as llama.cpp converts the HF folder ckptkit writes
     (Llama 3.1: Meta's real tokenizer, the Llama 3 pre-tokenizer hash, the rope_freqs tensor);
     that HF folder, as an HF source, gives the same file. Internal checkpoints too, against the
     HF folder ``--to hf`` restores from them."""
+    pre = None
     if family.startswith("llama3_1"):
         src, hf = tmp_path / "meta", tmp_path / "hf"
         write_tiny_meta_llama3(src)
         convert(src, hf, ConvertOptions("hf"))
         theirs = llama_cpp_gguf(llama_cpp, hf, tmp_path / "theirs.gguf", OUTTYPES[dtype])
     else:
-        src, hf, theirs, _ = hf_reference(family if "/" in family else f"meta/{family}", dtype)
-        tiny_bpe_as(monkeypatch, family)
-    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
+        src, hf, theirs, pre = hf_reference(family if "/" in family else f"meta/{family}", dtype)
+    opts = ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None, gguf_pre=pre)
+    convert(src, tmp_path / "ours.gguf", opts)
     assert_same_gguf(tmp_path / "ours.gguf", theirs)
     if dtype is None or not family.startswith("llama3_1"):  # the real vocabulary once (it takes a while)
-        convert(hf, tmp_path / "from-hf.gguf", ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
+        convert(hf, tmp_path / "from-hf.gguf", opts)
         assert_same_gguf(tmp_path / "from-hf.gguf", theirs)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_gguf import all_moe_qwen3, assert_same_gguf, llama_cpp_gguf, tiny_bpe_as
+from test_gguf import all_moe_qwen3, assert_same_gguf, llama_cpp_gguf, tiny_bpe
 from typer.testing import CliRunner
 
 from ckptkit.checkpoint import open_checkpoint
@@ -219,7 +219,7 @@ AS_LLAMA_CPP_RUNS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "olmo2"])
 def test_newer_family_gguf_equals_llama_cpp_and_comes_back_bitwise_running_as_the_source(
-    family: str, llama_cpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, llama_cpp: Path, tmp_path: Path
 ) -> None:
     """ckptkit's GGUF (outtype auto) is llama.cpp's; q_norm/k_norm, Gemma's four norms (1 + w
     undone), soft-capping, the sliding layers' own rope base come back from it; transformers
@@ -229,8 +229,8 @@ def test_newer_family_gguf_equals_llama_cpp_and_comes_back_bitwise_running_as_th
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = FIXTURES / "hf" / family
-    gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", "auto", tiny_bpe_as(monkeypatch, family))
-    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf"))
+    gguf = llama_cpp_gguf(llama_cpp, src, tmp_path / "m.gguf", "auto", tiny_bpe(family))
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", gguf_pre=tiny_bpe(family)))
     assert_same_gguf(tmp_path / "ours.gguf", gguf)
     convert(gguf, tmp_path / "hf", ConvertOptions("hf", dtype="bfloat16"))
     code, out, err = cli("verify", src, tmp_path / "hf")

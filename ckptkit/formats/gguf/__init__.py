@@ -178,6 +178,7 @@ class GGUFFormat(CheckpointFormat):
         reads_file=True,  # SRC is one file
         file_suffix=".gguf",  # DST is one file, not a folder
         extra_dtypes=("q8_0",),
+        takes_pre_tokenizer=True,
         lone_file=re.compile(r"(?s:.*)\.gguf"),
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
     )
@@ -261,9 +262,19 @@ class GGUFFormat(CheckpointFormat):
 
     def support(self, family: Family) -> Support:
         """Read and written for the model types llama.cpp's converter takes."""
-        held = family.gguf_spec() is not None
+        spec = family.gguf_spec()
+        if spec is None:
+            return Support(False, False, "-")
+        from ckptkit.formats.gguf.experts import EXPERTS_EVERYWHERE, takes_dense_layers
+        from ckptkit.formats.gguf.vocab import VOCAB_NEEDS, VOCAB_ROWS
+
+        needs = {"tokenizer": f"{VOCAB_NEEDS[spec.vocab]} (the source's, or --tokenizer PATH)"}
+        if spec.embeddings_to_vocab:
+            needs["vocab"] = VOCAB_ROWS
+        if spec.experts is not None and not takes_dense_layers(spec):
+            needs["experts"] = EXPERTS_EVERYWHERE.format(arch=spec.arch)
         tokenizer = "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
-        return Support(held, held, tokenizer)
+        return Support(True, True, tokenizer, needs)
 
     def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
         """``inspect``: stored GGML types and bytes, the GGUF version and its key/values."""

@@ -50,16 +50,25 @@ def per_expert(cfg: ModelConfig) -> ModelConfig:
 # --- writing --------------------------------------------------------------------------------------
 
 
+def takes_dense_layers(spec: GGUFSpec) -> bool:
+    """Whether llama.cpp's architecture of ``spec`` has a dense MLP for layers without experts."""
+    import gguf
+
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == spec.arch)
+    return gguf.MODEL_TENSOR.FFN_GATE in gguf.MODEL_TENSORS[arch]
+
+
+# what the support matrix says a model of such an architecture needs (a refusal below otherwise)
+EXPERTS_EVERYWHERE = "experts in every layer (llama.cpp's {arch} has no dense MLP; its converter refuses one)"
+
+
 def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts) -> tuple[OpenedCheckpoint, bool]:
     """``ckpt`` as llama.cpp's class reads it, and whether it was regrouped: a class that
     takes no stacked experts reads a stacked checkpoint as the per-expert HF copy that
     ``--to hf --experts per-expert`` writes (its files, and so its tensor order)."""
-    import gguf
-
     cfg = ckpt.config
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == spec.arch)
     dense = [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]
-    if dense and gguf.MODEL_TENSOR.FFN_GATE not in gguf.MODEL_TENSORS[arch]:
+    if dense and not takes_dense_layers(spec):
         raise CkptkitError(
             f"{ckpt.path}: llama.cpp's {spec.arch} has experts in every layer, but layer(s) "
             f"{', '.join(map(str, dense))} of this {ckpt.family.name} model have a dense MLP; "

@@ -26,7 +26,7 @@ QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # tokenizer.ggml.pre -> (split regex, ignore_merges) of the official tokenizer.json
-PRE_TOKENIZERS = {"llama-bpe": (LLAMA3_PATTERN, True), "qwen2": (QWEN2_PATTERN, False)}
+PRE_TOKENIZER_RULES = {"llama-bpe": (LLAMA3_PATTERN, True), "qwen2": (QWEN2_PATTERN, False)}
 # general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
 SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
 _PAD = re.compile(r"\[PAD\d+\]")
@@ -80,10 +80,10 @@ def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | 
 
     tokens, types = _tokens(h)
     pre = meta_str(h, "tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        known = ", ".join(PRE_TOKENIZERS)
+    if pre not in PRE_TOKENIZER_RULES:
+        known = ", ".join(PRE_TOKENIZER_RULES)
         raise CkptkitError(f"{h.path}: byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known})")
-    pattern, ignore_merges = PRE_TOKENIZERS[pre or ""]
+    pattern, ignore_merges = PRE_TOKENIZER_RULES[pre or ""]
     merges = [tuple(m.split(" ", 1)) for m in meta_list(h, "tokenizer.ggml.merges", str) or []]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens) or any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):

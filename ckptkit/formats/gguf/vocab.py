@@ -8,14 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError, note
+from ckptkit.formats.gguf.llama_cpp_pre import PRE_TOKENIZERS
 
-# sha256 of str(ids of CHKTXT) -> tokenizer.ggml.pre, for the byte-level BPE tokenizers of
-# our families (llama.cpp's get_vocab_base_pre knows many more and refuses the rest)
-PRE_TOKENIZERS = {
-    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
-    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
-    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
-}
+PRE_OPTION = "--gguf-pre"
+# what --gguf-pre may name: the pre-tokenizers llama.cpp's converter writes for a BPE tokenizer it recognises
+PRE_NAMES = tuple(sorted(set(PRE_TOKENIZERS.values())))
+
 CHKTXT = (
     "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) "
     "✅ 🦙🦙 3 33 "
@@ -23,6 +21,21 @@ CHKTXT = (
     "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you "
     "sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
 )
+
+
+SPM = "tokenizer.model (sentencepiece)"
+BPE = f"tokenizer.json (byte-level BPE) whose pre-tokenizer llama.cpp recognises, else {PRE_OPTION} NAME"
+# what each set_vocab kind (GGUFSpec.vocab) takes: the support matrix's tokenizer condition
+VOCAB_NEEDS = {
+    "llama": f"{SPM} or {BPE}",
+    "gemma": SPM,
+    "phi3": f"{SPM}, or with GPT2Tokenizer {BPE}",
+    "bpe_or_spm": f"{SPM} or {BPE}",
+    "bpe": BPE,
+    "spm_unprefixed": SPM,
+    "spm_unprefixed_or_bpe": f"{SPM} or {BPE}",
+}
+VOCAB_ROWS = "with a tokenizer.json, a token for every embedding row (llama.cpp would drop the rest)"
 
 
 def _look_special(token: str) -> bool:
@@ -109,8 +122,60 @@ def no_tokenizer(where: Path) -> CkptkitError:
     )
 
 
-def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[int], str]:
-    """llama.cpp's ``get_vocab_base`` for byte-level BPE, with the ``tokenizers`` library."""
+def check_pre_name(name: str) -> None:
+    """Refuse a ``--gguf-pre`` name llama.cpp does not know, in one line."""
+    if name not in PRE_NAMES:
+        raise CkptkitError(f"{PRE_OPTION} {name!r}: not a pre-tokenizer llama.cpp knows; one of {', '.join(PRE_NAMES)}")
+
+
+ASKED = f"as {PRE_OPTION} asks"
+RECORDED = "as the source GGUF records"  # a GGUF source's own tokenizer.ggml.pre, when no --gguf-pre
+
+
+def pre_tokenizer(path: Path, ids: list[int], given: str | None, notes: list[str], by: str = ASKED) -> str:
+    """``tokenizer.ggml.pre`` for the tokenizer at ``path`` that encodes llama.cpp's probe text as
+    ``ids``: the name llama.cpp's converter recognises it by, else the one ``--gguf-pre`` gives
+    (or, ``by`` RECORDED, the one a GGUF source records)."""
+    known = PRE_TOKENIZERS.get(sha256(str(ids).encode()).hexdigest())
+    if by == RECORDED and known is not None:
+        return known
+    if given is None and known is None:
+        raise CkptkitError(
+            f"{path}: llama.cpp does not recognise this BPE pre-tokenizer (its encoding of llama.cpp's probe "
+            f"text matches no known tokenizer), so its converter refuses it; if you know which one it uses "
+            f"(a fine-tuned model's edited tokenizer), name it with {PRE_OPTION} NAME"
+        )
+    if given is None or given == known:
+        return str(known or given)
+    if known is not None:
+        raise CkptkitError(f"{path}: llama.cpp recognises this pre-tokenizer as {known!r}; drop {PRE_OPTION} {given}")
+    fact = (
+        f"llama.cpp's converter would refuse {path} (it does not recognise its pre-tokenizer); written with "
+        f"tokenizer.ggml.pre {given!r} {by}"
+    )
+    if same_split(path, given):
+        notes.append(note(fact + f", whose split rule is the one {path.name} gives"))
+    else:
+        action = f"to be sure llama.cpp splits text as {path.name} does, compare their ids on your text"
+        notes.append(note(fact, action))
+    return given
+
+
+def same_split(path: Path, pre: str) -> bool:
+    """Whether ``tokenizer.json`` at ``path`` splits text by the one regex that llama.cpp's
+    ``pre`` pre-tokenizer uses (for the pre-tokenizers whose regex ckptkit knows)."""
+    from ckptkit.formats.gguf.tokenizer import PRE_TOKENIZER_RULES
+    from ckptkit.tokenization.tiktoken_bpe import split_patterns
+
+    rule = PRE_TOKENIZER_RULES.get(pre)
+    return rule is not None and split_patterns(_read_json(path).get("pre_tokenizer")) == [rule[0]]
+
+
+def bpe_vocab(
+    folder: Path, hparams: dict[str, Any], given: str | None = None, notes: list[str] | None = None, by: str = ASKED
+) -> tuple[list[str], list[int], str]:
+    """llama.cpp's ``get_vocab_base`` for byte-level BPE, with the ``tokenizers`` library
+    (``given``: ``--gguf-pre``, for a pre-tokenizer llama.cpp does not recognise; notes go to ``notes``)."""
     import gguf
     from tokenizers import Tokenizer
 
@@ -118,13 +183,8 @@ def bpe_vocab(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[in
     if not path.is_file():
         raise no_tokenizer(folder)
     tok = Tokenizer.from_file(str(path))
-    ids = tok.encode(CHKTXT, add_special_tokens=True).ids
-    pre = PRE_TOKENIZERS.get(sha256(str(ids).encode()).hexdigest())
-    if pre is None:
-        raise CkptkitError(
-            f"{path}: llama.cpp does not recognise this BPE pre-tokenizer (its encoding of llama.cpp's probe "
-            "text matches no known tokenizer), so it cannot be written to GGUF"
-        )
+    notes = [] if notes is None else notes
+    pre = pre_tokenizer(path, tok.encode(CHKTXT, add_special_tokens=True).ids, given, notes, by)
     vocab = tok.get_vocab(with_added_tokens=True)
     vocab_size = hparams.get("vocab_size", len(vocab))
     reverse = {i: t for t, i in vocab.items()}
@@ -167,13 +227,19 @@ def special_vocab(folder: Path, **kwargs: Any) -> Any:
     return special
 
 
-def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> list[str]:
-    """The ``tokenizer.ggml.*`` keys, as the ``set_vocab`` of a spec's ``vocab`` kind adds them;
-    returns notes on what llama.cpp will tokenize otherwise than the model's tokenizer."""
+def add_vocab(
+    w: Any, kind: str, folder: Path, hparams: dict[str, Any], pre: str | None = None, by: str = ASKED
+) -> list[str]:
+    """The ``tokenizer.ggml.*`` keys, as the ``set_vocab`` of a spec's ``vocab`` kind adds them
+    (``pre``: ``--gguf-pre``, or ``by`` RECORDED a GGUF source's); returns notes on what
+    llama.cpp will tokenize otherwise than the model's tokenizer."""
     import gguf
 
+    if pre is not None:
+        check_pre_name(pre)
     config = _read_json(folder / "tokenizer_config.json")
     notes: list[str] = []
+    wrote_bpe = False
 
     def spm_keys(phi3: bool = False) -> int:
         tokens, scores, types = sentencepiece_vocab(folder, hparams, phi3, notes)
@@ -185,9 +251,11 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> list[
         return len(tokens)
 
     def gpt2_keys() -> None:
-        tokens, types, pre = bpe_vocab(folder, hparams)
+        nonlocal wrote_bpe
+        tokens, types, name = bpe_vocab(folder, hparams, pre, notes, by)
+        wrote_bpe = True
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
+        w.add_tokenizer_pre(name)
         w.add_token_list(tokens)
         w.add_token_types(types)
         special_vocab(folder, load_merges=True).add_to_gguf(w)
@@ -235,4 +303,9 @@ def add_vocab(w: Any, kind: str, folder: Path, hparams: dict[str, Any]) -> list[
         gpt2_keys()
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")
+    if pre is not None and not wrote_bpe and by == ASKED:
+        raise CkptkitError(
+            f"{folder}: {PRE_OPTION} names the pre-tokenizer of a byte-level BPE tokenizer.json; this one is "
+            "sentencepiece's tokenizer.model, which has none: drop it"
+        )
     return notes

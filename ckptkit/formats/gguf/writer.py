@@ -28,7 +28,7 @@ from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, keep_types, kept_dtype, model_tensors, spec_of
-from ckptkit.formats.gguf.vocab import add_vocab, no_tokenizer
+from ckptkit.formats.gguf.vocab import ASKED, PRE_NAMES, RECORDED, add_vocab, no_tokenizer
 from ckptkit.formats.registry import transformers_format
 from ckptkit.formats.writers import FileWriter, Job
 from ckptkit.io import ALIGN, DEPTH, OutputFile, SpanReader, copy_file, is_dir
@@ -57,6 +57,8 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
                 yield folder
             except CkptkitError as e:  # named by the source, not this temporary folder
                 raise CkptkitError(str(e).replace(str(folder), str(ckpt.path))) from None
+            finally:
+                ckpt.notes[:] = [n.replace(str(folder), str(ckpt.path)) for n in ckpt.notes]
         return
     hf = transformers_format()
     plan = hf.planner(hf).tokenizer(ckpt)
@@ -72,7 +74,13 @@ def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]
         (folder / str(hf.info.config_file)).write_text(json.dumps({**hparams, **ids}, indent=2), encoding="utf-8")
         if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
             raise no_tokenizer(ckpt.path)  # named by the source, not this temporary folder
-        yield folder
+        made = str(folder / "tokenizer.json"), f"the tokenizer.json made of {ckpt.path}'s tokenizer"
+        try:
+            yield folder
+        except CkptkitError as e:  # named by the source, not this temporary folder
+            raise CkptkitError(str(e).replace(*made).replace(str(folder), str(ckpt.path))) from None
+        finally:
+            ckpt.notes[:] = [n.replace(*made).replace(str(folder), str(ckpt.path)) for n in ckpt.notes]
 
 
 @contextmanager
@@ -322,6 +330,18 @@ class GGUFFileWriter(FileWriter):
         super().discard()
 
 
+def recorded_pre(ckpt: OpenedCheckpoint) -> str | None:
+    """The ``tokenizer.ggml.pre`` of a GGUF source whose own byte-level BPE tokenizer is written
+    (not one ``--tokenizer`` gives), if llama.cpp knows the name."""
+    from ckptkit.formats.gguf.reader import meta_str
+
+    header = getattr(ckpt.raw, "header", None)  # a GGUFCheckpoint's
+    if header is None or ckpt.side_folder != ckpt.raw.files_folder():
+        return None
+    pre = meta_str(header, "tokenizer.ggml.pre") if meta_str(header, "tokenizer.ggml.model") == "gpt2" else None
+    return pre if pre in PRE_NAMES else None
+
+
 def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     """``ckpt`` as llama.cpp's converter would write it: header, metadata and tensor infos
     from shapes and types, and how each tensor's bytes are made."""
@@ -344,6 +364,7 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
         add_model_card(w, folder, model_name(ckpt.path))
         add_parameters(w, spec.parameters, hparams, ftype)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams))
+        pre, by = (opts.gguf_pre, ASKED) if opts.gguf_pre is not None else (recorded_pre(ckpt), RECORDED)
+        ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams, pre, by))
     checked = dtype in NARROWING and not opts.allow_lossy_cast
     return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)
