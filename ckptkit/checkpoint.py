@@ -142,9 +142,8 @@ def open_checkpoint(
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)
         cfg = family.refine_config(reader.read_config(raw, family), raw.infos)
-        check_layer_count(
-            cfg.num_layers, raw.infos, root / raw.config_name if root.is_dir() else root, reader.info.layer_field
-        )
+        where = root / raw.config_name if root.is_dir() else root
+        check_layer_count(cfg.num_layers, family.layer_names(cfg, raw.infos), where, reader.info.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
         origin = recorded_origin(reader, raw)
         # the format's notes, shared: it may add some when asked for its side folder later

@@ -17,7 +17,6 @@ from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawC
 from ckptkit.formats.dcp.folder import (
     DISTCP,
     HF_CONFIG,
-    PARAMS,
     checkpoint_folder,
     open_dcp,
     spelled_2026,
@@ -45,6 +44,9 @@ class DcpPlanner(FolderPlanner):
     fmt: DcpFormat
 
     def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
+        own = ckpt.family.dcp_layout(ckpt.config, self.fmt.titan)
+        if own is not None:
+            return own
         layout = super().write_layout(ckpt)
         if not self.fmt.titan:
             return layout
@@ -70,7 +72,10 @@ class DcpPlanner(FolderPlanner):
         return files, split if n > 1 else {}
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+        weights = list(plan.targets.values())
+        dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
+        name, config = ckpt.family.dcp_config(ckpt.config, dtype)
+        return {name: json.dumps(config) + "\n"}
 
 
 class DcpFormat(CheckpointFormat):
@@ -125,7 +130,8 @@ class DcpFormat(CheckpointFormat):
             raise CkptkitError(f"{raw.root / raw.config_name}: {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
-        return family.meta_layout(cfg)  # as read: opening names tensors in Meta's spelling
+        own = family.dcp_layout(cfg, titan=False)  # as read: opening names tensors in Meta's spelling
+        return own if own is not None else family.meta_layout(cfg)
 
     def own_layout(self, ckpt: OpenedCheckpoint) -> dict[str, Any]:
         return {}  # a DCP layout (ranks, chunks) is not restored: converting to dcp lays out afresh
