@@ -100,3 +100,57 @@ def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, t
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     want, got = _logits(src), _logits(tmp_path / "hf")
     assert want.abs().max() > 0 and (got - want).abs().max().item() == 0.0
+
+
+def test_stacked_experts_load_in_transformers_and_come_back_per_expert(tmp_path: Path) -> None:
+    """transformers' own 3-D experts (``mlp.experts.gate_up_proj``); the MTP layer stays as the release has it."""
+    src = FIXTURES / "hf" / "deepseek_v3"
+    _convert(src, tmp_path / "stacked", "hf", "--experts", "stacked")
+    names = set(_safetensors(tmp_path / "stacked"))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.3.mlp.experts.0.up_proj.weight" in names
+    assert (_logits(tmp_path / "stacked") - _logits(src)).abs().max().item() == 0.0
+    _convert(tmp_path / "stacked", tmp_path / "back", "hf", "--experts", "per-expert")
+    want, got = _safetensors(src), _safetensors(tmp_path / "back")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_checkpoint_without_its_mtp_layer_converts_without_one(tmp_path: Path) -> None:
+    """Fine-tunes drop the MTP layer though config.json still counts it: nothing to carry."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in (FIXTURES / "hf" / "deepseek_v3-qproj").iterdir():
+        if p.suffix == ".json" and p.name != "model.safetensors.index.json":
+            (src / p.name).write_bytes(p.read_bytes())
+    kept = {k: v for k, v in _safetensors(FIXTURES / "hf" / "deepseek_v3-qproj").items() if ".layers.3." not in k}
+    save_file(kept, src / "model.safetensors", metadata={"format": "pt"})
+    with open_checkpoint(src) as ckpt:
+        assert not ckpt.config.extra.mtp_stored and not any(k.startswith("mtp.") for k in ckpt.tensors)
+    _convert(src, tmp_path / "dcp", "dcp")
+    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
+    got = _safetensors(tmp_path / "hf")
+    assert sorted(got) == sorted(kept) and all(torch.equal(got[k], v) for k, v in kept.items())
+
+
+# torchtitan's DeepSeek V3 state-dict adapter: the names of a MoE layer (q LoRA) in its model
+TITAN_MOE_LAYER = {
+    "attention.wq_a.weight", "attention.q_norm.weight", "attention.wq_b.weight", "attention.wkv_a.weight",
+    "attention.kv_norm.weight", "attention.wkv_b.weight", "attention.wo.weight", "attention_norm.weight",
+    "ffn_norm.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight",
+    "moe.shared_experts.w1.weight", "moe.shared_experts.w2.weight", "moe.shared_experts.w3.weight",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("to", "bias", "output"), [("dcp", "expert_bias", "output"), ("dcp-titan", "expert_bias_E", "lm_head")]
+)
+def test_dcp_names_are_torchtitan_s(to: str, bias: str, output: str, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "dcp", to)
+    meta = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    layer1 = {k.removeprefix("layers.1.") for k in meta if k.startswith("layers.1.")}
+    assert layer1 == TITAN_MOE_LAYER | {f"moe.{bias}"}
+    assert {"tok_embeddings.weight", "norm.weight", f"{output}.weight"} <= set(meta)
+    assert list(meta["layers.1.moe.experts.w2"].size) == [4, 40, 24]  # [experts, dim, hidden]
