@@ -21,6 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
 from ckptkit.models.fields import boolean, non_negative_int, optional, positive_float, positive_int
+from ckptkit.models.gguf_spec import GGUFExperts, GGUFSpec
 from ckptkit.models.moe import MoEFields, expert_rules, expert_size, experts_layout_of
 from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
@@ -162,11 +163,51 @@ def is_moe(cfg: ModelConfig, layer: int) -> bool:
     return cfg.fields(DeepseekV3Fields).is_moe_layer(layer)
 
 
+# llama.cpp's DeepseekV2Model: TextModel's keys (one KV head: latent attention as MQA), then its own
+DEEPSEEK2_GGUF = GGUFSpec(
+    "deepseek2",
+    ("DeepseekV3ForCausalLM",),
+    (
+        "block_count",
+        "context_length?",
+        "embedding_length",
+        "feed_forward_length",
+        "head_count",
+        "head_count_kv_mla",
+        "rope_scaling",
+        "rope_freq_base?",
+        "layer_norm_rms_eps?",
+        "expert_count",
+        "expert_used_count",
+        "expert_group_count?",
+        "expert_group_used_count?",
+        "head_dim_mla?",
+        "file_type",
+        "leading_dense_block_count",
+        "vocab_size",
+        "q_lora_rank?",
+        "kv_lora_rank",
+        "mla_lengths",
+        "expert_feed_forward_length_mla",
+        "expert_shared_count",
+        "expert_weights_scale?",
+        "expert_weights_norm?",
+        "rope_dimension_count_mla",
+        "yarn_log_multiplier?",
+    ),
+    "bpe",
+    experts=GGUFExperts(("w2", "w1", "w3")),
+    latent_attention=True,
+    reads_back=False,
+)
+
+
 class DeepseekV3(Family):
     name = "deepseek_v3"
     hf_model_types = ("deepseek_v3", "kimi_k2")
     hf_architecture = "DeepseekV3ForCausalLM"
     fields: ClassVar[type[DeepseekV3Fields]] = DeepseekV3Fields
+    gguf = DEEPSEEK2_GGUF
 
     def canonical_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, cfg.hidden_size)}

@@ -253,9 +253,12 @@ class GGUFFormat(CheckpointFormat):
     def supports(self, family: Family) -> tuple[bool, bool]:
         """Read and written for the model types llama.cpp's converter takes."""
         spec = family.gguf_spec()
-        return spec is not None, spec is not None
+        return spec is not None and spec.reads_back, spec is not None
 
     def tokenizer_support(self, family: Family) -> str:
+        spec = family.gguf_spec()
+        if spec is not None and not spec.reads_back:
+            return "tokenizer.ggml.* (from the source's tokenizer)"
         return "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
 
     def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
