@@ -90,3 +90,30 @@ def test_a_deepseek2_gguf_is_not_read_back_yet(tiny_bpe: None, tmp_path: Path) -
     convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "m.gguf", ConvertOptions("gguf"))
     with pytest.raises(CkptkitError, match="deepseek2"):
         convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+
+
+def release_config(out: Path) -> Path:
+    """The q LoRA fixture with its config.json as DeepSeek's release spells it: no head_dim, the
+    router's score function, yarn rope scaling with DeepSeek's mscale (the keys llama.cpp adds)."""
+    import json
+    import shutil
+
+    shutil.copytree(FIXTURES / "hf" / "deepseek_v3", out)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("head_dim", "rope_parameters", "qk_head_dim"):
+        config.pop(key)
+    config |= {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_theta": 10000.0}
+    config["rope_scaling"] = {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 64, "type": "yarn",
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+@pytest.mark.slow
+def test_release_config_gives_llama_cpp_s_keys(llama_cpp: Path, tiny_bpe: None, tmp_path: Path) -> None:
+    src = release_config(tmp_path / "deepseek_v3")
+    theirs = llama_cpp_ggufs(llama_cpp, src, {"bf16": tmp_path / "theirs.gguf"}, PRE)["bf16"]
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf"))
+    assert_same_gguf(tmp_path / "ours.gguf", theirs)

@@ -160,10 +160,27 @@ def _mla_lengths(w: Any, h: dict[str, Any]) -> None:
 
 
 def _mla(w: Any, h: dict[str, Any]) -> None:
-    if h.get("head_dim") is None:  # else written in TextModel's place (llama.cpp overwrites it there)
-        _mla_lengths(w, h)
+    # key and value lengths: in TextModel's place (transformers' config always has a head_dim
+    # for llama.cpp to write there, which DeepseekV2Model overwrites)
     w.add_key_length_mla(h["qk_nope_head_dim"] + h["qk_rope_head_dim"])
     w.add_value_length_mla(h["v_head_dim"])
+
+
+_SCORE_FIELDS = (
+    "score_function", "scoring_func", "score_func", "moe_router_activation", "moe_router_activation_func",
+    "expert_selection_fn",
+)  # fmt: skip
+
+
+def _gating(w: Any, h: dict[str, Any]) -> None:
+    """TextModel's expert gating function, from the router's score function."""
+    import gguf
+
+    func = _first(h, _SCORE_FIELDS)
+    kinds = {"sigmoid": "SIGMOID", "softmax": "SOFTMAX", "sqrtsoftplus": "SQRTSOFTPLUS"}
+    if func not in kinds:
+        raise CkptkitError(f"config.json: expert score function {func!r} is none llama.cpp knows ({', '.join(kinds)})")
+    w.add_expert_gating_func(getattr(gguf.ExpertGatingFuncType, kinds[func]))
 
 
 def _leading_dense(h: dict[str, Any]) -> int:
@@ -177,7 +194,8 @@ WRITERS |= {
     "head_count_kv_mla": (lambda w, h, t: w.add_head_count_kv(1), None),
     "expert_group_count": (lambda w, h, t: w.add_expert_group_count(h["n_group"]), "n_group"),
     "expert_group_used_count": (lambda w, h, t: w.add_expert_group_used_count(h["topk_group"]), "topk_group"),
-    "head_dim_mla": (lambda w, h, t: _mla_lengths(w, h), "head_dim"),
+    "head_dim_mla": (lambda w, h, t: _mla_lengths(w, h), None),
+    "expert_gating_func": (lambda w, h, t: _gating(w, h), "scoring_func"),
     "leading_dense_block_count": (lambda w, h, t: w.add_leading_dense_block_count(_leading_dense(h)), None),
     "q_lora_rank": (lambda w, h, t: w.add_q_lora_rank(h["q_lora_rank"]), "q_lora_rank"),
     "kv_lora_rank": (lambda w, h, t: w.add_kv_lora_rank(h.get("kv_lora_rank", 512)), None),
@@ -199,6 +217,7 @@ WRITERS |= {
     ),
 }
 _PRESENT |= {
+    "scoring_func": lambda h: next((h[f] for f in _SCORE_FIELDS if h.get(f) is not None), None),
     "norm_topk_prob_set": lambda h: True if h.get("norm_topk_prob") else None,
     "mscale_all_dim": lambda h: rope(h).get("mscale_all_dim"),
 }
