@@ -143,9 +143,8 @@ def open_checkpoint(
             _check_model_type(reader, raw, model_type)
         family, cfg = reader.model(raw, given)
         cfg = family.refine_config(cfg, raw.infos)
-        check_layer_count(
-            cfg.num_layers, raw.infos, root / raw.config_name if root.is_dir() else root, reader.info.layer_field
-        )
+        where = root / raw.config_name if root.is_dir() else root
+        check_layer_count(cfg.num_layers, family.layer_names(cfg, raw.infos), where, reader.info.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
         origin = recorded_origin(reader, raw)
         # the format's notes, shared: it may add some when asked for its side folder later

@@ -70,6 +70,15 @@ class Family:
     def meta_layout(self, cfg: ModelConfig) -> Layout:
         raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
 
+    def dcp_layout(self, cfg: ModelConfig, titan: bool) -> Layout | None:
+        """The family's own DCP names, torchtitan's 2026 spelling if ``titan`` (read: the
+        earlier one); None: its Meta layout, which the DCP formats respell themselves."""
+        return None
+
+    def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
+        """The model config a DCP folder gets: its file name and contents (Meta's params.json)."""
+        return "params.json", self.config_to_meta(cfg)
+
     def meta_extra_tensors(self, cfg: ModelConfig) -> dict[str, Lazy]:
         """Tensors Meta's own checkpoints carry that the model does not use (generated, with
         ``raw`` bytes so that writing them needs no torch)."""
@@ -98,6 +107,16 @@ class Family:
         """What the tensor names of a checkpoint add to its config (which on-disk layout
         of the experts it uses, say); the config as read by default."""
         return cfg
+
+    def layer_names(self, cfg: ModelConfig, names: Iterable[str]) -> list[str]:
+        """The tensor names whose ``layers.N`` index counts toward ``num_layers`` (the
+        checkpoint's layer count is checked on them): all by default."""
+        return list(names)
+
+    def canonical_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]] | None:
+        """Every canonical tensor with its shape where the family's differ from the shared
+        decoder's (:func:`ckptkit.models.shapes.canonical_shapes`); None: the shared ones."""
+        return None
 
     # --- the native model ------------------------------------------------------
     def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:

@@ -39,6 +39,9 @@ class GGUFSpec:
         experts: how it merges a layer's experts into 3-D tensors (None: no experts).
         implied: config.json fields its llama.cpp architecture assumes without a key
             (set when reading a GGUF back).
+        latent_attention: DeepSeek's: ``kv_b_proj`` written split per head as ``attn_k_b``
+            (transposed) and ``attn_v_b``, the MTP layers past ``num_hidden_layers`` not written.
+        reads_back: ckptkit reads its GGUFs back into the family (else written only).
     """
 
     arch: str
@@ -54,6 +57,8 @@ class GGUFSpec:
     embeddings_to_vocab: bool = False
     experts: GGUFExperts | None = None
     implied: tuple[tuple[str, Any], ...] = ()
+    latent_attention: bool = False
+    reads_back: bool = True
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,18 @@ from ckptkit.models.moe import expert_size, experts, is_moe_layer
 
 
 def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor of ``cfg`` with its shape, in canonical (module) order."""
+    """Every canonical tensor of ``cfg`` with its shape, in canonical (module) order: the
+    family's own (:meth:`~ckptkit.models.family.Family.canonical_shapes`) where it has other
+    tensors than the decoder's below (DeepSeek V3's latent attention)."""
+    from ckptkit.models.registry import REGISTRY
+
+    family = REGISTRY.get(cfg.model_type)
+    own = family.canonical_shapes(cfg) if family is not None else None
+    return own if own is not None else decoder_shapes(cfg)
+
+
+def decoder_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The canonical tensors of the decoder the families share (q/k/v attention)."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     decoder, moe = cfg.decoder, experts(cfg)

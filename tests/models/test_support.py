@@ -61,7 +61,7 @@ REFUSALS = {
 # The pre-tokenizers the fixtures' tiny byte-level BPE tokenizers were made with (fixtures/
 # make_fixtures.py): Llama 3's split for the Llama 3 and OLMo 2 ones, Qwen2's for Qwen's.
 FIXTURE_PRE = {"llama3": "llama-bpe", "llama3_1": "llama-bpe", "llama3_2": "llama-bpe", "olmo2": "llama-bpe"}
-FIXTURE_PRE |= {"qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2"}
+FIXTURE_PRE |= {"qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2", "deepseek_v3": "llama-bpe"}
 
 ALL_FIXTURES = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*") if p.is_dir())
 # unmarked, so that the fast run checks a written, a refused-by-the-matrix, a --gguf-pre and an experts cell

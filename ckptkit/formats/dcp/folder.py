@@ -34,6 +34,8 @@ def meta_name(name: str) -> str:
     """torchtitan's 2026 spelling -> Meta's (the earlier spelling is Meta's already)."""
     if name == "lm_head.weight":
         return "output.weight"
+    if name.endswith(".moe.expert_bias_E"):  # torchtitan's MoE router bias (DeepSeek V3)
+        return name.removesuffix("_E")
     return re.sub(r"\.attention\.qkv_linear\.(w[qkv])\.", r".attention.\1.", name)
 
 

@@ -16,7 +16,6 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.dcp.folder import (
     DISTCP,
-    PARAMS,
     checkpoint_folder,
     open_dcp,
     spelled_2026,
@@ -45,6 +44,9 @@ class DcpPlanner(FolderPlanner):
     fmt: DcpFormat
 
     def write_layout(self, ckpt: OpenedCheckpoint) -> Layout:
+        own = ckpt.family.dcp_layout(ckpt.config, self.fmt.titan)
+        if own is not None:
+            return own
         layout = super().write_layout(ckpt)
         if not self.fmt.titan:
             return layout
@@ -70,7 +72,10 @@ class DcpPlanner(FolderPlanner):
         return files, split if n > 1 else {}
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+        weights = list(plan.targets.values())
+        dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
+        name, config = ckpt.family.dcp_config(ckpt.config, dtype)
+        return {name: json.dumps(config) + "\n"}
 
     def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
         return DistcpWriter(path, plan.entries(file), direct)
@@ -122,7 +127,8 @@ class DcpFormat(CheckpointFormat):
             raise CkptkitError(f"{where}: {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
-        return family.meta_layout(cfg)  # as read: opening names tensors in Meta's spelling
+        own = family.dcp_layout(cfg, titan=False)  # as read: opening names tensors in Meta's spelling
+        return own if own is not None else family.meta_layout(cfg)
 
     def finish(self, ckpt: OpenedCheckpoint, plan: Plan, out_dir: Path) -> None:
         (out_dir / METADATA).write_bytes(metadata_bytes(plan))

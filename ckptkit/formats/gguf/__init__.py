@@ -274,7 +274,9 @@ class GGUFFormat(CheckpointFormat):
         if spec.experts is not None and not takes_dense_layers(spec):
             needs["experts"] = EXPERTS_EVERYWHERE.format(arch=spec.arch)
         tokenizer = "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
-        return Support(True, True, tokenizer, needs)
+        if not spec.reads_back:
+            tokenizer = "tokenizer.ggml.* (from the source's tokenizer)"
+        return Support(spec.reads_back, True, tokenizer, needs)
 
     def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:
         """``inspect``: stored GGML types and bytes, the GGUF version and its key/values."""

@@ -34,7 +34,7 @@ def candidates(arch: str) -> list[Family]:
     """The families llama.cpp writes as ``arch``, in registry order."""
     from ckptkit.models import REGISTRY
 
-    return [f for f in REGISTRY.values() if (spec := f.gguf_spec()) is not None and spec.arch == arch]
+    return [f for f in REGISTRY.values() if (s := f.gguf_spec()) is not None and s.arch == arch and s.reads_back]
 
 
 def _spec(family: Family) -> GGUFSpec:
@@ -124,7 +124,7 @@ def family_of(h: GGUFHeader, config: dict[str, Any]) -> Family:
 
     if not config:
         arch = architecture(h)
-        known = sorted({s.arch for f in _all() if (s := f.gguf_spec()) is not None})
+        known = sorted({s.arch for f in _all() if (s := f.gguf_spec()) is not None and s.reads_back})
         raise UnknownModel(
             f"{h.path}: llama.cpp architecture {arch!r} is no model type ckptkit reads ({', '.join(known)}); "
             "pass --model-type to read it as one of them"
@@ -142,6 +142,8 @@ def spec_for(family: Family, where: object) -> GGUFSpec:
     spec = family.gguf_spec()
     if spec is None:
         raise UnknownModel(f"{where}: llama.cpp has no GGUF architecture for model type {family.name}")
+    if not spec.reads_back:
+        raise UnknownModel(f"{where}: ckptkit writes {family.name} as GGUF but does not read it back yet")
     return spec
 
 

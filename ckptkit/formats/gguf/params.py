@@ -40,6 +40,15 @@ def _rope_scaling(w: Any, h: dict[str, Any], ftype: Any) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(factor)
         w.add_rope_scaling_orig_ctx_len(settings["original_max_position_embeddings"])
+        for key, add in (
+            ("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+            ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
+            value = settings.get(key, settings.get("attn_factor") if key == "attention_factor" else None)
+            if value is not None:
+                add(value)
     elif kind in ("su", "longrope"):
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
 
@@ -139,6 +148,78 @@ WRITERS |= {
         lambda w, h, t: w.add_expert_feed_forward_length(h["moe_intermediate_size"]),
         "moe_intermediate_size",
     ),
+}
+
+
+# --- DeepseekV2Model (deepseek2): latent attention written as one KV head of kv_lora_rank + rope dims ---
+
+
+def _mla_lengths(w: Any, h: dict[str, Any]) -> None:
+    w.add_key_length(h["kv_lora_rank"] + h["qk_rope_head_dim"])
+    w.add_value_length(h["kv_lora_rank"])
+
+
+def _mla(w: Any, h: dict[str, Any]) -> None:
+    # key and value lengths: in TextModel's place (transformers' config always has a head_dim
+    # for llama.cpp to write there, which DeepseekV2Model overwrites)
+    w.add_key_length_mla(h["qk_nope_head_dim"] + h["qk_rope_head_dim"])
+    w.add_value_length_mla(h["v_head_dim"])
+
+
+_SCORE_FIELDS = (
+    "score_function", "scoring_func", "score_func", "moe_router_activation", "moe_router_activation_func",
+    "expert_selection_fn",
+)  # fmt: skip
+
+
+def _gating(w: Any, h: dict[str, Any]) -> None:
+    """TextModel's expert gating function, from the router's score function."""
+    import gguf
+
+    func = _first(h, _SCORE_FIELDS)
+    kinds = {"sigmoid": "SIGMOID", "softmax": "SOFTMAX", "sqrtsoftplus": "SQRTSOFTPLUS"}
+    if func not in kinds:
+        raise CkptkitError(f"config.json: expert score function {func!r} is none llama.cpp knows ({', '.join(kinds)})")
+    w.add_expert_gating_func(getattr(gguf.ExpertGatingFuncType, kinds[func]))
+
+
+def _leading_dense(h: dict[str, Any]) -> int:
+    dense = h.get("first_k_dense_replace")
+    if dense is None:
+        return int(h["num_hidden_layers"]) if h.get("n_routed_experts") is None else 0
+    return int(dense)
+
+
+WRITERS |= {
+    "head_count_kv_mla": (lambda w, h, t: w.add_head_count_kv(1), None),
+    "expert_group_count": (lambda w, h, t: w.add_expert_group_count(h["n_group"]), "n_group"),
+    "expert_group_used_count": (lambda w, h, t: w.add_expert_group_used_count(h["topk_group"]), "topk_group"),
+    "head_dim_mla": (lambda w, h, t: _mla_lengths(w, h), None),
+    "expert_gating_func": (lambda w, h, t: _gating(w, h), "scoring_func"),
+    "leading_dense_block_count": (lambda w, h, t: w.add_leading_dense_block_count(_leading_dense(h)), None),
+    "q_lora_rank": (lambda w, h, t: w.add_q_lora_rank(h["q_lora_rank"]), "q_lora_rank"),
+    "kv_lora_rank": (lambda w, h, t: w.add_kv_lora_rank(h.get("kv_lora_rank", 512)), None),
+    "mla_lengths": (lambda w, h, t: _mla(w, h), None),
+    "expert_feed_forward_length_mla": (
+        lambda w, h, t: w.add_expert_feed_forward_length(_first(h, ("moe_intermediate_size", "intermediate_size"))),
+        None,
+    ),
+    "expert_shared_count": (lambda w, h, t: w.add_expert_shared_count(h.get("n_shared_experts", 0)), None),
+    "expert_weights_scale": (
+        lambda w, h, t: w.add_expert_weights_scale(h["routed_scaling_factor"]),
+        "routed_scaling_factor",
+    ),
+    "expert_weights_norm": (lambda w, h, t: w.add_expert_weights_norm(True), "norm_topk_prob_set"),
+    "rope_dimension_count_mla": (lambda w, h, t: w.add_rope_dimension_count(h["qk_rope_head_dim"]), None),
+    "yarn_log_multiplier": (
+        lambda w, h, t: w.add_rope_scaling_yarn_log_mul(0.1 * rope(h)["mscale_all_dim"]),
+        "mscale_all_dim",
+    ),
+}
+_PRESENT |= {
+    "scoring_func": lambda h: next((h[f] for f in _SCORE_FIELDS if h.get(f) is not None), None),
+    "norm_topk_prob_set": lambda h: True if h.get("norm_topk_prob") else None,
+    "mscale_all_dim": lambda h: rope(h).get("mscale_all_dim"),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -224,6 +225,8 @@ def name_map(spec: GGUFSpec, n_blocks: int) -> Any:
 
 
 def gguf_name(tmap: Any, hf_name: str) -> str | None:
+    if hf_name.endswith("e_score_correction_bias"):  # as llama.cpp's map_tensor_name renames a router bias
+        hf_name = hf_name.removesuffix("_bias") + ".bias"
     found: str | None = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     return found
 
@@ -252,7 +255,16 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         factors: torch.Tensor = freqs
         out.append(GGUFTensor(name, tuple(factors.shape), gguf.GGMLQuantizationType.F32, lambda: factors))
+    mtp = [n for n in order if spec.latent_attention and _past_blocks(n, hparams["num_hidden_layers"])]
+    if mtp:  # llama.cpp's deepseek2 skips the multi-token-prediction layers
+        fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
+        ckpt.notes.append(note(fact))
     for hf_name in order:
+        if hf_name in mtp:
+            continue
+        if spec.latent_attention and hf_name.endswith("kv_b_proj.weight"):
+            out += _kv_b_split(tmap, hf_name, targets[hf_name], hparams, ftype)
+            continue
         if merger is not None and (merged := merger.take(hf_name)) is not None:
             out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in merged]
             continue
@@ -277,6 +289,35 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     if merger is not None:
         merger.check_done()
     return out, ftype
+
+
+def _past_blocks(hf_name: str, blocks: int) -> bool:
+    found = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    return found is not None and int(found.group(1)) >= blocks
+
+
+def _kv_b_split(tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], ftype: Any) -> list[GGUFTensor]:
+    """llama.cpp's deepseek2 ``kv_b_proj`` [heads * (nope + v), rank]: per head, the key rows
+    transposed (``attn_k_b`` [heads, rank, nope]) and the value rows (``attn_v_b`` [heads, v, rank])."""
+    heads, nope, v = hparams["num_key_value_heads"], hparams["qk_nope_head_dim"], hparams["v_head_dim"]
+    rank = lazy.shape[-1]
+    if lazy.shape[0] != heads * (nope + v):
+        raise CkptkitError(f"{hf_name} has {lazy.shape[0]} rows, not num_key_value_heads * (qk_nope + v) heads")
+
+    def part(key: bool) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            k, val = lazy.get().view(heads, nope + v, rank).split([nope, v], dim=1)
+            return k.transpose(1, 2).contiguous() if key else val.contiguous()
+
+        return make
+
+    out = []
+    for proj, shape, key in (("k_b_proj", (heads, rank, nope), True), ("v_b_proj", (heads, v, rank), False)):
+        name = gguf_name(tmap, hf_name.replace("kv_b_proj", proj))
+        if name is None:  # pragma: no cover - the gguf package names both for deepseek2
+            raise CkptkitError(f"llama.cpp has no GGUF name for {proj}")
+        out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), part(key)))
+    return out
 
 
 def _maker(

@@ -1,0 +1,119 @@
+"""DeepSeek V3 to GGUF as llama.cpp's ``deepseek2`` writes it: byte for byte its
+``convert_hf_to_gguf.py`` output for every outtype, ``kv_b_proj`` split per head into
+``attn_k_b`` (transposed) and ``attn_v_b``, experts merged, the router bias as
+``exp_probs_b.bias``, the MTP layer left out as llama.cpp leaves it out (noted)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf import OUTTYPES, UnknownHashMeans, assert_same_gguf, llama_cpp_ggufs
+
+from ckptkit.convert import ConvertOptions, convert
+from ckptkit.errors import CkptkitError
+
+from conftest import FIXTURES
+
+NAMES = ["deepseek_v3", "deepseek_v3-qproj"]
+PRE = "llama-bpe"  # the fixtures' tiny Llama 3 style tokenizer, whose hash llama.cpp cannot know
+
+
+@pytest.fixture
+def tiny_bpe(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkit.formats.gguf import vocab
+
+    monkeypatch.setattr(vocab, "PRE_TOKENIZERS", UnknownHashMeans(vocab.PRE_TOKENIZERS, PRE))
+
+
+@pytest.fixture(scope="module")
+def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None], Path]:
+    """llama.cpp's GGUF of a fixture for an outtype, every outtype from one converter process."""
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(name: str, dtype: str | None) -> Path:
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(name)
+            outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
+            made[name] = llama_cpp_ggufs(llama_cpp, FIXTURES / "hf" / name, outs, PRE)
+        return made[name][OUTTYPES[dtype]]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_to_gguf_equals_llama_cpp(
+    name: str, dtype: str | None, reference: Callable[[str, str | None], Path], tiny_bpe: None, tmp_path: Path
+) -> None:
+    ours = tmp_path / "ours.gguf"
+    convert(FIXTURES / "hf" / name, ours, ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
+    assert_same_gguf(ours, reference(name, dtype))
+
+
+def test_kv_b_is_split_per_head_and_the_mtp_layer_left_out(tiny_bpe: None, tmp_path: Path) -> None:
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    src = FIXTURES / "hf" / "deepseek_v3"
+    result = convert(src, tmp_path / "m.gguf", ConvertOptions("gguf"))
+    tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert not [n for n in tensors if n.startswith("blk.3.")]  # 3 layers + the MTP layer
+    assert "blk.1.exp_probs_b.bias" in tensors and "blk.1.ffn_gate_exps.weight" in tensors
+    files = sorted(src.glob("*.safetensors"))
+    kv_b = next(
+        f.get_tensor("model.layers.2.self_attn.kv_b_proj.weight")
+        for p in files
+        if "model.layers.2.self_attn.kv_b_proj.weight" in (f := safe_open(p, "pt")).keys()
+    )
+    heads = kv_b.view(3, 12 + 10, 20)  # 3 heads of 12 key (nope) rows then 10 value rows, rank 20
+    k_b, v_b = tensors["blk.2.attn_k_b.weight"], tensors["blk.2.attn_v_b.weight"]
+    assert k_b.data.tobytes() == heads[:, :12].transpose(1, 2).contiguous().view(torch.int16).numpy().tobytes()
+    assert v_b.data.tobytes() == heads[:, 12:].contiguous().view(torch.int16).numpy().tobytes()
+    assert [n for n in result.notes if "MTP" in n] == [
+        "32 tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them; nothing to do"
+    ]
+
+
+def test_internal_copy_gives_the_gguf_of_the_hf_folder_it_came_from(tiny_bpe: None, tmp_path: Path) -> None:
+    src = FIXTURES / "hf" / "deepseek_v3-qproj"
+    convert(src, tmp_path / "int", ConvertOptions("internal"))
+    convert(src, tmp_path / "a.gguf", ConvertOptions("gguf"))
+    convert(tmp_path / "int", tmp_path / "b.gguf", ConvertOptions("gguf"))
+    assert_same_gguf(tmp_path / "b.gguf", tmp_path / "a.gguf")  # general.name aside: the folder's
+
+
+def test_a_deepseek2_gguf_is_not_read_back_yet(tiny_bpe: None, tmp_path: Path) -> None:
+    convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "m.gguf", ConvertOptions("gguf"))
+    with pytest.raises(CkptkitError, match="deepseek2"):
+        convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+
+
+def release_config(out: Path) -> Path:
+    """The q LoRA fixture with its config.json as DeepSeek's release spells it: no head_dim, the
+    router's score function, yarn rope scaling with DeepSeek's mscale (the keys llama.cpp adds)."""
+    import json
+    import shutil
+
+    shutil.copytree(FIXTURES / "hf" / "deepseek_v3", out)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("head_dim", "rope_parameters", "qk_head_dim"):
+        config.pop(key)
+    config |= {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_theta": 10000.0}
+    config["rope_scaling"] = {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 64, "type": "yarn",
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+@pytest.mark.slow
+def test_release_config_gives_llama_cpp_s_keys(llama_cpp: Path, tiny_bpe: None, tmp_path: Path) -> None:
+    src = release_config(tmp_path / "deepseek_v3")
+    theirs = llama_cpp_ggufs(llama_cpp, src, {"bf16": tmp_path / "theirs.gguf"}, PRE)["bf16"]
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf"))
+    assert_same_gguf(tmp_path / "ours.gguf", theirs)
