@@ -50,3 +50,14 @@ def test_encoder_gives_llama_cpp_reference_bytes(kind: str, case: str) -> None:
     want = reference(kind, x)
     assert got.shape == want.shape == (x.size // ENCODERS[kind].BLOCK, ENCODERS[kind].SIZE)
     assert np.array_equal(got, want), f"blocks differ: {np.nonzero((got != want).any(axis=1))[0][:8]}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_q8_0_gives_llama_cpp_reference_bytes(case: str) -> None:
+    """The Q8_0 that ``--dtype q8_0`` and the K mixes' fallbacks write (``quants.quantize_q8_0``)."""
+    from ckptkit.formats.gguf.quants import quantize_q8_0
+
+    x = CASES[case]
+    with np.errstate(all="ignore"):
+        got = quantize_q8_0(x.reshape(-1, 32))
+    assert np.array_equal(got, reference("Q8_0", x))
