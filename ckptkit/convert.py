@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint, tokenizer_from
 from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
+from ckptkit.formats.gguf.mix import FILE_TYPES, quantize_type
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.formats.writers import Job, TensorWriter
 from ckptkit.io import (
@@ -336,6 +337,11 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
     if o.copy_method is not None and o.copy_method not in COPY_METHODS:
         raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {o.copy_method!r}")
     fmt = target_format(o.to)
+    if o.dtype is not None:  # llama-quantize's names in any case (q4_k_m: Q4_K_M)
+        known = {d.lower(): d for d in CAST_TARGETS + fmt.info.extra_dtypes}
+        o = replace(o, dtype=known.get(o.dtype.lower(), o.dtype))
+        if set(FILE_TYPES) & set(fmt.info.extra_dtypes):
+            quantize_type(o.dtype)  # llama-quantize's types not written yet: one line saying so
     if o.dtype is not None and o.dtype not in CAST_TARGETS + fmt.info.extra_dtypes:
         takers = [f.name for f in REGISTRY.values() if o.dtype in f.info.extra_dtypes]
         if takers:

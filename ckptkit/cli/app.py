@@ -24,6 +24,7 @@ from ckptkit import __version__
 from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.formats import REGISTRY as FORMATS
 from ckptkit.formats import format_names, load_plugins
+from ckptkit.formats.gguf.mix import quantize_type
 from ckptkit.io import AUTO, COPY_METHODS, signal_of, stopping_on_signals
 from ckptkit.models import EXPERTS_LAYOUTS, model_types
 from ckptkit.tensors.dtypes import CAST_TARGETS, DTYPE_ALIASES
@@ -96,8 +97,13 @@ def check_choices(params: list[Any], args: list[str]) -> None:
                 if i + 1 >= len(args):
                     break
                 value = args[i + 1]
-            if value in choices:
+            if value in choices or (param.name == "dtype" and value.lower() in map(str.lower, choices)):
                 continue
+            if param.name == "dtype":
+                try:
+                    quantize_type(value)  # llama-quantize's types not written yet: one line saying so
+                except CkptkitError as e:
+                    raise OneLineUsageError(str(e)) from None
             close = _suggestion(value, choices)
             hint = f"; did you mean {close!r}?" if close else ""
             raise OneLineUsageError(f"{flag} {value}: not one of {', '.join(choices)}{hint}")

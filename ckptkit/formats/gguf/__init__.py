@@ -22,6 +22,7 @@ from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
 from ckptkit.formats.gguf import model
+from ckptkit.formats.gguf.mix import FILE_TYPES, quantize_type
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_int, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
@@ -177,7 +178,7 @@ class GGUFFormat(CheckpointFormat):
         layer_field="block_count",
         reads_file=True,  # SRC is one file
         file_suffix=".gguf",  # DST is one file, not a folder
-        extra_dtypes=("q8_0",),
+        extra_dtypes=("q8_0", *FILE_TYPES),
         takes_pre_tokenizer=True,
         lone_file=re.compile(r"(?s:.*)\.gguf"),
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)
@@ -316,7 +317,7 @@ class GGUFFormat(CheckpointFormat):
 
 
 def _check_dtype(dtype: str | None) -> None:
-    if dtype is not None and dtype not in GGUF_DTYPES:
+    if dtype is not None and quantize_type(dtype) is None and dtype not in GGUF_DTYPES:
         raise CkptkitError(f"--dtype for --to gguf must be one of {', '.join(GGUF_DTYPES)}, not {dtype!r}")
 
 

@@ -1,5 +1,6 @@
-"""GGML block quantization: Q8_0 written as llama.cpp writes it, and Q8_0 / Q4_K / Q5_K /
-Q6_K read back (dequantized to float32), a block of rows at a time.
+"""GGML block quantization: Q8_0 and the llama-quantize types (:mod:`.encoders`) written as
+llama.cpp writes them, and Q8_0 / Q4_K / Q5_K / Q6_K read back (dequantized to float32), a
+block of rows at a time.
 
 Q8_0 is :func:`quantize_q8_0`: the ``gguf`` package's float32 operations, bit for bit,
 reordered to run in cache (the block maximum as a tree of ``maximum`` over halves, not a
@@ -43,6 +44,8 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
     import gguf
     import torch
 
+    from ckptkit.formats.gguf.encoders import ENCODERS
+
     if t.dim() == 0:
         t = t.reshape(1)
     rows = t.reshape(-1, t.shape[-1])
@@ -60,6 +63,8 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
             chunk = chunk.to(torch.float32)
         if qtype == gguf.GGMLQuantizationType.Q8_0:
             yield quantize_q8_0(chunk.numpy().reshape(-1, 32)).tobytes()
+        elif gguf.GGMLQuantizationType(qtype).name in ENCODERS:
+            yield encode_blocks(gguf.GGMLQuantizationType(qtype).name, chunk.numpy()).tobytes()
         else:
             yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
 
@@ -111,6 +116,37 @@ def quantize_q8_0(blocks: np.ndarray, bf16: bool = False) -> np.ndarray:
     finally:
         for done in pending:
             done.result()
+    return out
+
+
+ENCODE_BLOCKS = 1 << 16  # values per encoder call (element-major arrays of a few MiB)
+
+
+def encode_blocks(kind: str, x: np.ndarray) -> np.ndarray:
+    """The ``kind`` blocks (:data:`~ckptkit.formats.gguf.encoders.ENCODERS`) of float32 or
+    float16 ``x``, (n, block bytes) uint8: parts of :data:`ENCODE_BLOCKS` values encoded on
+    this process's CPUs (numpy lets go of the GIL; every block is encoded on its own)."""
+    import numpy as np
+
+    from ckptkit.formats.gguf.encoders import ENCODERS
+
+    enc = ENCODERS[kind]
+    flat = x.reshape(-1)
+    out = np.empty((flat.size // enc.BLOCK, enc.SIZE), np.uint8)
+    step = ENCODE_BLOCKS // enc.BLOCK * enc.BLOCK
+
+    def part(first: int) -> None:
+        piece = flat[first : first + step].astype(np.float32)
+        with np.errstate(all="ignore"):
+            out[first // enc.BLOCK : (first + piece.size) // enc.BLOCK] = enc.encode(piece)
+
+    starts = range(0, flat.size, step)
+    if len(starts) < 2 or not len(_WORKERS):
+        for first in starts:
+            part(first)
+        return out
+    for done in [_WORKERS.pool().submit(part, first) for first in starts]:
+        done.result()
     return out
 
 

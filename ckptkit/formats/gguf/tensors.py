@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
+from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, is_70b, quantize_type
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.registry import find_format, transformers_format
 from ckptkit.models.gguf_spec import GGUFSpec
@@ -232,8 +233,18 @@ def gguf_name(tmap: Any, hf_name: str) -> str | None:
 
 
 def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | None) -> tuple[list[GGUFTensor], Any]:
-    """The output tensors in llama.cpp's order, with the file type."""
+    """The output tensors in llama.cpp's order, with the file type. A llama-quantize type
+    (``Q4_K_M``): the converter's 16-bit tensors (``--outtype auto``) retyped and reordered
+    as llama-quantize does (:mod:`~ckptkit.formats.gguf.mix`), with its file type."""
     import gguf
+
+    quantized = quantize_type(dtype)
+    if quantized is not None:
+        base, _ = model_tensors(ckpt, hparams, None)
+        spec = spec_of(ckpt.family, ckpt.path)
+        moe = experts(ckpt.config)
+        mixed = requantized(base, quantized, spec.arch, hparams, moe.num_experts if moe else 0)
+        return mixed, gguf.LlamaFileType(FILE_TYPES[quantized][0])
 
     spec = spec_of(ckpt.family, ckpt.path)
     merger, regrouped = None, False
@@ -318,6 +329,42 @@ def _kv_b_split(tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], ft
             raise CkptkitError(f"llama.cpp has no GGUF name for {proj}")
         out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), part(key)))
     return out
+
+
+def requantized(
+    base: list[GGUFTensor], ftype: str, arch: str, hparams: dict[str, Any], n_expert: int
+) -> list[GGUFTensor]:
+    """``base`` (the 16-bit GGUF's tensors) in llama-quantize's order with its types for
+    ``ftype``; a retyped tensor is quantized from its 16-bit values."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    by_name = {t.name: t for t in base}
+    order = file_order(list(by_name))
+    layers = hparams["num_hidden_layers"]
+    mixer = Mixer(ftype, order, layers, n_expert, is_70b(arch, hparams))
+    out: list[GGUFTensor] = []
+    for name in order:
+        t = by_name[name]
+        kind = q[mixer.choose(name, t.shape, q(t.qtype).name)]
+        if kind == t.qtype:
+            out.append(t)
+        else:
+            out.append(GGUFTensor(name, t.shape, kind, _stored_as(t.make, q(t.qtype).name)))
+    return out
+
+
+def _stored_as(make: Callable[[], torch.Tensor], kind: str) -> Callable[[], torch.Tensor]:
+    """``make``'s tensor with the values of its 16-bit GGML type ``kind`` (F16 / BF16)."""
+
+    def made() -> torch.Tensor:
+        import torch
+
+        t = make()
+        dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(kind)
+        return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+
+    return made
 
 
 def _maker(

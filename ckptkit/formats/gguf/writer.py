@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
+from ckptkit.formats.gguf.mix import quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
@@ -163,6 +164,18 @@ def planned_writer(arch: str, tensors: list[GGUFTensor]) -> gguf.GGUFWriter:
     for t in tensors:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)  # shape as given
     return w
+
+
+def last_keys(w: Any, ftype: Any) -> None:
+    """llama-quantize's header: the 16-bit GGUF's keys, less ``general.quantization_version``
+    and ``general.file_type``, which come last (set again, in that order)."""
+    import gguf
+
+    kv = w.kv_data[0]
+    for key in (gguf.Keys.General.QUANTIZATION_VERSION, gguf.Keys.General.FILE_TYPE):
+        kv.pop(key, None)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_file_type(int(ftype))
 
 
 def add_model_card(w: Any, folder: Path, fallback_name: str) -> None:
@@ -366,5 +379,7 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         pre, by = (opts.gguf_pre, ASKED) if opts.gguf_pre is not None else (recorded_pre(ckpt), RECORDED)
         ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams, pre, by))
+    if quantize_type(dtype) is not None:
+        last_keys(w, ftype)
     checked = dtype in NARROWING and not opts.allow_lossy_cast
     return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)

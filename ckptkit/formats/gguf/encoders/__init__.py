@@ -1,0 +1,24 @@
+"""GGML block encoders in numpy, each the same bytes as ggml's ``quantize_row_<type>_ref``
+(what ``llama-quantize`` runs when it is given no imatrix), one module per type.
+
+Every encoder does, over arrays of blocks, the float32 operations of the C reference in its
+order (:mod:`~ckptkit.formats.gguf.encoders.common`): sums run element by element over
+element-major arrays, searches keep every trial's result and pick with masks. Each takes
+float32 values (a multiple of its block) and returns the blocks ``(n, SIZE)`` as uint8.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ckptkit.formats.gguf.encoders import q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k
+
+ENCODERS: dict[str, ModuleType] = {
+    "Q4_0": q4_0,
+    "Q4_1": q4_1,
+    "Q5_0": q5_0,
+    "Q5_1": q5_1,
+    "Q4_K": q4_k,
+    "Q5_K": q5_k,
+    "Q6_K": q6_k,
+}

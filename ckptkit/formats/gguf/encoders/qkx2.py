@@ -1,0 +1,91 @@
+"""What Q4_K and Q5_K share: ggml's ``make_qkx2_quants`` search for each 32-value
+sub-block's scale and minimum, and the super-block step of ``quantize_row_q{4,5}_K_ref``
+(6-bit scales and minimums under two float16 super-scales, then the quants again)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckptkit.formats.gguf.encoders.common import f32, first_extreme, fp16, low_byte, nearest_int, running_sum
+
+SUB = 32
+
+
+def make_qkx2_quants(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``make_qkx2_quants(32, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, false)`` for
+    every column of ``x`` and weights ``w`` (32, m): the scales and minimums (m,) and the
+    quants ``L`` (32, m)."""
+    lo = first_extreme(x.T, largest=False)
+    hi = first_extreme(x.T, largest=True)
+    sum_w = w[0].copy()
+    sum_x = sum_w * x[0]
+    for i in range(1, SUB):
+        sum_w += w[i]
+        sum_x += w[i] * x[i]
+    lo = np.where(lo > 0, f32(0), lo)
+    flat = hi == lo
+    with np.errstate(all="ignore"):
+        iscale = f32(nmax) / (hi - lo)
+        scale = f32(1) / iscale
+        quants = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
+        diff = scale * quants.astype(np.float32) + lo - x
+        best = running_sum(w * (diff * diff))
+        for step in range(nstep + 1):
+            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (hi - lo)
+            trial = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
+            lf = trial.astype(np.float32)
+            wl = w * lf
+            sum_l, sum_l2, sum_xl = running_sum(wl), running_sum(wl * lf), running_sum(wl * x)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            clipped = this_min > 0
+            this_min = np.where(clipped, f32(0), this_min)
+            this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
+            diff = this_scale * lf + this_min - x
+            error = running_sum(w * (diff * diff))
+            better = (det > 0) & (error < best)
+            quants = np.where(better, trial, quants)
+            best = np.where(better, error, best)
+            scale = np.where(better, this_scale, scale)
+            lo = np.where(better, this_min, lo)
+    return np.where(flat, f32(0), scale), -lo, np.where(flat, 0, quants)
+
+
+def super_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, ...]:
+    """The Q4_K / Q5_K steps of ``x`` (n, 256) up to the bit packing: the float16 scale and
+    minimum scale (n,), the 12 bytes of packed 6-bit scales and minimums (n, 12) and the
+    quants (n, 256), 0..nmax."""
+    n = x.shape[0]
+    sub = np.ascontiguousarray(x.reshape(n * 8, SUB).T)  # (32, n * 8): element-major sub-blocks
+    with np.errstate(all="ignore"):
+        av_x = np.sqrt(running_sum(sub * sub) / f32(SUB))
+    weights = av_x + np.abs(sub)
+    scales, mins, quants = make_qkx2_quants(sub, weights, nmax, rmin, rdelta, nstep)
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    max_scale = _positive_max(scales)
+    max_min = _positive_max(mins)
+    with np.errstate(all="ignore"):
+        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))[:, None]
+        inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))[:, None]
+        ls = np.minimum(63, low_byte(nearest_int(inv_scale * scales)))
+        lm = np.minimum(63, low_byte(nearest_int(inv_min * mins)))
+        d, dmin = fp16(max_scale / f32(63)), fp16(max_min / f32(63))
+        sub_d = (d.astype(np.float32)[:, None] * ls.astype(np.float32)).reshape(-1)
+        sub_m = (dmin.astype(np.float32)[:, None] * lm.astype(np.float32)).reshape(-1)
+        again = np.clip(nearest_int((sub + sub_m) / sub_d), 0, nmax)
+    quants = np.where(sub_d != 0, again, quants).T.reshape(n, 256)
+    packed = np.empty((n, 12), np.int32)
+    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
+    return d, dmin, packed, quants
+
+
+def _positive_max(v: np.ndarray) -> np.ndarray:
+    """Per row: ``m = 0; if (v > m) m = v`` over the row."""
+    top = np.fmax.reduce(v, axis=1)
+    out: np.ndarray = np.where(top > 0, top, f32(0))
+    return out

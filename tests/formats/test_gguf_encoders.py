@@ -1,0 +1,63 @@
+"""ckptkit's GGML block encoders give the bytes of llama.cpp's own reference quantizers
+(``quantize_row_<type>_ref`` of ``ggml-quants.c``, built from the pinned llama.cpp sources:
+``ggml_reference``) on random rows and on the rows that stress them: zeros of both signs,
+constants, huge and tiny magnitudes, subnormals, ranges over 60 decades, outliers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ggml_reference import reference
+
+from ckptkit.formats.gguf.encoders import ENCODERS
+
+N = 64  # blocks per case
+
+
+def _cases() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    n = 256 * N
+    normal = rng.standard_normal(n).astype(np.float32)
+    return {
+        "normal": normal,
+        "zeros": np.zeros(n, np.float32),
+        "negative zeros": -np.zeros(n, np.float32),
+        "constant": np.full(n, 0.37, np.float32),
+        "negative constant": np.full(n, -2.5, np.float32),
+        "huge": normal * np.float32(1e30),
+        "float32 max": np.where(normal < 0, np.float32(-3e38), np.float32(3e38)),
+        "60 decades": (normal * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32),
+        "subnormal": normal * np.float32(1e-39),
+        "tiny": normal * np.float32(1e-20),
+        "sparse": normal * (rng.random(n) < 0.05),
+        "outliers": np.where(rng.random(n) < 0.01, np.float32(100), normal),
+        "integers": rng.integers(-8, 8, n).astype(np.float32),
+        "positive": rng.random(n).astype(np.float32),
+        "negative": -rng.random(n).astype(np.float32),
+        "bfloat16 values": (normal.view(np.uint32) & 0xFFFF0000).view(np.float32),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("kind", sorted(ENCODERS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_encoder_gives_llama_cpp_reference_bytes(kind: str, case: str) -> None:
+    x = CASES[case]
+    with np.errstate(all="ignore"):
+        got = ENCODERS[kind].encode(x)
+    want = reference(kind, x)
+    assert got.shape == want.shape == (x.size // ENCODERS[kind].BLOCK, ENCODERS[kind].SIZE)
+    assert np.array_equal(got, want), f"blocks differ: {np.nonzero((got != want).any(axis=1))[0][:8]}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_q8_0_gives_llama_cpp_reference_bytes(case: str) -> None:
+    """The Q8_0 that ``--dtype q8_0`` and the K mixes' fallbacks write (``quants.quantize_q8_0``)."""
+    from ckptkit.formats.gguf.quants import quantize_q8_0
+
+    x = CASES[case]
+    with np.errstate(all="ignore"):
+        got = quantize_q8_0(x.reshape(-1, 32))
+    assert np.array_equal(got, reference("Q8_0", x))
