@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from ckptkit.models import Family, ModelConfig
+    from ckptkit.quant import Quantization
     from ckptkit.tensors.lazy import Lazy
 
 REPLICA_CHUNK = 16 << 20
@@ -77,6 +78,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     tokenizer: TokenizerPlan = field(default_factory=TokenizerPlan)
     verify_cast: str | None = None  # --verify compares the output with the source cast to this dtype
+    quant_config: dict[str, Any] | None = None  # the quantization_config of the quantized weights written
 
     def entries(self, file: FilePlan) -> list[tuple[str, str, tuple[int, ...]]]:
         """``file``'s tensors as (name, dtype, shape stored in this file), in stored order."""
@@ -210,6 +212,7 @@ class OpenedCheckpoint(Protocol):
     unused: dict[str, Lazy]
     recorded_origin: dict[str, Any] | None
     notes: list[str]
+    quant: Quantization | None
 
     @property
     def origin(self) -> dict[str, Any]: ...

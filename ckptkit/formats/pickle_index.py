@@ -32,6 +32,7 @@ STORAGES = {
     "ByteStorage": "uint8", "BoolStorage": "bool",
 }  # fmt: skip
 REBUILD = {"torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_parameter"}
+REBUILD_V3 = "torch._utils _rebuild_tensor_v3"
 
 
 class UnsupportedPickle(Exception):
@@ -161,6 +162,8 @@ def _run(data: bytes) -> object:
 
 def _global(name: str) -> Global:
     module, _, attr = name.partition(" ")
+    if name == REBUILD_V3:  # dtypes without a typed storage (float8): torch.load (weights_only) reads them
+        raise UnsupportedPickle("untyped storage")
     allowed = name in REBUILD or name == "collections OrderedDict" or (module == "torch" and attr in STORAGES)
     if not allowed:
         raise ForbiddenGlobal(f"{module}.{attr}")

@@ -30,6 +30,7 @@ from ckptkit.formats.format import CheckpointFormat, FormatInfo
 from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import register
 from ckptkit.formats.writers import TensorWriter
+from ckptkit.quant import FP8_DTYPE, QUANT_KEY
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
@@ -70,7 +71,10 @@ class DcpPlanner(FolderPlanner):
         return files, split if n > 1 else {}
 
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
-        return {PARAMS: json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
+        params = ckpt.family.config_to_meta(ckpt.config)
+        if plan.quant_config is not None:  # read back from here (DCP's .metadata has no place for it)
+            params[QUANT_KEY] = plan.quant_config
+        return {PARAMS: json.dumps(params) + "\n"}
 
 
 class DcpFormat(CheckpointFormat):
@@ -90,6 +94,8 @@ class DcpFormat(CheckpointFormat):
             layer_field="n_layers",
             sharding="ranks",
             aliases=aliases,
+            holds_quantized=True,
+            extra_dtypes=(FP8_DTYPE,),
         )
 
     def detect(self, root: Path) -> bool:
