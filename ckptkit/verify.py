@@ -130,9 +130,11 @@ class Report:
                 "give back every quantized byte re-quantized with the quantized side's own scales"
             )
         if self.of_kind(*QUANT_KINDS):
-            worst = max(d.max_abs_diff or 0.0 for d in quantized)
+            lossy = [d for d in quantized if d.kind == "quantized"]
+            kept = f"{len(quantized) - len(lossy)} dequantized exactly, " if len(lossy) < len(quantized) else ""
+            worst = max(d.max_abs_diff or 0.0 for d in lossy)
             return (
-                f"QUANTIZED: {self.identical} of {n} tensors bitwise equal, {len(quantized)} are the other side "
+                f"QUANTIZED: {self.identical} of {n} tensors bitwise equal, {kept}{len(lossy)} are the other side "
                 f"quantized with the scales they hold (lossy: max abs diff {worst:.6g})"
             )
         same = sum(d.kind == "cast" for d in self.differences)
