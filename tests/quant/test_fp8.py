@@ -260,3 +260,9 @@ def test_e8m0_nan_code_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=rf"{SCALE}: 1 scale\(s\) are the e8m0 NaN code 0xFF"):
         convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     assert not (tmp_path / "out").exists()
+
+
+def test_dtype_fp8_names_the_targets_that_take_it(tmp_path: Path) -> None:
+    with pytest.raises(CkptkitError, match=r"^--dtype fp8 applies only to --to hf or hf-bin or internal or dcp"):
+        convert(LLAMA, tmp_path / "m", ConvertOptions("meta", dtype="fp8"))
+    assert not (tmp_path / "m").exists()
