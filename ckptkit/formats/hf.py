@@ -159,7 +159,8 @@ class HFPlanner(FolderPlanner):
             out["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
         index = ckpt.origin.get("index") if plan.restored else None
         if len(plan.files) > 1 or index:  # a single shard keeps the index it came with
-            if index and cast is None:
+            written = {k for f in plan.files for k in f.keys}
+            if index and cast is None and set(json.loads(index["text"]).get("weight_map", {})) == written:
                 out[index["name"]] = index["text"]
             else:
                 weight_map = {k: f.name for f in plan.files for k in f.keys}

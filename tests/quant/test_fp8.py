@@ -70,7 +70,7 @@ def test_dequantized_equals_transformers_loader(dtype: str, tmp_path: Path) -> N
 
 def test_verify_proves_dequantization_and_names_a_changed_tensor(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    convert(LLAMA, out, ConvertOptions("hf", dtype="bfloat16"))
+    convert(LLAMA, out, ConvertOptions("hf", dtype="bfloat16", verify=True))  # --verify accepts it
     report = verify_paths(LLAMA, out)
     assert report.verdict().startswith("DEQUANTIZED: 7 of 21 tensors bitwise equal, 14 dequantized weights")
     assert report.exit_code() == 0
@@ -266,3 +266,15 @@ def test_dtype_fp8_names_the_targets_that_take_it(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=r"^--dtype fp8 applies only to --to hf or hf-bin or internal or dcp"):
         convert(LLAMA, tmp_path / "m", ConvertOptions("meta", dtype="fp8"))
     assert not (tmp_path / "m").exists()
+
+
+def test_dtype_fp8_into_a_restored_sharded_layout_indexes_the_scales(tmp_path: Path) -> None:
+    """The recorded index no longer fits (scales added): it is written afresh; --verify
+    accepts what --dtype fp8 quantized."""
+    src = FIXTURES / "hf" / "qwen3"
+    result = convert(src, tmp_path / "fp8", ConvertOptions("hf", dtype="fp8", verify=True))
+    assert result.plan.restored
+    weight_map = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {k: f.name for f in sorted((tmp_path / "fp8").glob("*.safetensors")) for k in load_file(f)}
+    assert weight_map == stored
+    assert "model.layers.2.mlp.down_proj.weight_scale_inv" in stored
