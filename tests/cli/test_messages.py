@@ -36,7 +36,7 @@ CHOICES = {
     ),
     "--dtype int8": (
         ["--to", "gguf", "--dtype", "int8"],
-        "error: --dtype int8: not one of bfloat16, float16, float32, q8_0; did you mean 'q8_0'?",
+        "error: --dtype int8: not one of bfloat16, float16, float32, fp8, q8_0; did you mean 'q8_0'?",
     ),
     "--dtype=fp16": (["--to", "hf", "--dtype=fp16"], "did you mean 'float16'?"),
     "--model-type lama2": (["--to", "hf", "--model-type", "lama2"], "did you mean 'llama2'?"),
