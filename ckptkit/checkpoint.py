@@ -17,6 +17,7 @@ from ckptkit.io import copy_file, entries, is_file
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
+from ckptkit.quant import QUANT_KEY, Quantization, bound, found_quantization
 from ckptkit.tensors.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.tokenization import TOKENIZER_FILES, supplied_tokenizer
 from ckptkit.untrusted import check_source_folder
@@ -50,6 +51,7 @@ class Checkpoint:
     recorded_origin: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     side_override: Path | None = None  # set by :func:`tokenizer_from`
+    quant: Quantization | None = None  # quantized weights (``tensors`` holds them as stored) and their scales
 
     @property
     def fmt(self) -> CheckpointFormat:
@@ -138,6 +140,8 @@ def open_checkpoint(
     reader = get_format(fmt) if fmt else detect_format(root)
     raw = open_raw(reader, root, config)
     try:
+        stored = dict(raw.infos)  # the scales are hidden from the model's view, then put back
+        found = found_quantization(raw.config.get(QUANT_KEY), raw.infos, root / raw.config_name)
         given = get_family(model_type) if model_type else None
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)
@@ -146,9 +150,15 @@ def open_checkpoint(
         where = root / raw.config_name if root.is_dir() else root
         check_layer_count(cfg.num_layers, family.layer_names(cfg, raw.infos), where, reader.info.layer_field)
         tensors, unused = reader.canonical_view(raw, family, cfg)
+        quant = None
+        if found is not None:
+            raw.infos.clear()
+            raw.infos.update(stored)
+            quant = bound(found, _rules(reader, family, cfg), tensors, raw, cfg.head_dim)
+            raw.notes.extend(quant.notes())
         origin = recorded_origin(reader, raw)
         # the format's notes, shared: it may add some when asked for its side folder later
-        return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, origin, raw.notes)
+        return Checkpoint(root, reader.name, family, cfg, raw, tensors, unused, origin, raw.notes, quant=quant)
     except BaseException:
         raw.close()
         raise
@@ -163,6 +173,16 @@ def open_raw(reader: CheckpointFormat, root: Path, config: str | Path | None = N
             "--config is for folders without one, such as DCP checkpoints"
         )
     return reader.open(root, None if config is None else Path(config))
+
+
+def _rules(reader: CheckpointFormat, family: Family, cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(native, canonical, transform) of each of the format's rules; none for a format
+    that stores canonical names (internal)."""
+    try:
+        rules = reader.layout(family, cfg).expand(cfg.num_layers)
+    except (NotImplementedError, CkptkitError):
+        return []
+    return [(r.native, r.canonical, r.kind) for r in rules]
 
 
 def _check_model_type(reader: CheckpointFormat, raw: RawCheckpoint, model_type: str) -> None:

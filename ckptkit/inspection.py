@@ -52,6 +52,8 @@ def _inspect_dir(root: Path, model_type: str | None, config: Path | None) -> dic
         with open_checkpoint(root, fmt, model_type, config) as ckpt:
             raw = ckpt.raw
             info = _describe(fmt, ckpt.family.name, list(raw.files), _per_file(raw), raw.infos)
+            if ckpt.quant is not None:
+                info["quantization"] = ckpt.quant.describe(ckpt.tensors)
             return reader.describe(raw, _with_ignored(info, raw))
     except UnknownModel:
         pass

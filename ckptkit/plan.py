@@ -8,13 +8,17 @@ The target format (a registry object) lays the output out in one call,
 
 from __future__ import annotations
 
+import dataclasses
+
 from ckptkit.checkpoint import Checkpoint
-from ckptkit.errors import CkptkitError, FlagError
+from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan
 from ckptkit.formats.planning import with_experts
 from ckptkit.models import EXPERTS_LAYOUTS
 from ckptkit.models.moe import experts as experts_of
+from ckptkit.quant import DEFAULT_DEQUANTIZED, FP8_DTYPE, dequantized, keeps_in, quantized
+from ckptkit.quant.fp8 import BlockFP8
 
 __all__ = ["FilePlan", "Options", "Plan", "check_experts_choice", "plan_conversion", "target_format"]
 
@@ -30,7 +34,47 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
     """Decide file names, partition, order and metadata of the output."""
     fmt = target_format(opts.to)
     check_experts_choice(ckpt, fmt, opts.experts)
+    ckpt, opts = quantization_for(ckpt, fmt, opts)
     return fmt.plan(ckpt, opts)
+
+
+# --dtype fp8 from an unquantized source: DeepSeek's and Qwen's release config
+FP8_RELEASE_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> tuple[Checkpoint, Options]:
+    """``ckpt`` as ``fmt`` writes it: quantized weights kept as stored (with their scales)
+    where the format holds them and no ``--dtype`` says otherwise, else dequantized to
+    ``--dtype`` (bfloat16 by default); ``--dtype fp8`` keeps or makes block FP8."""
+    quant = ckpt.quant
+    if opts.dtype == FP8_DTYPE:
+        opts = dataclasses.replace(opts, dtype=None)
+        if quant is None:
+            tensors, made = quantized(ckpt.tensors, BlockFP8(FP8_RELEASE_CONFIG, ckpt.path))
+            return dataclasses.replace(ckpt, tensors=tensors, quant=made), opts
+    if quant is None:
+        return ckpt, opts
+    try:
+        rules = fmt.planner(fmt).rules(ckpt) if fmt.info.holds_quantized else []
+    except CkptkitError:
+        rules = []  # the format does not hold this family: its own plan says so
+    if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim):
+        return ckpt, opts
+    dtype = opts.dtype or DEFAULT_DEQUANTIZED
+    if opts.dtype is None:
+        ckpt.notes.append(
+            note(
+                f"{len(quant.scales)} {quant.method.name} weights dequantized to {dtype} "
+                f"(--to {fmt.name} does not hold them as stored)",
+                "to choose the dtype, pass --dtype",
+            )
+        )
+    return dataclasses.replace(ckpt, tensors=dequantized(ckpt.tensors, quant, dtype), quant=None), opts
 
 
 def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str | None) -> None:

@@ -7,13 +7,18 @@ tensor that is not bitwise equal is one of:
 - ``cast``: the same values in another dtype (every value of one is exactly the other's);
 - ``rounded``: one is the other cast to its dtype (round to nearest even), values differ
   by that rounding: what ``convert --dtype`` writes;
+- ``dequantized``: one side holds a quantized weight (:mod:`ckptkit.quant`), the other its
+  dequantization: re-quantizing the other with the quantized side's own scales gives back
+  every quantized byte;
+- ``quantized``: one side is the other quantized with the scales it holds (``--dtype fp8``),
+  lossy: the error figure says how far;
 - ``values``: the bytes differ otherwise;
 - ``shape``: the shapes differ.
 
 Exit codes of ``ckptkit verify``, as the command-line contract fixes them: 0 identical
-(or, with ``--allow-cast``, the only differences are casts: ``cast`` / ``rounded``), 1
-otherwise, an input error included. The verdict line and ``--json``'s ``verdict`` tell a
-cast from any other difference.
+or dequantized (every difference ``dequantized``), or, with ``--allow-cast``, the only
+differences are casts (``cast`` / ``rounded``); 1 otherwise, an input error included.
+The verdict line and ``--json``'s ``verdict`` tell a cast from any other difference.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from typing import Any
 
 import torch
 
-from ckptkit.checkpoint import Checkpoint, open_checkpoint
+from ckptkit.checkpoint import Checkpoint, Lazy, open_checkpoint
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import dtype_name, to_torch
 
 EXIT_IDENTICAL, EXIT_DIFFERENT = 0, 1
 CAST_KINDS = ("cast", "rounded")
+QUANT_KINDS = ("dequantized", "quantized")
 
 
 @dataclass
@@ -55,6 +61,13 @@ class Difference:
             return f"{where}: shape {list(self.shape_a)} vs {list(self.shape_b)}"
         if self.kind == "cast":
             return f"{where}: same values, dtype {self.dtype_a} vs {self.dtype_b}"
+        if self.kind == "dequantized":
+            return f"{where}: {self.dtype_a} vs {self.dtype_b}, re-quantized with its scales: every byte back"
+        if self.kind == "quantized":
+            return (
+                f"{where}: {self.dtype_a} vs {self.dtype_b}, quantized with the scales it holds "
+                f"(max abs diff {self.max_abs_diff:.6g})"
+            )
         if self.kind == "rounded":
             return (
                 f"{where}: dtype {self.dtype_a} vs {self.dtype_b}, equal once rounded to {self.rounded_to} "
@@ -92,8 +105,16 @@ class Report:
             and len(self.casts) == len(self.differences)
         )
 
+    def of_kind(self, *kinds: str) -> bool:
+        """Every difference is one of ``kinds`` (and at least one exists)."""
+        return (
+            not (self.only_in_a or self.only_in_b)
+            and bool(self.differences)
+            and all(d.kind in kinds for d in self.differences)
+        )
+
     def exit_code(self, allow_cast: bool = False) -> int:
-        if self.ok or (self.cast_only and allow_cast):
+        if self.ok or (self.cast_only and allow_cast) or self.of_kind("dequantized"):
             return EXIT_IDENTICAL
         return EXIT_DIFFERENT
 
@@ -102,6 +123,20 @@ class Report:
         n = self.compared
         if self.ok:
             return f"IDENTICAL: all {n} tensors bitwise equal"
+        quantized = [d for d in self.differences if d.kind in QUANT_KINDS]
+        if self.of_kind("dequantized"):
+            return (
+                f"DEQUANTIZED: {self.identical} of {n} tensors bitwise equal, {len(quantized)} dequantized weights "
+                "give back every quantized byte re-quantized with the quantized side's own scales"
+            )
+        if self.of_kind(*QUANT_KINDS):
+            lossy = [d for d in quantized if d.kind == "quantized"]
+            kept = f"{len(quantized) - len(lossy)} dequantized exactly, " if len(lossy) < len(quantized) else ""
+            worst = max(d.max_abs_diff or 0.0 for d in lossy)
+            return (
+                f"QUANTIZED: {self.identical} of {n} tensors bitwise equal, {kept}{len(lossy)} are the other side "
+                f"quantized with the scales they hold (lossy: max abs diff {worst:.6g})"
+            )
         same = sum(d.kind == "cast" for d in self.differences)
         rounded = sum(d.kind == "rounded" for d in self.differences)
         cast_parts = []
@@ -114,9 +149,12 @@ class Report:
             hint = "" if allow_cast else "; pass --allow-cast to accept casts"
             return f"{head}: {self.identical} of {n} tensors bitwise equal, {', '.join(cast_parts)}{hint}"
         parts = [f"{self.identical} of {n} tensors bitwise equal"]
-        differ = len(self.differences) - same - rounded
+        exact = sum(d.kind == "dequantized" for d in self.differences)
+        differ = len(self.differences) - same - rounded - exact
         if differ:
             parts.append(f"{differ} differ in value or shape")
+        if exact:
+            parts.append(f"{exact} dequantized exactly")
         parts += cast_parts
         if self.only_in_a:
             parts.append(f"{len(self.only_in_a)} only in A")
@@ -200,26 +238,68 @@ def _classify(ta: torch.Tensor, tb: torch.Tensor) -> tuple[str, str]:
     return "values", ""
 
 
+def _with_scales(ckpt: Checkpoint, names: dict[str, str], other: Checkpoint) -> dict[str, Lazy]:
+    """``ckpt``'s canonical tensors plus the scales of its quantized weights that ``other``
+    holds quantized too (a dequantized weight's scales are checked through the weight)."""
+    out = dict(ckpt.tensors)
+    if ckpt.quant is None:
+        return out
+    kept = other.quant.scales if other.quant is not None else {}
+    method = ckpt.quant.method
+    for name, scale in ckpt.quant.scales.items():
+        if name in kept:
+            out[method.scale_name(name)] = scale
+            names[method.scale_name(name)] = method.scale_name(names.get(name, name))
+    return out
+
+
+def _quantized_side(a: Checkpoint, b: Checkpoint, name: str) -> Checkpoint | None:
+    """The side holding weight ``name`` quantized, where only one does."""
+    qa = a.quant is not None and name in a.quant.scales
+    qb = b.quant is not None and name in b.quant.scales
+    return None if qa == qb else a if qa else b
+
+
+def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torch.Tensor) -> tuple[str, float]:
+    """(kind, max abs difference of ``plain`` and ``q`` dequantized in float32): ``dequantized``
+    when ``plain`` is the reference dequantization of ``q`` and re-quantizing it with
+    ``side``'s scale gives back every byte of ``q``; ``quantized`` when only the latter holds."""
+    assert side.quant is not None
+    method, scale = side.quant.method, side.quant.scales[name].get()
+    back = _bitwise_equal(method.requantize(plain, scale), q)
+    exact = _bitwise_equal(method.dequantize(q, scale, plain.dtype), plain)
+    wide = method.dequantize(q, scale, torch.float32)
+    diff = float((wide.double() - plain.double()).abs().nan_to_num(nan=float("inf")).max()) if q.numel() else 0.0
+    return ("dequantized" if exact else "quantized") if back else "values", diff
+
+
 def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet: bool = True) -> Report:
-    """Compare canonical tensors one at a time; ``cast`` applies to A's floating tensors."""
+    """Compare canonical tensors one at a time; ``cast`` applies to A's floating tensors.
+    A weight one side holds quantized and the other not is checked by re-quantizing the
+    other with the quantized side's own scales (kinds ``dequantized`` / ``quantized``)."""
     names_a, names_b = native_names(a), native_names(b)
+    tensors_a, tensors_b = _with_scales(a, names_a, b), _with_scales(b, names_b, a)
     report = Report()
-    report.only_in_a = [names_a.get(k, k) for k in a.tensors if k not in b.tensors]
-    report.only_in_b = [names_b.get(k, k) for k in b.tensors if k not in a.tensors]
+    report.only_in_a = [names_a.get(k, k) for k in tensors_a if k not in tensors_b]
+    report.only_in_b = [names_b.get(k, k) for k in tensors_b if k not in tensors_a]
     report.ignored = sorted(set(a.unused) | set(b.unused))
-    common = [k for k in a.tensors if k in b.tensors]
-    total = sum(a.tensors[k].nbytes for k in common)
+    common = [k for k in tensors_a if k in tensors_b]
+    total = sum(tensors_a[k].nbytes for k in common)
     with byte_progress("verifying", total, quiet) as bar:
         for name in common:
-            ta, tb = a.tensors[name].get(), b.tensors[name].get()
-            if cast is not None and ta.dtype.is_floating_point:
+            ta, tb = tensors_a[name].get(), tensors_b[name].get()
+            side = _quantized_side(a, b, name) if ta.shape == tb.shape else None
+            if cast is not None and ta.dtype.is_floating_point and side is None:
                 ta = ta.to(cast)
             report.compared += 1
             if _bitwise_equal(ta, tb):
                 report.identical += 1
             else:
                 diff, kind, rounded_to = None, "shape", ""
-                if ta.shape == tb.shape:
+                if side is not None:
+                    q, plain = (ta, tb) if side is a else (tb, ta)
+                    kind, diff = _quantization_kind(side, name, q, plain)
+                elif ta.shape == tb.shape:
                     diff = (
                         float((ta.double() - tb.double()).abs().nan_to_num(nan=float("inf")).max())
                         if ta.numel()
@@ -241,7 +321,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
                     )
                 )
             del ta, tb
-            bar.advance(a.tensors[name].nbytes)
+            bar.advance(tensors_a[name].nbytes)
     return report
 
 

@@ -60,6 +60,12 @@ def inspect(
     out.print(f"parameters  {info['num_params']:,}")
     out.print(f"bytes       {info['total_bytes']:,} ({human(info['total_bytes'])})")
     out.print(f"files       {', '.join(info['files'])}")
+    if q := info.get("quantization"):
+        block = "x".join(map(str, q["block"]))
+        out.print(
+            f"quantized   {q['method']}: {q['quantized_tensors']} weights {q['stored']} in {block} blocks, "
+            f"{q['scales']} scales; dequantized: {q['dequantized']} (--dtype chooses)"
+        )
     if info.get("ignored"):
         out.print(f"not model   {len(info['ignored'])} entries, not converted: {', '.join(info['ignored'][:6])}")
     if not out.is_terminal:  # piped: full names on one line each, for grep and friends

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from ckptkit.formats.writers import TensorWriter
     from ckptkit.models import Family, ModelConfig
+    from ckptkit.quant import Quantization
     from ckptkit.tensors.lazy import Lazy
 
 REPLICA_CHUNK = 16 << 20
@@ -86,6 +87,7 @@ class Plan:
     tokenizer: TokenizerPlan = field(default_factory=TokenizerPlan)
     verify_cast: str | None = None  # --verify compares the output with the source cast to this dtype
     writes: WriterFactory | None = None  # the writer of each weight file, as the format planned it
+    quant_config: dict[str, Any] | None = None  # the quantization_config of the quantized weights written
 
     def writer(self, path: Path, file: FilePlan, direct: bool) -> TensorWriter:
         """The writer of weight file ``file`` at ``path`` (``direct``: whole pages past the
@@ -229,6 +231,7 @@ class OpenedCheckpoint(Protocol):
     unused: dict[str, Lazy]
     recorded_origin: dict[str, Any] | None
     notes: list[str]
+    quant: Quantization | None
 
     @property
     def origin(self) -> dict[str, Any]: ...

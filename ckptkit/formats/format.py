@@ -59,6 +59,8 @@ class FormatInfo:
             ``inspect FILE``; None: no file of it is inspected alone.
         torchtune_checkpointers: the torchtune checkpointer components (``_component_`` of a
             recipe config's ``checkpointer:``) that read this format.
+        holds_quantized: quantized weights are kept as stored, their scales beside them
+            (:mod:`ckptkit.quant`), and ``--dtype fp8`` writes them.
     """
 
     expects: str
@@ -79,6 +81,7 @@ class FormatInfo:
     aliases: tuple[str, ...] = ()
     lone_file: re.Pattern[str] | None = None
     torchtune_checkpointers: tuple[str, ...] = ()
+    holds_quantized: bool = False
 
 
 @dataclass(frozen=True)

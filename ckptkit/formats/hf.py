@@ -28,6 +28,8 @@ from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.registry import holds_hf_files, register
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import entries, is_file
+from ckptkit.quant import FP8_DTYPE, QUANT_KEY
+from ckptkit.tensors.dtypes import FLOATING
 from ckptkit.tokenization import TokenizerPlan, tokenizer_for_hf
 from ckptkit.untrusted import plain_name
 
@@ -138,20 +140,28 @@ class HFPlanner(FolderPlanner):
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
         if recorded.get("name") == self.fmt.info.config_file:
             text = recorded["text"]
-            if cast is not None:
-                doc = json.loads(text)
+            doc = json.loads(text)
+            if cast is not None or doc.get(QUANT_KEY) != plan.quant_config:
                 for key in ("dtype", "torch_dtype"):
-                    if key in doc:
+                    if key in doc and cast is not None:
                         doc[key] = main_dtype
+                _set_quant_config(doc, plan.quant_config)
                 text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
             out["config.json"] = text
         else:
             ids = {k: v for k, v in plan.tokenizer.ids.items() if getattr(ckpt.config, k) is None}
+            if plan.quant_config is not None:  # the dtype of what is not quantized
+                main_dtype = max(
+                    (t for k, t in plan.targets.items() if t.dtype in FLOATING and "float8" not in t.dtype),
+                    key=lambda t: t.nbytes,
+                ).dtype
             config = ckpt.family.config_to_hf(dataclasses.replace(ckpt.config, **ids), main_dtype)
+            _set_quant_config(config, plan.quant_config)
             out["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
         index = ckpt.origin.get("index") if plan.restored else None
         if len(plan.files) > 1 or index:  # a single shard keeps the index it came with
-            if index and cast is None:
+            written = {k for f in plan.files for k in f.keys}
+            if index and cast is None and set(json.loads(index["text"]).get("weight_map", {})) == written:
                 out[index["name"]] = index["text"]
             else:
                 weight_map = {k: f.name for f in plan.files for k in f.keys}
@@ -159,6 +169,14 @@ class HFPlanner(FolderPlanner):
                 params = sum(math.prod(plan.targets[k].shape) for k in weight_map) if self.fmt.safetensors else None
                 out[self.fmt.index_name] = index_text(dict(sorted(weight_map.items())), total, params)
         return out
+
+
+def _set_quant_config(doc: dict[str, Any], quant_config: dict[str, Any] | None) -> None:
+    """``doc``'s ``quantization_config``: the one of the weights written, or none."""
+    if quant_config is None:
+        doc.pop(QUANT_KEY, None)
+    else:
+        doc[QUANT_KEY] = quant_config
 
 
 class HFFormat(CheckpointFormat):
@@ -187,6 +205,8 @@ class HFFormat(CheckpointFormat):
             aliases=aliases,
             lone_file=re.compile(rf"{re.escape(stem)}(?s:.*){re.escape(ext)}(?:\.index\.json)?"),
             torchtune_checkpointers=("torchtune.training.FullModelHFCheckpointer",),
+            holds_quantized=True,
+            extra_dtypes=(FP8_DTYPE,),
         )
 
     def weight_files(self, root: Path) -> list[Path]:

@@ -28,11 +28,14 @@ from ckptkit.formats.safetensors_io import SafetensorsReader
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import is_file
 from ckptkit.models.fields import check_config_fields
+from ckptkit.quant import FP8_DTYPE, QUANT_KEY
+from ckptkit.tensors.transforms import COPY
 from ckptkit.untrusted import plain_name
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
     from ckptkit.tensors.lazy import Lazy
+    from ckptkit.tensors.transforms import Transform
 
 UNUSED_PREFIX = "_unused."  # tensors the model does not use, under their origin names
 SINGLE = "weights.safetensors"
@@ -136,6 +139,9 @@ class InternalPlanner(FolderPlanner):
     def required(self, ckpt: OpenedCheckpoint) -> set[str]:
         return set(ckpt.tensors)
 
+    def rules(self, ckpt: OpenedCheckpoint) -> list[tuple[str, tuple[str, ...], Transform]]:
+        return [(k, (k,), COPY) for k in ckpt.tensors]
+
     def default_files(
         self, ckpt: OpenedCheckpoint, targets: dict[str, Lazy], opts: Options
     ) -> tuple[list[FilePlan], dict[str, int | None]]:
@@ -160,6 +166,8 @@ class InternalRecord(LayoutRecord):
             "files": {f.name: f.keys for f in plan.files},
             "origin": ckpt.origin,
         }
+        if plan.quant_config is not None:
+            doc[QUANT_KEY] = plan.quant_config
         (out_dir / INTERNAL_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
@@ -174,6 +182,8 @@ class InternalFormat(CheckpointFormat):
         metadata_names=(INTERNAL_FILE,),
         layer_field="config.num_layers",
         sharding="size",
+        holds_quantized=True,
+        extra_dtypes=(FP8_DTYPE,),
     )
     planner = InternalPlanner
     records = InternalRecord()

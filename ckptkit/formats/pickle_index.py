@@ -32,6 +32,9 @@ STORAGES = {
     "ByteStorage": "uint8", "BoolStorage": "bool",
 }  # fmt: skip
 REBUILD = {"torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_parameter"}
+REBUILD_V3 = "torch._utils _rebuild_tensor_v3"  # dtypes without a typed storage: an untyped one + the dtype
+UNTYPED = "torch.storage UntypedStorage"
+BYTE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")  # one byte each: storage bytes = elements
 
 
 class UnsupportedPickle(Exception):
@@ -134,7 +137,17 @@ def _run(data: bytes) -> object:
             pid = stack.pop()
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
                 raise UnsupportedPickle("unexpected persistent id")
-            stack.append(("storage", STORAGES[pid[1].name.split(" ")[1]], str(pid[2]), int(pid[4])))
+            kind = pid[1].name
+            dtype = (
+                "untyped"
+                if kind == UNTYPED
+                else STORAGES.get(kind.split(" ")[1])
+                if kind.startswith("torch ")
+                else None
+            )
+            if dtype is None:
+                raise UnsupportedPickle("unexpected storage type")
+            stack.append(("storage", dtype, str(pid[2]), int(pid[4])))
         elif name == "REDUCE":
             args, fn = stack.pop(), stack.pop()
             stack.append(_reduce(fn, args))
@@ -161,7 +174,11 @@ def _run(data: bytes) -> object:
 
 def _global(name: str) -> Global:
     module, _, attr = name.partition(" ")
-    allowed = name in REBUILD or name == "collections OrderedDict" or (module == "torch" and attr in STORAGES)
+    allowed = (
+        name in REBUILD
+        or name in (REBUILD_V3, UNTYPED, "collections OrderedDict")
+        or (module == "torch" and (attr in STORAGES or attr in BYTE_DTYPES))
+    )
     if not allowed:
         raise ForbiddenGlobal(f"{module}.{attr}")
     return Global(name)
@@ -175,6 +192,13 @@ def _reduce(fn: object, args: object) -> object:
     if fn.name == "torch._utils _rebuild_parameter":
         return args[0]
     storage, offset, size = args[0], args[1], args[2]
+    if fn.name == REBUILD_V3:  # (storage, offset, size, stride, requires_grad, hooks, dtype)
+        dtype = args[6] if len(args) > 6 else None
+        if not (isinstance(dtype, Global) and dtype.name.split(" ")[1] in BYTE_DTYPES and storage[1] == "untyped"):
+            raise UnsupportedPickle("an untyped storage of a dtype wider than a byte")
+        storage = (*storage[:1], dtype.name.split(" ")[1], *storage[2:])
+    elif isinstance(storage, tuple) and storage[1] == "untyped":
+        raise UnsupportedPickle("an untyped storage without its dtype")
     stride = args[3] if len(args) > 3 else None
     if not (isinstance(storage, tuple) and storage[0] == "storage" and isinstance(size, tuple)):
         raise UnsupportedPickle("unexpected tensor arguments")

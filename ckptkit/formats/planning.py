@@ -18,6 +18,7 @@ from ckptkit.formats.containers import tensor_file_writer
 from ckptkit.formats.writers import TensorWriter
 from ckptkit.models.moe import MoEFields
 from ckptkit.models.moe import experts as experts_of
+from ckptkit.quant import recorded_scales, with_scales
 from ckptkit.tensors.casting import checked_cast
 from ckptkit.tensors.dtypes import FLOATING, to_torch
 from ckptkit.tensors.lazy import Lazy, decoded_lazy
@@ -26,6 +27,7 @@ from ckptkit.tokenization import TokenizerPlan
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.spec import Layout
+    from ckptkit.tensors.transforms import Transform
 
 
 class PlannedFormat(Protocol):
@@ -79,6 +81,10 @@ class FolderPlanner:
         except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
             raise CkptkitError(f"{ckpt.path}: {e}") from None
 
+    def rules(self, ckpt: OpenedCheckpoint) -> list[tuple[str, tuple[str, ...], Transform]]:
+        """(native name, canonical names, transform) of each tensor this format writes."""
+        return [(r.native, r.canonical, r.kind) for r in self.write_layout(ckpt).expand(ckpt.config.num_layers)]
+
     def required(self, ckpt: OpenedCheckpoint) -> set[str]:
         """Native names a restored layout must place."""
         layout = self.write_layout(ckpt)
@@ -119,15 +125,22 @@ def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -
     restore = origin.get("format") == planner.fmt.name and opts.shards is None and opts.max_shard_size is None
     ckpt, restore = experts_view(ckpt, opts.experts, restore)
     targets, notes = planner.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
+    companions: dict[str, str] = {}  # weight -> its scale, placed after it
+    if ckpt.quant is not None:  # kept quantized: each weight's scale beside it
+        natives: dict[str, str] = {}
+        for native, canonical, _ in planner.rules(ckpt):
+            natives.setdefault(canonical[0], native)
+        targets, companions = with_scales(targets, ckpt.quant, natives)
     if opts.dtype is not None:
         kept = [k for k, v in targets.items() if v.dtype not in FLOATING]
         if kept:
             notes.append(note(f"not cast (not floating point, kept as stored): {', '.join(kept[:4])}"))
     targets = {k: _cast(k, v, opts.dtype, opts.allow_lossy_cast) for k, v in targets.items()}
-    plan = _restored_plan(ckpt, planner, targets, notes) if restore else None
+    plan = _restored_plan(ckpt, planner, targets, notes, companions) if restore else None
     if plan is None:
         files, split = planner.default_files(ckpt, targets, opts)
         plan = Plan(planner.fmt.name, targets, files, split, notes=notes)
+    plan.quant_config = ckpt.quant.config if ckpt.quant is not None else None
     plan.tokenizer = planner.tokenizer(ckpt)
     plan.notes.extend(plan.tokenizer.notes)
     plan.metadata_files.update(planner.metadata_files(ckpt, plan, opts.dtype))
@@ -197,9 +210,15 @@ def _unused_pool(ckpt: OpenedCheckpoint) -> dict[str, Lazy]:
 
 
 def _restored_plan(
-    ckpt: OpenedCheckpoint, planner: FolderPlanner, targets: dict[str, Lazy], notes: list[str]
+    ckpt: OpenedCheckpoint,
+    planner: FolderPlanner,
+    targets: dict[str, Lazy],
+    notes: list[str],
+    companions: dict[str, str],
 ) -> Plan | None:
-    """The recorded layout of ``planner`` (file names, order, ranks, storage sharing), if it still fits."""
+    """The recorded layout of ``planner`` (file names, order, ranks, storage sharing), if it
+    still fits; ``companions``: tensors placed right after another one where the record
+    does not place them (a quantized weight's scale)."""
     origin = ckpt.origin
     placed = [k for f in origin["files"] for k in f["keys"]]
     required = planner.required(ckpt)
@@ -212,7 +231,8 @@ def _restored_plan(
             )
         )
         return None
-    absent = sorted({k for k in placed if k not in targets})
+    scales = recorded_scales((origin.get("config") or {}).get("text"), placed)  # of weights now dequantized
+    absent = sorted({k for k in placed if k not in targets} - scales)
     if absent:
         notes.append(
             note(
@@ -223,7 +243,13 @@ def _restored_plan(
     n = len(origin["files"])
     files = []
     for i, f in enumerate(origin["files"]):
-        keys = [k for k in f["keys"] if k in targets]
+        keys = []
+        for k in f["keys"]:
+            if k in targets:
+                keys.append(k)
+                extra = companions.get(k)
+                if extra is not None and extra not in placed:
+                    keys.append(extra)
         aliases = _shared_storage(ckpt, planner, f.get("aliases") or {}, keys)
         files.append(
             FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases, archive=f.get("archive"))

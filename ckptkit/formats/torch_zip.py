@@ -99,11 +99,18 @@ class _Pickle:
         self.put()
 
     def tensor(self, key: str, dtype: str, shape: tuple[int, ...]) -> None:
-        self.shared("rebuild", b"ctorch._utils\n_rebuild_tensor_v2\n")
+        untyped = dtype not in STORAGE_OF  # float8: an untyped storage, the dtype after the arguments
+        if untyped:
+            self.shared("rebuild_v3", b"ctorch._utils\n_rebuild_tensor_v3\n")
+        else:
+            self.shared("rebuild", b"ctorch._utils\n_rebuild_tensor_v2\n")
         self.out += b"(("  # the argument tuple, then the persistent id tuple
         self.shared("storage", b"X\x07\x00\x00\x00storage")
-        storage = STORAGE_OF[dtype]
-        self.shared(storage, f"ctorch\n{storage}\n".encode())
+        if untyped:
+            self.shared("UntypedStorage", b"ctorch.storage\nUntypedStorage\n")
+        else:
+            storage = STORAGE_OF[dtype]
+            self.shared(storage, f"ctorch\n{storage}\n".encode())
         self.string(key)
         self.shared("cpu", b"X\x03\x00\x00\x00cpu")
         numel = 1
@@ -124,6 +131,8 @@ class _Pickle:
         self.shared("OrderedDict", b"ccollections\nOrderedDict\n")
         self.out += b")R"
         self.put()
+        if untyped:
+            self.shared(dtype, f"ctorch\n{dtype}\n".encode())
         self.out += b"t"
         self.put()
         self.out += b"R"

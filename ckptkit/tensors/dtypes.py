@@ -22,11 +22,13 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
 }
 SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
     "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
 }  # fmt: skip
 FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 CAST_TARGETS = ("bfloat16", "float16", "float32")

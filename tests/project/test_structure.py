@@ -14,6 +14,7 @@ LAYERS = [
     ["progress", "untrusted"],
     ["io"],
     ["tensors"],
+    ["quant"],
     ["models"],
     ["tokenization"],
     ["formats"],

@@ -17,6 +17,7 @@ from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import TensorReader, natural_key, read_json
 from ckptkit.formats.dcp.metadata import METADATA, Entry, check_tiling, read_metadata
 from ckptkit.formats.dcp.reading import DcpCheckpoint, FileInfos
+from ckptkit.formats.pickle_index import BYTE_DTYPES
 from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.formats.torch_zip import STORAGE_OF
 from ckptkit.io import entries, is_file, is_local, size_of
@@ -124,7 +125,7 @@ def check_entry(folder: Path, entry: Entry, sizes: dict[str, int]) -> None:
     """A tensor of ``folder``'s ``.metadata`` can be read: a dtype ckptkit reads, chunks that
     tile it, each inside an ``__R_N.distcp`` file of the folder (``sizes``: file sizes seen)."""
     fqn = entry.fqn
-    if entry.dtype not in STORAGE_OF:
+    if entry.dtype not in STORAGE_OF and entry.dtype not in BYTE_DTYPES:
         raise CkptkitError(f"{folder / METADATA}: {fqn!r} has dtype {entry.dtype}, which ckptkit cannot read")
     check_tiling(entry, folder / METADATA)
     for c in entry.chunks:

@@ -29,6 +29,7 @@ from ckptkit.formats.planning import FolderPlanner
 from ckptkit.formats.records import LayoutRecord
 from ckptkit.formats.registry import register
 from ckptkit.formats.writers import TensorWriter
+from ckptkit.quant import FP8_DTYPE, QUANT_KEY
 
 if TYPE_CHECKING:
     from ckptkit.models import Family, ModelConfig
@@ -75,6 +76,8 @@ class DcpPlanner(FolderPlanner):
         weights = list(plan.targets.values())
         dtype = max(weights, key=lambda t: t.nbytes).dtype if weights else "float32"
         name, config = ckpt.family.dcp_config(ckpt.config, dtype)
+        if plan.quant_config is not None:  # read back from here (DCP's .metadata has no place for it)
+            config[QUANT_KEY] = plan.quant_config
         return {name: json.dumps(config) + "\n"}
 
     def writer(self, path: Path, plan: Plan, file: FilePlan, direct: bool) -> TensorWriter:
@@ -100,6 +103,8 @@ class DcpFormat(CheckpointFormat):
             sharding="ranks",
             takes_config=True,
             aliases=aliases,
+            holds_quantized=True,
+            extra_dtypes=(FP8_DTYPE,),
         )
 
     def detect(self, root: Path) -> bool:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import Plan
+from ckptkit.formats.pickle_index import BYTE_DTYPES
 from ckptkit.formats.torch_zip import STORAGE_OF, pickle_tensor, write_archive
 from ckptkit.formats.writers import FileWriter
 from ckptkit.io import OutputFile
@@ -91,7 +92,7 @@ class DistcpWriter(FileWriter):
     def __init__(self, path: Path, entries: list[tuple[str, Any, tuple[int, ...]]], direct: bool = False) -> None:
 
         named = [(n, dtype_name(d), tuple(s)) for n, d, s in entries]
-        odd = [d for _, d, _ in named if d not in STORAGE_OF]
+        odd = [d for _, d, _ in named if d not in STORAGE_OF and d not in BYTE_DTYPES]
         if odd:
             raise CkptkitError(f"{path.name}: dtype {odd[0]} cannot be written to a DCP checkpoint")
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))

@@ -1,0 +1,260 @@
+"""Quantized checkpoints (a ``quantization_config`` in the model config): which stored
+tensors are quantized weights and which their scales, and the lazy views a conversion
+plans with: the weights as stored with their scales beside them (kept), or dequantized by
+the method's reference recipe (one tensor and its scale at a time), or quantized
+(``--dtype fp8``).
+
+A method is one module registering a :class:`~ckptkit.quant.method.QuantMethod`
+(``fp8.py``); formats only carry the scale tensors under the names the method gives them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import CkptkitError, note
+from ckptkit.quant import fp8
+from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
+from ckptkit.tensors.dtypes import to_torch
+from ckptkit.tensors.lazy import Lazy
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.io import Span
+    from ckptkit.tensors.transforms import Transform
+
+__all__ = [
+    "FP8_DTYPE", "METHODS", "Quantization", "QuantMethod", "dequantized", "found_quantization", "quantizable",
+    "quantized", "keeps_in", "recorded_scales", "with_scales",
+]  # fmt: skip
+
+FP8_DTYPE = "fp8"  # --dtype fp8: block FP8 as DeepSeek's and Qwen's releases are made
+DEFAULT_DEQUANTIZED = "bfloat16"
+QUANT_KEY = "quantization_config"
+_QUANTIZABLE = re.compile(r"layers\.\d+\..*\.weight")
+_NOT_QUANTIZED = ("router", "norm", "embed")
+
+
+@dataclass
+class Quantization:
+    """A checkpoint's quantized weights: the method (its config as stored), each quantized
+    canonical weight's scale, and the activation-only scales that were dropped."""
+
+    method: QuantMethod
+    scales: dict[str, Lazy]  # canonical weight name -> its scale as stored (values checked on read)
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.method.config
+
+    def describe(self, weights: dict[str, Lazy]) -> dict[str, Any]:
+        """What ``inspect`` shows: the method, its blocks, stored and dequantized dtypes."""
+        stored = sorted({weights[k].dtype for k in self.scales if k in weights})
+        return self.method.describe() | {
+            "stored": ", ".join(stored),
+            "dequantized": DEFAULT_DEQUANTIZED,
+            "quantized_tensors": len(self.scales),
+            "dropped_activation_scales": len(self.dropped),
+        }
+
+    def notes(self) -> list[str]:
+        if not self.dropped:
+            return []
+        return [
+            note(
+                f"dropped {len(self.dropped)} activation-only scale(s) ({', '.join(self.dropped[:2])}"
+                f"{', ...' if len(self.dropped) > 2 else ''}): they scale activations, not weights"
+            )
+        ]
+
+
+@dataclass
+class Found:
+    """What :func:`found_quantization` took out of a checkpoint's tensor list."""
+
+    method: QuantMethod
+    pairs: dict[str, Stored]  # native weight name -> its scale's info
+    dropped: list[str]
+
+
+def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found | None:
+    """The quantization ``config`` (a ``quantization_config``, None: none) describes in
+    ``infos``; its scales and activation-only scales are removed from ``infos`` (the
+    caller puts them back once the model's tensors are named). One line
+    naming the tensor for a quantized weight without its scale, a scale without its weight
+    or of the wrong shape or dtype, a config that contradicts the tensors."""
+    if config is None:
+        return None
+    method = method_for(config, where)
+    pairs: dict[str, Stored] = {}
+    dropped = [k for k in infos if method.is_activation_scale(k)]
+    for name, info in infos.items():
+        weight = method.weight_of_scale(name)
+        if weight is None:
+            continue
+        w = infos.get(weight)
+        if w is None:
+            raise CkptkitError(f"{where.parent / info.file}: {name} is a scale, but there is no tensor {weight}")
+        if w.dtype != method.stored:
+            raise CkptkitError(
+                f"{where.parent / w.file}: {weight} is {w.dtype} but has a scale {name}; "
+                f"{method.name} weights are {method.stored}"
+            )
+        if method.keeps_unquantized(weight):
+            raise CkptkitError(f"{where}: modules_to_not_convert lists {weight}, which is stored quantized")
+        method.check_pair(w, info)
+        pairs[weight] = info
+    for name, info in infos.items():
+        if info.dtype == method.stored and name not in pairs:
+            raise CkptkitError(
+                f"{where.parent / info.file}: {name} is quantized ({info.dtype}) but has no scale "
+                f"{method.scale_name(name)}; refusing to copy raw {method.name} bytes as weights"
+            )
+    if not pairs:
+        raise CkptkitError(f"{where}: quantization_config says {method.name}, but no tensor has a scale")
+    for name in [*dropped, *(method.scale_name(w) for w in pairs)]:
+        del infos[name]
+    return Found(method, pairs, dropped)
+
+
+def bound(
+    found: Found,
+    rules: Iterable[tuple[str, tuple[str, ...], Transform]],
+    tensors: dict[str, Lazy],
+    reader: Any,
+    head_dim: int,
+) -> Quantization:
+    """``found``'s scales by canonical weight name, through the format's ``rules`` (native,
+    canonical, transform); ``reader`` has ``read(native)`` and ``spans(native)``."""
+    by_native = {native: (canonical[0], kind) for native, canonical, kind in rules if len(canonical) == 1}
+    scales: dict[str, Lazy] = {}
+    method = found.method
+    for native, info in found.pairs.items():
+        canonical, kind = by_native.get(native, (native, None))
+        if canonical not in tensors:
+            raise CkptkitError(f"{method.where}: {native} is quantized, but the model does not use it as a weight")
+        if kind is not None and not kind.is_identity() and not whole_heads(kind, method, head_dim):
+            raise CkptkitError(
+                f"{method.where}: {native} is stored with its rows moved across {method.name} blocks; "
+                "ckptkit reads such blocks only where they hold whole heads"
+            )
+        scales[canonical] = checked_scale(method, info, reader)
+    return Quantization(method, scales, found.dropped)
+
+
+def whole_heads(kind: Transform, method: QuantMethod, head_dim: int) -> bool:
+    """Whether ``kind`` only moves rows within heads that ``method``'s blocks hold whole."""
+    return kind.permutes_rows and method.block_rows() % head_dim == 0
+
+
+def checked_scale(method: QuantMethod, info: Stored, reader: Any) -> Lazy:
+    """The scale tensor ``info``, its values checked whenever it is read or copied."""
+    where = f"{method.where.parent / info.file}: {info.name}"
+
+    def get() -> torch.Tensor:
+        t = reader.read(info.name)
+        method.check_scale_values(t, where)
+        return t
+
+    def spans() -> list[Span] | None:
+        get()  # a scale is small: checked before its bytes are copied
+        found: list[Span] | None = reader.spans(info.name)
+        return found
+
+    return Lazy(info.shape, info.dtype, get, info.file, spans)
+
+
+def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> dict[str, Lazy]:
+    """``tensors`` with each quantized weight dequantized to ``dtype`` as it is read."""
+    out = dict(tensors)
+    for name, scale in quant.scales.items():
+        w = tensors[name]
+
+        def get(w: Lazy = w, scale: Lazy = scale) -> torch.Tensor:
+            return quant.method.dequantize(w.get(), scale.get(), to_torch(dtype))
+
+        out[name] = Lazy(w.shape, dtype, get, w.file)
+    return out
+
+
+def quantizable(name: str, lazy: Lazy) -> bool:
+    """Whether ``--dtype fp8`` quantizes canonical tensor ``name``: a layer's linear weight
+    (norms, embeddings, the router and the output head stay as they are, as releases do)."""
+    return (
+        len(lazy.shape) >= 2
+        and _QUANTIZABLE.fullmatch(name) is not None
+        and not any(part in name for part in _NOT_QUANTIZED)
+    )
+
+
+def quantized(tensors: dict[str, Lazy], method: QuantMethod) -> tuple[dict[str, Lazy], Quantization]:
+    """``tensors`` quantized by ``method`` where :func:`quantizable`, the others as they
+    are; each scale computed with its weight (one tensor at a time)."""
+    out: dict[str, Lazy] = {}
+    scales: dict[str, Lazy] = {}
+    for name, lazy in tensors.items():
+        if not quantizable(name, lazy):
+            out[name] = lazy
+            continue
+        made: dict[str, torch.Tensor] = {}  # a weight's scale, computed with it (scales are small)
+
+        def weight(lazy: Lazy = lazy, made: dict[str, torch.Tensor] = made) -> torch.Tensor:
+            q, made["scale"] = method.quantize(lazy.get())
+            return q
+
+        def scale(lazy: Lazy = lazy, made: dict[str, torch.Tensor] = made) -> torch.Tensor:
+            return made.pop("scale") if "scale" in made else method.quantize(lazy.get())[1]
+
+        out[name] = Lazy(lazy.shape, method.stored, weight, lazy.file)
+        scales[name] = Lazy(method.scale_shape(lazy.shape), "float32", scale, lazy.file)
+    return out, Quantization(method, scales)
+
+
+def keeps_in(quant: Quantization, rules: Iterable[tuple[str, tuple[str, ...], Transform]], head_dim: int) -> bool:
+    """Whether a layout of ``rules`` (native, canonical, transform) holds every quantized
+    weight with its scale unchanged."""
+    kinds = {canonical[0]: kind for _, canonical, kind in rules if len(canonical) == 1}
+    for name in quant.scales:
+        kind = kinds.get(name)
+        if kind is None or not (kind.is_identity() or whole_heads(kind, quant.method, head_dim)):
+            return False
+    return True
+
+
+def with_scales(
+    targets: dict[str, Lazy], quant: Quantization, natives: dict[str, str]
+) -> tuple[dict[str, Lazy], dict[str, str]]:
+    """(``targets`` (native name -> tensor) with each quantized weight's scale after it,
+    native weight name -> its scale's name); ``natives``: canonical weight -> native name."""
+    after = {natives[c]: (quant.method.scale_name(natives[c]), s) for c, s in quant.scales.items() if c in natives}
+    out: dict[str, Lazy] = {}
+    for name, lazy in targets.items():
+        out[name] = lazy
+        if name in after:
+            scale_name, scale = after[name]
+            out[scale_name] = scale
+    return out, {w: s for w, (s, _) in after.items() if w in targets}
+
+
+def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
+    """The names among ``names`` that are scales (or activation scales) under the
+    ``quantization_config`` of the recorded config file ``config_text``."""
+    import json
+
+    try:
+        config = json.loads(config_text or "{}").get(QUANT_KEY)
+        method = method_for(config, Path("config")) if config is not None else None
+    except (ValueError, AttributeError, CkptkitError):
+        return set()
+    if method is None:
+        return set()
+    return {n for n in names if method.weight_of_scale(n) is not None or method.is_activation_scale(n)}
+
+
+assert fp8.BlockFP8.name in METHODS

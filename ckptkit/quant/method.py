@@ -1,0 +1,120 @@
+"""What every quantization method answers: the protocol of one ``quant_method``, and the
+registry that picks the method a ``quantization_config`` names.
+
+A method is one module (``fp8.py``; compressed-tensors, MXFP4, NVFP4 and Mistral's
+``qscale`` each one more) with a :class:`QuantMethod` subclass registered by the
+``quant_method`` values it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from ckptkit.errors import CkptkitError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+
+class Stored(Protocol):
+    """A stored tensor's metadata (a format's ``TensorInfo``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def file(self) -> str: ...
+
+
+class QuantMethod:
+    """One ``quant_method``: which stored tensors are quantized weights and which their
+    scales, and the arithmetic (dequantize, re-quantize with given scales, quantize).
+
+    Attributes:
+        name: the ``quant_method`` value it writes.
+        stored: the dtype name its quantized weights are stored in.
+        config: the ``quantization_config`` as the checkpoint carries it.
+    """
+
+    name: ClassVar[str]
+    stored: ClassVar[str]
+
+    def __init__(self, config: Mapping[str, Any], where: Path) -> None:
+        self.config = dict(config)
+        self.where = where
+
+    def scale_name(self, weight: str) -> str:
+        """The name of ``weight``'s scale tensor (native or canonical names alike)."""
+        raise NotImplementedError
+
+    def weight_of_scale(self, name: str) -> str | None:
+        """The weight a tensor of this name is the scale of, or None: not a scale name."""
+        raise NotImplementedError
+
+    def is_activation_scale(self, name: str) -> bool:
+        """Whether ``name`` is an activation-only scale (no weight; dropped on read)."""
+        raise NotImplementedError
+
+    def keeps_unquantized(self, name: str) -> bool:
+        """Whether the config leaves weight ``name`` unquantized (``modules_to_not_convert``)."""
+        raise NotImplementedError
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the scale of a weight of ``shape``."""
+        raise NotImplementedError
+
+    def check_pair(self, weight: Stored, scale: Stored) -> None:
+        """A one-line error unless ``scale`` has the shape and dtype ``weight``'s scale must have."""
+        raise NotImplementedError
+
+    def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
+        """A one-line error naming ``name`` for a scale no dequantization may use (NaN, inf)."""
+        raise NotImplementedError
+
+    def block_rows(self) -> int:
+        """How many rows one scale covers (a row permutation within such groups keeps the scales)."""
+        raise NotImplementedError
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The reference dequantization of ``weight`` with its ``scale``, in ``dtype``."""
+        raise NotImplementedError
+
+    def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``values`` quantized with the given ``scale`` (the inverse of :meth:`dequantize`)."""
+        raise NotImplementedError
+
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(quantized weight, scale) of ``values``, as the method's releases are made."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What ``inspect`` shows: method, block shape, stored and scale dtypes."""
+        raise NotImplementedError
+
+
+METHODS: dict[str, type[QuantMethod]] = {}
+
+
+def register_method(cls: type[QuantMethod], *names: str) -> None:
+    for name in names or (cls.name,):
+        METHODS[name] = cls
+
+
+def method_for(config: Any, where: Path) -> QuantMethod:
+    """The method ``quantization_config`` ``config`` names; one line for an unknown one."""
+    if not isinstance(config, dict):
+        raise CkptkitError(f"{where}: quantization_config is not a JSON object")
+    name = config.get("quant_method")
+    cls = METHODS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise CkptkitError(
+            f"{where}: quantization_config names quant_method {name!r}, which ckptkit does not read "
+            f"(it reads {', '.join(sorted(METHODS))}); nothing converted"
+        )
+    return cls(config, where)
