@@ -42,6 +42,7 @@ CHOICES = {
     "--dtype=fp16": (["--to", "hf", "--dtype=fp16"], "did you mean 'float16'?"),
     "--dtype q3_k_m": (["--to", "gguf", "--dtype", "q3_k_m"], "error: --dtype q3_k_m: not yet supported"),
     "--model-type lama2": (["--to", "hf", "--model-type", "lama2"], "did you mean 'llama2'?"),
+    "--gguf-pre lama-bpe": (["--to", "gguf", "--gguf-pre", "lama-bpe"], "did you mean 'llama-bpe'?"),
 }
 
 

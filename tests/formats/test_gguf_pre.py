@@ -107,9 +107,9 @@ def test_gguf_pre_names_only_what_llama_cpp_knows_in_one_line(llama_cpp: Path, t
 
     src = FIXTURES / "hf" / "qwen2"
     code, _, err = cli("convert", src, tmp_path / "m.gguf", "--to", "gguf", "--gguf-pre", "qwen-2")
-    assert code == 1 and len(err.strip().splitlines()) == 1, err
-    assert "--gguf-pre 'qwen-2': not a pre-tokenizer llama.cpp knows" in err
-    listed = set(err.strip().split("; one of ", 1)[1].split(", "))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err  # bad usage, as an unknown --dtype
+    assert "--gguf-pre qwen-2: not one of " in err and err.strip().endswith("; did you mean 'qwen2'?"), err
+    listed = set(err.strip().split("not one of ", 1)[1].split(";")[0].split(", "))
     assert listed == names(llama_cpp)
     code, _, err = cli("convert", src, tmp_path / "hf", "--to", "hf", "--gguf-pre", "qwen2")
     assert (

@@ -7,7 +7,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats.gguf.llama_cpp_pre import PRE_TOKENIZERS
 
 PRE_OPTION = "--gguf-pre"
@@ -125,7 +125,7 @@ def no_tokenizer(where: Path) -> CkptkitError:
 def check_pre_name(name: str) -> None:
     """Refuse a ``--gguf-pre`` name llama.cpp does not know, in one line."""
     if name not in PRE_NAMES:
-        raise CkptkitError(f"{PRE_OPTION} {name!r}: not a pre-tokenizer llama.cpp knows; one of {', '.join(PRE_NAMES)}")
+        raise FlagError(f"{PRE_OPTION} {name!r}: not a pre-tokenizer llama.cpp knows; one of {', '.join(PRE_NAMES)}")
 
 
 ASKED = f"as {PRE_OPTION} asks"
