@@ -25,7 +25,6 @@ from ckptkit.errors import CkptkitError, FlagError
 from ckptkit.formats import REGISTRY as FORMATS
 from ckptkit.formats import format_names, load_plugins
 from ckptkit.formats.gguf.mix import quantize_type
-from ckptkit.formats.gguf.vocab import PRE_NAMES
 from ckptkit.io import AUTO, COPY_METHODS, signal_of, stopping_on_signals
 from ckptkit.models import EXPERTS_LAYOUTS, model_types
 from ckptkit.tensors.dtypes import CAST_TARGETS, DTYPE_ALIASES
@@ -56,7 +55,6 @@ CHOICES: dict[str, Callable[[], list[str]]] = {
     "dtype": dtype_choices,
     "copy_method": copy_method_choices,
     "experts": lambda: list(EXPERTS_LAYOUTS),
-    "gguf_pre": lambda: list(PRE_NAMES),
 }
 CHOICES_MARK = "{choices}"  # in an option's help: replaced by its choices
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf import OUTTYPES, UnknownHashMeans, assert_same_gguf, llama_cpp_ggufs
+from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
@@ -19,13 +19,6 @@ from conftest import FIXTURES
 
 NAMES = ["deepseek_v3", "deepseek_v3-qproj"]
 PRE = "llama-bpe"  # the fixtures' tiny Llama 3 style tokenizer, whose hash llama.cpp cannot know
-
-
-@pytest.fixture
-def tiny_bpe(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptkit.formats.gguf import vocab
-
-    monkeypatch.setattr(vocab, "PRE_TOKENIZERS", UnknownHashMeans(vocab.PRE_TOKENIZERS, PRE))
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +40,20 @@ def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Call
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_gguf_equals_llama_cpp(
-    name: str, dtype: str | None, reference: Callable[[str, str | None], Path], tiny_bpe: None, tmp_path: Path
+    name: str, dtype: str | None, reference: Callable[[str, str | None], Path], tmp_path: Path
 ) -> None:
     ours = tmp_path / "ours.gguf"
-    convert(FIXTURES / "hf" / name, ours, ConvertOptions("gguf", dtype=dtype, allow_lossy_cast=dtype is not None))
+    opts = ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None)
+    convert(FIXTURES / "hf" / name, ours, opts)
     assert_same_gguf(ours, reference(name, dtype))
 
 
-def test_kv_b_is_split_per_head_and_the_mtp_layer_left_out(tiny_bpe: None, tmp_path: Path) -> None:
+def test_kv_b_is_split_per_head_and_the_mtp_layer_left_out(tmp_path: Path) -> None:
     from gguf import GGUFReader
     from safetensors import safe_open
 
     src = FIXTURES / "hf" / "deepseek_v3"
-    result = convert(src, tmp_path / "m.gguf", ConvertOptions("gguf"))
+    result = convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
     tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
     assert not [n for n in tensors if n.startswith("blk.3.")]  # 3 layers + the MTP layer
     assert "blk.1.exp_probs_b.bias" in tensors and "blk.1.ffn_gate_exps.weight" in tensors
@@ -74,20 +68,20 @@ def test_kv_b_is_split_per_head_and_the_mtp_layer_left_out(tiny_bpe: None, tmp_p
     assert k_b.data.tobytes() == heads[:, :12].transpose(1, 2).contiguous().view(torch.int16).numpy().tobytes()
     assert v_b.data.tobytes() == heads[:, 12:].contiguous().view(torch.int16).numpy().tobytes()
     assert [n for n in result.notes if "MTP" in n] == [
-        "32 tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them; nothing to do"
+        "32 tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
     ]
 
 
-def test_internal_copy_gives_the_gguf_of_the_hf_folder_it_came_from(tiny_bpe: None, tmp_path: Path) -> None:
+def test_internal_copy_gives_the_gguf_of_the_hf_folder_it_came_from(tmp_path: Path) -> None:
     src = FIXTURES / "hf" / "deepseek_v3-qproj"
     convert(src, tmp_path / "int", ConvertOptions("internal"))
-    convert(src, tmp_path / "a.gguf", ConvertOptions("gguf"))
-    convert(tmp_path / "int", tmp_path / "b.gguf", ConvertOptions("gguf"))
+    convert(src, tmp_path / "a.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    convert(tmp_path / "int", tmp_path / "b.gguf", ConvertOptions("gguf", gguf_pre=PRE))
     assert_same_gguf(tmp_path / "b.gguf", tmp_path / "a.gguf")  # general.name aside: the folder's
 
 
-def test_a_deepseek2_gguf_is_not_read_back_yet(tiny_bpe: None, tmp_path: Path) -> None:
-    convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "m.gguf", ConvertOptions("gguf"))
+def test_a_deepseek2_gguf_is_not_read_back_yet(tmp_path: Path) -> None:
+    convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
     with pytest.raises(CkptkitError, match="deepseek2"):
         convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
 
@@ -112,8 +106,8 @@ def release_config(out: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_release_config_gives_llama_cpp_s_keys(llama_cpp: Path, tiny_bpe: None, tmp_path: Path) -> None:
+def test_release_config_gives_llama_cpp_s_keys(llama_cpp: Path, tmp_path: Path) -> None:
     src = release_config(tmp_path / "deepseek_v3")
     theirs = llama_cpp_ggufs(llama_cpp, src, {"bf16": tmp_path / "theirs.gguf"}, PRE)["bf16"]
-    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf"))
+    convert(src, tmp_path / "ours.gguf", ConvertOptions("gguf", gguf_pre=PRE))
     assert_same_gguf(tmp_path / "ours.gguf", theirs)

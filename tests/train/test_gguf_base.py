@@ -117,8 +117,8 @@ def test_generate_from_a_gguf_uses_its_tokenizer_and_gives_the_hf_model_s_tokens
 
 def test_merge_of_a_gguf_into_a_folder_path_is_one_line(ggufs: dict[str, Path], adapter: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["merge", str(ggufs["bf16"]), str(adapter), str(tmp_path / "merged")])
-    assert result.exit_code == 1
-    assert result.output == f"error: {tmp_path / 'merged'}: a gguf destination is a file path ending in .gguf\n"
+    assert result.exit_code == 2  # bad usage, as convert's
+    assert result.output == f"error: {tmp_path / 'merged'}: --to gguf writes one file; name DST ending in .gguf\n"
     assert not (tmp_path / "merged").exists()
 
 

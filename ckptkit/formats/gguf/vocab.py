@@ -125,7 +125,11 @@ def no_tokenizer(where: Path) -> CkptkitError:
 def check_pre_name(name: str) -> None:
     """Refuse a ``--gguf-pre`` name llama.cpp does not know, in one line."""
     if name not in PRE_NAMES:
-        raise FlagError(f"{PRE_OPTION} {name!r}: not a pre-tokenizer llama.cpp knows; one of {', '.join(PRE_NAMES)}")
+        import difflib
+
+        close = difflib.get_close_matches(name, PRE_NAMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise FlagError(f"{PRE_OPTION} {name}: not one of {', '.join(PRE_NAMES)}{hint}")
 
 
 ASKED = f"as {PRE_OPTION} asks"
