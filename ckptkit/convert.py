@@ -184,10 +184,11 @@ def check_destination_name(fmt: CheckpointFormat, dst: Path) -> None:
     folder format's DST ending in the suffix of another format's one file (``--to hf x.gguf``)."""
     suffix = fmt.info.file_suffix
     if suffix is not None:
-        if dst.suffix != suffix:
+        if dst.suffix.lower() != suffix:
             raise FlagError(f"{dst}: --to {fmt.name} writes one file; name DST ending in {suffix}")
         return
-    owner = next((f for f in REGISTRY.values() if f.info.file_suffix and f.info.file_suffix == dst.suffix), None)
+    ending = dst.suffix.lower()  # a.GGUF is a GGUF file name too
+    owner = next((f for f in REGISTRY.values() if f.info.file_suffix and f.info.file_suffix == ending), None)
     if owner is not None:
         raise FlagError(
             f"{dst}: a {owner.name} file name, but --to {fmt.name} writes a folder; "

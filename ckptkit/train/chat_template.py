@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.base import read_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -56,7 +57,7 @@ def load_chat_template(
     """The chat template for the tokenizer in ``folder``; ``override`` is a ``.jinja`` file instead.
     ``missing`` says what to do when there is none."""
     config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config = read_json(config_path)[1] if config_path.is_file() else {}
     special = {}
     for key in SPECIAL_TOKEN_KEYS:
         value = config.get(key)

@@ -64,6 +64,8 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise CkptkitError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
+    except UnicodeDecodeError as e:
+        raise CkptkitError(f"{path}: not UTF-8 text (byte offset {e.start}); save the config as UTF-8") from None
     if not isinstance(cfg, dict):
         raise CkptkitError(f"{path}: a config must be a YAML mapping")
     if path.parent == CONFIG_DIR:

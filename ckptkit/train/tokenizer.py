@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import source_file_format
+from ckptkit.formats.base import read_json
 from ckptkit.tokenization import tiktoken_bpe
 
 
@@ -41,7 +41,7 @@ class HFTokenizer:
         self.eos_ids: list[int] = []
         tok_cfg = path.parent / "tokenizer_config.json"
         if tok_cfg.is_file():  # transformers' record of the EOS token
-            eos = json.loads(tok_cfg.read_text()).get("eos_token")
+            eos = read_json(tok_cfg)[1].get("eos_token")  # one line when it is not a JSON object
             eos = eos.get("content") if isinstance(eos, dict) else eos
             eos_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
             self.eos_ids = [eos_id] if eos_id is not None else []
@@ -140,7 +140,7 @@ def load_tokenizer(checkpoint: str | Path, eos_token_id: int | list[int] | None 
         eos = set(tok.eos_ids) | set(_as_list(eos_token_id))
         gen_cfg = folder / "generation_config.json"
         if gen_cfg.is_file():
-            eos |= set(_as_list(json.loads(gen_cfg.read_text()).get("eos_token_id")))
+            eos |= set(_as_list(read_json(gen_cfg)[1].get("eos_token_id")))
     tok.eos_ids = sorted(eos)
     return tok
 

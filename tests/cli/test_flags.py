@@ -100,9 +100,9 @@ def test_a_folder_format_into_a_gguf_file_name_is_bad_usage(tmp_path: Path) -> N
 def test_no_folder_format_writes_a_folder_named_like_a_one_file_format(
     folder: str, one_file: str, tmp_path: Path
 ) -> None:
-    dst = tmp_path / f"model{ONE_FILE[one_file]}"
-    with pytest.raises(FlagError, match=f"--to {folder} writes a folder.*--to {one_file}$"):
-        convert(FIXTURES / "hf/llama2", dst, ConvertOptions(folder))
+    for dst in (tmp_path / f"model{ONE_FILE[one_file]}", tmp_path / f"model{ONE_FILE[one_file].upper()}"):
+        with pytest.raises(FlagError, match=f"--to {folder} writes a folder.*--to {one_file}$"):
+            convert(FIXTURES / "hf/llama2", dst, ConvertOptions(folder))
     assert list(tmp_path.iterdir()) == []
 
 
