@@ -71,10 +71,15 @@ class Checkpointer:
 
     # --- checks before any weight is read --------------------------------------------
     def check_fresh(self) -> None:
-        """Refuse, unless resuming, an ``output_dir`` that holds another run (its checkpoint
-        folders or its ``metrics.jsonl``): the runs would mix, the old metrics be lost."""
-        if self.resume or not self.output_dir.is_dir():
+        """Refuse an ``output_dir`` that holds another run (its checkpoint folders or its
+        ``metrics.jsonl``), unless resuming a checkpoint of that very folder: the runs would
+        mix, the old metrics be lost (a checkpoint of another folder resumes into an empty one)."""
+        if not self.output_dir.is_dir():
             return
+        if self.resume and (
+            not self.recipe_checkpoint or self.resume_folder().resolve().parent == self.output_dir.resolve()
+        ):
+            return  # this folder's run goes on: its metrics appended to
         runs = [p for p in self.output_dir.iterdir() if p.name == METRICS_FILE or CHECKPOINT_NAME.fullmatch(p.name)]
         if not runs:
             return

@@ -55,6 +55,19 @@ def test_a_second_run_into_a_run_s_folder_is_refused_and_a_resumed_one_appends(t
         train(out)
 
 
+def test_resuming_another_folder_s_checkpoint_into_a_run_s_folder_is_refused(tmp_path: Path) -> None:
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    train(a)
+    train(b, "seed=7")
+    before = tree_hashes(b)
+    resume = ["resume_from_checkpoint=true", f"checkpointer.recipe_checkpoint={a / 'epoch_0'}"]
+    with pytest.raises(CkptkitError, match=rf"output_dir {b} holds a finished run \(epoch_0, epoch_1, metrics.jsonl\)"):
+        train(b, *resume)
+    assert tree_hashes(b) == before  # b's run neither overwritten nor its metrics mixed
+    train(c, *resume)  # into a folder of its own
+    assert sorted(p.name for p in c.iterdir()) == ["epoch_1", "metrics.jsonl"]
+
+
 def test_an_empty_or_unrelated_folder_is_fine(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
