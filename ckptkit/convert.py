@@ -214,11 +214,11 @@ def parse_size(text: str) -> int:
     try:
         size = parse_size_to_int(text)
     except ValueError:
-        raise CkptkitError(
+        raise FlagError(
             f"--max-shard-size {text}: not a size; write a number and one of {SIZE_UNITS}, e.g. 5GB or 500MB"
         ) from None
     if size <= 0:
-        raise CkptkitError(f"--max-shard-size {text}: must be more than 0 bytes, e.g. 5GB")
+        raise FlagError(f"--max-shard-size {text}: must be more than 0 bytes, e.g. 5GB")
     return size
 
 
@@ -336,7 +336,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
     src, dst = Path(src), Path(dst)
     o = opts
     if o.copy_method is not None and o.copy_method not in COPY_METHODS:
-        raise CkptkitError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {o.copy_method!r}")
+        raise FlagError(f"--copy-method must be one of {', '.join(COPY_METHODS)}, not {o.copy_method!r}")
     fmt = target_format(o.to)
     if o.dtype is not None:  # llama-quantize's names in any case (q4_k_m: Q4_K_M)
         known = {d.lower(): d for d in CAST_TARGETS + fmt.info.extra_dtypes}
@@ -344,12 +344,14 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
         if set(FILE_TYPES) & set(fmt.info.extra_dtypes):
             quantize_type(o.dtype)  # llama-quantize's types not written yet: one line saying so
     if o.dtype is not None and o.dtype not in CAST_TARGETS + fmt.info.extra_dtypes:
-        takers = [f.name for f in REGISTRY.values() if o.dtype in f.info.extra_dtypes]
+        spelled = {d.lower(): (f.name, d) for f in REGISTRY.values() for d in f.info.extra_dtypes}
+        takers = [f.name for f in REGISTRY.values() if o.dtype.lower() in map(str.lower, f.info.extra_dtypes)]
         if takers:
-            raise CkptkitError(f"--dtype {o.dtype} applies only to --to {' or '.join(takers)}")
-        raise CkptkitError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {o.dtype!r}")
+            name = spelled[o.dtype.lower()][1]
+            raise FlagError(f"--dtype {name} applies only to --to {' or '.join(takers)}")
+        raise FlagError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {o.dtype!r}")
     if o.shards is not None and o.shards < 1:
-        raise CkptkitError("--shards must be at least 1")
+        raise FlagError("--shards must be at least 1")
     check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
     check_gguf_pre(fmt, o.gguf_pre)
     if src.is_dir() and is_adapter_folder(src):

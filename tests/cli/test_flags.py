@@ -32,6 +32,13 @@ CASES = {
         "limit shard size with --max-shard-size SIZE",
     ),
     "shards for hf-bin": (["hf/llama2", "--to", "hf-bin", "--shards", "2"], "not --to hf-bin"),
+    "no model-parallel ranks": (["meta/llama3", "--to", "meta", "--shards", "0"], "--shards must be at least 1"),
+    "another format's dtype, any case": (
+        ["hf/llama2", "--to", "hf", "--dtype", "q4_0"],
+        "--dtype Q4_0 applies only to --to gguf",
+    ),
+    "a shard size that is not a size": (["hf/llama2", "--to", "hf", "--max-shard-size", "5gigs"], "not a size"),
+    "an unknown copy method": (["hf/llama2", "--to", "hf", "--copy-method", "sendfile"], "--copy-method"),
     "lossy cast without a cast": (
         ["hf/llama2", "--to", "hf", "--allow-lossy-cast"],
         "--allow-lossy-cast only applies to a cast: add --dtype TYPE, or drop --allow-lossy-cast",

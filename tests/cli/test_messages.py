@@ -53,7 +53,7 @@ def test_an_unknown_choice_lists_the_valid_ones_and_the_nearest(args: list[str],
 
 def test_a_shard_size_without_a_known_unit_explains_the_units(tmp_path: Path) -> None:
     line = one_line(
-        ckptkit("convert", FIXTURES / "hf/llama2", tmp_path / "o", "--to", "hf", "--max-shard-size", "5gigs"), 1
+        ckptkit("convert", FIXTURES / "hf/llama2", tmp_path / "o", "--to", "hf", "--max-shard-size", "5gigs"), 2
     )
     assert "--max-shard-size 5gigs: not a size; write a number and one of KB, MB, GB, TB" in line
 
