@@ -118,9 +118,10 @@ class Progress:
                 f"tokens/s {rate:.0f} peak_mem {memory}"
             )
 
-    def note(self, text: str) -> None:
-        """One line: above the bar on a terminal, timestamped otherwise."""
-        if self.quiet:
+    def note(self, text: str, always: bool = False) -> None:
+        """One line: above the bar on a terminal, timestamped otherwise (``quiet`` silences it
+        unless ``always``)."""
+        if self.quiet and not always:
             return
         if self.bar is not None:
             self.bar.console.print(text, highlight=False, markup=False)
@@ -139,8 +140,9 @@ class Progress:
         if checkpointer.saved:
             self.note("checkpoints: " + ", ".join(str(p) for p in checkpointer.saved))
         resume_from = None if finished else checkpointer.latest_resumable()
-        if resume_from is not None:
+        if resume_from is not None:  # said even when quiet: a stopped run must say how to go on
             self.note(
                 "resume with the same command plus: resume_from_checkpoint=true "
-                f"checkpointer.recipe_checkpoint={resume_from}"
+                f"checkpointer.recipe_checkpoint={resume_from}",
+                always=True,
             )

@@ -307,3 +307,26 @@ def test_paths_in_the_large_configs_comments_are_those_a_tiny_run_makes() -> Non
         for path in comment_paths(config):
             if not path.startswith(under_output(config)[0] + "/"):
                 assert (REPO / path).exists(), f"{config.name}: # {path} is missing"
+
+
+def test_a_quiet_stopped_run_still_says_how_to_resume(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``quiet=true`` silences progress, never the one line a stopped run's user needs."""
+    from ckptkit.train.metrics import Progress
+
+    class Saved:
+        saved = [tmp_path / "step_001", tmp_path / "step_002"]
+
+        def latest_resumable(self) -> Path:
+            return self.saved[-1]
+
+    Progress(total=40, done=0, quiet=True).summary(2, Saved(), finished=False)
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            "resume with the same command plus: resume_from_checkpoint=true "
+            f"checkpointer.recipe_checkpoint={tmp_path / 'step_002'}"
+        )
+    )
+    Progress(total=40, done=0, quiet=True).summary(40, Saved(), finished=True)
+    assert capsys.readouterr().err == ""  # a finished quiet run says nothing
