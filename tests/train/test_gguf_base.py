@@ -152,18 +152,21 @@ def test_training_on_a_gguf_base_writes_gguf_checkpoints_of_its_types(ggufs: dic
 
 def test_tensor_types_ckptkit_does_not_write_are_noted() -> None:
     """A base of mixed types (as llama-quantize writes them): each tensor gets its own type
-    where ckptkit writes it; a k-quant is written in the file type's, and a note says so."""
+    where ckptkit writes it; one whose rows do not divide into its blocks is written in the file
+    type's, and a note says so."""
     import gguf
 
     from ckptkit.formats.gguf.tensors import GGUFTensor, keep_types
 
     q = gguf.GGMLQuantizationType
     planned = [GGUFTensor(f"blk.0.{w}.weight", (64, 64), q.BF16, torch.zeros) for w in ("attn_q", "attn_k", "attn_v")]
-    notes = keep_types(planned, {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q4_K"}, "base.gguf")
-    assert [q(t.qtype).name for t in planned] == ["Q8_0", "BF16", "BF16"]
+    kinds = {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_0"}
+    notes = keep_types(planned, kinds, "base.gguf")
+    assert [q(t.qtype).name for t in planned] == ["Q8_0", "BF16", "Q4_0"]  # rows of 64: no Q4_K block of 256
     assert notes == [
-        "base.gguf: ckptkit writes GGUF tensors as F32, F16, BF16 or Q8_0: tensors of other types written "
-        "Q4_K as BF16; to quantize them as before, run llama.cpp's llama-quantize on the output"
+        "base.gguf: ckptkit writes GGUF tensors as BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, "
+        "in rows of whole blocks; tensors of other types or rows written Q4_K as BF16; to quantize them as "
+        "before, run llama.cpp's llama-quantize on the output"
     ]
 
 

@@ -90,7 +90,7 @@ class GGUFTensors:
     def read(self, name: str) -> torch.Tensor:
         import torch
 
-        from ckptkit.formats.gguf.quants import DEQUANTIZE, dequantize_into
+        from ckptkit.formats.gguf.quants import dequantize_into, dequantizer
 
         t, info = self.stored[name], self.infos[name]
         if name in self._kept:
@@ -102,10 +102,10 @@ class GGUFTensors:
             return narrow
         if t.kind in PLAIN:
             return self._as_stored(name)
-        if t.kind not in DEQUANTIZE:
+        if dequantizer(t.kind) is None:
             raise CkptkitError(
-                f"{self.path}: tensor {name!r} is {t.kind}; ckptkit dequantizes {', '.join(DEQUANTIZE)} "
-                "(and reads F32, F16, BF16)"
+                f"{self.path}: tensor {name!r} is {t.kind}, a type neither ckptkit nor the gguf package "
+                "dequantizes (they read F32, F16, BF16 and the quantized types llama.cpp's gguf-py implements)"
             )
         out = torch.empty(info.shape, dtype=torch.float32)
         return dequantize_into(out, t.kind, lambda start, n: self._pread(t.offset + start, n))

@@ -287,6 +287,28 @@ DEQUANTIZE: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] =
 }
 
 
+def dequantizer(kind: str) -> tuple[int, int, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """(elements per block, bytes per block, dequantize) of GGML type ``kind``: ckptkit's own
+    for the types above, else the ``gguf`` package's reference for every type it implements
+    (Q4_0..Q5_1, Q2_K, Q3_K, the IQ and TQ types, MXFP4, NVFP4); None when neither does."""
+    if kind in DEQUANTIZE:
+        return DEQUANTIZE[kind]
+    import gguf
+    import gguf.quants
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind, None)
+    if qtype is None or qtype not in gguf.quants._type_traits or kind in ("F32", "F16", "BF16"):
+        return None
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+
+    def fn(b: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(gguf.quants.dequantize(b.numpy(), qtype).astype("float32"))
+
+    return per_block, block_bytes, fn
+
+
 def dequantize_into(
     out: torch.Tensor, kind: str, read: Callable[[int, int], bytes | bytearray | memoryview]
 ) -> torch.Tensor:
@@ -294,7 +316,10 @@ def dequantize_into(
     of whole blocks at a time (the stored bytes are never all in memory)."""
     import torch
 
-    per_block, block_bytes, fn = DEQUANTIZE[kind]
+    found = dequantizer(kind)
+    if found is None:  # pragma: no cover - the reader refuses these first
+        raise ValueError(f"no dequantizer for {kind}")
+    per_block, block_bytes, fn = found
     flat = out.reshape(-1)
     blocks = flat.numel() // per_block
     step = max(1, CHUNK_BYTES // block_bytes)

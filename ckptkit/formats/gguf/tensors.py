@@ -180,21 +180,28 @@ def keep_types(tensors: list[GGUFTensor], types: dict[str, str], where: object) 
     from, where ckptkit writes that type; notes on the others (left as the file type says)."""
     import gguf
 
+    from ckptkit.formats.gguf.encoders import ENCODERS
+
     q = gguf.GGMLQuantizationType
-    writable = {"F32", "F16", "BF16", "Q8_0"}
+    writable = {"F32", "F16", "BF16", "Q8_0", *ENCODERS}
     others: dict[str, str] = {}
     for t in tensors:
         kind = types.get(t.name)
         if kind is None or kind == q(t.qtype).name:
             continue
-        if kind in writable and (kind != "Q8_0" or t.shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0):
+        plain = kind in ("F32", "F16", "BF16")
+        if kind in writable and (plain or t.shape[-1] % gguf.GGML_QUANT_SIZES[q[kind]][0] == 0):
             t.qtype = q[kind]
         else:
             others.setdefault(kind, q(t.qtype).name)
     if not others:
         return []
     written = ", ".join(f"{kind} as {now}" for kind, now in sorted(others.items()))
-    fact = f"{where}: ckptkit writes GGUF tensors as F32, F16, BF16 or Q8_0: tensors of other types written {written}"
+    kinds = ", ".join(sorted(writable))
+    fact = (
+        f"{where}: ckptkit writes GGUF tensors as {kinds}, in rows of whole blocks; "
+        f"tensors of other types or rows written {written}"
+    )
     return [note(fact, "to quantize them as before, run llama.cpp's llama-quantize on the output")]
 
 
