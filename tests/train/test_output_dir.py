@@ -78,8 +78,8 @@ def test_an_empty_or_unrelated_folder_is_fine(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_refuse_a_run_s_folder_in_one_line_before_writing(tmp_path: Path) -> None:
-    """2 gloo processes under ``ckptkit run --nproc-per-node 2``: rank 0 finds the other run and
-    says so, both ranks stop (exit 1), and the folder is as it was."""
+    """``ckptkit run --nproc-per-node 2``: the launcher finds the other run and says so in one
+    line before any process starts (exit 1), and the folder is as it was."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
@@ -90,9 +90,6 @@ def test_two_processes_refuse_a_run_s_folder_in_one_line_before_writing(tmp_path
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
     said = f"checkpointer.output_dir {out} holds another run (metrics.jsonl)"
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert lines[0].startswith(f"error: [rank 0] {said}; "), proc.stderr  # rank 1 learned it: silent
-    assert lines[1:] == ["error: full_finetune_distributed: 2 of 2 processes failed (exit code 1)"], proc.stderr
+    assert proc.stderr.startswith(f"error: {said}; ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert tree_hashes(out) == before

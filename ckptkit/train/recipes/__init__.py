@@ -143,7 +143,9 @@ def launch_torchrun(recipe: str, nproc_per_node: int, config: str, overrides: li
         from ckptkit.train.config import parse_config
 
         checked = parse_config(cfg, schema)  # torchtune spellings, defaults, one-line errors
-        Checkpointer(checked.checkpointer).open_base().close()
+        checkpointer = Checkpointer(checked.checkpointer, checked.resume_from_checkpoint)
+        checkpointer.open_base().close()
+        checkpointer.check_fresh()  # a folder holding another run: one line here, before any process starts
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
