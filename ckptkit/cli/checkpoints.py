@@ -77,7 +77,8 @@ def inspect(
 def tensor_tables(tensors: list[dict[str, Any]], width: int) -> list[Table | str]:
     """``inspect``'s tensor table, each row on one line of ``width`` columns with the name
     whole (copyable): name, shape, dtype and file; where the file does not fit beside the
-    rest, one table of name, shape and dtype per file, under the file's name."""
+    rest, one table of name, shape and dtype per file, under the file's name; where even those
+    do not fit, each name on a line of its own, its shape and dtype on the next."""
     rows: list[tuple[str, ...]] = [
         (t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["file"]) for t in tensors
     ]
@@ -97,7 +98,11 @@ def tensor_tables(tensors: list[dict[str, Any]], width: int) -> list[Table | str
     by_file: dict[str, list[tuple[str, ...]]] = {}
     for row in rows:
         by_file.setdefault(row[3], []).append(row)
-    return [part for file, items in by_file.items() for part in (f"{file}:", table(3, items))]
+    if sum(widest[:3]) + 2 * 3 <= width:
+        return [part for file, items in by_file.items() for part in (f"{file}:", table(3, items))]
+    # not even name, shape and dtype side by side: each name on its own line, whole
+    lines = {file: [f"{r[0]}\n    {r[1]}  {r[2]}" for r in items] for file, items in by_file.items()}
+    return [part for file, items in lines.items() for part in (f"{file}:", *items)]
 
 
 @app.command(cls=Command)

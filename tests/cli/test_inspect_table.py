@@ -50,3 +50,14 @@ def test_tensor_names_stay_whole_at_the_terminal_width(columns: int, per_file: b
             assert sorted(line.split()[0] for line in table[i + 2 : end]) == files[f]
     else:
         assert all(r[-1] in files and r[0] in files[r[-1]] for r in rows)
+
+
+def test_where_not_even_three_columns_fit_each_name_has_a_line_of_its_own() -> None:
+    folder = FIXTURES / "hf" / "qwen3_moe"  # names of up to 46 characters: no table fits in 50
+    lines = terminal_inspect(folder, 50)
+    listing = lines[lines.index(next(line for line in lines if line.startswith("files "))) + 1 :]
+    assert all(len(line) <= 50 for line in listing) and "…" not in "".join(listing)
+    files = stored(folder)
+    names = {n for found in files.values() for n in found}
+    assert sorted(line for line in listing if line in names) == sorted(names)  # each whole, on its own line
+    assert [line for line in listing if line.endswith(":")] == [f"{f}:" for f in files]
