@@ -223,7 +223,8 @@ def test_a_start_summary_comes_first_and_epochs_are_numbered_as_the_folders(tmp_
     share = trainable / total
     samples = len((REPO / "ckptkit" / "train" / "datasets" / "tiny_alpaca.jsonl").read_text().splitlines())
     assert lines[:3] == [
-        f"model: llama2 from fixtures/hf/llama2, {total:,} parameters, {trainable:,} trainable ({share:.2%})",
+        f"model: llama2 from {REPO / 'fixtures/hf/llama2'}, {total:,} parameters, {trainable:,} trainable "
+        f"({share:.2%})",
         f"data: {samples} training samples, 2 steps per epoch x 2 epochs (0 to 1) = 4 steps of 8 samples",
         f"output: {out}; cpu, fp32",
     ]
