@@ -738,12 +738,12 @@ def _(tmp: Path) -> Case:
 
 @case("shards-zero")
 def _(tmp: Path) -> Case:
-    return with_flags("meta/llama2", tmp, ("--shards", "at least 1"), "--shards", "0", to="meta")
+    return with_flags("meta/llama2", tmp, ("--shards", "at least 1"), "--shards", "0", to="meta", code=2)
 
 
 @case("bad-max-shard-size")
 def _(tmp: Path) -> Case:
-    return with_flags("meta/llama2", tmp, ("--max-shard-size", "lots"), "--max-shard-size", "lots", to="hf")
+    return with_flags("meta/llama2", tmp, ("--max-shard-size", "lots"), "--max-shard-size", "lots", to="hf", code=2)
 
 
 @case("bad-dtype")
