@@ -344,11 +344,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
         if set(FILE_TYPES) & set(fmt.info.extra_dtypes):
             quantize_type(o.dtype)  # llama-quantize's types not written yet: one line saying so
     if o.dtype is not None and o.dtype not in CAST_TARGETS + fmt.info.extra_dtypes:
-        spelled = {d.lower(): (f.name, d) for f in REGISTRY.values() for d in f.info.extra_dtypes}
-        takers = [f.name for f in REGISTRY.values() if o.dtype.lower() in map(str.lower, f.info.extra_dtypes)]
+        spelled = {d.lower(): d for f in REGISTRY.values() for d in f.info.extra_dtypes}
+        takers = [f.name for f in REGISTRY.values() if spelled.get(o.dtype.lower()) in f.info.extra_dtypes]
         if takers:
-            name = spelled[o.dtype.lower()][1]
-            raise FlagError(f"--dtype {name} applies only to --to {' or '.join(takers)}")
+            raise FlagError(f"--dtype {spelled[o.dtype.lower()]} applies only to --to {' or '.join(takers)}")
         raise FlagError(f"--dtype must be one of {', '.join(CAST_TARGETS)}, not {o.dtype!r}")
     if o.shards is not None and o.shards < 1:
         raise FlagError("--shards must be at least 1")
