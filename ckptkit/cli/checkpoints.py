@@ -61,7 +61,7 @@ def inspect(
     out.print(f"bytes       {info['total_bytes']:,} ({human(info['total_bytes'])})")
     out.print(f"files       {', '.join(info['files'])}")
     if q := info.get("quantization"):
-        block = "x".join(map(str, q["block"]))
+        block = q["block"] if isinstance(q["block"], str) else "x".join(map(str, q["block"]))
         out.print(
             f"quantized   {q['method']}: {q['quantized_tensors']} weights {q['stored']} in {block} blocks, "
             f"{q['scales']} scales; dequantized: {q['dequantized']} (--dtype chooses)"

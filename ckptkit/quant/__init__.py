@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.quant import fp8
+from ckptkit.quant import compressed, fp8
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
 from ckptkit.tensors.dtypes import to_torch
 from ckptkit.tensors.lazy import Lazy
@@ -107,7 +107,7 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
                 f"{method.name} weights are {method.stored}"
             )
         if method.keeps_unquantized(weight):
-            raise CkptkitError(f"{where}: modules_to_not_convert lists {weight}, which is stored quantized")
+            raise CkptkitError(f"{where}: {method.skip_key} lists {weight}, which is stored quantized")
         method.check_pair(w, info)
         pairs[weight] = info
     for name, info in infos.items():
@@ -258,3 +258,4 @@ def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
 
 
 assert fp8.BlockFP8.name in METHODS
+assert compressed.CompressedTensors.name in METHODS

@@ -43,7 +43,8 @@ class QuantMethod:
     """
 
     name: ClassVar[str]
-    stored: ClassVar[str]
+    stored: str  # a class attribute, or set per config
+    skip_key = "modules_to_not_convert"  # the config's list of modules left unquantized
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         self.config = dict(config)

@@ -1,0 +1,140 @@
+"""Weights scaled on a grid of blocks: each stored element (float8 e4m3 or int8) times the
+scale of its block, blocks of ``rows x cols`` elements cropped at the tensor's edge. A
+per-tensor scale is one block of the whole matrix, a per-channel scale blocks of one row,
+a per-group scale blocks of one row by ``group_size`` columns.
+
+Shared by the methods whose scales multiply a stored element (compressed-tensors'
+``float-quantized`` / ``int-quantized``, modelopt FP8, Mistral's ``qscale_weight``).
+Dequantization is the reference recipe: widen to float32, multiply by the block's float32
+scale, one round-to-nearest-even cast. Where a release computes in the scale's own dtype
+(compressed-tensors: bf16 times bf16), the product of a stored element and a bf16 / f16
+scale is exact in float32, so that one rounding gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ckptkit.errors import CkptkitError
+from ckptkit.quant.method import QuantMethod, Stored
+
+if TYPE_CHECKING:
+    import torch
+
+E4M3 = "float8_e4m3fn"
+INT8 = "int8"
+CHUNK_ELEMENTS = 1 << 22  # rows dequantized at a time: about this many elements (16 MiB of float32 scales)
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale shape of a matrix of ``shape`` in ``block`` (rows, cols) blocks."""
+    rows, cols = shape[-2:]
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+class GridScaled(QuantMethod):
+    """A method whose weights are stored elements times one scale per block of a grid.
+
+    Subclasses say each weight's block (:meth:`block_of`); the scale's shape must be the
+    grid's (a per-tensor scale may be stored as a scalar or ``[1]``)."""
+
+    scale_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+    def block_of(self, weight: Stored) -> tuple[int, int]:
+        """The (rows, cols) block one scale of ``weight`` covers (the whole matrix: per tensor)."""
+        raise NotImplementedError
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        raise NotImplementedError  # depends on the weight's scheme: see check_pair
+
+    def check_pair(self, weight: Stored, scale: Stored) -> None:
+        where = self.where.parent / (scale.file or "")
+        if len(weight.shape) != 2:
+            raise CkptkitError(
+                f"{where}: {weight.name} is {weight.dtype} {list(weight.shape)}: {self.name} weights are matrices"
+            )
+        if scale.dtype not in self.scale_dtypes:
+            raise CkptkitError(
+                f"{where}: {scale.name} is {scale.dtype}; {self.name} weight scales are "
+                f"{' or '.join(self.scale_dtypes)}"
+            )
+        block = self.block_of(weight)
+        want = scale_grid(weight.shape, block)
+        got = tuple(scale.shape)
+        if got != want and not (want == (1, 1) and got in ((), (1,))):
+            raise CkptkitError(
+                f"{where}: {scale.name} is {list(got)}, but {weight.name} {list(weight.shape)} in "
+                f"{list(block)} blocks needs {list(want)}"
+            )
+        self._remember(weight.shape, got, block)
+
+    def _remember(self, shape: tuple[int, ...], scale: tuple[int, ...], block: tuple[int, int]) -> None:
+        """The block of weights of ``shape`` with scales of shape ``scale`` (what
+        :meth:`dequantize` reads: it is given tensors, not names)."""
+        grids: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]] = self.__dict__.setdefault("_grids", {})
+        key = (tuple(shape), scale)
+        old = grids.setdefault(key, block)
+        if _expanded(shape, old) != _expanded(shape, block):
+            raise CkptkitError(
+                f"{self.where}: two schemes give {list(shape)} weights {list(scale)} scales in "
+                f"{list(old)} and {list(block)} blocks; ckptkit cannot tell them apart"
+            )
+
+    def _block(self, weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+        grids: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]] = self.__dict__.get("_grids", {})
+        block = grids.get((tuple(weight.shape), tuple(scale.shape)))
+        if block is None:  # a weight not checked on read (quantized in memory): per tensor or per block of the grid
+            rows, cols = weight.shape
+            sr, sc = (1, 1) if scale.dim() < 2 else scale.shape
+            block = (math.ceil(rows / sr), math.ceil(cols / sc))
+        return block
+
+    def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
+        import torch
+
+        finite = torch.isfinite(scale)
+        if not bool(finite.all()):
+            raise CkptkitError(
+                f"{name}: {int((~finite).sum())} scale(s) are NaN or infinite; the checkpoint is corrupt"
+            )
+        if bool((scale < 0).any()):
+            raise CkptkitError(f"{name}: negative scales; not a {self.name} weight scale")
+
+    def _chunks(self, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(rows, their float32 scales expanded to the rows' shape), a few MiB at a time."""
+        rows, cols = weight.shape
+        br, bc = self._block(weight, scale)
+        s = scale.float().reshape(math.ceil(rows / br), math.ceil(cols / bc))
+        step = max(1, CHUNK_ELEMENTS // max(cols, 1) // br) * br
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            part = s[r0 // br : math.ceil(r1 / br)].repeat_interleave(br, 0)[: r1 - r0]
+            yield slice(r0, r1), part.repeat_interleave(bc, 1)[:, :cols]
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        out = torch.empty(weight.shape, dtype=dtype)
+        for rows, s in self._chunks(weight, scale):
+            out[rows] = (weight[rows].float() * s).to(dtype)
+        return out
+
+    def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        stored = getattr(torch, self.stored)
+        out = torch.empty(values.shape, dtype=stored)
+        for rows, s in self._chunks(values, scale):
+            v = values[rows].float() / s
+            out[rows] = v.round().clamp(-128, 127).to(stored) if self.stored == INT8 else v.to(stored)
+        return out
+
+    def block_rows(self) -> int:
+        return 1  # overridden where a method's blocks are known to span rows
+
+
+def _expanded(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The block as it applies to a matrix of ``shape`` (a block larger than it is the whole)."""
+    return min(block[0], shape[-2]), min(block[1], shape[-1])
