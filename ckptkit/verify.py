@@ -224,7 +224,7 @@ def native_names(ckpt: Checkpoint) -> dict[str, str]:
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))  # 0-d ones too
 
 
 def _classify(ta: torch.Tensor, tb: torch.Tensor) -> tuple[str, str]:

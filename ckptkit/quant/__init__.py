@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.quant import compressed, fp8
+from ckptkit.quant import compressed, fp8, modelopt
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
 from ckptkit.tensors.dtypes import to_torch
 from ckptkit.tensors.lazy import Lazy
@@ -259,3 +259,4 @@ def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
 
 assert fp8.BlockFP8.name in METHODS
 assert compressed.CompressedTensors.name in METHODS
+assert modelopt.ModelOptFP8.name in METHODS

@@ -1,0 +1,73 @@
+"""NVIDIA modelopt FP8 releases (``quant_method: "modelopt"``, ``quant_algo: "FP8"``):
+float8 e4m3 weights with one float32 ``weight_scale`` per tensor, which multiplies the
+stored element (``input_scale`` / ``k_scale`` / ``v_scale`` scale activations: dropped).
+
+``exclude_modules`` lists the modules left unquantized (``fnmatch`` patterns, as modelopt
+writes them: ``lm_head``, ``model.layers.*.mlp.gate``). NVFP4 (``quant_algo: "NVFP4"``:
+packed e2m1 pairs, e4m3 per-16 scales and a float32 ``weight_scale_2``) is refused in one
+line: its weights carry two scales, which ckptkit does not carry yet.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.quant.grid import E4M3, GridScaled
+from ckptkit.quant.method import Stored, register_method
+
+SCALE_SUFFIX = "_scale"
+ACTIVATION = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
+ALGORITHMS = ("FP8",)
+
+
+class ModelOptFP8(GridScaled):
+    """``quant_method: "modelopt"`` with ``quant_algo: "FP8"`` (per-tensor scales)."""
+
+    name = "modelopt"
+    stored = E4M3
+    skip_key = "exclude_modules"
+    scale_dtypes = ("float32",)
+
+    def __init__(self, config: Mapping[str, Any], where: Path) -> None:
+        super().__init__(config, where)
+        nested = config.get("quantization")  # hf_quant_config.json's layout, copied into config.json
+        fields = nested if isinstance(nested, dict) else config
+        algo = fields.get("quant_algo")
+        if algo not in ALGORITHMS:
+            raise CkptkitError(
+                f"{where}: modelopt quant_algo {algo!r}: ckptkit reads {', '.join(ALGORITHMS)}; nothing converted"
+            )
+        skip = fields.get("exclude_modules") or []
+        if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+            raise CkptkitError(f"{where}: quantization_config.exclude_modules must be a list of names")
+        self.skip = skip
+
+    def scale_name(self, weight: str) -> str:
+        return weight + SCALE_SUFFIX
+
+    def weight_of_scale(self, name: str) -> str | None:
+        return name.removesuffix(SCALE_SUFFIX) if name.endswith(".weight" + SCALE_SUFFIX) else None
+
+    def is_activation_scale(self, name: str) -> bool:
+        return name.endswith(ACTIVATION)
+
+    def keeps_unquantized(self, name: str) -> bool:
+        module = name.rsplit(".", 1)[0]
+        return any(fnmatch.fnmatchcase(module, m) for m in self.skip)
+
+    def block_of(self, weight: Stored) -> tuple[int, int]:
+        rows, cols = weight.shape[-2:]
+        return rows, cols
+
+    def block_rows(self) -> int:
+        return 0  # one scale per tensor: any row order keeps it
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, "block": "tensor", "stored": self.stored, "scales": "float32 per tensor"}
+
+
+register_method(ModelOptFP8)
