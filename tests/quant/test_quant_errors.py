@@ -1,0 +1,185 @@
+"""Broken quantized sources of every method ckptkit reads besides block FP8 (whose table is
+in test_fp8.py): fuzzed scales, truncated scale grids, configs that lie. Each is one line
+naming the tensor or the config field, and nothing is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckptkit.convert import ConvertOptions, convert
+from ckptkit.errors import CkptkitError
+
+from conftest import FIXTURES
+
+CT = FIXTURES / "ct" / "fp8"
+INT8 = FIXTURES / "ct" / "int8"
+MO = FIXTURES / "modelopt" / "fp8"
+Q = "model.layers.0.self_attn.q_proj"  # per channel in ct/fp8
+GATE = "model.layers.0.mlp.gate_proj"  # 16 x 16 blocks in ct/fp8
+
+
+def _stored(folder: Path, name: str) -> torch.Tensor:
+    return load_file(folder / "model.safetensors")[name].clone()
+
+
+def _poked(folder: Path, name: str, value: float) -> torch.Tensor:
+    t = _stored(folder, name)
+    t.view(-1)[min(1, t.numel() - 1)] = value
+    return t
+
+
+def _ct_scale(value: float) -> torch.Tensor:
+    return _poked(CT, f"{Q}.weight_scale", value)
+
+
+# case: (fixture, tensors to replace (None: delete), quantization_config changes, message)
+BROKEN: dict[str, tuple[Path, dict[str, torch.Tensor | None], dict[str, Any], str]] = {
+    "ct nan scale": (
+        CT,
+        {f"{Q}.weight_scale": _ct_scale(float("nan"))},
+        {},
+        rf"{Q}.weight_scale: 1 scale\(s\) are NaN",
+    ),
+    "ct inf scale": (
+        CT,
+        {f"{Q}.weight_scale": _ct_scale(float("inf"))},
+        {},
+        rf"{Q}.weight_scale: 1 scale\(s\) are NaN",
+    ),
+    "ct negative scale": (CT, {f"{Q}.weight_scale": _ct_scale(-1.0)}, {}, rf"{Q}.weight_scale: negative scales"),
+    "ct channel scale shape": (
+        CT,
+        {f"{Q}.weight_scale": torch.ones(41, 1, dtype=torch.bfloat16)},
+        {},
+        rf"{Q}.weight_scale is \[41, 1\], but {Q}.weight \[40, 40\] in \[1, 40\] blocks needs \[40, 1\]",
+    ),
+    "ct truncated block grid": (
+        CT,
+        {f"{GATE}.weight_scale": _stored(CT, f"{GATE}.weight_scale")[:3]},
+        {},
+        rf"{GATE}.weight_scale is \[3, 3\], but {GATE}.weight \[56, 40\] in \[16, 16\] blocks needs \[4, 3\]",
+    ),
+    "ct scale dtype": (
+        CT,
+        {f"{Q}.weight_scale": torch.ones(40, 1, dtype=torch.int32)},
+        {},
+        rf"{Q}.weight_scale is int32; compressed-tensors weight scales are float32 or bfloat16 or float16",
+    ),
+    "ct no scale": (
+        CT,
+        {f"{Q}.weight_scale": None},
+        {},
+        rf"{Q}.weight is quantized \(float8_e4m3fn\) but has no scale",
+    ),
+    "ct weight not quantized": (
+        CT,
+        {f"{Q}.weight": torch.zeros(40, 40, dtype=torch.bfloat16)},
+        {},
+        rf"{Q}.weight is bfloat16 but has a scale {Q}.weight_scale; compressed-tensors weights are float8_e4m3fn",
+    ),
+    "ct says float, stores int8": (
+        INT8,
+        {},
+        {"config_groups": json.loads((CT / "config.json").read_text())["quantization_config"]["config_groups"]},
+        r"is int8 but has a scale .*weight_scale; compressed-tensors weights are float8_e4m3fn",
+    ),
+    "ct pack-quantized": (
+        INT8,
+        {},
+        {"format": "pack-quantized"},
+        r"format 'pack-quantized' \(group_0\): ckptkit reads",
+    ),
+    "ct frozen": (INT8, {}, {"quantization_status": "frozen"}, r"quantization_status 'frozen': the weights are not"),
+    "ct no target": (
+        CT,
+        {},
+        {
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "g": {
+                    "targets": ["re:.*self_attn.*"],
+                    "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+                }
+            },
+        },  # fmt: skip
+        r"model.layers.0.mlp.down_proj.weight is stored quantized, but no config group targets",
+    ),
+    "ct asymmetric": (
+        INT8,
+        {},
+        {
+            "config_groups": {
+                "g": {
+                    "targets": ["Linear"],
+                    "weights": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": False},
+                }
+            }
+        },  # fmt: skip
+        r"g: asymmetric weights \(zero points\): ckptkit reads symmetric ones",
+    ),
+    "ct 4-bit naive": (
+        INT8,
+        {},
+        {
+            "config_groups": {
+                "g": {"targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "strategy": "channel"}}
+            }
+        },  # fmt: skip
+        r"g: 4-bit int weights: ckptkit reads 8-bit float or int",
+    ),
+    "unknown method": (INT8, {}, {"quant_method": "awq"}, r"quant_method 'awq', which ckptkit does not read"),
+    "modelopt nan scale": (
+        MO,
+        {f"{Q}.weight_scale": torch.tensor(float("nan"))},
+        {},
+        rf"{Q}.weight_scale: 1 scale\(s\) are NaN or infinite",
+    ),
+    "modelopt scale shape": (
+        MO,
+        {f"{Q}.weight_scale": torch.ones(2)},
+        {},
+        rf"{Q}.weight_scale is \[2\], but {Q}.weight \[40, 40\] in \[40, 40\] blocks needs \[1, 1\]",
+    ),
+    "modelopt scale dtype": (
+        MO,
+        {f"{Q}.weight_scale": torch.tensor(0.5, dtype=torch.bfloat16)},
+        {},
+        rf"{Q}.weight_scale is bfloat16; modelopt weight scales are float32",
+    ),
+    "modelopt excluded but quantized": (
+        MO,
+        {},
+        {"exclude_modules": ["lm_head", "model.layers.*.self_attn.q_proj"]},
+        rf"exclude_modules lists {Q}.weight, which is stored quantized",
+    ),
+    "modelopt unknown algo": (MO, {}, {"quant_algo": "W4A8_AWQ"}, r"modelopt quant_algo 'W4A8_AWQ': ckptkit reads FP8"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_sources_are_one_line_and_write_nothing(case: str, tmp_path: Path) -> None:
+    fixture, changes, config, message = BROKEN[case]
+    src = shutil.copytree(fixture, tmp_path / "src")
+    if changes:
+        t = load_file(src / "model.safetensors")
+        for name, value in changes.items():
+            if value is None:
+                del t[name]
+            else:
+                t[name] = value
+        save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        doc = json.loads((src / "config.json").read_text())
+        doc["quantization_config"].update(config)
+        (src / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(CkptkitError, match=message) as err:
+        convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
