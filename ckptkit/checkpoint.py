@@ -17,7 +17,7 @@ from ckptkit.io import copy_file, entries, is_file
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
-from ckptkit.quant import QUANT_KEY, Quantization, bound, found_quantization
+from ckptkit.quant import Quantization, bound, found_quantization, source_quant_config
 from ckptkit.tensors.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.tokenization import TOKENIZER_FILES, supplied_tokenizer
 from ckptkit.untrusted import check_source_folder
@@ -141,7 +141,7 @@ def open_checkpoint(
     raw = open_raw(reader, root, config)
     try:
         stored = dict(raw.infos)  # the scales are hidden from the model's view, then put back
-        found = found_quantization(raw.config.get(QUANT_KEY), raw.infos, root / raw.config_name)
+        found = found_quantization(source_quant_config(raw.config), raw.infos, root / raw.config_name)
         given = get_family(model_type) if model_type else None
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)

@@ -205,7 +205,11 @@ class MetaPlanner(FolderPlanner):
     def metadata_files(self, ckpt: OpenedCheckpoint, plan: Plan, cast: str | None) -> dict[str, str]:
         recorded = (ckpt.origin.get("config") or {}) if plan.restored else {}
         if recorded.get("name") == "params.json":
-            return {"params.json": recorded["text"]}
+            if "quantization" not in json.loads(recorded["text"]):
+                return {"params.json": recorded["text"]}
+            doc = json.loads(recorded["text"])  # Mistral's FP8 release, written dequantized
+            del doc["quantization"]
+            return {"params.json": json.dumps(doc) + "\n"}
         return {"params.json": json.dumps(ckpt.family.config_to_meta(ckpt.config)) + "\n"}
 
 

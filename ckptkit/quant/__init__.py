@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.quant import compressed, fp8, modelopt
+from ckptkit.quant import compressed, fp8, mistral, modelopt
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
 from ckptkit.tensors.dtypes import to_torch
 from ckptkit.tensors.lazy import Lazy
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FP8_DTYPE", "METHODS", "Quantization", "QuantMethod", "dequantized", "found_quantization", "quantizable",
+    "source_quant_config",
     "quantized", "keeps_in", "recorded_scales", "with_scales",
 ]  # fmt: skip
 
@@ -81,6 +82,12 @@ class Found:
     method: QuantMethod
     pairs: dict[str, Stored]  # native weight name -> its scale's info
     dropped: list[str]
+
+
+def source_quant_config(config: dict[str, Any]) -> Any:
+    """The ``quantization_config`` of a checkpoint's config (None: not quantized), or the
+    one Mistral's params.json ``quantization`` amounts to."""
+    return config[QUANT_KEY] if QUANT_KEY in config else mistral.mistral_config(config)
 
 
 def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found | None:
@@ -219,6 +226,8 @@ def quantized(tensors: dict[str, Lazy], method: QuantMethod) -> tuple[dict[str, 
 def keeps_in(quant: Quantization, rules: Iterable[tuple[str, tuple[str, ...], Transform]], head_dim: int) -> bool:
     """Whether a layout of ``rules`` (native, canonical, transform) holds every quantized
     weight with its scale unchanged."""
+    if not quant.method.keepable:
+        return False
     kinds = {canonical[0]: kind for _, canonical, kind in rules if len(canonical) == 1}
     for name in quant.scales:
         kind = kinds.get(name)
@@ -248,7 +257,7 @@ def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
     import json
 
     try:
-        config = json.loads(config_text or "{}").get(QUANT_KEY)
+        config = source_quant_config(json.loads(config_text or "{}"))
         method = method_for(config, Path("config")) if config is not None else None
     except (ValueError, AttributeError, CkptkitError):
         return set()
@@ -260,3 +269,4 @@ def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
 assert fp8.BlockFP8.name in METHODS
 assert compressed.CompressedTensors.name in METHODS
 assert modelopt.ModelOptFP8.name in METHODS
+assert mistral.MistralFP8.name in METHODS

@@ -45,6 +45,7 @@ class QuantMethod:
     name: ClassVar[str]
     stored: str  # a class attribute, or set per config
     skip_key = "modules_to_not_convert"  # the config's list of modules left unquantized
+    keepable = True  # whether formats that hold quantized weights may carry it as stored
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         self.config = dict(config)

@@ -21,12 +21,14 @@ from conftest import FIXTURES
 CT = FIXTURES / "ct" / "fp8"
 INT8 = FIXTURES / "ct" / "int8"
 MO = FIXTURES / "modelopt" / "fp8"
+MI = FIXTURES / "mistral-fp8"
+WQ = "layers.0.attention.wq"
 Q = "model.layers.0.self_attn.q_proj"  # per channel in ct/fp8
 GATE = "model.layers.0.mlp.gate_proj"  # 16 x 16 blocks in ct/fp8
 
 
 def _stored(folder: Path, name: str) -> torch.Tensor:
-    return load_file(folder / "model.safetensors")[name].clone()
+    return load_file(next(folder.glob("*.safetensors")))[name].clone()
 
 
 def _poked(folder: Path, name: str, value: float) -> torch.Tensor:
@@ -160,6 +162,25 @@ BROKEN: dict[str, tuple[Path, dict[str, torch.Tensor | None], dict[str, Any], st
         rf"exclude_modules lists {Q}.weight, which is stored quantized",
     ),
     "modelopt unknown algo": (MO, {}, {"quant_algo": "W4A8_AWQ"}, r"modelopt quant_algo 'W4A8_AWQ': ckptkit reads FP8"),
+    "mistral inf qscale": (
+        MI,
+        {f"{WQ}.qscale_weight": torch.tensor(float("inf"))},
+        {},
+        rf"{WQ}.qscale_weight: 1 scale\(s\) are NaN or infinite",
+    ),
+    "mistral qscale shape": (
+        MI,
+        {f"{WQ}.qscale_weight": torch.ones(64, 1)},
+        {},
+        rf"{WQ}.qscale_weight is \[64, 1\], but {WQ}.weight \[64, 64\] in \[64, 64\] blocks needs \[1, 1\]",
+    ),
+    "mistral weight not fp8": (
+        MI,
+        {f"{WQ}.weight": torch.zeros(64, 64, dtype=torch.bfloat16)},
+        {},
+        rf"{WQ}.weight is bfloat16 but has a scale {WQ}.qscale_weight; mistral-qscale weights are float8_e4m3fn",
+    ),
+    "mistral unknown qformat": (MI, {}, {"qformat_weight": "int4"}, r"quantization.qformat_weight 'int4'"),
 }
 
 
@@ -168,17 +189,19 @@ def test_broken_sources_are_one_line_and_write_nothing(case: str, tmp_path: Path
     fixture, changes, config, message = BROKEN[case]
     src = shutil.copytree(fixture, tmp_path / "src")
     if changes:
-        t = load_file(src / "model.safetensors")
+        t = load_file(next(src.glob("*.safetensors")))
         for name, value in changes.items():
             if value is None:
                 del t[name]
             else:
                 t[name] = value
-        save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+        weights = next(src.glob("*.safetensors"))
+        save_file(t, weights, metadata={"format": "pt"})
     if config:
-        doc = json.loads((src / "config.json").read_text())
-        doc["quantization_config"].update(config)
-        (src / "config.json").write_text(json.dumps(doc))
+        meta = (src / "params.json").exists()  # Mistral's: params.json's quantization
+        doc = json.loads((src / ("params.json" if meta else "config.json")).read_text())
+        doc["quantization" if meta else "quantization_config"].update(config)
+        (src / ("params.json" if meta else "config.json")).write_text(json.dumps(doc))
     with pytest.raises(CkptkitError, match=message) as err:
         convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     assert "\n" not in str(err.value)
