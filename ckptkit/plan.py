@@ -74,7 +74,9 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
                 "to choose the dtype, pass --dtype",
             )
         )
-    return dataclasses.replace(ckpt, tensors=dequantized(ckpt.tensors, quant, dtype), quant=None), opts
+    tensors = dequantized(ckpt.tensors, quant, dtype)
+    config = ckpt.family.refine_config(ckpt.config, tensors)  # gpt-oss: no MXFP4 blocks left
+    return dataclasses.replace(ckpt, tensors=tensors, config=config, quant=None), opts
 
 
 def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str | None) -> None:

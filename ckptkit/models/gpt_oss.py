@@ -12,6 +12,7 @@ the canonical names (torchtitan has no gpt-oss of its own).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields, hf_output_rule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+MX_BLOCK = 32  # MXFP4 values per scale (ckptkit.quant.mxfp4)
 
 
 @dataclass
@@ -35,6 +37,8 @@ class GptOssFields(SlidingWindow):
         layer_types: ``sliding_attention`` or ``full_attention`` per layer.
         swiglu_limit: gate and up are clamped to this before the activation.
         swiglu_alpha: the gate's sigmoid slope.
+        mxfp4_experts: the experts are stored as OpenAI's release stores them, MXFP4
+            ``*_blocks`` (uint8 [E, rows, cols / 32, 16]; their ``*_scales`` beside them).
     """
 
     checks = {
@@ -50,6 +54,7 @@ class GptOssFields(SlidingWindow):
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     initializer_range: float = 0.02
+    mxfp4_experts: bool = False
 
 
 ATTN = (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"), ("o_proj", "output_proj"))
@@ -76,6 +81,13 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
         "down_proj": (e, inter, h),
         "down_proj_bias": (e, h),
     }
+    if f.mxfp4_experts:  # [E, rows, cols] transposed, in blocks of 32 columns packed two per byte
+        experts = {
+            "gate_up_proj_blocks": (e, 2 * inter, h // MX_BLOCK, MX_BLOCK // 2),
+            "gate_up_proj_bias": (e, 2 * inter),
+            "down_proj_blocks": (e, h, inter // MX_BLOCK, MX_BLOCK // 2),
+            "down_proj_bias": (e, h),
+        }
     out += [(f"mlp.experts.{k}", f"mlp.experts.{k}", shape) for k, shape in experts.items()]
     return out
 
@@ -126,6 +138,10 @@ class GptOss(Family):
     def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
         """Its HF config.json: DCP keeps no config of its own in a checkpoint."""
         return "config.json", self.config_to_hf(cfg, dtype)
+
+    def refine_config(self, cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
+        """MXFP4 experts where the names hold ``*_blocks`` (the release's layout)."""
+        return cfg.replace_fields(mxfp4_experts=any(n.endswith("experts.gate_up_proj_blocks") for n in names))
 
     def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
         f = cfg.fields(GptOssFields)
