@@ -136,3 +136,15 @@ def test_broken_sources_are_one_line_and_write_nothing(case: str, tmp_path: Path
         convert(src, tmp_path / "out", ConvertOptions("hf"))
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_gguf_without_dtype_is_one_line_until_mxfp4_is_repacked(tmp_path: Path) -> None:
+    """llama.cpp keeps MXFP4 experts as its MXFP4 type: not written otherwise unless --dtype asks."""
+    with pytest.raises(CkptkitError, match=r"MXFP4 experts are not written to GGUF .* pass --dtype bfloat16"):
+        convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o"))
+    assert not (tmp_path / "m.gguf").exists()
+    convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o", dtype="bfloat16"))
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert tensors["blk.0.ffn_down_exps.weight"].tensor_type.name == "BF16"
