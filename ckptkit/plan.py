@@ -65,6 +65,11 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
         rules = []  # the format does not hold this family: its own plan says so
     if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim):
         return ckpt, opts
+    if opts.dtype is None and fmt.name == "gguf" and quant.method.name == "mxfp4":
+        raise CkptkitError(
+            f"{ckpt.path}: MXFP4 experts are not written to GGUF as llama.cpp writes them (its MXFP4 type) yet; "
+            "pass --dtype bfloat16 to write them dequantized"
+        )
     dtype = opts.dtype or DEFAULT_DEQUANTIZED
     if opts.dtype is None:
         ckpt.notes.append(
@@ -74,7 +79,9 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
                 "to choose the dtype, pass --dtype",
             )
         )
-    return dataclasses.replace(ckpt, tensors=dequantized(ckpt.tensors, quant, dtype), quant=None), opts
+    tensors = dequantized(ckpt.tensors, quant, dtype)
+    config = ckpt.family.refine_config(ckpt.config, tensors)  # gpt-oss: no MXFP4 blocks left
+    return dataclasses.replace(ckpt, tensors=tensors, config=config, quant=None), opts
 
 
 def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str | None) -> None:

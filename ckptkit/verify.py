@@ -253,10 +253,25 @@ def _with_scales(ckpt: Checkpoint, names: dict[str, str], other: Checkpoint) -> 
     return out
 
 
-def _quantized_side(a: Checkpoint, b: Checkpoint, name: str) -> Checkpoint | None:
+def _renamed(ckpt: Checkpoint, mine: dict[str, Lazy], other: dict[str, Lazy], names: dict[str, str]) -> dict[str, str]:
+    """Key ``mine``'s quantized weights by the name they have once dequantized where only
+    ``other`` holds that name (MXFP4's ``X_blocks`` is ``X``): dequantized name -> stored one."""
+    renamed: dict[str, str] = {}
+    if ckpt.quant is None:
+        return renamed
+    for name in list(ckpt.quant.scales):
+        new, _ = ckpt.quant.method.dequantized_as(name, mine[name].shape) if name in mine else (name, ())
+        if new != name and new in other and name not in other:
+            mine[new] = mine.pop(name)
+            names[new] = names.get(name, name)
+            renamed[new] = name
+    return renamed
+
+
+def _quantized_side(a: Checkpoint, b: Checkpoint, name: str, renamed: dict[str, str]) -> Checkpoint | None:
     """The side holding weight ``name`` quantized, where only one does."""
-    qa = a.quant is not None and name in a.quant.scales
-    qb = b.quant is not None and name in b.quant.scales
+    qa = a.quant is not None and renamed.get(name, name) in a.quant.scales
+    qb = b.quant is not None and renamed.get(name, name) in b.quant.scales
     return None if qa == qb else a if qa else b
 
 
@@ -266,6 +281,7 @@ def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torc
     ``side``'s scale gives back every byte of ``q``; ``quantized`` when only the latter holds."""
     assert side.quant is not None
     method, scale = side.quant.method, side.quant.scales[name].get()
+    plain = method.unloaded(plain)
     back = _bitwise_equal(method.requantize(plain, scale), q)
     exact = _bitwise_equal(method.dequantize(q, scale, plain.dtype), plain)
     wide = method.dequantize(q, scale, torch.float32)
@@ -279,6 +295,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
     other with the quantized side's own scales (kinds ``dequantized`` / ``quantized``)."""
     names_a, names_b = native_names(a), native_names(b)
     tensors_a, tensors_b = _with_scales(a, names_a, b), _with_scales(b, names_b, a)
+    renamed = _renamed(a, tensors_a, tensors_b, names_a) | _renamed(b, tensors_b, tensors_a, names_b)
     report = Report()
     report.only_in_a = [names_a.get(k, k) for k in tensors_a if k not in tensors_b]
     report.only_in_b = [names_b.get(k, k) for k in tensors_b if k not in tensors_a]
@@ -288,7 +305,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
     with byte_progress("verifying", total, quiet) as bar:
         for name in common:
             ta, tb = tensors_a[name].get(), tensors_b[name].get()
-            side = _quantized_side(a, b, name) if ta.shape == tb.shape else None
+            side = _quantized_side(a, b, name, renamed) if ta.shape == tb.shape or name in renamed else None
             if cast is not None and ta.dtype.is_floating_point and side is None:
                 ta = ta.to(cast)
             report.compared += 1
@@ -298,7 +315,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
                 diff, kind, rounded_to = None, "shape", ""
                 if side is not None:
                     q, plain = (ta, tb) if side is a else (tb, ta)
-                    kind, diff = _quantization_kind(side, name, q, plain)
+                    kind, diff = _quantization_kind(side, renamed.get(name, name), q, plain)
                 elif ta.shape == tb.shape:
                     diff = (
                         float((ta.double() - tb.double()).abs().nan_to_num(nan=float("inf")).max())

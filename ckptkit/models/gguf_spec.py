@@ -42,6 +42,9 @@ class GGUFSpec:
         latent_attention: DeepSeek's: ``kv_b_proj`` written split per head as ``attn_k_b``
             (transposed) and ``attn_v_b``, the MTP layers past ``num_hidden_layers`` not written.
         reads_back: ckptkit reads its GGUFs back into the family (else written only).
+        interleaved_experts: gpt-oss's: the stacked ``experts.gate_up_proj`` [E, cols, 2 *
+            rows] / ``down_proj`` [E, cols, rows] written transposed, the interleaved gate and
+            up rows (and biases) split, the attention ``sinks`` named ``attn_sinks.weight``.
     """
 
     arch: str
@@ -59,6 +62,7 @@ class GGUFSpec:
     implied: tuple[tuple[str, Any], ...] = ()
     latent_attention: bool = False
     reads_back: bool = True
+    interleaved_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the method's reference recipe (one tensor and its scale at a time), or quantized
 (``--dtype fp8``).
 
 A method is one module registering a :class:`~ckptkit.quant.method.QuantMethod`
-(``fp8.py``); formats only carry the scale tensors under the names the method gives them.
+(``fp8.py``, ``mxfp4.py``); formats only carry the scale tensors under the names the method gives them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.quant import compressed, fp8, mistral, modelopt
+from ckptkit.quant import compressed, fp8, mistral, modelopt, mxfp4
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
 from ckptkit.tensors.dtypes import to_torch
 from ckptkit.tensors.lazy import Lazy
@@ -118,7 +118,7 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
         method.check_pair(w, info)
         pairs[weight] = info
     for name, info in infos.items():
-        if info.dtype == method.stored and name not in pairs:
+        if info.dtype == method.stored and name not in pairs and method.weight_of_scale(name) is None:
             raise CkptkitError(
                 f"{where.parent / info.file}: {name} is quantized ({info.dtype}) but has no scale "
                 f"{method.scale_name(name)}; refusing to copy raw {method.name} bytes as weights"
@@ -178,15 +178,20 @@ def checked_scale(method: QuantMethod, info: Stored, reader: Any) -> Lazy:
 
 
 def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> dict[str, Lazy]:
-    """``tensors`` with each quantized weight dequantized to ``dtype`` as it is read."""
-    out = dict(tensors)
-    for name, scale in quant.scales.items():
-        w = tensors[name]
+    """``tensors`` with each quantized weight dequantized to ``dtype`` as it is read (under the
+    name and in the layout the method's model holds it, :meth:`QuantMethod.dequantized_as`)."""
+    out: dict[str, Lazy] = {}
+    for name, w in tensors.items():
+        scale = quant.scales.get(name)
+        if scale is None:
+            out[name] = w
+            continue
 
         def get(w: Lazy = w, scale: Lazy = scale) -> torch.Tensor:
-            return quant.method.dequantize(w.get(), scale.get(), to_torch(dtype))
+            return quant.method.loaded(w.get(), scale.get(), to_torch(dtype))
 
-        out[name] = Lazy(w.shape, dtype, get, w.file)
+        new, shape = quant.method.dequantized_as(name, w.shape)
+        out[new] = Lazy(shape, dtype, get, w.file)
     return out
 
 
@@ -270,3 +275,4 @@ assert fp8.BlockFP8.name in METHODS
 assert compressed.CompressedTensors.name in METHODS
 assert modelopt.ModelOptFP8.name in METHODS
 assert mistral.MistralFP8.name in METHODS
+assert mxfp4.MXFP4.name in METHODS

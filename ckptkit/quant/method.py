@@ -87,6 +87,19 @@ class QuantMethod:
         """The reference dequantization of ``weight`` with its ``scale``, in ``dtype``."""
         raise NotImplementedError
 
+    def dequantized_as(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """The name and shape weight ``name`` of stored ``shape`` has once dequantized
+        (:meth:`loaded`'s result): by default the same."""
+        return name, shape
+
+    def loaded(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight as the model holds it (:meth:`dequantize`'s by default)."""
+        return self.dequantize(weight, scale, dtype)
+
+    def unloaded(self, values: torch.Tensor) -> torch.Tensor:
+        """:meth:`loaded`'s layout back to :meth:`dequantize`'s (the same by default)."""
+        return values
+
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``values`` quantized with the given ``scale`` (the inverse of :meth:`dequantize`)."""
         raise NotImplementedError

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models.moe import MoEFields, is_moe_layer
@@ -153,3 +153,39 @@ def merged_rules(rules: tuple[Rule, ...], rename: Callable[[Rule], Rule | None])
             out.append(key)
         groups[key].append(rule.canonical[0])
     return tuple(Rule(merged_name(*r), tuple(groups[r]), STACKED) if isinstance(r, tuple) else r for r in out)
+
+
+# --- gpt-oss: transformers' stacked experts, gate and up interleaved -------------------------------
+
+_GPT_OSS_EXPERTS = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
+
+
+def interleaved_experts(hf_name: str, lazy: Lazy, tmap: Any) -> list[Merged] | None:
+    """llama.cpp's ``gpt-oss`` tensors of ``hf_name`` when it is a stacked expert tensor (else
+    None): ``down_proj`` [E, rows, cols] transposed; ``gate_up_proj`` transposed and split into
+    its even (gate) and odd (up) rows, its bias split the same way; biases kept as they are."""
+    found = _GPT_OSS_EXPERTS.fullmatch(hf_name)
+    if found is None:
+        return None
+    prefix, proj, bias = found.group(1), found.group(2), found.group(3) is not None
+    suffix = ".bias" if bias else ".weight"
+    shape = lazy.shape if bias else (lazy.shape[0], lazy.shape[2], lazy.shape[1])
+
+    def part(start: int, step: int) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            t = lazy.get()
+            t = t if bias else t.transpose(-1, -2)
+            return t[..., start::step] if bias else t[:, start::step, :]
+
+        return make
+
+    def named(hf: str) -> str:
+        name: str | None = tmap.get_name(prefix + hf + suffix, try_suffixes=(".weight", ".bias"))
+        if name is None:  # pragma: no cover - the gguf package names each for gpt-oss
+            raise CkptkitError(f"llama.cpp has no GGUF name for {prefix + hf + suffix}")
+        return name
+
+    if proj == "down_proj":
+        return [(named("down_proj"), shape, part(0, 1))]
+    half = (*shape[:-1], shape[-1] // 2) if bias else (shape[0], shape[1] // 2, shape[2])
+    return [(named("gate_proj"), half, part(0, 2)), (named("up_proj"), half, part(1, 2))]

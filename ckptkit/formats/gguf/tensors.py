@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
-from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
+from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view
 from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, is_70b, quantize_type
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.registry import find_format, transformers_format
@@ -286,7 +286,10 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         if merger is not None and (merged := merger.take(hf_name)) is not None:
             out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in merged]
             continue
-        new = gguf_name(tmap, hf_name)
+        if spec.interleaved_experts and (split := interleaved_experts(hf_name, targets[hf_name], tmap)):
+            out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in split]
+            continue
+        new = gguf_name(tmap, hf_name + (".weight" if spec.interleaved_experts and hf_name.endswith("sinks") else ""))
         if new is None:
             raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
         lazy = targets[hf_name]

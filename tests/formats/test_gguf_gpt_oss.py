@@ -1,0 +1,70 @@
+"""gpt-oss to GGUF as llama.cpp's ``gpt-oss`` writes it: byte for byte its
+``convert_hf_to_gguf.py`` output for every outtype, the stacked experts transposed with the
+interleaved gate and up rows split, their biases split the same way, the sinks as
+``attn_sinks.weight``; the o200k pre-tokenizer as llama.cpp names it (``gpt-4o``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
+
+from ckptkit.convert import ConvertOptions, convert
+
+from conftest import FIXTURES
+
+SRC = FIXTURES / "hf" / "gpt_oss"
+PRE = "gpt-4o"  # llama.cpp's name for the o200k split of gpt-oss's tokenizer (the fixture's tiny one)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str | None], Path]:
+    """llama.cpp's GGUF of the fixture for an outtype, every outtype from one converter process."""
+    made: dict[str, Path] = {}
+
+    def get(dtype: str | None) -> Path:
+        if not made:
+            tmp = tmp_path_factory.mktemp("gpt_oss")
+            made.update(llama_cpp_ggufs(llama_cpp, SRC, {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}, PRE))
+        return made[OUTTYPES[dtype]]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+def test_hf_to_gguf_equals_llama_cpp(
+    dtype: str | None, reference: Callable[[str | None], Path], tmp_path: Path
+) -> None:
+    ours = tmp_path / "ours.gguf"
+    convert(SRC, ours, ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None))
+    assert_same_gguf(ours, reference(dtype))
+
+
+def test_experts_are_transposed_and_gate_up_split_by_parity(tmp_path: Path) -> None:
+    import torch
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    stored = {}
+    for p in sorted(SRC.glob("*.safetensors")):
+        with safe_open(p, "pt") as f:
+            stored |= {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.1.")}
+    gate_up = stored["model.layers.1.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H]
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.contiguous().view(torch.int16).numpy().tobytes()
+
+    assert tensors["blk.1.ffn_gate_exps.weight"].data.tobytes() == raw(gate_up[:, 0::2])
+    assert tensors["blk.1.ffn_up_exps.weight"].data.tobytes() == raw(gate_up[:, 1::2])
+    down = stored["model.layers.1.mlp.experts.down_proj"].transpose(1, 2)
+    assert tensors["blk.1.ffn_down_exps.weight"].data.tobytes() == raw(down)
+    bias = stored["model.layers.1.mlp.experts.gate_up_proj_bias"].float()
+    assert tensors["blk.1.ffn_up_exps.bias"].data.tobytes() == bias[:, 1::2].contiguous().numpy().tobytes()
+    sinks = stored["model.layers.1.self_attn.sinks"].float().numpy().tobytes()
+    assert tensors["blk.1.attn_sinks.weight"].data.tobytes() == sinks
+    assert GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.pre"].contents() == PRE

@@ -1,0 +1,150 @@
+"""MXFP4 sources (``quant_method: "mxfp4"``, gpt-oss's experts as OpenAI releases them):
+inspected, dequantized byte-equal to transformers' ``Mxfp4Config(dequantize=True)`` loader,
+re-quantized with their own scales back to every source byte, kept as stored through HF,
+hf-bin, internal and DCP, and refused in one line when broken.
+
+Fixture: ``fixtures/mxfp4/gpt_oss`` (``fixtures/make_mxfp4_fixtures.py``: a transformers-built
+gpt-oss, its experts quantized by the published MX recipe)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckptkit.convert import ConvertOptions, convert
+from ckptkit.errors import CkptkitError
+from ckptkit.inspection import inspect_path
+from ckptkit.quant.mxfp4 import MXFP4
+from ckptkit.verify import verify_paths
+
+from conftest import FIXTURES
+
+SRC = FIXTURES / "mxfp4" / "gpt_oss"
+BLOCKS = "model.layers.1.mlp.experts.down_proj_blocks"
+SCALES = "model.layers.1.mlp.experts.down_proj_scales"
+
+
+def stored() -> dict[str, torch.Tensor]:
+    return load_file(SRC / "model.safetensors")
+
+
+def method() -> MXFP4:
+    return MXFP4(json.loads((SRC / "config.json").read_text())["quantization_config"], SRC / "config.json")
+
+
+def test_inspect_shows_method_blocks_and_dtypes() -> None:
+    q = inspect_path(SRC)["quantization"]
+    assert (q["method"], q["block"], q["stored"], q["scales"]) == ("mxfp4", [1, 32], "uint8", "e8m0 (uint8)")
+    assert (q["dequantized"], q["quantized_tensors"]) == ("bfloat16", 4)  # gate_up and down in 2 layers
+
+
+def test_fixture_holds_every_e2m1_code_and_a_spread_of_exponents() -> None:
+    t = stored()
+    blocks = [v for k, v in t.items() if k.endswith("_blocks")]
+    codes = torch.cat([torch.cat([(b & 15).flatten(), (b >> 4).flatten()]) for b in blocks])
+    assert sorted(codes.unique().tolist()) == list(range(16))
+    exponents = torch.cat([v.flatten() for k, v in t.items() if k.endswith("_scales")]).int() - 127
+    assert exponents.min() <= -15 and exponents.max() >= 15 and exponents.unique().numel() > 30
+
+
+def test_dequantized_equals_transformers_loader(tmp_path: Path) -> None:
+    """transformers holds the experts as [E, cols, rows]: so does the dequantized output, every
+    tensor of it byte-equal to the loader's; ``verify`` re-quantizes it back to every source byte."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(SRC, quantization_config=Mxfp4Config(dequantize=True))
+    theirs = model.to(torch.bfloat16).state_dict()
+    convert(SRC, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    ours = load_file(tmp_path / "out" / "model.safetensors")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert sorted(ours) == sorted(theirs)
+    equal = [
+        k
+        for k, v in theirs.items()
+        if ours[k].dtype == v.dtype and torch.equal(ours[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8))
+    ]
+    assert len(equal) == len(theirs) == 37
+    report = verify_paths(SRC, tmp_path / "out")
+    assert report.verdict().startswith("DEQUANTIZED: 33 of 37 tensors bitwise equal, 4 dequantized weights")
+    assert report.exit_code() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_requantized_with_the_source_scales_every_byte_comes_back(dtype: torch.dtype) -> None:
+    t, m = stored(), method()
+    for name in [k for k in t if k.endswith("_blocks")]:
+        scale = t[m.scale_name(name)]
+        assert torch.equal(m.requantize(m.dequantize(t[name], scale, dtype), scale), t[name]), name
+
+
+def test_quantize_is_the_published_recipe_of_the_fixture() -> None:
+    """Quantizing the dequantized values again gives the release's own scales and blocks."""
+    t, m = stored(), method()
+    for name in [k for k in t if k.endswith("_blocks")]:
+        blocks, scales = m.quantize(m.dequantize(t[name], t[m.scale_name(name)], torch.float32))
+        assert torch.equal(blocks, t[name]) and torch.equal(scales, t[m.scale_name(name)]), name
+
+
+@pytest.mark.parametrize("via", [("hf-bin", "internal", "hf"), ("dcp", "hf")])
+def test_kept_as_stored_through_every_folder_format(via: tuple[str, ...], tmp_path: Path) -> None:
+    src = SRC
+    for i, to in enumerate(via):
+        convert(src, tmp_path / str(i), ConvertOptions(to))
+        src = tmp_path / str(i)
+    for name in ("model.safetensors", "config.json"):
+        assert (src / name).read_bytes() == (SRC / name).read_bytes(), name
+
+
+def _broken(tmp: Path, **tensors: torch.Tensor | None) -> Path:
+    src = shutil.copytree(SRC, tmp / "src")
+    t = stored()
+    for name, value in tensors.items():
+        if value is None:
+            del t[name]
+        else:
+            t[name] = value
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
+def _nan(scale: torch.Tensor) -> torch.Tensor:
+    bad = scale.clone()
+    bad[0, 1, 0] = 0xFF
+    return bad
+
+
+BROKEN = {
+    "missing scales": ({SCALES: None}, rf"{BLOCKS} is quantized \(uint8\) but has no scale {SCALES}"),
+    "scale shape": ({SCALES: torch.zeros(3, 96, 2, dtype=torch.uint8)}, rf"{SCALES} is uint8 \[3, 96, 2\], but"),
+    "blocks shape": ({BLOCKS: torch.zeros(3, 96, 1, 8, dtype=torch.uint8)}, rf"{BLOCKS} is \[3, 96, 1, 8\]"),
+    "e8m0 NaN": ({SCALES: _nan(stored()[SCALES])}, rf"{SCALES}: 1 scale\(s\) are the e8m0 NaN code 0xFF"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_sources_are_one_line_and_write_nothing(case: str, tmp_path: Path) -> None:
+    changes, message = BROKEN[case]
+    src = _broken(tmp_path, **changes)
+    with pytest.raises(CkptkitError, match=message) as err:
+        convert(src, tmp_path / "out", ConvertOptions("hf"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_without_dtype_is_one_line_until_mxfp4_is_repacked(tmp_path: Path) -> None:
+    """llama.cpp keeps MXFP4 experts as its MXFP4 type: not written otherwise unless --dtype asks."""
+    with pytest.raises(CkptkitError, match=r"MXFP4 experts are not written to GGUF .* pass --dtype bfloat16"):
+        convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o"))
+    assert not (tmp_path / "m.gguf").exists()
+    convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o", dtype="bfloat16"))
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert tensors["blk.0.ffn_down_exps.weight"].tensor_type.name == "BF16"
