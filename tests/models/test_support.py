@@ -62,6 +62,7 @@ REFUSALS = {
 # make_fixtures.py): Llama 3's split for the Llama 3 and OLMo 2 ones, Qwen2's for Qwen's.
 FIXTURE_PRE = {"llama3": "llama-bpe", "llama3_1": "llama-bpe", "llama3_2": "llama-bpe", "olmo2": "llama-bpe"}
 FIXTURE_PRE |= {"qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2", "deepseek_v3": "llama-bpe"}
+FIXTURE_PRE |= {"glm4_moe": "glm4"}
 
 # the quantized sources (fp8/*) have tests of their own in every format (tests/quant, test_gguf_fp8.py)
 ALL_FIXTURES = sorted(
