@@ -14,7 +14,7 @@ stacked, ``moe.expert_bias``), the MTP layers under their canonical names.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -33,13 +33,37 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\..+")
 
 
 @dataclass
-class DeepseekV3Fields(MoEFields):
-    """Latent attention ranks and head dims, the router's groups and scale, the MTP layers.
+class SharedExpertsFields(MoEFields):
+    """Experts with shared experts and a grouped, scaled, biased router, and the MTP layers past
+    ``num_hidden_layers`` (DeepSeek V3, GLM-4.5).
+
+    Attributes:
+        mtp_stored: whether the checkpoint holds its ``num_nextn_predict_layers`` MTP layers
+            (from its tensor names).
+    """
+
+    checks = {
+        "n_shared_experts": optional(non_negative_int),
+        "n_group": optional(positive_int),
+        "topk_group": optional(positive_int),
+        "routed_scaling_factor": positive_float,
+        "num_nextn_predict_layers": optional(non_negative_int),
+    }
+
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0
+    mtp_stored: bool = True
+
+
+@dataclass
+class DeepseekV3Fields(SharedExpertsFields):
+    """Latent attention ranks and head dims, besides the experts and MTP layers.
 
     Attributes:
         q_lora_rank: the queries' low rank (None: one ``q_proj``).
-        mtp_stored: whether the checkpoint holds its ``num_nextn_predict_layers`` MTP layers
-            (from its tensor names).
     """
 
     checks = {
@@ -48,11 +72,6 @@ class DeepseekV3Fields(MoEFields):
         "qk_nope_head_dim": positive_int,
         "qk_rope_head_dim": positive_int,
         "v_head_dim": positive_int,
-        "n_shared_experts": optional(non_negative_int),
-        "n_group": optional(positive_int),
-        "topk_group": optional(positive_int),
-        "routed_scaling_factor": positive_float,
-        "num_nextn_predict_layers": optional(non_negative_int),
         "rope_interleave": boolean,
     }
 
@@ -61,13 +80,7 @@ class DeepseekV3Fields(MoEFields):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    num_nextn_predict_layers: int = 0
     rope_interleave: bool = True
-    mtp_stored: bool = True
 
 
 class Part(NamedTuple):
@@ -107,6 +120,15 @@ def layer_parts(cfg: ModelConfig, moe: bool) -> list[Part]:
         Part(a + "kv_b_proj.weight", "attn.kv_b_proj.weight", "attention.wkv_b.weight", (kv_b, f.kv_lora_rank)),
         Part(a + "o_proj.weight", "attn.output_proj.weight", "attention.wo.weight", (h, heads * f.v_head_dim)),
     ]
+    return parts + mlp_parts(cfg, moe)
+
+
+def mlp_parts(cfg: ModelConfig, moe: bool) -> list[Part]:
+    """The MLP (experts one tensor each, shared experts, router and its bias; or dense) and the
+    two norms of a layer."""
+    f = cfg.fields(SharedExpertsFields)
+    h = cfg.hidden_size
+    parts: list[Part] = []
     if moe:
         inter, shared = expert_size(cfg), expert_size(cfg) * f.n_shared_experts
         for e in range(f.num_experts):
@@ -134,7 +156,10 @@ def layer_parts(cfg: ModelConfig, moe: bool) -> list[Part]:
     ]
 
 
-def mtp_parts(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+LayerParts = Callable[[ModelConfig, bool], list[Part]]
+
+
+def mtp_parts(cfg: ModelConfig, layer: LayerParts = layer_parts) -> list[tuple[str, tuple[int, ...]]]:
     """The tensors of one MTP layer as HF names them past ``model.layers.{N + j}.``, with shapes:
     its embedding, the two norms and projection that join it to the last hidden state, a
     decoder layer with experts (one tensor each), and its own head."""
@@ -142,26 +167,26 @@ def mtp_parts(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     head = [("embed_tokens.weight", (v, h)), ("enorm.weight", (h,)), ("hnorm.weight", (h,))]
     head.append(("eh_proj.weight", (h, 2 * h)))
     tail = [("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (v, h))]
-    return head + [(p.hf, p.shape) for p in layer_parts(cfg, moe=True)] + tail
+    return head + [(p.hf, p.shape) for p in layer(cfg, True)] + tail
 
 
 def mtp_layers(cfg: ModelConfig) -> int:
     """How many MTP layers the checkpoint holds."""
-    f = cfg.fields(DeepseekV3Fields)
+    f = cfg.fields(SharedExpertsFields)
     return f.num_nextn_predict_layers if f.mtp_stored else 0
 
 
-def mtp_rules(cfg: ModelConfig, native: str) -> tuple[Rule, ...]:
+def mtp_rules(cfg: ModelConfig, native: str, layer: LayerParts = layer_parts) -> tuple[Rule, ...]:
     """The MTP tensors under ``native`` (``{j}`` the MTP layer) and their canonical names."""
     rules = []
     for j in range(mtp_layers(cfg)):
-        for name, _ in mtp_parts(cfg):
+        for name, _ in mtp_parts(cfg, layer):
             rules.append(Rule(native.format(j=j, n=cfg.num_layers + j) + name, (f"{MTP_PREFIX}{j}.{name}",)))
     return tuple(rules)
 
 
 def is_moe(cfg: ModelConfig, layer: int) -> bool:
-    return cfg.fields(DeepseekV3Fields).is_moe_layer(layer)
+    return cfg.fields(SharedExpertsFields).is_moe_layer(layer)
 
 
 # llama.cpp's DeepseekV2Model: TextModel's keys (one KV head: latent attention as MQA), then its own
@@ -206,27 +231,31 @@ DEEPSEEK2_GGUF = GGUFSpec(
 
 class DeepseekV3(Family):
     name = "deepseek_v3"
-    hf_model_types = ("deepseek_v3", "kimi_k2")
+    hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3", "kimi_k2")
     hf_architecture = "DeepseekV3ForCausalLM"
     fields: ClassVar[type[DeepseekV3Fields]] = DeepseekV3Fields
     gguf = DEEPSEEK2_GGUF
 
+    def layer_parts(self, cfg: ModelConfig, moe: bool) -> list[Part]:
+        """The tensors of one layer, dense or with experts."""
+        return layer_parts(cfg, moe)
+
     def canonical_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, cfg.hidden_size)}
         for i in range(cfg.num_layers):
-            shapes.update({f"layers.{i}.{p.canonical}": p.shape for p in layer_parts(cfg, is_moe(cfg, i))})
+            shapes.update({f"layers.{i}.{p.canonical}": p.shape for p in self.layer_parts(cfg, is_moe(cfg, i))})
         shapes["norm.scale"] = (cfg.hidden_size,)
         if not cfg.tie_word_embeddings:
             shapes["output.weight"] = (cfg.vocab_size, cfg.hidden_size)
         for j in range(mtp_layers(cfg)):
-            shapes.update({f"{MTP_PREFIX}{j}.{name}": shape for name, shape in mtp_parts(cfg)})
+            shapes.update({f"{MTP_PREFIX}{j}.{name}": shape for name, shape in mtp_parts(cfg, self.layer_parts)})
         return shapes
 
     def hf_layout(self, cfg: ModelConfig) -> Layout:
         rules = [Rule("model.embed_tokens.weight", ("tok_embeddings.weight",))]
         for i in range(cfg.num_layers):
             p, c = f"model.layers.{i}.", f"layers.{i}."
-            parts = layer_parts(cfg, is_moe(cfg, i))
+            parts = self.layer_parts(cfg, is_moe(cfg, i))
             experts = [j for j, part in enumerate(parts) if part.titan is None]
             for j, part in enumerate(parts):
                 if j in experts[:1]:
@@ -236,17 +265,17 @@ class DeepseekV3(Family):
                 if j not in experts:
                     rules.append(Rule(p + part.hf, (c + part.canonical,)))
         rules += [Rule("model.norm.weight", ("norm.scale",)), hf_output_rule(cfg)]
-        rules += mtp_rules(cfg, "model.layers.{n}.")
+        rules += mtp_rules(cfg, "model.layers.{n}.", self.layer_parts)
         return Layout(tuple(rules), (), (), unused=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))
 
     def dcp_layout(self, cfg: ModelConfig, titan: bool) -> Layout:
         """torchtitan's names (its 2026 ones if ``titan``: ``lm_head``, ``moe.expert_bias_E``):
         experts stacked per projection, [E, rows, cols]."""
         rules = [Rule("tok_embeddings.weight", ("tok_embeddings.weight",))]
-        n = cfg.fields(DeepseekV3Fields).num_experts
+        n = cfg.fields(SharedExpertsFields).num_experts
         for i in range(cfg.num_layers):
             c = f"layers.{i}."
-            for part in layer_parts(cfg, is_moe(cfg, i)):
+            for part in self.layer_parts(cfg, is_moe(cfg, i)):
                 if part.titan is not None:
                     native = part.titan + ("_E" if titan and part.titan == "moe.expert_bias" else "")
                     rules.append(Rule(c + native, (c + part.canonical,)))
@@ -258,7 +287,7 @@ class DeepseekV3(Family):
             Rule("norm.weight", ("norm.scale",)),
             Rule("lm_head.weight" if titan else "output.weight", ("output.weight",)),
         ]
-        rules += mtp_rules(cfg, MTP_PREFIX + "{j}.")
+        rules += mtp_rules(cfg, MTP_PREFIX + "{j}.", self.layer_parts)
         return Layout(tuple(rules), ())
 
     def meta_layout(self, cfg: ModelConfig) -> Layout:

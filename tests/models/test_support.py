@@ -62,11 +62,12 @@ REFUSALS = {
 # make_fixtures.py): Llama 3's split for the Llama 3 and OLMo 2 ones, Qwen2's for Qwen's.
 FIXTURE_PRE = {"llama3": "llama-bpe", "llama3_1": "llama-bpe", "llama3_2": "llama-bpe", "olmo2": "llama-bpe"}
 FIXTURE_PRE |= {"qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2", "deepseek_v3": "llama-bpe"}
-FIXTURE_PRE |= {"gpt_oss": "gpt-4o"}  # gpt-oss's o200k split
+FIXTURE_PRE |= {"gpt_oss": "gpt-4o", "glm4_moe": "glm4"}  # gpt-oss's o200k split; GLM's special tokens
 
-# the quantized sources (fp8/*, mxfp4/*) have tests of their own in every format (tests/quant, test_gguf_fp8.py)
+# the quantized sources have tests of their own in every format (tests/quant, test_gguf_fp8.py)
+QUANTIZED = ("fp8", "mxfp4", "ct", "modelopt")
 ALL_FIXTURES = sorted(
-    str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*") if p.is_dir() and p.parent.name not in ("fp8", "mxfp4")
+    str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*") if p.is_dir() and p.parent.name not in QUANTIZED
 )
 # unmarked, so that the fast run checks a written, a refused-by-the-matrix, a --gguf-pre and an experts cell
 FAST = {("hf/qwen2", f) for f in ("hf", "meta", "gguf")} | {("meta/llama3", "gguf"), ("hf/qwen3_moe", "gguf")}

@@ -35,6 +35,18 @@ PROJECTION = {"w1": "FFN_GATE_EXP", "w3": "FFN_UP_EXP", "w2": "FFN_DOWN_EXP"}  #
 Merged = tuple[str, tuple[int, ...], Callable[[], "torch.Tensor"]]  # GGUF name, shape, make
 
 
+# an expert of an MTP layer past num_hidden_layers (canonical ``mtp.{j}.`` + its HF name)
+MTP_EXPERT = re.compile(r"mtp\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_MTP_PROJECTION = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _layer_and_projection(found: re.Match[str], layers: int) -> tuple[int, str]:
+    """The block (an MTP layer's: ``layers + j``) and projection of an expert's canonical name."""
+    if found.re is MTP_EXPERT:
+        return layers + int(found.group(1)), _MTP_PROJECTION[found.group(3)]
+    return int(found.group(1)), found.group(3)
+
+
 def merged_name(layer: int | str, w: str) -> str:
     """``blk.{layer}.ffn_{gate,up,down}_exps.weight``, from the ``gguf`` package's names."""
     import gguf
@@ -90,10 +102,15 @@ class ExpertMerger:
         self.order = experts.order
         self.n = ckpt.config.fields(MoEFields).num_experts
         self.parts: dict[str, tuple[int, list[str]]] = {}  # HF name -> (layer, canonical parts)
-        for rule in ckpt.family.hf_layout(ckpt.config).expand(ckpt.config.num_layers):
-            found = [EXPERT.fullmatch(c) for c in rule.canonical]
+        self.experts: dict[tuple[int, str], list[str]] = {}  # (layer, w1/w3/w2) -> canonical, expert order
+        layers = ckpt.config.num_layers
+        for rule in ckpt.family.hf_layout(ckpt.config).expand(layers):
+            found = [EXPERT.fullmatch(c) or MTP_EXPERT.fullmatch(c) for c in rule.canonical]
             if found and all(found):
-                self.parts[rule.native] = (int(found[0].group(1)), list(rule.canonical))  # type: ignore[union-attr]
+                layer, w = _layer_and_projection(found[0], layers)  # type: ignore[arg-type]
+                self.parts[rule.native] = (layer, list(rule.canonical))
+                for c, m in zip(rule.canonical, found, strict=True):
+                    self.experts.setdefault(_layer_and_projection(m, layers), []).append(c)  # type: ignore[arg-type]
         self.pending: dict[int, set[str]] = {}
 
     def take(self, name: str) -> list[Merged] | None:
@@ -111,7 +128,7 @@ class ExpertMerger:
         return [self._merged(layer, w) for w in self.order]
 
     def _merged(self, layer: int, w: str) -> Merged:
-        lazies = [self.tensors[f"layers.{layer}.mlp.experts.{e}.{w}.weight"] for e in range(self.n)]
+        lazies = [self.tensors[c] for c in self.experts[(layer, w)]]
         return merged_name(layer, w), (self.n, *lazies[0].shape), lambda: stack(lazies)
 
     def check_done(self) -> None:

@@ -223,6 +223,41 @@ _PRESENT |= {
 }
 
 
+# --- Glm4MoeModel (glm4moe): the NextN layers counted as blocks, its own expert keys ---
+
+
+def _glm_rope_dims(h: dict[str, Any]) -> int:
+    head_dim = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
+    return int(head_dim * rope(h).get("partial_rotary_factor", 0.5))
+
+
+def _nextn_blocks(h: dict[str, Any]) -> int:
+    return int(h["num_hidden_layers"]) + int(h.get("num_nextn_predict_layers") or 0)
+
+
+def _sigmoid(w: Any) -> None:
+    import gguf
+
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+WRITERS |= {
+    "block_count_nextn": (lambda w, h, t: w.add_block_count(_nextn_blocks(h)), None),
+    "rope_partial_head_dim": (lambda w, h, t: w.add_rope_dimension_count(_glm_rope_dims(h)), None),
+    "shared_expert_count": (lambda w, h, t: w.add_expert_shared_count(h["n_shared_experts"]), "n_shared_experts"),
+    "leading_dense_blocks": (
+        lambda w, h, t: w.add_leading_dense_block_count(h["first_k_dense_replace"]),
+        "first_k_dense_replace",
+    ),
+    "expert_gating_sigmoid": (lambda w, h, t: _sigmoid(w), None),
+    "expert_weights_norm_value": (lambda w, h, t: w.add_expert_weights_norm(h["norm_topk_prob"]), "norm_topk_prob"),
+    "nextn_predict_layers": (
+        lambda w, h, t: w.add_nextn_predict_layers(h["num_nextn_predict_layers"]),
+        "num_nextn_predict_layers",
+    ),
+}
+
+
 def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftype: Any) -> None:
     """The keys ``names`` (a spec's ``parameters``) from config.json ``hparams``."""
     for name in names:

@@ -264,7 +264,7 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         names = [n for n in names if n != "lm_head.weight"]
     order = _hf_order(ckpt, targets, names, fresh=regrouped)
     ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
-    tmap = name_map(spec, hparams["num_hidden_layers"])
+    tmap = name_map(spec, hparams["num_hidden_layers"] + int(hparams.get("num_nextn_predict_layers") or 0))
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
     out: list[GGUFTensor] = []

@@ -32,9 +32,12 @@ VOCAB_NEEDS = {
     "phi3": f"{SPM}, or with GPT2Tokenizer {BPE}",
     "bpe_or_spm": f"{SPM} or {BPE}",
     "bpe": BPE,
+    "glm": f"{BPE}, with GLM's special tokens ([gMASK] and its user, observation and end-of-text tokens)",
     "spm_unprefixed": SPM,
     "spm_unprefixed_or_bpe": f"{SPM} or {BPE}",
 }
+# llama.cpp's _set_vocab_glm: special token kind -> the added token it names
+GLM_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
 VOCAB_ROWS = "with a tokenizer.json, a token for every embedding row (llama.cpp would drop the rest)"
 
 
@@ -254,7 +257,7 @@ def add_vocab(
         w.add_token_types(types)
         return len(tokens)
 
-    def gpt2_keys() -> None:
+    def gpt2_keys(specials: dict[str, str] | None = None) -> None:
         nonlocal wrote_bpe
         tokens, types, name = bpe_vocab(folder, hparams, pre, notes, by)
         wrote_bpe = True
@@ -262,7 +265,13 @@ def add_vocab(
         w.add_tokenizer_pre(name)
         w.add_token_list(tokens)
         w.add_token_types(types)
-        special_vocab(folder, load_merges=True).add_to_gguf(w)
+        special = special_vocab(folder, load_merges=True)
+        added = {t["content"]: t["id"] for t in _read_json(folder / "tokenizer.json").get("added_tokens") or []}
+        for kind, token in (specials or {}).items():
+            if token not in added:
+                raise CkptkitError(f"{folder}: tokenizer.json has no {token} token, which llama.cpp reads as {kind}")
+            special._set_special_token(kind, added[token])
+        special.add_to_gguf(w)
 
     if kind == "llama":
         if (prefix := config.get("add_prefix_space")) is not None:
@@ -300,6 +309,8 @@ def add_vocab(
             gpt2_keys()
     elif kind == "bpe":  # llama.cpp's TextModel default (OLMo 2)
         gpt2_keys()
+    elif kind == "glm":  # GLM-4.5: its special tokens by name
+        gpt2_keys(GLM_SPECIALS)
     elif kind == "spm_unprefixed" or (kind == "spm_unprefixed_or_bpe" and (folder / "tokenizer.model").is_file()):
         gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)  # Gemma 2, Gemma 3
         w.add_add_space_prefix(False)
