@@ -124,3 +124,35 @@ def blocks_out(*fields: npt.NDArray[np.generic]) -> npt.NDArray[np.uint8]:
         else:
             parts.append(f.astype(np.uint8))
     return np.concatenate(parts, axis=1)
+
+
+def best_index(values: F32, v: F32) -> I32:
+    """ggml's ``best_index_int8(n, values, v)`` for every element of ``v``: the index of the
+    sorted ``values`` nearest ``v`` (the upper one on a tie, the ends outside their range,
+    the last for NaN, as its bisection leaves it)."""
+    last = values.size - 1
+    mu = np.clip(np.searchsorted(values, v, side="right"), 1, last)
+    with np.errstate(invalid="ignore"):
+        idx = np.where(v - values[mu - 1] < values[mu] - v, mu - 1, mu)
+        out: I32 = np.where(v <= values[0], 0, np.where(v >= values[last], last, idx))
+    return out
+
+
+def lround(v: F32) -> I32:
+    """C's ``(int)lroundf(v)``: halves away from zero; glibc's ``LONG_MIN`` for what does not
+    fit (infinities, NaN) leaves 0 in an ``int``."""
+    t = np.trunc(v)
+    with np.errstate(invalid="ignore"):
+        r = t + np.where(np.abs(v - t) >= f32(0.5), np.sign(v), f32(0))
+        out: I32 = np.where(np.abs(r) < f32(2.0**31), r, f32(0)).astype(np.int32)
+    return out
+
+
+def trits(x: F32) -> tuple[npt.NDArray[np.float16], I32]:
+    """What TQ1_0 and TQ2_0 share, for blocks ``x`` (n, 256): the float16 scale (the block's
+    largest magnitude) and every value as ``lroundf(x / scale) + 1``, 0..2."""
+    amax = np.fmax.reduce(np.abs(x), axis=1)
+    with np.errstate(all="ignore"):
+        inv = safe_inverse(amax)
+        out = lround(x * inv[:, None]) + 1
+    return fp16(amax), out
