@@ -22,6 +22,7 @@ I32 = np.ndarray  # int32 values
 
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves the rounded integer in the mantissa
 GROUP_MAX_EPS = np.float32(1e-15)
+ZERO = np.float32(0)
 
 
 def f32(v: float) -> np.float32:
@@ -82,11 +83,10 @@ def first_extreme(x: F32, largest: bool) -> F32:
 
 
 def running_sum(terms: F32) -> F32:
-    """``s = 0; for i: s += terms[i]`` over axis 0, in that order."""
-    s = np.zeros(terms.shape[1:], np.float32)
-    for row in terms:
-        s += row
-    return s
+    """``s = 0; for i: s += terms[i]`` over axis 0, in that order: numpy reduces a leading
+    axis row by row into the output (its pairwise summation is for the innermost axis)."""
+    out: F32 = np.add.reduce(terms, axis=0, initial=ZERO)
+    return out
 
 
 def safe_inverse(d: F32) -> F32:
@@ -128,13 +128,17 @@ def blocks_out(*fields: npt.NDArray[np.generic]) -> npt.NDArray[np.uint8]:
 
 def best_index(values: F32, v: F32) -> I32:
     """ggml's ``best_index_int8(n, values, v)`` for every element of ``v``: the index of the
-    sorted ``values`` nearest ``v`` (the upper one on a tie, the ends outside their range,
-    the last for NaN, as its bisection leaves it)."""
-    last = values.size - 1
-    mu = np.clip(np.searchsorted(values, v, side="right"), 1, last)
+    sorted integer ``values`` (within +-128) nearest ``v``, the upper one on a tie, the ends
+    outside their range, the last for NaN, as its bisection leaves it.
+
+    Between neighbours ``a < b`` it takes ``a`` when ``v - a < b - v``; near the midpoint both
+    differences are exact in float32 (under 24 apart, and ``v`` is over 4 there), so that is
+    ``2 v < a + b``: the index is the count of the (integer) ``a + b`` at most ``floor(2 v)``,
+    looked up in a table."""
+    lut = np.searchsorted(values[:-1] + values[1:], np.arange(-256, 257, dtype=np.float32), side="right")
     with np.errstate(invalid="ignore"):
-        idx = np.where(v - values[mu - 1] < values[mu] - v, mu - 1, mu)
-        out: I32 = np.where(v <= values[0], 0, np.where(v >= values[last], last, idx))
+        twice = np.fmin(np.maximum(np.floor(v * f32(2)), f32(-256)), f32(256))  # NaN -> 256
+    out: I32 = lut[twice.astype(np.int32) + 256]
     return out
 
 

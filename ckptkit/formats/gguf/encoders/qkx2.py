@@ -30,15 +30,19 @@ def make_qkx2_quants(
     def error(diff: np.ndarray) -> np.ndarray:
         return running_sum(w * (np.abs(diff) if use_mad else diff * diff))
 
+    def levels(iscale: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
+        return out
+
+    # each column's quants are those of its best trial's (iscale, lo), made again at the end
     with np.errstate(all="ignore"):
         iscale = f32(nmax) / (hi - lo)
         scale = f32(1) / iscale
-        quants = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
-        best = error(scale * quants.astype(np.float32) + lo - x)
+        best_iscale, best_lo = iscale, lo
+        best = error(scale * levels(iscale, lo).astype(np.float32) + lo - x)
         for step in range(nstep + 1):
             iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (hi - lo)
-            trial = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
-            lf = trial.astype(np.float32)
+            lf = levels(iscale, lo).astype(np.float32)
             wl = w * lf
             sum_l, sum_l2, sum_xl = running_sum(wl), running_sum(wl * lf), running_sum(wl * x)
             det = sum_w * sum_l2 - sum_l * sum_l
@@ -49,10 +53,12 @@ def make_qkx2_quants(
             this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
             cur = error(this_scale * lf + this_min - x)
             better = (det > 0) & (cur < best)
-            quants = np.where(better, trial, quants)
+            best_iscale = np.where(better, iscale, best_iscale)
+            best_lo = np.where(better, lo, best_lo)
             best = np.where(better, cur, best)
             scale = np.where(better, this_scale, scale)
             lo = np.where(better, this_min, lo)
+        quants = levels(best_iscale, best_lo)
     return np.where(flat, f32(0), scale), np.where(flat, flat_min, -lo), np.where(flat, 0, quants)
 
 
