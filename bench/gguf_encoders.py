@@ -59,5 +59,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with reporting("bench/gguf_encoders.py"):
+    with reporting("gguf_encoders.py"):
         main()
