@@ -71,11 +71,12 @@ def test_logits_compare_the_models_outputs(tmp_path: Path) -> None:
     convert(FIXTURES / "hf/llama2", tmp_path / "f16", ConvertOptions("meta", dtype="float16", allow_lossy_cast=True))
     proc = run("verify", FIXTURES / "hf/llama2", tmp_path / "f16", "--logits", "--json")
     logits = json.loads(proc.stdout)["logits"]
-    assert logits["prompts"] == 4 and logits["tokens_per_prompt"] == 16
+    assert (logits["prompts"], logits["tokens_per_prompt"], logits["tokens"]) == (4, 64, "corpus")
     assert 0 < logits["max_abs_logit_diff"] < 1e-3 and 0 <= logits["kl_mean"] <= logits["kl_max"] < 1e-6
     same = run("verify", FIXTURES / "hf/llama2", FIXTURES / "hf/llama2", "--logits")
     assert same.returncode == 0
-    assert same.stdout.splitlines()[-1].startswith("logits on 4 fixed prompts of 16 tokens: max abs diff 0, KL(A||B)")
+    last = same.stdout.splitlines()[-1]
+    assert last.startswith("logits on 4 pieces of 64 tokens of the bundled corpus: max abs diff 0, KL(A||B)")
 
 
 def _noisy_lm_head(dest: Path) -> Path:
@@ -99,30 +100,65 @@ def test_logits_of_a_different_model_are_those_transformers_gives(
     abs difference, against the same figures computed here from transformers' logits (both on
     the CPU, where the two models' float32 logits are bitwise equal: a GPU would run ckptkit's)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
 
     from ckptkit.cli import app
-    from ckptkit.train.logit_check import fixed_prompts
+    from ckptkit.train.logit_check import CORPUS
 
     a, b = FIXTURES / "hf/llama2", _noisy_lm_head(tmp_path / "noisy")
     result = CliRunner().invoke(app, ["verify", str(a), str(b), "--logits", "--json"])
     got = json.loads(result.stdout)["logits"]
-    ids = fixed_prompts(384, 256)
+    # the bundled corpus in the fixture's tokenizer, as the tokenizers library encodes it
+    ids = torch.tensor(Tokenizer.from_file(str(a / "tokenizer.json")).encode(CORPUS.read_text()).ids[1:257])
+    ids = ids.reshape(4, 64)
     with torch.no_grad():
         la, lb = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)(ids).logits.double() for p in (a, b))
     log_pa, log_pb = torch.nn.functional.log_softmax(la, -1), torch.nn.functional.log_softmax(lb, -1)
     kl = torch.nn.functional.kl_div(log_pb, log_pa, reduction="none", log_target=True).sum(-1)  # KL(A || B)
     reverse = torch.nn.functional.kl_div(log_pa, log_pb, reduction="none", log_target=True).sum(-1)
     agree = (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
-    assert ids.shape == (got["prompts"], got["tokens_per_prompt"]) == (4, 16)
-    assert 0.1 < agree < 0.5  # measured 0.234 (15 of 64): neither all nor none
+    assert ids.shape == (got["prompts"], got["tokens_per_prompt"]) == (4, 64)
+    assert 0.1 < agree < 0.5  # measured 0.117 (30 of 256): neither all nor none
     assert got["top1_agreement"] == agree
-    assert got["max_abs_logit_diff"] == (la - lb).abs().max().item()  # measured 0.650
-    # Measured 0.0131755 / 0.0150852 (the reverse direction: 0.0131838 / 0.0149429).
+    assert got["max_abs_logit_diff"] == (la - lb).abs().max().item()  # measured 0.686
+    # Measured 0.0131899 / 0.0157186 (mean / max).
     assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-12, abs=0)
     assert got["kl_max"] == pytest.approx(kl.max().item(), rel=1e-12, abs=0)
     assert kl.max() > 1.1 * kl.mean() and abs(reverse.max() / kl.max() - 1) > 5e-3
+
+
+def test_logits_of_a_quantized_gguf_are_those_transformers_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify --logits SRC out.gguf`` on a Q4_0 GGUF: its KL and top-1 agreement against the
+    source are those of transformers' logits of the source and of the same file read by its
+    GGUF loader (the ``gguf`` package's dequantization), on the bundled corpus."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+    from ckptkit.train.logit_check import CORPUS
+
+    a = FIXTURES / "hf/llama2"
+    convert(a, tmp_path / "q.gguf", ConvertOptions("gguf", dtype="Q4_0"))
+    result = CliRunner().invoke(app, ["verify", str(a), str(tmp_path / "q.gguf"), "--logits", "--json"])
+    out = json.loads(result.stdout)
+    got = out["logits"]
+    ids = torch.tensor(Tokenizer.from_file(str(a / "tokenizer.json")).encode(CORPUS.read_text()).ids[1:257])
+    with torch.no_grad():
+        la = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)(ids.reshape(4, 64)).logits.double()
+        quantized = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q.gguf", dtype=torch.float32)
+        lb = quantized(ids.reshape(4, 64)).logits.double()
+    log_pa, log_pb = torch.nn.functional.log_softmax(la, -1), torch.nn.functional.log_softmax(lb, -1)
+    kl = torch.nn.functional.kl_div(log_pb, log_pa, reduction="none", log_target=True).sum(-1)
+    assert got["tokens"] == "corpus" and 0.5 < got["top1_agreement"] < 1  # measured 0.789 (202 of 256)
+    assert got["top1_agreement"] == (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
+    assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-12, abs=0)
+    assert got["kl_max"] == pytest.approx(kl.max().item(), rel=1e-12, abs=0)
 
 
 @pytest.mark.parametrize("fixture", ["hf/llama2", "meta/llama2"])

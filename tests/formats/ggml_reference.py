@@ -43,7 +43,11 @@ size_t ggml_type_size(int type) { abort(); }
 BLOCKS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "TQ1_0": (256, 54), "TQ2_0": (256, 66),
 }  # fmt: skip
+# types whose llama-quantize path is ``quantize_<type>(src, dst, rows, n_per_row, NULL)`` and not the
+# ``_ref`` function (IQ4_NL's searches 7 trial scales each way, its ``_ref`` none)
+ENTRY_POINT = ("IQ4_NL",)
 
 
 def ggml_quants_lib() -> ctypes.CDLL:
@@ -78,12 +82,19 @@ def _build(root: Path, lib: Path) -> None:
 
 
 def reference(kind: str, x: np.ndarray) -> np.ndarray:
-    """``quantize_row_<kind>_ref`` of float32 ``x`` (``kind``: the GGML type name, ``Q4_K``):
-    the blocks ``(n, bytes)``."""
+    """What ``llama-quantize`` given no imatrix makes of float32 ``x`` (``kind``: the GGML type
+    name, ``Q4_K``): ``quantize_row_<kind>_ref``, or the ``quantize_<kind>`` entry point with no
+    weights for :data:`ENTRY_POINT`; the blocks ``(n, bytes)``."""
     per, size = BLOCKS[kind]
     x = np.ascontiguousarray(x, np.float32).reshape(-1)
     out = np.zeros((x.size // per, size), np.uint8)
-    fn = getattr(ggml_quants_lib(), f"quantize_row_{kind.lower().replace('_k', '_K')}_ref")
+    name = kind.lower().replace("_k", "_K")
+    if kind in ENTRY_POINT:
+        entry = getattr(ggml_quants_lib(), f"quantize_{name}")
+        entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        entry(x.ctypes.data, out.ctypes.data, 1, x.size, None)
+        return out
+    fn = getattr(ggml_quants_lib(), f"quantize_row_{name}_ref")
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn(x.ctypes.data, out.ctypes.data, x.size)
     return out

@@ -1,7 +1,8 @@
 """ckptkit's GGML block encoders give the bytes of llama.cpp's own reference quantizers
 (``quantize_row_<type>_ref`` of ``ggml-quants.c``, built from the pinned llama.cpp sources:
 ``ggml_reference``) on random rows and on the rows that stress them: zeros of both signs,
-constants, huge and tiny magnitudes, subnormals, ranges over 60 decades, outliers."""
+constants, huge and tiny magnitudes, subnormals, ranges over 60 decades, outliers, values
+that land on rounding ties."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def _cases() -> dict[str, np.ndarray]:
         "sparse": normal * (rng.random(n) < 0.05),
         "outliers": np.where(rng.random(n) < 0.01, np.float32(100), normal),
         "integers": rng.integers(-8, 8, n).astype(np.float32),
+        "halves": rng.choice(np.array([-4, -2, -1, 0, 1, 2, 4], np.float32), n),
         "positive": rng.random(n).astype(np.float32),
         "negative": -rng.random(n).astype(np.float32),
         "bfloat16 values": (normal.view(np.uint32) & 0xFFFF0000).view(np.float32),

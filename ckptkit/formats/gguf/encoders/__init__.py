@@ -1,5 +1,6 @@
 """GGML block encoders in numpy, each the same bytes as ggml's ``quantize_row_<type>_ref``
-(what ``llama-quantize`` runs when it is given no imatrix), one module per type.
+(what ``llama-quantize`` runs when it is given no imatrix; for IQ4_NL its
+``quantize_iq4_nl`` with no weights), one module per type.
 
 Every encoder does, over arrays of blocks, the float32 operations of the C reference in its
 order (:mod:`~ckptkit.formats.gguf.encoders.common`): sums run element by element over
@@ -11,7 +12,21 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ckptkit.formats.gguf.encoders import q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k
+from ckptkit.formats.gguf.encoders import (
+    iq4_nl,
+    iq4_xs,
+    q2_k,
+    q3_k,
+    q4_0,
+    q4_1,
+    q4_k,
+    q5_0,
+    q5_1,
+    q5_k,
+    q6_k,
+    tq1_0,
+    tq2_0,
+)
 
 ENCODERS: dict[str, ModuleType] = {
     "Q4_0": q4_0,
@@ -21,4 +36,10 @@ ENCODERS: dict[str, ModuleType] = {
     "Q4_K": q4_k,
     "Q5_K": q5_k,
     "Q6_K": q6_k,
+    "Q2_K": q2_k,
+    "Q3_K": q3_k,
+    "IQ4_NL": iq4_nl,
+    "IQ4_XS": iq4_xs,
+    "TQ1_0": tq1_0,
+    "TQ2_0": tq2_0,
 }

@@ -22,6 +22,7 @@ I32 = np.ndarray  # int32 values
 
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves the rounded integer in the mantissa
 GROUP_MAX_EPS = np.float32(1e-15)
+ZERO = np.float32(0)
 
 
 def f32(v: float) -> np.float32:
@@ -82,11 +83,10 @@ def first_extreme(x: F32, largest: bool) -> F32:
 
 
 def running_sum(terms: F32) -> F32:
-    """``s = 0; for i: s += terms[i]`` over axis 0, in that order."""
-    s = np.zeros(terms.shape[1:], np.float32)
-    for row in terms:
-        s += row
-    return s
+    """``s = 0; for i: s += terms[i]`` over axis 0, in that order: numpy reduces a leading
+    axis row by row into the output (its pairwise summation is for the innermost axis)."""
+    out: F32 = np.add.reduce(terms, axis=0, initial=ZERO)
+    return out
 
 
 def safe_inverse(d: F32) -> F32:
@@ -124,3 +124,39 @@ def blocks_out(*fields: npt.NDArray[np.generic]) -> npt.NDArray[np.uint8]:
         else:
             parts.append(f.astype(np.uint8))
     return np.concatenate(parts, axis=1)
+
+
+def best_index(values: F32, v: F32) -> I32:
+    """ggml's ``best_index_int8(n, values, v)`` for every element of ``v``: the index of the
+    sorted integer ``values`` (within +-128) nearest ``v``, the upper one on a tie, the ends
+    outside their range, the last for NaN, as its bisection leaves it.
+
+    Between neighbours ``a < b`` it takes ``a`` when ``v - a < b - v``; near the midpoint both
+    differences are exact in float32 (under 24 apart, and ``v`` is over 4 there), so that is
+    ``2 v < a + b``: the index is the count of the (integer) ``a + b`` at most ``floor(2 v)``,
+    looked up in a table."""
+    lut = np.searchsorted(values[:-1] + values[1:], np.arange(-256, 257, dtype=np.float32), side="right")
+    with np.errstate(invalid="ignore"):
+        twice = np.fmin(np.maximum(np.floor(v * f32(2)), f32(-256)), f32(256))  # NaN -> 256
+    out: I32 = lut[twice.astype(np.int32) + 256]
+    return out
+
+
+def lround(v: F32) -> I32:
+    """C's ``(int)lroundf(v)``: halves away from zero; glibc's ``LONG_MIN`` for what does not
+    fit (infinities, NaN) leaves 0 in an ``int``."""
+    t = np.trunc(v)
+    with np.errstate(invalid="ignore"):
+        r = t + np.where(np.abs(v - t) >= f32(0.5), np.sign(v), f32(0))
+        out: I32 = np.where(np.abs(r) < f32(2.0**31), r, f32(0)).astype(np.int32)
+    return out
+
+
+def trits(x: F32) -> tuple[npt.NDArray[np.float16], I32]:
+    """What TQ1_0 and TQ2_0 share, for blocks ``x`` (n, 256): the float16 scale (the block's
+    largest magnitude) and every value as ``lroundf(x / scale) + 1``, 0..2."""
+    amax = np.fmax.reduce(np.abs(x), axis=1)
+    with np.errstate(all="ignore"):
+        inv = safe_inverse(amax)
+        out = lround(x * inv[:, None]) + 1
+    return fp16(amax), out

@@ -30,24 +30,30 @@ def make_qx_quants(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w = x * x
     wx = w * x
 
-    def trial(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lq = np.clip(nearest_int(iscale * x), -NMAX, NMAX - 1)
-        lf = lq.astype(np.float32)
-        return lq, running_sum(wx * lf), running_sum(w * lf * lf)
+    def levels(iscale: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.clip(nearest_int(iscale * x), -NMAX, NMAX - 1)
+        return out
 
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lf = levels(iscale).astype(np.float32)
+        return running_sum(wx * lf), running_sum(w * lf * lf)
+
+    # each column's quants are those of its best trial scale, made again at the end
     with np.errstate(all="ignore"):
-        lq, sumlx, suml2 = trial(f32(-NMAX) / vmax)
-        quants = lq + NMAX
+        best_iscale = f32(-NMAX) / vmax
+        sumlx, suml2 = fit(best_iscale)
         scale = np.where(suml2 != 0, sumlx / suml2, f32(0)).astype(np.float32)
         best = scale * sumlx
         for step in range(-9, 10):
             if step == 0:
                 continue
-            lq, sumlx, suml2 = trial(-(f32(NMAX) + f32(0.1) * f32(step)) / vmax)
+            iscale = -(f32(NMAX) + f32(0.1) * f32(step)) / vmax
+            sumlx, suml2 = fit(iscale)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            quants = np.where(better, lq + NMAX, quants)
+            best_iscale = np.where(better, iscale, best_iscale)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
+        quants = levels(best_iscale) + NMAX
     return np.where(zero, f32(0), scale), np.where(zero, 0, quants)
 
 

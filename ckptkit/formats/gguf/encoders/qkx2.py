@@ -1,6 +1,6 @@
-"""What Q4_K and Q5_K share: ggml's ``make_qkx2_quants`` search for each 32-value
-sub-block's scale and minimum, and the super-block step of ``quantize_row_q{4,5}_K_ref``
-(6-bit scales and minimums under two float16 super-scales, then the quants again)."""
+"""What Q2_K, Q4_K and Q5_K share: ggml's ``make_qkx2_quants`` search for each sub-block's
+scale and minimum, and the super-block step of ``quantize_row_q{4,5}_K_ref`` (6-bit scales
+and minimums under two float16 super-scales, then the quants again)."""
 
 from __future__ import annotations
 
@@ -12,30 +12,37 @@ SUB = 32
 
 
 def make_qkx2_quants(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``make_qkx2_quants(32, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, false)`` for
-    every column of ``x`` and weights ``w`` (32, m): the scales and minimums (m,) and the
-    quants ``L`` (32, m)."""
+    """``make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad)`` for
+    every column of ``x`` and weights ``w`` (n, m): the scales and minimums (m,) and the
+    quants ``L`` (n, m)."""
     lo = first_extreme(x.T, largest=False)
     hi = first_extreme(x.T, largest=True)
     sum_w = w[0].copy()
     sum_x = sum_w * x[0]
-    for i in range(1, SUB):
+    for i in range(1, x.shape[0]):
         sum_w += w[i]
         sum_x += w[i] * x[i]
     lo = np.where(lo > 0, f32(0), lo)
-    flat = hi == lo
+    flat, flat_min = hi == lo, -lo
+
+    def error(diff: np.ndarray) -> np.ndarray:
+        return running_sum(w * (np.abs(diff) if use_mad else diff * diff))
+
+    def levels(iscale: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
+        return out
+
+    # each column's quants are those of its best trial's (iscale, lo), made again at the end
     with np.errstate(all="ignore"):
         iscale = f32(nmax) / (hi - lo)
         scale = f32(1) / iscale
-        quants = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
-        diff = scale * quants.astype(np.float32) + lo - x
-        best = running_sum(w * (diff * diff))
+        best_iscale, best_lo = iscale, lo
+        best = error(scale * levels(iscale, lo).astype(np.float32) + lo - x)
         for step in range(nstep + 1):
             iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (hi - lo)
-            trial = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
-            lf = trial.astype(np.float32)
+            lf = levels(iscale, lo).astype(np.float32)
             wl = w * lf
             sum_l, sum_l2, sum_xl = running_sum(wl), running_sum(wl * lf), running_sum(wl * x)
             det = sum_w * sum_l2 - sum_l * sum_l
@@ -44,14 +51,15 @@ def make_qkx2_quants(
             clipped = this_min > 0
             this_min = np.where(clipped, f32(0), this_min)
             this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
-            diff = this_scale * lf + this_min - x
-            error = running_sum(w * (diff * diff))
-            better = (det > 0) & (error < best)
-            quants = np.where(better, trial, quants)
-            best = np.where(better, error, best)
+            cur = error(this_scale * lf + this_min - x)
+            better = (det > 0) & (cur < best)
+            best_iscale = np.where(better, iscale, best_iscale)
+            best_lo = np.where(better, lo, best_lo)
+            best = np.where(better, cur, best)
             scale = np.where(better, this_scale, scale)
             lo = np.where(better, this_min, lo)
-    return np.where(flat, f32(0), scale), -lo, np.where(flat, 0, quants)
+        quants = levels(best_iscale, best_lo)
+    return np.where(flat, f32(0), scale), np.where(flat, flat_min, -lo), np.where(flat, 0, quants)
 
 
 def super_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, ...]:
@@ -65,8 +73,8 @@ def super_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
     weights = av_x + np.abs(sub)
     scales, mins, quants = make_qkx2_quants(sub, weights, nmax, rmin, rdelta, nstep)
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
-    max_scale = _positive_max(scales)
-    max_min = _positive_max(mins)
+    max_scale = positive_max(scales)
+    max_min = positive_max(mins)
     with np.errstate(all="ignore"):
         inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))[:, None]
         inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))[:, None]
@@ -84,7 +92,7 @@ def super_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
     return d, dmin, packed, quants
 
 
-def _positive_max(v: np.ndarray) -> np.ndarray:
+def positive_max(v: np.ndarray) -> np.ndarray:
     """Per row: ``m = 0; if (v > m) m = v`` over the row."""
     top = np.fmax.reduce(v, axis=1)
     out: np.ndarray = np.where(top > 0, top, f32(0))
