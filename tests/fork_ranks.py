@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -32,26 +34,25 @@ def free_port() -> int:
 def _child(rank: int, nproc: int, port: int, env: dict[str, str], log: Path, target: Callable[[], Any]) -> None:
     code = 1
     try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        os.dup2(os.open(log.with_suffix(".out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process ends here)
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         rank_env = {"RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "WORLD_SIZE": nproc,
                     "LOCAL_WORLD_SIZE": nproc, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                     "OMP_NUM_THREADS": 1}  # fmt: skip
-        import torch
-
         if nproc > 1:
             os.environ.update({k: str(v) for k, v in rank_env.items()})
-        # torchrun's default for several workers on one node; and OpenMP (libgomp) hangs in a fork
-        # of a process that ran a parallel region, unless the fork runs none
-        torch.set_num_threads(1)
         os.environ.update(env)
-        if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # read by dynamo at import, done in the parent
-            import torch._dynamo
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            # torchrun's default for several workers on one node; and OpenMP (libgomp) hangs in a
+            # fork of a process that ran a parallel region, unless the fork runs none
+            torch.set_num_threads(1)
+            if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # read by dynamo at import, maybe done
+                import torch._dynamo
 
-            torch._dynamo.config.disable = True
+                torch._dynamo.config.disable = True
         target()
         code = 0
     except SystemExit as e:
@@ -65,11 +66,17 @@ def _child(rank: int, nproc: int, port: int, env: dict[str, str], log: Path, tar
 
 
 def fork_ranks(
-    target: Callable[[], Any], log_dir: Path, nproc: int = 2, env: dict[str, str] | None = None, check: bool = True
+    target: Callable[[], Any],
+    log_dir: Path,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    timeout: float = 900,
 ) -> list[int]:
     """Run ``target()`` on ``nproc`` forked ranks (``nproc`` 1: a plain process, no ``MASTER_ADDR``);
-    each rank's stdout and stderr go to ``log_dir/rank_N.log``. Returns the exit codes (negative:
-    killed by that signal); with ``check``, any nonzero one fails with the logs' tails."""
+    each rank's stderr goes to ``log_dir/rank_N.log``, its stdout to ``rank_N.out``. Returns the exit codes (negative:
+    killed by that signal); with ``check``, any nonzero one fails with the logs' tails. Ranks still
+    running after ``timeout`` seconds are stopped and fail the test."""
     import torch.distributed as dist
 
     assert not dist.is_initialized(), "a process group in the test process would be shared by the ranks"
@@ -84,8 +91,15 @@ def fork_ranks(
             _child(rank, nproc, port, env or {}, log_dir / f"rank_{rank}.log", target)
         pids.append(pid)
     codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
     while len(codes) < nproc:
-        pid, status = os.wait()
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                _stop([p for p in pids if p not in codes], codes)
+                raise AssertionError(f"ranks still running after {timeout} s (stopped)")
+            time.sleep(0.01)
+            continue
         codes[pid] = os.waitstatus_to_exitcode(status)
         if codes[pid] != 0:  # as torchrun's agent: stop the others (they may wait in a collective)
             _stop([p for p in pids if p not in codes], codes)
@@ -166,3 +180,31 @@ def killed_after_save(
         distributed.publish = publish_then_die  # in the forked rank only
 
     return recipe_on_ranks(recipe, config, *overrides, log_dir=log_dir, before_run=patch, check=False)
+
+
+def cli_in_fork(
+    args: list[str],
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    before_run: Callable[[], None] | None = None,
+) -> tuple[int, str]:
+    """``ckptkit ARGS`` in a fork of the test process (its own stdout and stderr, not a terminal):
+    what a ``ckptkit`` subprocess does, without importing torch again. Its exit code and stderr."""
+    from ckptkit.cli import app
+
+    def target() -> None:
+        if before_run is not None:
+            before_run()
+        app(args, prog_name="ckptkit")  # as python -m ckptkit
+
+    [code] = fork_ranks(target, log_dir, nproc=1, env=env, check=False)
+    return code, (log_dir / "rank_0.log").read_text()
+
+
+def ckptkit_forked(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m ckptkit ARGS`` as ``subprocess.run(..., capture_output=True, text=True)`` gives it,
+    run by :func:`cli_in_fork`."""
+    with tempfile.TemporaryDirectory() as logs:
+        code, stderr = cli_in_fork([str(a) for a in args], Path(logs), env=env)
+        stdout = (Path(logs) / "rank_0.out").read_text()
+    return subprocess.CompletedProcess(["ckptkit", *map(str, args)], code, stdout, stderr)
