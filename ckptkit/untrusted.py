@@ -134,17 +134,20 @@ def _finite(text: str) -> float:
 
 
 def _depth(value: object, limit: int) -> int:
-    stack = [(value, 1)]
-    deepest = 0
-    while stack:
-        v, d = stack.pop()
-        deepest = max(deepest, d)
-        if deepest > limit:
-            break
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
+    """The nesting depth of a parsed JSON value (a scalar: 1; a container: one more than its
+    deepest item, 1 when empty), counted no further than ``limit + 1``: level by level, only
+    the containers of a level are kept for the next (a 128k-entry vocabulary costs one pass)."""
+    containers = (dict, list)
+    level = [value] if isinstance(value, containers) else []
+    depth = deepest = 1
+    while level and deepest <= limit:
+        nxt: list[Any] = []
+        for v in level:
+            items = v.values() if isinstance(v, dict) else v
+            if items:
+                deepest = depth + 1
+                nxt += [x for x in items if isinstance(x, containers)]
+        level, depth = nxt, depth + 1
     return deepest
 
 

@@ -196,15 +196,26 @@ def sentencepiece_test_model() -> Path:
     return _checked(path.parent, {path.name: SENTENCEPIECE_TEST_MODEL_SHA256}) / path.name
 
 
+_VOCAB_READERS: dict[Path, object] = {}  # llama.cpp's own vocabularies, read once per process
+
+
 def gguf_reader(path: Path) -> object:
-    """llama.cpp's own ``GGUFReader`` (gguf-py from the same sdist) for ``path``."""
-    gguf_py = str(llama_cpp_dir() / "gguf-py")
+    """llama.cpp's own ``GGUFReader`` (gguf-py from the same sdist) for ``path``; one reader
+    per process for the vocabularies of ``llama_cpp_dir()`` (checked by SHA-256, never
+    written): reading Llama 3's (128256 tokens, 280147 merges) takes tens of seconds."""
+    root = llama_cpp_dir()
+    if path in _VOCAB_READERS:
+        return _VOCAB_READERS[path]
+    gguf_py = str(root / "gguf-py")
     sys.path.insert(0, gguf_py)
     try:
         from gguf import GGUFReader
     finally:
         sys.path.remove(gguf_py)
-    return GGUFReader(path)
+    reader = GGUFReader(path)
+    if path.is_relative_to(root / "models"):
+        _VOCAB_READERS[path] = reader
+    return reader
 
 
 LLAMA2_MODEL_SHA256 = "e402be23ecce98d0833a76ba7a502e2a8bf01f8063f1c7087667e5c1858bd969"

@@ -9,8 +9,17 @@ from typing import Any
 
 def _splits(token: str, vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Every split of ``token`` into two vocabulary entries, ordered by the halves' ids."""
-    found = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
-    return sorted(found, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+    get = vocab.get
+    found = []
+    for i in range(1, len(token)):
+        left = get(token[:i])
+        if left is not None:
+            right = get(token[i:])
+            if right is not None:
+                found.append((left, right, i))
+    if len(found) > 1:
+        found.sort()  # by the halves' ids (two splits never share both)
+    return [(token[:i], token[i:]) for _, _, i in found]
 
 
 def ranked_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -22,7 +31,8 @@ def ranked_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     pairs that make the same token, so the order is part of the tokenizer."""
     merges = []
     for token in sorted(vocab, key=vocab.__getitem__):
-        merges.extend(_splits(token, vocab))
+        if len(token) > 1:
+            merges += _splits(token, vocab)
     return merges
 
 
@@ -62,9 +72,14 @@ def char_to_byte() -> dict[str, int]:
     return {c: b for b, c in byte_to_char().items()}
 
 
+@functools.cache
+def _byte_table() -> list[str]:
+    """``byte_to_char`` as a ``str.translate`` table over latin-1 code points."""
+    return [byte_to_char()[b] for b in range(256)]
+
+
 def bytes_to_text(token: bytes) -> str:
-    table = byte_to_char()
-    return "".join(table[b] for b in token)
+    return token.decode("latin-1").translate(_byte_table())
 
 
 def text_to_bytes(token: str) -> bytes:

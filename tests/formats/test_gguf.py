@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf_sections import read_sections
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError, FlagError
@@ -112,13 +113,34 @@ def contents(path: Path) -> tuple[list[tuple[str, list[int], Any]], list[tuple[s
 
 
 def assert_same_gguf(ours: Path, theirs: Path) -> None:
-    (kv_a, t_a), (kv_b, t_b) = contents(ours), contents(theirs)
-    assert [k for k, _, _ in kv_a] == [k for k, _, _ in kv_b]
-    for a, b in zip(kv_a, kv_b, strict=True):
-        assert a == b, a[0]
-    assert [t[:3] for t in t_a] == [t[:3] for t in t_b]
-    for a, b in zip(t_a, t_b, strict=True):
-        assert a[3] == b[3], f"{a[0]}: bytes differ"
+    """The same key/value entries (the naming keys aside) in the same order, each the same
+    bytes (key, type, value), and the same tensors (names, order, GGML types, dims, bytes);
+    :func:`contents` reads either with GGUFReader, to see a difference."""
+    a, b = read_sections(ours), read_sections(theirs)
+    kv_a, kv_b = ([kv for kv in s.kv if kv[0] not in NAMING and not kv[0].startswith("GGUF.")] for s in (a, b))
+    assert [k for k, _ in kv_a] == [k for k, _ in kv_b]
+    for (key, x), (_, y) in zip(kv_a, kv_b, strict=True):
+        assert x == y, f"{key}: differs"
+    assert a.tensors == b.tensors
+    for name, _, _ in a.tensors:
+        assert a.data[name] == b.data[name], f"{name}: bytes differ"
+
+
+@pytest.mark.parametrize(("family", "pre"), [("llama2", None), ("qwen2", "qwen2")])
+def test_sections_split_a_gguf_as_gguf_reader_reads_it(family: str, pre: str | None, tmp_path: Path) -> None:
+    """What assert_same_gguf compares: every key/value entry's bytes are its GGUFReader field's
+    parts (sentencepiece and BPE vocabularies, merges), every tensor GGUFReader's."""
+    from gguf import GGUFReader
+
+    out = tmp_path / "m.gguf"
+    convert(FIXTURES / "hf" / family, out, ConvertOptions("gguf", dtype="q8_0", gguf_pre=pre))
+    reader, sections = GGUFReader(out), read_sections(out)
+    fields = [(k, b"".join(p.tobytes() for p in f.parts)) for k, f in reader.fields.items()]
+    fields = [(k, entry) for k, entry in fields if not k.startswith("GGUF.")]
+    assert sections.kv == fields and len(fields) > 20
+    tensors = [(t.name, int(t.tensor_type), tuple(int(x) for x in t.shape)) for t in reader.tensors]
+    assert sections.tensors == tensors
+    assert all(sections.data[t.name] == t.data.tobytes() for t in reader.tensors)
 
 
 # The fixtures' byte-level BPE tokenizers are tiny trained ones, whose probe-text hash llama.cpp
