@@ -19,7 +19,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint, tokenizer_from
 from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.base import QuantOptions
-from ckptkit.formats.gguf.mix import FILE_TYPES, ggml_type, quantize_type
+from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, ggml_type, quantize_type
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.formats.writers import Job, TensorWriter
 from ckptkit.io import (
@@ -275,7 +275,7 @@ def check_quant_options(quant: QuantOptions, dtype: str | None) -> None:
     they name must be ones ckptkit writes."""
     given = quant.given()
     if given and quantize_type(dtype) is None:
-        names = ", ".join(FILE_TYPES)
+        names = ", ".join(n for n in FILE_TYPES if n not in CONVERTER_NAMES)
         raise FlagError(f"{given[0]} applies with --to gguf --dtype one of llama-quantize's types ({names})")
     if quant.output_tensor_type is not None:
         ggml_type(quant.output_tensor_type, "--output-tensor-type")

@@ -4,7 +4,7 @@ and the facts of a GGUF both sides compare: tensor types, sha256 of tensor bytes
 
 Sources: bundled fixtures (rows of 64 or 40: every 256-block type falls back; qwen2 ties its
 embeddings; mixtral has 4 experts) and two seeded models made here with transformers
-(``wide``: a Llama of 8 layers, rows of 256 and 512, 8 heads over 2 KV heads; ``moe8``: a
+(``wide``: a Llama of 8 layers, rows of 256, 8 heads over 2 KV heads; ``moe8``: a
 Mixtral of 8 experts, rows of 256). The imatrix files are written by their documented layouts
 (llama.cpp's ``llama-imatrix`` needs a model run), from seeded values.
 """
@@ -80,7 +80,7 @@ def _make(model: str, out: Path) -> None:
     src = FIXTURES / "hf" / ("llama3" if model == "wide" else "mixtral")
     cfg = AutoConfig.from_pretrained(src)
     if model == "wide":
-        cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 256, 512, 8
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 256, 256, 8
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 2, 32
     else:
         cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 256, 256, 2

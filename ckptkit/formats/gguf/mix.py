@@ -102,8 +102,11 @@ def file_order(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def _quantizable(name: str, dims: int, leave_output: bool) -> bool:
-    if leave_output and name == "output.weight":
+def _quantizable(name: str, shape: tuple[int, ...], leave_output: bool) -> bool:
+    """llama-quantize's ``tensor_allows_quantization`` (``ggml_n_dims``: leading 1s of the
+    numpy shape do not count)."""
+    dims = len(shape) - next((i for i, d in enumerate(shape) if d != 1), len(shape))
+    if (leave_output and name == "output.weight") or name in ("position_embd.weight", "token_types.weight"):
         return False
     return dims >= 2 and name.endswith("weight") and "_norm.weight" not in name and not any(k in name for k in KEPT)
 
@@ -146,7 +149,7 @@ class Mixer:
     def choose(self, name: str, shape: tuple[int, ...], current: str) -> str:
         """The GGML type (by name) of tensor ``name`` (numpy shape order: the row last), stored
         as ``current`` in the 16-bit GGUF; called once per tensor, in file order."""
-        if not _quantizable(name, len(shape), self.leave_output):
+        if not _quantizable(name, shape, self.leave_output):
             return current
         cat = _category(name)
         if self.embedding_type is not None and cat == "token_embd":
