@@ -94,3 +94,9 @@ def test_unreadable_imatrix_is_one_line(blob: bytes, tmp_path: Path) -> None:
     bad.write_bytes(blob)
     _refused(tmp_path, r"^[^\n]*bad.imatrix: ", imatrix=bad)
     _refused(tmp_path, r"^--imatrix .*absent.dat: cannot read it", imatrix=tmp_path / "absent.dat")
+
+
+def test_q8_0_in_llama_quantize_s_spelling_is_the_converter_s(tmp_path: Path) -> None:
+    convert(SRC, tmp_path / "upper.gguf", ConvertOptions("gguf", dtype="Q8_0"))
+    convert(SRC, tmp_path / "lower.gguf", ConvertOptions("gguf", dtype="q8_0"))
+    assert (tmp_path / "upper.gguf").read_bytes() == (tmp_path / "lower.gguf").read_bytes()
