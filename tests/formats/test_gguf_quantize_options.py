@@ -43,11 +43,15 @@ def _refused(tmp_path: Path, match: str, error: type[Exception] = CkptkitError, 
 def test_cli_passes_the_options(tmp_path: Path) -> None:
     out = tmp_path / "m.gguf"
     args = ["convert", str(SRC), str(out), "--to", "gguf", "--dtype", "q4_0", "--quiet"]
-    res = CliRunner().invoke(app, [*args, "--output-tensor-type", "f16", "--token-embedding-type", "Q8_0", "--pure"])
+    res = CliRunner().invoke(app, [*args, "--token-embedding-type", "Q8_0", "--pure"])
     assert res.exit_code == 0, res.output
     types = {t.name: t.tensor_type.name for t in gguf_reader(out).tensors}  # type: ignore[attr-defined]
-    assert types["output.weight"] == "F16" and types["token_embd.weight"] == "Q8_0"
-    assert types["blk.1.ffn_down.weight"] == "Q4_0"  # --pure: no mix
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["output.weight"] == "Q4_0"  # --pure: not the output's Q6_K (Q8_0 for rows of 64)
+    res = CliRunner().invoke(app, [*args, "--output-tensor-type", "f16", "--leave-output-tensor", "--force"])
+    assert res.exit_code == 0, res.output
+    types = {t.name: t.tensor_type.name for t in gguf_reader(out).tensors}  # type: ignore[attr-defined]
+    assert types["output.weight"] == "BF16" and types["token_embd.weight"] == "Q4_0"  # left: the 16-bit type
 
 
 def test_options_need_a_llama_quantize_type(tmp_path: Path) -> None:
