@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, ParamSpec
 from ckptkit.checkpoint import Checkpoint, open_checkpoint, tokenizer_from
 from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat
-from ckptkit.formats.gguf.mix import FILE_TYPES, quantize_type
+from ckptkit.formats.base import QuantOptions
+from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, ggml_type, quantize_type
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.formats.writers import Job, TensorWriter
 from ckptkit.io import (
@@ -269,6 +270,19 @@ def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
     ckpt.notes.append(note(fact))
 
 
+def check_quant_options(quant: QuantOptions, dtype: str | None) -> None:
+    """llama-quantize's options go with ``--to gguf --dtype`` one of its types; the GGML types
+    they name must be ones ckptkit writes."""
+    given = quant.given()
+    if given and quantize_type(dtype) is None:
+        names = ", ".join(n for n in FILE_TYPES if n not in CONVERTER_NAMES)
+        raise FlagError(f"{given[0]} applies with --to gguf --dtype one of llama-quantize's types ({names})")
+    if quant.output_tensor_type is not None:
+        ggml_type(quant.output_tensor_type, "--output-tensor-type")
+    if quant.token_embedding_type is not None:
+        ggml_type(quant.token_embedding_type, "--token-embedding-type")
+
+
 @dataclass
 class ConvertOptions:
     """What a conversion is asked (the CLI's ``convert`` builds one from its options).
@@ -281,7 +295,8 @@ class ConvertOptions:
     base checkpoint; ``on_verify`` receives ``--verify``'s report; ``tokenizer``
     (``--tokenizer``) gives the tokenizer files, in place of the source's own (see
     :func:`~ckptkit.checkpoint.tokenizer_from`); ``gguf_pre`` (``--gguf-pre``, ``--to gguf``
-    only) names the pre-tokenizer of a byte-level BPE tokenizer llama.cpp does not recognise.
+    only) names the pre-tokenizer of a byte-level BPE tokenizer llama.cpp does not recognise;
+    ``quant``: llama-quantize's options (``--imatrix`` ...), with a ``--dtype`` of its types.
     """
 
     to: str
@@ -302,11 +317,19 @@ class ConvertOptions:
     base: str | Path | None = None
     tokenizer: str | Path | None = None
     gguf_pre: str | None = None
+    quant: QuantOptions = field(default_factory=QuantOptions)
 
     def plan_options(self) -> Options:
         """What the target format plans from."""
         return Options(
-            self.to, self.dtype, self.shards, self.max_shard_size, self.allow_lossy_cast, self.experts, self.gguf_pre
+            self.to,
+            self.dtype,
+            self.shards,
+            self.max_shard_size,
+            self.allow_lossy_cast,
+            self.experts,
+            self.gguf_pre,
+            self.quant,
         )
 
 
@@ -353,6 +376,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
         raise FlagError("--shards must be at least 1")
     check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
     check_gguf_pre(fmt, o.gguf_pre)
+    check_quant_options(o.quant, o.dtype if fmt.name == "gguf" else None)
     if src.is_dir() and is_adapter_folder(src):
         return convert_adapter(src, dst, fmt, o)
     if o.base is not None and src.exists():

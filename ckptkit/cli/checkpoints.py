@@ -195,10 +195,44 @@ def convert(
             "byte-level BPE tokenizer llama.cpp does not recognise (an edited one); a wrong NAME lists them.",
         ),
     ] = None,
+    imatrix: Annotated[
+        Path | None,
+        typer.Option(
+            "--imatrix",
+            metavar="FILE",
+            help="With --to gguf --dtype Q4_K_M etc.: llama.cpp's importance matrix (GGUF or legacy .dat), as "
+            "llama-quantize --imatrix uses it.",
+        ),
+    ] = None,
+    output_tensor_type: Annotated[
+        str | None,
+        typer.Option(
+            "--output-tensor-type",
+            metavar="GGML_TYPE",
+            help="With --dtype Q4_K_M etc.: output.weight's GGML type (as llama-quantize's option).",
+        ),
+    ] = None,
+    token_embedding_type: Annotated[
+        str | None,
+        typer.Option(
+            "--token-embedding-type",
+            metavar="GGML_TYPE",
+            help="With --dtype Q4_K_M etc.: token_embd.weight's GGML type (as llama-quantize's option).",
+        ),
+    ] = None,
+    pure: Annotated[
+        bool,
+        typer.Option("--pure", help="With --dtype Q4_K_M etc.: no mix, every quantized tensor the type's own."),
+    ] = False,
+    leave_output_tensor: Annotated[
+        bool,
+        typer.Option("--leave-output-tensor", help="With --dtype Q4_K_M etc.: output.weight left unquantized."),
+    ] = False,
 ) -> None:
     """Convert SRC to DST in another format, streaming one tensor at a time (SRC may be a LoRA adapter: see --base)."""
     from ckptkit.convert import COMPUTED, ConvertOptions
     from ckptkit.convert import convert as run_convert
+    from ckptkit.formats.base import QuantOptions
 
     start = time.perf_counter()
     reports: list[Report] = []
@@ -222,6 +256,13 @@ def convert(
             base=base,
             tokenizer=tokenizer,
             gguf_pre=gguf_pre,
+            quant=QuantOptions(
+                None if imatrix is None else str(imatrix),
+                output_tensor_type,
+                token_embedding_type,
+                pure,
+                leave_output_tensor,
+            ),
         )
         result = run_convert(src, dst, opts)
     if json_out:

@@ -41,6 +41,30 @@ class TensorReader(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class QuantOptions:
+    """llama-quantize's options for a ``--dtype Q4_K_M``-style GGUF: ``--imatrix FILE``,
+    ``--output-tensor-type``, ``--token-embedding-type`` (GGML type names), ``--pure``,
+    ``--leave-output-tensor``."""
+
+    imatrix: str | Path | None = None
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    pure: bool = False
+    leave_output_tensor: bool = False
+
+    def given(self) -> list[str]:
+        """The flags set, as the CLI spells them."""
+        flags = {
+            "--imatrix": self.imatrix is not None,
+            "--output-tensor-type": self.output_tensor_type is not None,
+            "--token-embedding-type": self.token_embedding_type is not None,
+            "--pure": self.pure,
+            "--leave-output-tensor": self.leave_output_tensor,
+        }
+        return [flag for flag, on in flags.items() if on]
+
+
 @dataclass
 class Options:
     """What the user asked of a conversion."""
@@ -52,6 +76,7 @@ class Options:
     allow_lossy_cast: bool = False  # let --dtype overflow values to inf
     experts: str | None = None  # MoE experts on disk: "per-expert" or "stacked" (None: as the source)
     gguf_pre: str | None = None  # GGUF's tokenizer.ggml.pre for a BPE tokenizer llama.cpp does not recognise
+    quant: QuantOptions = field(default_factory=QuantOptions)  # llama-quantize's options (GGUF)
 
 
 @dataclass

@@ -35,7 +35,13 @@ STUBS = """
 #include <stddef.h>
 #include <stdint.h>
 void ggml_abort(const char * file, int line, const char * fmt, ...) { abort(); }
-size_t ggml_row_size(int type, int64_t ne) { abort(); }
+size_t ggml_row_size(int type, int64_t ne) {  /* the types whose quantize_<type> is called */
+    switch (type) {
+        case 2: return ne / 32 * 18; case 3: return ne / 32 * 20; case 6: return ne / 32 * 22;
+        case 7: return ne / 32 * 24; case 12: return ne / 256 * 144; case 13: return ne / 256 * 176;
+        case 14: return ne / 256 * 210; default: abort();
+    }
+}
 const char * ggml_type_name(int type) { abort(); }
 size_t ggml_type_size(int type) { abort(); }
 """
@@ -53,7 +59,7 @@ ENTRY_POINT = ("IQ4_NL",)
 def ggml_quants_lib() -> ctypes.CDLL:
     """The compiled reference (built once into the cache)."""
     root = cache_dir() / f"llama-cpp-{LLAMA_CPP_PYTHON}" / "ggml-quants"
-    lib = root / "libggml-quants-ref.so"
+    lib = root / "libggml-quants-ref-2.so"  # -2: ggml_row_size for the weighted quantize_<type>
     with _cache_lock():
         if not lib.is_file():
             _build(root, lib)
@@ -79,6 +85,20 @@ def _build(root: Path, lib: Path) -> None:
     subprocess.run([*cmd, str(src / "ggml-quants.c"), str(staging / "stubs.c"), "-lm"], check=True, timeout=900)
     os.replace(out, lib)
     shutil.rmtree(staging)
+
+
+def weighted_reference(kind: str, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``quantize_<kind>`` of float32 rows ``x`` (n, columns) with imatrix ``weights`` (columns,),
+    as llama-quantize calls it given an imatrix: the blocks ``(n * columns / block, bytes)``."""
+    per, size = BLOCKS[kind]
+    x = np.ascontiguousarray(x, np.float32)
+    w = np.ascontiguousarray(weights, np.float32)
+    out = np.zeros((x.size // per, size), np.uint8)
+    fn = getattr(ggml_quants_lib(), f"quantize_{kind.lower().replace('_k', '_K')}")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_size_t
+    fn(x.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data)
+    return out
 
 
 def reference(kind: str, x: np.ndarray) -> np.ndarray:

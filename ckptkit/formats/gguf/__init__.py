@@ -22,7 +22,7 @@ from ckptkit.errors import CkptkitError, UnknownModel
 from ckptkit.formats.base import OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
 from ckptkit.formats.gguf import model
-from ckptkit.formats.gguf.mix import FILE_TYPES, quantize_type
+from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, quantize_type
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_int, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
 from ckptkit.formats.gguf.widened import file_dtype, narrowed, widened
@@ -178,7 +178,7 @@ class GGUFFormat(CheckpointFormat):
         layer_field="block_count",
         reads_file=True,  # SRC is one file
         file_suffix=".gguf",  # DST is one file, not a folder
-        extra_dtypes=("q8_0", *FILE_TYPES),
+        extra_dtypes=("q8_0", *(n for n in FILE_TYPES if n not in CONVERTER_NAMES)),
         takes_pre_tokenizer=True,
         lone_file=re.compile(r"(?s:.*)\.gguf"),
         writes_adapters=True,  # SRC may be a LoRA adapter: llama.cpp's LoRA GGUF (``plan_adapter``)

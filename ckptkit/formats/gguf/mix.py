@@ -1,39 +1,42 @@
 """llama-quantize's file types (``--dtype Q4_K_M``): which GGML type each tensor of the
-16-bit GGUF gets, in the order llama-quantize writes them, as its ``llama_tensor_get_type``
-chooses (no imatrix, no ``--pure``, no overrides).
+16-bit GGUF gets, in the order llama-quantize writes them, as ``llama_tensor_get_type``
+(``src/llama-quant.cpp``) chooses, with its options (:class:`~ckptkit.formats.base.QuantOptions`).
 
-The choice: tensors it never quantizes (under 2-D, norms, routers, not ``*weight``) keep
-their 16-bit type; ``output.weight`` (and a tied ``token_embd.weight``) gets Q6_K, or Q8_0
-when its rows do not split into the file type's blocks; the ``_M`` / ``_S`` mixes give more
-bits to some layers' ``attn_v`` and ``ffn_down`` (counted in file order), and the 8-expert
-rules; a type whose block does not divide a row falls back (Q4_K -> Q5_0, Q5_K -> Q5_1,
-Q6_K -> Q8_0, then F16). File order: tensors outside blocks by name, then block by block,
-names sorted inside a block.
+The choice: tensors it never quantizes (under 2-D, norms, routers, not ``*weight``, and
+``output.weight`` with ``--leave-output-tensor``) keep their 16-bit type;
+``--token-embedding-type`` / ``--output-tensor-type`` name those tensors' types outright;
+otherwise ``--pure`` gives every tensor the file type's, else the mix rules pick: the output
+(and a tied ``token_embd``) Q6_K, or Q8_0 when its rows do not split into the file type's
+blocks; the ``_S`` / ``_M`` / ``_L`` mixes give more bits to some layers' ``attn_v`` /
+``ffn_down`` / ``attn_output`` (counted in file order, by block number for MoE models); the
+grouped-query, 8-expert, 70B and imatrix rules. Last, a type whose block does not divide a
+row falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K / TQ -> Q4_0,
+IQ4_XS -> IQ4_NL), then to F16. File order: tensors outside blocks by name, then block by
+block, names sorted inside a block.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import CkptkitError
 
 # llama-quantize's name -> (general.file_type, the type most tensors get)
 FILE_TYPES: dict[str, tuple[int, str]] = {
-    "Q4_0": (2, "Q4_0"),
-    "Q4_1": (3, "Q4_1"),
-    "Q5_0": (8, "Q5_0"),
-    "Q5_1": (9, "Q5_1"),
-    "Q4_K_S": (14, "Q4_K"),
-    "Q4_K_M": (15, "Q4_K"),
-    "Q5_K_S": (16, "Q5_K"),
-    "Q5_K_M": (17, "Q5_K"),
-    "Q6_K": (18, "Q6_K"),
-}
-NOT_YET = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS")
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+    "Q4_0": (2, "Q4_0"), "Q4_1": (3, "Q4_1"), "Q5_0": (8, "Q5_0"), "Q5_1": (9, "Q5_1"), "Q8_0": (7, "Q8_0"),
+    "Q2_K": (10, "Q2_K"), "Q3_K_S": (11, "Q3_K"), "Q3_K_M": (12, "Q3_K"), "Q3_K_L": (13, "Q3_K"),
+    "Q4_K_S": (14, "Q4_K"), "Q4_K_M": (15, "Q4_K"), "Q5_K_S": (16, "Q5_K"), "Q5_K_M": (17, "Q5_K"),
+    "Q6_K": (18, "Q6_K"), "IQ4_NL": (25, "IQ4_NL"), "IQ4_XS": (30, "IQ4_XS"), "TQ1_0": (36, "TQ1_0"),
+    "TQ2_0": (37, "TQ2_0"),
+}  # fmt: skip
+# names --dtype keeps for llama.cpp's converter (convert_hf_to_gguf --outtype q8_0)
+CONVERTER_NAMES = ("Q8_0",)
+FALLBACK = {
+    "Q2_K": "Q4_0", "Q3_K": "Q4_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL",
+}  # fmt: skip
 # names llama-quantize never quantizes, besides norms and tensors under 2-D
 KEPT = (
     "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel", "per_layer_model_proj", "ssm_conv1d",
@@ -44,20 +47,49 @@ KEPT = (
     "time_mix_a1.weight", "time_mix_a2.weight", "time_mix_g1.weight", "time_mix_g2.weight",
     "time_mix_decay_w1.weight", "time_mix_decay_w2.weight", "time_mix_lerp_fused.weight",
 )  # fmt: skip
+UNQUANTIZED = ("F32", "F16", "BF16")
 _BLK = re.compile(r"blk\.(\d+)\.")
+
+
+def writable() -> set[str]:
+    """The GGML types ckptkit writes: the 16-bit ones, Q8_0 and those with an encoder."""
+    from ckptkit.formats.gguf.encoders import ENCODERS
+
+    return {*UNQUANTIZED, "Q8_0", *ENCODERS}
 
 
 def quantize_type(dtype: str | None) -> str | None:
     """The llama-quantize file type ``dtype`` names (any case), None for other dtypes; a
     llama-quantize name ckptkit cannot write yet is a one-line error."""
-    if dtype is None:
+    if dtype is None or dtype.upper() not in FILE_TYPES or dtype.upper() in CONVERTER_NAMES:
         return None
     name = dtype.upper()
-    if name in FILE_TYPES:
-        return name
-    if name in NOT_YET:
-        raise CkptkitError(f"--dtype {dtype}: not yet supported (ckptkit writes {', '.join(FILE_TYPES)} and q8_0)")
-    return None
+    if FILE_TYPES[name][1] not in writable():
+        can = [n for n, (_, kind) in FILE_TYPES.items() if kind in writable() and n not in CONVERTER_NAMES]
+        raise CkptkitError(f"--dtype {dtype}: not yet supported (ckptkit writes {', '.join(can)} and q8_0)")
+    return name
+
+
+def ggml_type(value: str, flag: str) -> str:
+    """The GGML type ``value`` names (any case, as llama-quantize's ``parse_ggml_type``) for
+    ``flag``; an unknown name, or one ckptkit does not write, is a one-line error."""
+    import gguf
+
+    names = {t.name.upper(): t.name for t in gguf.GGMLQuantizationType}
+    kind = names.get(value.upper())
+    if kind is None:
+        raise CkptkitError(f"{flag} {value}: not a GGML type ({', '.join(sorted(writable()))} are written)")
+    if kind not in writable():
+        raise CkptkitError(f"{flag} {value}: ckptkit does not write {kind} yet ({', '.join(sorted(writable()))})")
+    return kind
+
+
+def block(kind: str) -> int:
+    """Values per block of GGML type ``kind``."""
+    import gguf
+
+    size: int = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    return size
 
 
 def file_order(names: list[str]) -> list[str]:
@@ -70,7 +102,12 @@ def file_order(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def _quantizable(name: str, dims: int) -> bool:
+def _quantizable(name: str, shape: tuple[int, ...], leave_output: bool) -> bool:
+    """llama-quantize's ``tensor_allows_quantization`` (``ggml_n_dims``: leading 1s of the
+    numpy shape do not count)."""
+    dims = len(shape) - next((i for i, d in enumerate(shape) if d != 1), len(shape))
+    if (leave_output and name == "output.weight") or name in ("position_embd.weight", "token_types.weight"):
+        return False
     return dims >= 2 and name.endswith("weight") and "_norm.weight" not in name and not any(k in name for k in KEPT)
 
 
@@ -79,71 +116,147 @@ def _more_bits(i: int, n: int) -> bool:
 
 
 @dataclass
+class ModelFacts:
+    """What llama-quantize's rules read of the model besides tensor names."""
+
+    arch: str
+    n_layer: int  # block count
+    n_expert: int = 0
+    n_gqa: int = 1  # heads over KV heads
+    is_70b: bool = False
+
+
+@dataclass
 class Mixer:
-    """The per-tensor choice for file type ``ftype`` over one model's tensors (in file order)."""
+    """The per-tensor choice for file type ``ftype`` over one model's tensors (in file order),
+    with llama-quantize's options (output / token embedding types, pure, leave output, imatrix)."""
 
     ftype: str
     names: list[str]
-    n_layer: int
-    n_expert: int = 0
-    is_70b: bool = False
+    model: ModelFacts
+    output_type: str | None = None
+    embedding_type: str | None = None
+    pure: bool = False
+    leave_output: bool = False
+    has_imatrix: bool = False
+    counters: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.default = FILE_TYPES[self.ftype][1]
         self.n_attn_v = sum(1 for n in self.names if _category(n) in ("attn_v", "attn_qkv", "attn_kv_b"))
         self.tied = "output.weight" not in self.names
-        self.i_attn_v = self.i_ffn_down = 0
 
     def choose(self, name: str, shape: tuple[int, ...], current: str) -> str:
         """The GGML type (by name) of tensor ``name`` (numpy shape order: the row last), stored
         as ``current`` in the 16-bit GGUF; called once per tensor, in file order."""
-        if not _quantizable(name, len(shape)):
+        if not _quantizable(name, shape, self.leave_output):
             return current
-        return _fallback(self._mixed(name, shape[-1]), shape[-1])
+        cat = _category(name)
+        if self.embedding_type is not None and cat == "token_embd":
+            return self.embedding_type
+        if self.output_type is not None and cat == "output":
+            return self.output_type
+        kind = self.default if self.pure else self._mixed(name, cat, shape[-1])
+        return _fallback(kind, shape[-1])
 
-    def _mixed(self, name: str, ncols: int) -> str:
-        ft, new, cat = self.ftype, self.default, _category(name)
+    def _count(self, what: str) -> int:
+        i = self.counters.get(what, 0)
+        self.counters[what] = i + 1
+        return i
+
+    def _layer(self, what: str, name: str) -> tuple[int, int]:
+        """llama-quantize's ``layer_info``: the ``what`` counter, or the block number of a MoE model's tensor."""
+        i, n = self._count(what), self.model.n_layer
+        if self.model.n_expert > 1:
+            m = _BLK.match(name)
+            if m is None or not 0 <= int(m.group(1)) < n:
+                raise CkptkitError(f"cannot tell the layer of tensor {name}")
+            i = int(m.group(1))
+        return i, n
+
+    def _mixed(self, name: str, cat: str, ncols: int) -> str:
+        ft, new, m = self.ftype, self.default, self.model
         if cat == "output" or (self.tied and cat == "token_embd"):
-            if ncols % BLOCK[new]:
+            if self.output_type is not None:
+                return self.output_type
+            if m.arch == "falcon" or ncols % block(new):
                 return "Q8_0"
             return "Q6_K" if new != "Q8_0" else new
         if cat == "token_embd":
-            return new
+            return "Q4_K" if ft in ("TQ1_0", "TQ2_0") else new
         if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
-            if ft in ("Q4_K_M", "Q5_K_M") and _more_bits(self.i_attn_v, self.n_attn_v):
-                new = "Q6_K"
-            elif ft == "Q4_K_S" and self.i_attn_v < 4:
-                new = "Q5_K"
-            if self.is_70b and new == "Q4_K":
-                new = "Q5_K"
-            if self.n_expert == 8:
-                new = "Q8_0"
-            self.i_attn_v += 1
-        elif cat == "attn_k":
-            if self.n_expert == 8:
-                new = "Q8_0"
-        elif cat == "ffn_down":
-            layer = self.i_ffn_down
-            if self.n_expert > 1:
-                m = _BLK.match(name)
-                if m is None or not 0 <= int(m.group(1)) < self.n_layer:
-                    raise CkptkitError(f"cannot tell the layer of tensor {name}")
-                layer = int(m.group(1))
-            if ft in ("Q4_K_M", "Q5_K_M") and _more_bits(layer, self.n_layer):
-                new = "Q6_K"
-            elif ft == "Q4_K_S" and layer < self.n_layer // 8:
-                new = "Q5_K"
-            self.i_ffn_down += 1
-        elif cat == "attn_output" and self.n_expert == 8 and ft in ("Q4_K_S", "Q4_K_M"):
-            new = "Q5_K"
+            return self._attn_v(new)
+        if cat == "attn_k":
+            return "Q8_0" if m.n_expert == 8 else new
+        if cat == "ffn_down":
+            return self._ffn_down(name, new)
+        if cat == "attn_output":
+            return self._attn_output(new)
+        if cat in ("ffn_gate", "ffn_up"):
+            self._layer(cat, name)
         return new
+
+    def _attn_v(self, new: str) -> str:
+        ft, m, i = self.ftype, self.model, self.counters.get("attn_v", 0)
+        if ft == "Q2_K":
+            new = "Q4_K" if m.n_gqa >= 4 else "Q3_K"
+        elif ft == "Q3_K_M":
+            new = "Q5_K" if i < 2 else "Q4_K"
+        elif ft == "Q3_K_L":
+            new = "Q5_K"
+        elif ft in ("IQ4_NL", "IQ4_XS") and m.n_gqa >= 4:
+            new = "Q5_K"
+        elif ft in ("Q4_K_M", "Q5_K_M") and _more_bits(i, self.n_attn_v):
+            new = "Q6_K"
+        elif ft == "Q4_K_S" and i < 4:
+            new = "Q5_K"
+        if m.is_70b and new in ("Q3_K", "Q4_K"):
+            new = "Q5_K"
+        if m.n_expert == 8:
+            new = "Q8_0"
+        self._count("attn_v")
+        return new
+
+    def _ffn_down(self, name: str, new: str) -> str:
+        ft, m = self.ftype, self.model
+        i, n = self._layer("ffn_down", name)
+        falcon = m.arch == "falcon"
+        if ft == "Q2_K":
+            new = "Q3_K"
+        elif ft == "Q3_K_M":
+            new = "Q5_K" if i < n // 16 else "Q4_K" if not falcon or _more_bits(i, n) else "Q3_K"
+        elif ft == "Q3_K_L":
+            new = "Q4_K" if falcon else "Q5_K"
+        elif ft == "Q4_K_M":
+            if falcon:
+                new = "Q6_K" if i < n // 16 else "Q5_K" if _more_bits(i, n) else "Q4_K"
+            elif _more_bits(i, n):
+                new = "Q6_K"
+        elif i < n // 8 and ft in ("IQ4_NL", "IQ4_XS") and not self.has_imatrix:
+            new = "Q5_K"
+        elif ft == "Q5_K_M" and _more_bits(i, n):
+            new = "Q6_K"
+        elif ft == "Q4_K_S" and not falcon and i < n // 8:
+            new = "Q5_K"
+        elif ft in ("Q4_0", "Q5_0") and self.has_imatrix and i < n // 8:
+            new = "Q4_1" if ft == "Q4_0" else "Q5_1"
+        return new
+
+    def _attn_output(self, new: str) -> str:
+        ft, m = self.ftype, self.model
+        if m.arch == "falcon":
+            return "Q4_K" if ft == "Q3_K_L" else new
+        if m.n_expert == 8:
+            eight = ("Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ4_XS")
+            return "Q5_K" if ft in eight else new
+        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(ft, new)
 
 
 def _fallback(kind: str, ncols: int) -> str:
-    if ncols % BLOCK[kind] == 0:
+    if kind in UNQUANTIZED or ncols % block(kind) == 0:
         return kind
     kind = FALLBACK.get(kind, kind)
-    return kind if ncols % BLOCK[kind] == 0 else "F16"
+    return kind if ncols % block(kind) == 0 else "F16"
 
 
 def _category(name: str) -> str:
@@ -158,6 +271,13 @@ def _category(name: str) -> str:
         if cat in name:
             return cat
     return "other"
+
+
+def model_facts(arch: str, hparams: dict[str, Any], n_expert: int) -> ModelFacts:
+    """llama-quantize's view of the model: block count, experts, GQA ratio, 70B."""
+    heads = hparams.get("num_attention_heads") or 0
+    kv = hparams.get("num_key_value_heads") or heads
+    return ModelFacts(arch, hparams["num_hidden_layers"], n_expert, heads // kv if kv else 0, is_70b(arch, hparams))
 
 
 def is_70b(arch: str, hparams: dict[str, Any]) -> bool:

@@ -32,7 +32,9 @@ QK_K = 256
 Q8_BLOCKS = 4096  # Q8_0 blocks quantized per pass: 512 KiB of float32, in cache
 
 
-def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None) -> Iterator[bytes]:
+def quantized_chunks(
+    t: torch.Tensor, qtype: Any, checked_as: str | None = None, weights: np.ndarray | None = None
+) -> Iterator[bytes]:
     """The GGML bytes of ``t`` as llama.cpp makes them (anything but float16/float32 cast to
     float32, then the ``gguf`` package's quantization), a block of whole rows at a time: row
     blocks quantize independently and the cast is per element, so the bytes are those of
@@ -40,11 +42,14 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
     as the package's rounding quiets them (no float32 copy, no rounding to do). With
     ``checked_as`` (the tensor's name), a cast to F16 / BF16 that overflows a value is a
     one-line error naming it, and its underflows are counted for the conversion's note
-    (:func:`~ckptkit.tensors.casting.checked_cast`)."""
+    (:func:`~ckptkit.tensors.casting.checked_cast`). ``weights`` (imatrix, ``(experts, columns)``):
+    a type of :data:`~ckptkit.formats.gguf.weighted.WEIGHTED` quantized row by row with them."""
     import gguf
+    import numpy as np
     import torch
 
     from ckptkit.formats.gguf.encoders import ENCODERS
+    from ckptkit.formats.gguf.weighted import WEIGHTED
 
     if t.dim() == 0:
         t = t.reshape(1)
@@ -61,7 +66,11 @@ def quantized_chunks(t: torch.Tensor, qtype: Any, checked_as: str | None = None)
             checked_cast(chunk, target, checked_as, "", allow_lossy=False)
         if chunk.dtype not in (torch.float16, torch.float32):
             chunk = chunk.to(torch.float32)
-        if qtype == gguf.GGMLQuantizationType.Q8_0:
+        if weights is not None and (weighted := WEIGHTED.get(gguf.GGMLQuantizationType(qtype).name)) is not None:
+            per = rows.shape[0] // weights.shape[0]
+            row_weights = weights[np.arange(start, start + len(chunk)) // per]
+            yield weighted(chunk.numpy().astype(np.float32), row_weights).tobytes()
+        elif qtype == gguf.GGMLQuantizationType.Q8_0:
             yield quantize_q8_0(chunk.numpy().reshape(-1, 32)).tobytes()
         elif gguf.GGMLQuantizationType(qtype).name in ENCODERS:
             yield encode_blocks(gguf.GGMLQuantizationType(qtype).name, chunk.numpy()).tobytes()

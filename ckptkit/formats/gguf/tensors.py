@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
+from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view
-from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, is_70b, quantize_type
+from ckptkit.formats.gguf.imatrix import Imatrix
+from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, ggml_type, model_facts, quantize_type, writable
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.registry import find_format, transformers_format
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import experts
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ckptkit.formats.base import OpenedCheckpoint
@@ -46,6 +49,7 @@ class GGUFTensor:
     make: Callable[[], torch.Tensor]  # transformed, in the stored dtype (or float32), not yet quantized
     source: Lazy | None = None  # the source tensor, when the transform is at most a Q/K permutation
     heads: int | None = None  # the heads of that permutation
+    weights: np.ndarray | None = None  # imatrix weights (experts, columns) of a weighted quantization
 
     @property
     def nbytes(self) -> int:
@@ -239,10 +243,17 @@ def gguf_name(tmap: Any, hf_name: str) -> str | None:
     return found
 
 
-def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | None) -> tuple[list[GGUFTensor], Any]:
+def model_tensors(
+    ckpt: OpenedCheckpoint,
+    hparams: dict[str, Any],
+    dtype: str | None,
+    quant: QuantOptions | None = None,
+    imatrix: Imatrix | None = None,
+) -> tuple[list[GGUFTensor], Any]:
     """The output tensors in llama.cpp's order, with the file type. A llama-quantize type
     (``Q4_K_M``): the converter's 16-bit tensors (``--outtype auto``) retyped and reordered
-    as llama-quantize does (:mod:`~ckptkit.formats.gguf.mix`), with its file type."""
+    as llama-quantize does with ``quant``'s options and ``imatrix`` (its file, loaded)
+    (:mod:`~ckptkit.formats.gguf.mix`), with its file type."""
     import gguf
 
     quantized = quantize_type(dtype)
@@ -250,7 +261,8 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         base, _ = model_tensors(ckpt, hparams, None)
         spec = spec_of(ckpt.family, ckpt.path)
         moe = experts(ckpt.config)
-        mixed = requantized(base, quantized, spec.arch, hparams, moe.num_experts if moe else 0)
+        facts = model_facts(spec.arch, hparams, moe.num_experts if moe else 0)
+        mixed = requantized(base, quantized, facts, quant or QuantOptions(), imatrix)
         return mixed, gguf.LlamaFileType(FILE_TYPES[quantized][0])
 
     spec = spec_of(ckpt.family, ckpt.path)
@@ -341,27 +353,56 @@ def _kv_b_split(tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], ft
     return out
 
 
+def mixed_types(
+    base: list[GGUFTensor], ftype: str, facts: Any, opts: QuantOptions, has_imatrix: bool
+) -> list[tuple[GGUFTensor, str]]:
+    """``base`` (the 16-bit GGUF's tensors) in llama-quantize's order, each with the GGML type
+    (by name) it gives them for ``ftype`` and ``opts``, whether ckptkit writes it or not."""
+    import gguf
+
+    by_name = {t.name: t for t in base}
+    order = file_order(list(by_name))
+    out_type = opts.output_tensor_type and ggml_type(opts.output_tensor_type, "--output-tensor-type")
+    embd_type = opts.token_embedding_type and ggml_type(opts.token_embedding_type, "--token-embedding-type")
+    mixer = Mixer(ftype, order, facts, out_type, embd_type, opts.pure, opts.leave_output_tensor, has_imatrix)
+    kind = gguf.GGMLQuantizationType
+    return [(by_name[n], mixer.choose(n, by_name[n].shape, kind(by_name[n].qtype).name)) for n in order]
+
+
 def requantized(
-    base: list[GGUFTensor], ftype: str, arch: str, hparams: dict[str, Any], n_expert: int
+    base: list[GGUFTensor], ftype: str, facts: Any, opts: QuantOptions, imatrix: Imatrix | None
 ) -> list[GGUFTensor]:
-    """``base`` (the 16-bit GGUF's tensors) in llama-quantize's order with its types for
-    ``ftype``; a retyped tensor is quantized from its 16-bit values."""
+    """``base`` as llama-quantize writes it (:func:`mixed_types`); a retyped tensor is
+    quantized from its 16-bit values, weighted by ``imatrix`` where it has the tensor's entry."""
     import gguf
 
     q = gguf.GGMLQuantizationType
-    by_name = {t.name: t for t in base}
-    order = file_order(list(by_name))
-    layers = hparams["num_hidden_layers"]
-    mixer = Mixer(ftype, order, layers, n_expert, is_70b(arch, hparams))
     out: list[GGUFTensor] = []
-    for name in order:
-        t = by_name[name]
-        kind = q[mixer.choose(name, t.shape, q(t.qtype).name)]
+    for t, chosen in mixed_types(base, ftype, facts, opts, imatrix is not None):
+        if chosen not in writable():
+            made = f"llama-quantize makes {t.name} {chosen}"
+            raise CkptkitError(f"--dtype {ftype}: {made}, which ckptkit does not write yet")
+        kind = q[chosen]
         if kind == t.qtype:
             out.append(t)
         else:
-            out.append(GGUFTensor(name, t.shape, kind, _stored_as(t.make, q(t.qtype).name)))
+            out.append(GGUFTensor(t.name, t.shape, kind, _stored_as(t.make, q(t.qtype).name)))
+    if imatrix is not None:
+        _weigh(out, {t.name: t for t in base}, imatrix)
     return out
+
+
+def _weigh(out: list[GGUFTensor], base: dict[str, GGUFTensor], imatrix: Imatrix) -> None:
+    """Give the quantized tensors of ``out`` their ``imatrix`` weights (checked to be this model's)."""
+    from ckptkit.formats.gguf.weighted import WEIGHTED
+
+    retyped = [t for t in out if t.qtype != base[t.name].qtype]
+    imatrix.check({t.name: t.shape for t in retyped})
+    for t in retyped:
+        t.weights = imatrix.weights(t.name, t.shape)
+        kind = type(t.qtype)(t.qtype).name
+        if t.weights is not None and kind not in WEIGHTED and kind not in ("Q8_0", "F16", "BF16", "F32"):
+            raise CkptkitError(f"--imatrix: ckptkit does not write {kind} weighted by an imatrix yet ({t.name})")
 
 
 def _stored_as(make: Callable[[], torch.Tensor], kind: str) -> Callable[[], torch.Tensor]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
+from ckptkit.formats.gguf.imatrix import load_imatrix
 from ckptkit.formats.gguf.mix import quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
@@ -147,11 +148,11 @@ def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader, buffers: ChunkBuff
     an error naming ``t``)."""
     import gguf
 
-    if t.source is not None:
+    if t.source is not None and t.weights is None:
         chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads, reader, buffers)
         if chunks is not None:
             return chunks
-    return quantized_chunks(t.make(), t.qtype, t.name if checked else None)
+    return quantized_chunks(t.make(), t.qtype, t.name if checked else None, t.weights)
 
 
 def planned_writer(arch: str, tensors: list[GGUFTensor]) -> gguf.GGUFWriter:
@@ -166,9 +167,10 @@ def planned_writer(arch: str, tensors: list[GGUFTensor]) -> gguf.GGUFWriter:
     return w
 
 
-def last_keys(w: Any, ftype: Any) -> None:
+def last_keys(w: Any, ftype: Any, extra: list[tuple[str, Any]]) -> None:
     """llama-quantize's header: the 16-bit GGUF's keys, less ``general.quantization_version``
-    and ``general.file_type``, which come last (set again, in that order)."""
+    and ``general.file_type``, which come last (set again, in that order), then ``extra``
+    (its imatrix keys: strings, or integers written as uint32)."""
     import gguf
 
     kv = w.kv_data[0]
@@ -176,6 +178,12 @@ def last_keys(w: Any, ftype: Any) -> None:
         kv.pop(key, None)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(int(ftype))
+    for key, value in extra:
+        kv.pop(key, None)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
 
 
 def add_model_card(w: Any, folder: Path, fallback_name: str) -> None:
@@ -308,7 +316,7 @@ class GGUFFileWriter(FileWriter):
         """``tensor`` converted to the tensor's GGML type (a narrowing cast checked if asked)."""
         offset, _ = self._places[name]
         t = self._tensors[name]
-        for chunk in quantized_chunks(tensor, t.qtype, name if self._checked else None):
+        for chunk in quantized_chunks(tensor, t.qtype, name if self._checked else None, t.weights):
             self._out.write(chunk, offset)
             offset += memoryview(chunk).nbytes
         self._done(name, None)
@@ -365,7 +373,10 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     dtype = opts.dtype if same is None else kept_dtype(same["file_type"])
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
-    tensors, ftype = model_tensors(ckpt, hparams, dtype)
+    imatrix = None
+    if opts.quant.imatrix is not None and quantize_type(dtype) is not None:
+        imatrix = load_imatrix(opts.quant.imatrix)
+    tensors, ftype = model_tensors(ckpt, hparams, dtype, opts.quant, imatrix)
     if same is not None:
         ckpt.notes.extend(keep_types(tensors, same["types"], ckpt.path))
     ckpt.notes.extend(_not_kept(hparams, spec))
@@ -380,6 +391,6 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
         pre, by = (opts.gguf_pre, ASKED) if opts.gguf_pre is not None else (recorded_pre(ckpt), RECORDED)
         ckpt.notes.extend(add_vocab(w, spec.vocab, folder, hparams, pre, by))
     if quantize_type(dtype) is not None:
-        last_keys(w, ftype)
+        last_keys(w, ftype, imatrix.metadata() if imatrix is not None else [])
     checked = dtype in NARROWING and not opts.allow_lossy_cast
     return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)

@@ -15,7 +15,12 @@ BLOCK, SIZE = 256, 176
 def encode(x: np.ndarray) -> np.ndarray:
     """The Q5_K bytes ``(n, 176)`` of float32 ``x`` (``n * 256`` values)."""
     n = x.size // BLOCK
-    d, dmin, scales, quants = super_blocks(x.reshape(n, BLOCK), 31, -0.5, 0.1, 15)
+    return pack(*super_blocks(x.reshape(n, BLOCK), 31, -0.5, 0.1, 15))
+
+
+def pack(d: np.ndarray, dmin: np.ndarray, scales: np.ndarray, quants: np.ndarray) -> np.ndarray:
+    """The Q5_K blocks of the super-scales (n,), packed scales (n, 12) and quants (n, 256)."""
+    n = d.shape[0]
     q = quants.reshape(n, 4, 2, 32)
     qs = (q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)
     high = q >> 4  # (n, 4, 2, 32): bit 2k of qh[j] for quant 64k + j, bit 2k + 1 for 64k + 32 + j

@@ -81,15 +81,29 @@ def super_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: in
         ls = np.minimum(63, low_byte(nearest_int(inv_scale * scales)))
         lm = np.minimum(63, low_byte(nearest_int(inv_min * mins)))
         d, dmin = fp16(max_scale / f32(63)), fp16(max_min / f32(63))
-        sub_d = (d.astype(np.float32)[:, None] * ls.astype(np.float32)).reshape(-1)
-        sub_m = (dmin.astype(np.float32)[:, None] * lm.astype(np.float32)).reshape(-1)
-        again = np.clip(nearest_int((sub + sub_m) / sub_d), 0, nmax)
-    quants = np.where(sub_d != 0, again, quants).T.reshape(n, 256)
-    packed = np.empty((n, 12), np.int32)
-    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
+    packed, quants = requantized(sub, quants, d, dmin, ls, lm, nmax)
     return d, dmin, packed, quants
+
+
+def requantized(
+    sub: np.ndarray, quants: np.ndarray, d: np.ndarray, dmin: np.ndarray, ls: np.ndarray, lm: np.ndarray, nmax: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The last Q4_K / Q5_K steps: the sub-block scales ``ls`` and minimums ``lm`` (n, 8) packed
+    into 12 bytes, read back (``get_scale_min_k4``) and each value quantized again against them
+    (a sub-block of scale 0 keeps the search's ``quants`` (32, n * 8)): the packed (n, 12) and
+    the quants (n, 256), 0..nmax."""
+    n = d.shape[0]
+    packed = np.empty((n, 12), np.int32)
+    packed[:, 0:4] = (ls[:, :4] | ((ls[:, 4:] >> 4) << 6)) & 0xFF
+    packed[:, 4:8] = (lm[:, :4] | ((lm[:, 4:] >> 4) << 6)) & 0xFF
+    packed[:, 8:12] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
+    sc = np.concatenate([packed[:, 0:4] & 63, (packed[:, 8:12] & 0x0F) | ((packed[:, 0:4] >> 6) << 4)], axis=1)
+    m = np.concatenate([packed[:, 4:8] & 63, (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)], axis=1)
+    with np.errstate(all="ignore"):
+        sub_d = (d.astype(np.float32)[:, None] * sc.astype(np.float32)).reshape(-1)
+        sub_m = (dmin.astype(np.float32)[:, None] * m.astype(np.float32)).reshape(-1)
+        again = np.clip(nearest_int((sub + sub_m) / sub_d), 0, nmax)
+    return packed, np.where(sub_d != 0, again, quants).T.reshape(n, 256)
 
 
 def positive_max(v: np.ndarray) -> np.ndarray:
