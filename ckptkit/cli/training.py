@@ -136,7 +136,10 @@ def generate(
 @user_errors(stopped=NOTHING_WRITTEN)
 def merge(
     base: Annotated[
-        Path, typer.Argument(metavar="BASE", help="The base checkpoint the adapter was trained on (any format).")
+        Path,
+        typer.Argument(
+            metavar="BASE", help="The base checkpoint the adapter was trained on (any format; or a Hub repository)."
+        ),
     ],
     adapter: Annotated[
         Path, typer.Argument(metavar="ADAPTER", help="PEFT LoRA adapter directory, e.g. out/epoch_0/adapter.")
@@ -145,7 +148,9 @@ def merge(
     model_type: Annotated[str | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
 ) -> None:
     """Fold a LoRA adapter into its base: DST has the base's format, files and shards, merged weights."""
+    from ckptkit.hub import hub_source
     from ckptkit.train.export import merge_adapter_into_checkpoint
 
-    merge_adapter_into_checkpoint(base, adapter, dst, model_type)
+    with hub_source(base, model_type=model_type) as got:
+        merge_adapter_into_checkpoint(got.path, adapter, dst, model_type)
     err.print(f"wrote {dst} (the merged model)", highlight=False)
