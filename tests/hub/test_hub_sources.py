@@ -205,3 +205,13 @@ def test_offline_uses_the_filled_cache(hub: FakeHub, tmp_path: Path, monkeypatch
     same_files(tmp_path / "offline", tmp_path / "online")
     code, _, err = ckptkit("convert", "org/other", tmp_path / "none", "--to", "hf-bin")
     assert code == 1 and "HF_HUB_OFFLINE is set and the Hub cache" in err, err
+
+
+def test_the_trainer_takes_a_hub_base_by_name(hub: FakeHub) -> None:
+    from ckptkit.train.checkpointer import Checkpointer
+
+    everything(hub)
+    folder, repo_id = Checkpointer._local("org/llama2", None)
+    assert repo_id == "org/llama2"  # what PEFT's base_model_name_or_path will say
+    assert folder.parent.name == "snapshots" and sorted(p.name for p in folder.iterdir()) == HF_FILES
+    assert Checkpointer._local(str(HF), None) == (HF, "")
