@@ -215,3 +215,10 @@ def test_the_trainer_takes_a_hub_base_by_name(hub: FakeHub) -> None:
     assert repo_id == "org/llama2"  # what PEFT's base_model_name_or_path will say
     assert folder.parent.name == "snapshots" and sorted(p.name for p in folder.iterdir()) == HF_FILES
     assert Checkpointer._local(str(HF), None) == (HF, "")
+
+
+def test_verify_takes_hub_sources_streamed(hub: FakeHub) -> None:
+    everything(hub)
+    code, out, err = ckptkit("verify", "org/llama2", HF, "--stream")
+    assert code == 0 and out.startswith("IDENTICAL"), (out, err)
+    assert not (Path.cwd() / "hf-cache").exists()
