@@ -103,8 +103,8 @@ def hub_source(
         yield _with_path(done, root, selection)
         return
     with tempfile.TemporaryDirectory(prefix="ckptkit-hub-") as tmp:
-        root = Path(tmp) / ref.repo_id.replace("/", "--")
-        root.mkdir()
+        root = Path(tmp) / f"models--{ref.repo_id.replace('/', '--')}" / "snapshots" / listing.commit  # as cached
+        root.mkdir(parents=True)
         for name in selection.side:
             (root / name).write_bytes(_read_small(listing, prefix + name))
         openers: dict[Path, Callable[[], RangeFile]] = {

@@ -47,6 +47,8 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, Repo] = {}
         self.log: list[Request] = []
+        self.ignore_range = False  # answer 200 with the whole file to a Range request, as some proxies do
+        self.fail_api: int | None = None  # answer the model API with this status (a 5xx)
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -103,6 +105,8 @@ class FakeHub:
         path = unquote(url.path)
         self.log.append(Request(h.command, path, h.headers.get("Range")))
         if m := re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/([^/]+))?/?$", path):
+            if self.fail_api is not None:
+                return self._error(h, self.fail_api, "", "the Hub is down")
             return self._model_info(h, m.group(1), m.group(2) or "main")
         if m := re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path):
             return self._resolve(h, m.group(1), m.group(2), m.group(3), head)
@@ -173,7 +177,7 @@ class FakeHub:
         etag = hashlib.sha256(data).hexdigest() if repo.lfs(name) else _git_blob(data)
         served = data[: repo.short[name]] if name in repo.short else data
         start, end, status = 0, len(served) - 1, 200
-        if (rng := h.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-(\d*)$", rng)):
+        if not self.ignore_range and (rng := h.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-(\d*)$", rng)):
             start = int(m.group(1))
             end = min(int(m.group(2)) if m.group(2) else len(served) - 1, len(served) - 1)
             status = 206

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import filecmp
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,19 +18,6 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 HF = FIXTURES / "hf/llama2"
 HF_SHARDS = sorted(p.name for p in HF.glob("*.safetensors"))
 HF_FILES = sorted(p.name for p in HF.iterdir())
-
-
-@pytest.fixture
-def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    server = FakeHub()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.chdir(tmp_path)  # no local org/name here: names go to the Hub
-    yield server
-    server.close()
 
 
 def everything(hub: FakeHub, repo_id: str = "org/llama2", **kw: object) -> None:
