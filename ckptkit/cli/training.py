@@ -148,9 +148,15 @@ def merge(
     model_type: Annotated[str | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
 ) -> None:
     """Fold a LoRA adapter into its base: DST has the base's format, files and shards, merged weights."""
-    from ckptkit.hub import hub_source
+    from ckptkit.hub import hub_source, parse_ref
     from ckptkit.train.export import merge_adapter_into_checkpoint
 
+    if parse_ref(base) is not None:  # a Hub base: the adapter and DST refused before a byte of it is fetched
+        from ckptkit.convert import check_replaceable
+        from ckptkit.formats.peft_adapter import read_adapter_config
+
+        read_adapter_config(adapter)
+        check_replaceable(dst, False)
     with hub_source(base, model_type=model_type) as got:
         merge_adapter_into_checkpoint(got.path, adapter, dst, model_type)
     err.print(f"wrote {dst} (the merged model)", highlight=False)

@@ -88,6 +88,12 @@ def hub_errors(ref: HubRef, what: str = "") -> Iterator[None]:
             f"{ref}: no such local path, and no Hub repository {ref.repo_id} "
             "(if it is private: log in with `hf auth login` or set HF_TOKEN)"
         ) from None
+    except errors.LocalEntryNotFoundError as e:  # online: the Hub failed and the cache lacks the file
+        if offline():
+            raise HubError(f"{where}: HF_HUB_OFFLINE is set and the Hub cache does not hold it") from None
+        cause = e.__cause__
+        status = cause.response.status_code if isinstance(cause, errors.HfHubHTTPError) else "no answer"
+        raise HubError(f"{where}: the Hub answered {status}; retry later (a download resumes)") from None
     except errors.OfflineModeIsEnabled:
         raise HubError(f"{where}: HF_HUB_OFFLINE is set and the Hub cache does not hold it") from None
     except errors.HfHubHTTPError as e:

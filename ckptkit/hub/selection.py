@@ -84,8 +84,10 @@ def choose(
                 shards = sorted(set(json.loads(read_small(sub + index))["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise CkptkitError(f"{where}: {sub}{index} is not a weight index (weight_map)") from None
+            if not all(isinstance(s, str) for s in shards):
+                raise CkptkitError(f"{where}: {sub}{index} is not a weight index (weight_map)")
             missing = [s for s in shards if s not in here]
-            if missing or not all(isinstance(s, str) for s in shards):
+            if missing:
                 raise CkptkitError(f"{where}: {sub}{index} names shards the repository lacks: {', '.join(missing[:3])}")
             return tuple(shards)
         found = tuple(n for n in here if pattern.match(n))

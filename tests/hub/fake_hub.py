@@ -49,6 +49,7 @@ class FakeHub:
         self.log: list[Request] = []
         self.ignore_range = False  # answer 200 with the whole file to a Range request, as some proxies do
         self.fail_api: int | None = None  # answer the model API with this status (a 5xx)
+        self.fail_files: dict[str, int] = {}  # path -> the status every request for that file gets
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -171,6 +172,8 @@ class FakeHub:
         repo, commit = found
         if repo.gated:
             return self._error(h, 403, "GatedRepo", f"Access to model {repo_id} is restricted.", commit)
+        if name in self.fail_files:
+            return self._error(h, self.fail_files[name], "", "the Hub is down", commit)
         if name not in repo.files:
             return self._error(h, 404, "EntryNotFound", f"{name} does not exist", commit)
         data = repo.files[name]

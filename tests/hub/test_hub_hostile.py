@@ -96,3 +96,51 @@ def test_offline_with_revision(hub: FakeHub, tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = ckptkit("convert", "org/llama2@v1", tmp_path / "offline", "--to", "hf-bin", "--quiet")
     assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("index", "line"),
+    [
+        (b"not json", "model.safetensors.index.json is not a weight index"),
+        (b'{"weight_map": {"a": "model-00009-of-00009.safetensors"}}', "names shards the repository lacks"),
+        (b'{"weight_map": {"a": 3}}', "model.safetensors.index.json"),
+        (b"[]", "model.safetensors.index.json is not a weight index"),
+    ],
+)
+def test_a_bad_index_is_one_line_before_any_weights(hub: FakeHub, tmp_path: Path, index: bytes, line: str) -> None:
+    files = {p.name: p.read_bytes() for p in HF.iterdir()}
+    files["model.safetensors.index.json"] = index
+    hub.add("org/bad", files)
+    for cmd in (["inspect", "org/bad"], ["convert", "org/bad", tmp_path / "out", "--to", "hf-bin", "--stream"]):
+        code, _, err = ckptkit(*cmd)
+        assert code == 1 and line in err and len(err.strip().splitlines()) == 1, err
+    assert not [f for f in hub.fetched("GET") if f.endswith(".safetensors")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_5xx_on_a_weight_file_is_one_line(hub: FakeHub, tmp_path: Path, stream: bool) -> None:
+    everything(hub)
+    hub.fail_files[sorted(p.name for p in HF.glob("*.safetensors"))[1]] = 502
+    extra = ["--stream"] if stream else []
+    code, _, err = ckptkit("convert", "org/llama2", tmp_path / "out", "--to", "hf-bin", *extra)
+    last = err.strip().splitlines()[-1]  # after huggingface_hub's own retry warnings
+    assert code == 1 and last.endswith("the Hub answered 502; retry later (a download resumes)"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_not_json(hub: FakeHub, tmp_path: Path) -> None:
+    files = {p.name: p.read_bytes() for p in HF.iterdir()}
+    files["config.json"] = b"{oops"
+    hub.add("org/cfg", files)
+    code, _, err = ckptkit("convert", "org/cfg", tmp_path / "out", "--to", "hf-bin")
+    assert code == 1 and "config.json is not JSON" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_merge_into_an_existing_dst_fetches_nothing(hub: FakeHub, tmp_path: Path) -> None:
+    everything(hub)
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "x").write_text("x")
+    (tmp_path / "adapter").mkdir()
+    code, _, err = ckptkit("merge", "org/llama2", tmp_path / "adapter", tmp_path / "dst")
+    assert code != 0, err
+    assert not [f for f in hub.fetched("GET") if f.endswith(".safetensors")], err
