@@ -111,7 +111,11 @@ def hub_source(
             root / name: _opener(listing, prefix + name, root / name) for name in selection.weights
         }
         with mounted(openers):
-            yield _with_path(done, root, selection)
+            try:
+                yield _with_path(done, root, selection)
+            except CkptkitError as e:  # named by the repository, not this temporary folder
+                e.args = (str(e).replace(str(root), str(ref)), *e.args[1:])
+                raise
 
 
 def _with_path(done: Resolved, root: Path, selection: Selection) -> Resolved:

@@ -144,3 +144,12 @@ def test_merge_into_an_existing_dst_fetches_nothing(hub: FakeHub, tmp_path: Path
     code, _, err = ckptkit("merge", "org/llama2", tmp_path / "adapter", tmp_path / "dst")
     assert code != 0, err
     assert not [f for f in hub.fetched("GET") if f.endswith(".safetensors")], err
+
+
+def test_a_config_that_lies_is_named_by_the_repository_streamed(hub: FakeHub, tmp_path: Path) -> None:
+    files = {p.name: p.read_bytes() for p in HF.iterdir()}
+    files["config.json"] = files["config.json"].replace(b'"hidden_size": ', b'"hidden_size": 1')
+    hub.add("org/lie", files)
+    code, _, err = ckptkit("inspect", "org/lie")
+    assert code == 1 and err.startswith("error: org/lie/model-00001-of-00004.safetensors: the config contradicts"), err
+    assert "ckptkit-hub-" not in err and len(err.strip().splitlines()) == 1
