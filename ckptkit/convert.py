@@ -22,6 +22,7 @@ from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, ggml_type, quantize_type
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
 from ckptkit.formats.writers import Job, TensorWriter
+from ckptkit.hub import hub_source, parse_ref
 from ckptkit.io import (
     AUTO,
     COPY_METHODS,
@@ -203,6 +204,7 @@ class Result:
     notes: list[str]
     bytes_written: int
     bytes_by_method: dict[str, int] = field(default_factory=dict)  # copy method (or COMPUTED) -> bytes
+    source: str = ""  # a Hub source: which weight set of which commit (empty for a local path)
 
 
 SIZE_UNITS = "KB, MB, GB, TB (powers of 1000)"
@@ -318,6 +320,7 @@ class ConvertOptions:
     tokenizer: str | Path | None = None
     gguf_pre: str | None = None
     quant: QuantOptions = field(default_factory=QuantOptions)
+    stream: bool = False
 
     def plan_options(self) -> Options:
         """What the target format plans from."""
@@ -377,6 +380,17 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
     check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
     check_gguf_pre(fmt, o.gguf_pre)
     check_quant_options(o.quant, o.dtype if fmt.name == "gguf" else None)
+    if parse_ref(src) is None:
+        return _convert_local(src, dst, fmt, o)
+    check_destination(src, dst, o.force, fmt)  # before a byte of the source is fetched
+    with hub_source(src, from_format=o.from_format, model_type=o.model_type, stream=o.stream, quiet=o.quiet) as got:
+        result = _convert_local(got.path, dst, fmt, replace(o, from_format=got.from_format))
+        result.source = got.describe()
+        return result
+
+
+def _convert_local(src: Path, dst: Path, fmt: CheckpointFormat, o: ConvertOptions) -> Result:
+    """:func:`convert` of a source on this disk (or mounted: a streamed Hub source)."""
     if src.is_dir() and is_adapter_folder(src):
         return convert_adapter(src, dst, fmt, o)
     if o.base is not None and src.exists():

@@ -11,6 +11,7 @@ from ckptkit.formats import detect_format, source_file_format
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.single_file import read_single_file
 from ckptkit.formats.tensor_info import TensorInfo
+from ckptkit.hub import hub_source, parse_ref
 from ckptkit.io import exists, is_dir
 
 
@@ -19,6 +20,10 @@ def inspect_path(path: str | Path, model_type: str | None = None, config: str | 
 
     Returns the object ``ckptkit inspect --json`` prints.
     """
+    if parse_ref(path) is not None:  # a Hub repository: headers by HTTP range, no weights fetched
+        with hub_source(path, model_type=model_type, stream=True) as got:
+            info = inspect_path(got.path, model_type, config)
+        return {**info, "hub": got.to_json(), "source": got.describe()}
     p = Path(path)
     if not exists(p):
         raise CkptkitError(f"{p}: no such file or directory")

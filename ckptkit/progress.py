@@ -20,6 +20,15 @@ from rich.progress import (
 stderr = Console(stderr=True)
 
 
+def human(n: float) -> str:
+    """Bytes for people: ``1536`` -> ``1.50 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 class Bar:
     def __init__(self, progress: Progress | None, task: TaskID | None):
         self._progress, self._task = progress, task

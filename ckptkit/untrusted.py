@@ -56,10 +56,12 @@ def check_regular(path: Path) -> None:
 
 def allowed_root(root: Path) -> Path:
     """The folder symlinks in ``root`` may point into: ``root`` itself, or for a Hugging Face
-    cache snapshot (``models--X/snapshots/REV``) the ``models--X`` folder holding its blobs."""
+    cache snapshot (``models--X/snapshots/REV``, or a folder inside it) the ``models--X``
+    folder holding its blobs."""
     real = root.resolve()
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
-        return real.parent.parent
+    for folder in (real, *real.parents):
+        if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+            return folder.parent.parent
     return real
 
 

@@ -27,6 +27,7 @@ from ckptkit.formats import format_names, load_plugins
 from ckptkit.formats.gguf.mix import quantize_type
 from ckptkit.io import AUTO, COPY_METHODS, signal_of, stopping_on_signals
 from ckptkit.models import EXPERTS_LAYOUTS, model_types
+from ckptkit.progress import human  # noqa: F401  (the commands import it from here)
 from ckptkit.tensors.dtypes import CAST_TARGETS, DTYPE_ALIASES
 
 NO_COPY = "off"
@@ -236,15 +237,6 @@ def main(
     ] = False,
 ) -> None:
     """Lossless conversion of LLM checkpoints between Meta, Hugging Face and ckptkit formats."""
-
-
-def human(n: float) -> str:
-    """Bytes for people: ``1536`` -> ``1.50 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @contextlib.contextmanager

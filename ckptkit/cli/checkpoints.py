@@ -32,14 +32,25 @@ from ckptkit.cli.app import (
 if TYPE_CHECKING:
     from ckptkit.verify import Report
 
-SRC_HELP = "Source checkpoint: a folder, or a file for single-file formats (never modified)."
+SRC_HELP = (
+    "Source checkpoint: a folder, or a file for single-file formats (never modified); or a Hub repository: "
+    "org/name, org/name@REVISION, hf://org/name[@REVISION]/SUBFOLDER (a local path that exists wins)."
+)
+STREAM_HELP = "A Hub source: read its weights by HTTP range requests, keeping no copy (no download into the cache)."
 DST_HELP = "Destination: a folder (must not exist or be empty), or a file for single-file formats (must not exist)."
 
 
 @app.command(cls=Command)
 @user_errors
 def inspect(
-    path: Annotated[Path, typer.Argument(metavar="PATH", help="Checkpoint directory or one weight / index file.")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PATH",
+            help="Checkpoint directory or one weight / index file, or a Hub repository (org/name[@REVISION]): "
+            "its headers only, by HTTP range requests.",
+        ),
+    ],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     model_type: Annotated[str | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
     config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help=CONFIG_HELP)] = None,
@@ -53,6 +64,8 @@ def inspect(
         return
     dtypes = Counter(t["dtype"] for t in info["tensors"])
     out.print(f"[bold]{path}[/bold]")
+    if info.get("source"):
+        out.print(f"hub         {info['source']}", highlight=False, markup=False)
     out.print(f"format      {info['format']}")
     out.print(f"model type  {info['model_type'] or 'unknown'}")
     out.print(f"dtypes      {', '.join(f'{d} ({n})' for d, n in dtypes.most_common())}")
@@ -186,6 +199,7 @@ def convert(
             "tokenizer.json, or a folder with the HF tokenizer files and/or tokenizer.model.",
         ),
     ] = None,
+    stream: Annotated[bool, typer.Option("--stream", help=STREAM_HELP)] = False,
     gguf_pre: Annotated[
         str | None,
         typer.Option(
@@ -263,16 +277,21 @@ def convert(
                 pure,
                 leave_output_tensor,
             ),
+            stream=stream,
         )
         result = run_convert(src, dst, opts)
     if json_out:
         summary = written_summary(dst, to, result.bytes_written, time.perf_counter() - start, result.notes)
+        if result.source:
+            summary["source"] = result.source
         if verify:
             summary["verify"] = {"verdict": reports[0].to_json()["verdict"], "line": _verified(dtype, reports)}
         sys.stdout.write(json.dumps(summary) + "\n")
         return
     if quiet:
         return
+    if result.source:
+        err.print(f"from the Hub: {result.source}", highlight=False)
     for note in result.notes:
         err.print(f"note: {note}", highlight=False)
     files = len(result.plan.files)
@@ -321,8 +340,8 @@ def _verified(dtype: str | None, reports: list[Report]) -> str:
 @app.command(cls=Command)
 @user_errors
 def verify(
-    a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint (any format).")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint (any format).")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="First checkpoint (any format; or a Hub repository).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Second checkpoint (any format; or a Hub repository).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     allow_cast: Annotated[
         bool,
@@ -336,19 +355,22 @@ def verify(
             "--logits", help="Also run both models on fixed prompts: max abs logit difference and KL divergence."
         ),
     ] = False,
+    stream: Annotated[bool, typer.Option("--stream", help=STREAM_HELP)] = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor, bitwise, in each one's own names.
 
     The first line is the verdict (IDENTICAL, CAST: only dtypes differ, or DIFFERENT).
     Exit status: 0 identical (or only casts, with --allow-cast); 1 otherwise.
     """
+    from ckptkit.hub import hub_source
     from ckptkit.verify import verify_paths
 
-    report = verify_paths(a, b, quiet=json_out)
-    if logits:  # both through the native decoder
-        from ckptkit.train.logit_check import compare_logits
+    with hub_source(a, stream=stream, quiet=json_out) as ra, hub_source(b, stream=stream, quiet=json_out) as rb:
+        report = verify_paths(ra.path, rb.path, quiet=json_out)
+        if logits:  # both through the native decoder
+            from ckptkit.train.logit_check import compare_logits
 
-        report.logits = compare_logits(a, b, report.model_type)
+            report.logits = compare_logits(ra.path, rb.path, report.model_type)
     if json_out:
         sys.stdout.write(json.dumps(report.to_json(allow_cast)) + "\n")
     else:

@@ -136,7 +136,10 @@ def generate(
 @user_errors(stopped=NOTHING_WRITTEN)
 def merge(
     base: Annotated[
-        Path, typer.Argument(metavar="BASE", help="The base checkpoint the adapter was trained on (any format).")
+        Path,
+        typer.Argument(
+            metavar="BASE", help="The base checkpoint the adapter was trained on (any format; or a Hub repository)."
+        ),
     ],
     adapter: Annotated[
         Path, typer.Argument(metavar="ADAPTER", help="PEFT LoRA adapter directory, e.g. out/epoch_0/adapter.")
@@ -145,7 +148,15 @@ def merge(
     model_type: Annotated[str | None, typer.Option(metavar="TYPE", help=MODEL_TYPE_HELP)] = None,
 ) -> None:
     """Fold a LoRA adapter into its base: DST has the base's format, files and shards, merged weights."""
+    from ckptkit.hub import hub_source, parse_ref
     from ckptkit.train.export import merge_adapter_into_checkpoint
 
-    merge_adapter_into_checkpoint(base, adapter, dst, model_type)
+    if parse_ref(base) is not None:  # a Hub base: the adapter and DST refused before a byte of it is fetched
+        from ckptkit.convert import check_replaceable
+        from ckptkit.formats.peft_adapter import read_adapter_config
+
+        read_adapter_config(adapter)
+        check_replaceable(dst, False)
+    with hub_source(base, model_type=model_type) as got:
+        merge_adapter_into_checkpoint(got.path, adapter, dst, model_type)
     err.print(f"wrote {dst} (the merged model)", highlight=False)

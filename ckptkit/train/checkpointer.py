@@ -27,6 +27,7 @@ from ckptkit.errors import CkptkitError, ConfigError
 from ckptkit.formats import formats_read_by, source_file_format, transformers_format
 from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
 from ckptkit.formats.torch_io import save_torch
+from ckptkit.hub import hub_source, parse_ref
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
 from ckptkit.save_like import write_like
@@ -51,7 +52,7 @@ class Checkpointer:
     def __init__(self, conf: CheckpointerConfig, resume: bool = False):
         if conf.output_dir is None:
             raise ConfigError("config is missing required key checkpointer.output_dir")
-        self.checkpoint_dir = Path(conf.checkpoint_dir)
+        self.checkpoint_dir, self.hub_id = self._local(conf.checkpoint_dir, conf.model_type)
         self.checkpoint_files = conf.checkpoint_files
         self.model_type = conf.model_type
         self.output_dir = Path(conf.output_dir)
@@ -68,6 +69,16 @@ class Checkpointer:
         self.quantized = False
         self.peft_base = ""  # base_model_name_or_path of the adapters written
         self.saved: list[Path] = []
+
+    @staticmethod
+    def _local(checkpoint_dir: str, model_type: str | None) -> tuple[Path, str]:
+        """``checkpoint_dir`` on this disk, and the Hub repository it came from ("" if local):
+        a Hub name (``org/name[@rev]``) is fetched into huggingface_hub's cache and checked."""
+        if parse_ref(checkpoint_dir) is None:
+            return Path(checkpoint_dir), ""
+        with hub_source(checkpoint_dir, model_type=model_type) as got:
+            assert got.ref is not None
+            return got.path, got.ref.repo_id
 
     # --- checks before any weight is read --------------------------------------------
     def check_fresh(self) -> None:
@@ -227,8 +238,8 @@ class Checkpointer:
         into ``output_dir/base_hf`` (reused while it was made from this same base; a quantized
         GGUF dequantized to float32).
         """
-        if self.loads_in_transformers:
-            self.peft_base = str(self.checkpoint_dir.resolve())
+        if self.loads_in_transformers:  # a Hub base by its name, as PEFT loads it
+            self.peft_base = self.hub_id or str(self.checkpoint_dir.resolve())
             return
         if self.hf_base_dir:
             folder = Path(self.hf_base_dir)

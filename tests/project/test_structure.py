@@ -18,7 +18,7 @@ LAYERS = [
     ["models"],
     ["tokenization"],
     ["formats"],
-    ["checkpoint"],
+    ["checkpoint", "hub"],
     ["plan", "inspection", "support", "verify"],
     ["convert"],
     ["save_like"],

@@ -46,12 +46,13 @@ if TYPE_CHECKING:
 def hf_folder(ckpt: OpenedCheckpoint, hparams: dict[str, Any]) -> Iterator[Path]:
     """The tokenizer side of the source as an HF folder: the source itself when it is one,
     else a temporary folder with what ``--to hf`` would write beside the weights."""
-    if ckpt.raw.hf_config and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path:
+    named = model_name(ckpt.path) == ckpt.path.name  # llama.cpp names the model by this folder's name
+    if ckpt.raw.hf_config and ckpt.path.is_dir() and ckpt.side_folder == ckpt.path and named:
         yield ckpt.path
         return
-    if ckpt.raw.hf_config and is_dir(ckpt.path):  # not on this disk, or --tokenizer: copied here
+    if ckpt.raw.hf_config and is_dir(ckpt.path):  # not on this disk, --tokenizer, a Hub snapshot: copied here
         with tempfile.TemporaryDirectory(prefix="ckptkit-gguf-") as tmp:
-            folder = Path(tmp) / ckpt.path.name
+            folder = Path(tmp) / model_name(ckpt.path)
             folder.mkdir()
             for src in [ckpt.path / ckpt.raw.config_name, *ckpt.extra_files()]:
                 copy_file(src, folder / src.name)
@@ -100,7 +101,10 @@ def quiet_gguf() -> Iterator[None]:
 
 
 def model_name(path: Path) -> str:
-    """A checkpoint's name as llama.cpp's converters take it: its folder's, or its file's stem."""
+    """A checkpoint's name as llama.cpp's converters take it: its folder's, or its file's stem;
+    for a Hub cache snapshot (``models--org--name/snapshots/COMMIT``) the repository's name."""
+    if is_dir(path) and path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.rsplit("--", 1)[-1]
     return path.name if is_dir(path) else path.stem
 
 
