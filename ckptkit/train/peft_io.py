@@ -221,7 +221,7 @@ def _peft_tensors(
             tensors[f"{_PREFIX}{hf}.{key}"] = torch.cat([t.detach() for _, k, t in sorted(parts) if k == key])
     moe_tensors, target_parameters, _ = to_peft(cfg, moe)
     tensors.update({_PREFIX + k: v for k, v in moe_tensors.items()})
-    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
+    return {k: v if v.is_meta else v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
 
 
 def read_adapter(adapter_dir: str | Path, merging: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -152,3 +152,38 @@ def test_dora_refusals_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="no DoRA for experts") as info:
         LoRAAdapters(lora).check(fixture_config("qwen3_moe"))
     assert "\n" not in str(info.value)
+
+
+def test_lora_finetune_with_use_dora_trains_magnitudes_peft_loads(tmp_path: Path) -> None:
+    """``lora.use_dora: true`` (with dropout): the magnitudes train, the adapter loads in PEFT,
+    and PEFT's merge_and_unload of it (float32, rounded to the stored dtype) is the recipe's
+    merged model bit for bit."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ckptkit.train.config import load_config
+    from ckptkit.train.recipes import recipe_entry
+
+    out = tmp_path / "out"
+    overrides = [
+        "epochs=1",
+        "max_steps_per_epoch=1",
+        "batch_size=2",
+        "quiet=true",
+        "lora.use_dora=true",
+        "lora.dropout=0.1",
+    ]
+    recipe_entry("lora_finetune")(
+        load_config("tiny_lora", [*overrides, "lora.targets=[q,v,down]", f"checkpointer.output_dir={out}"])
+    )
+    adapter = out / "epoch_0" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    base = AutoModelForCausalLM.from_pretrained(hf_dir("llama2"), dtype=torch.float32)
+    stored = AutoModelForCausalLM.from_pretrained(hf_dir("llama2")).state_dict()
+    key = "model.layers.1.self_attn.q_proj"
+    magnitude = load_file(adapter / "adapter_model.safetensors")[f"base_model.model.{key}.lora_magnitude_vector"]
+    assert not torch.equal(magnitude, torch.linalg.norm(base.state_dict()[f"{key}.weight"], dim=1))  # it trained
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(out / "epoch_0").state_dict()
+    assert ours.keys() == merged.keys()
+    assert all(torch.equal(v, merged[k].to(stored[k].dtype)) for k, v in ours.items())
