@@ -30,8 +30,9 @@ def merge_adapter_into_checkpoint(
 ) -> None:
     """Fold a PEFT LoRA adapter into a checkpoint on disk, without building a model.
 
-    Each targeted weight becomes ``(W.float() + scaling * B @ A).to(W.dtype)``: one
-    rounding to the stored dtype. Every other tensor passes through untouched. Tensors
+    Each targeted weight becomes ``(W.float() + scaling * B @ A).to(W.dtype)`` (a DoRA
+    adapter's, PEFT's merge: :func:`~ckptkit.train.lora.merged_weight`): one rounding to the
+    stored dtype. Every other tensor passes through untouched. Tensors
     are read one at a time, as the writer reaches them.
     """
     from ckptkit.checkpoint import open_checkpoint
@@ -65,4 +66,4 @@ def _replaced(whole: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def _merged(base: Lazy, w: AdapterWeights) -> torch.Tensor:
-    return merged_weight(base.get(), w.a, w.b, w.scaling)
+    return merged_weight(base.get(), w.a, w.b, w.scaling, w.magnitude)

@@ -100,7 +100,7 @@ class Recipe:
             if cfg.enable_activation_checkpointing:
                 for layer in self.model.layers:
                     layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
-            placement.place(self.model, lambda k: source.tensors[k].get())
+            placement.place(self.model, self.trainable.source(self.model, lambda k: source.tensors[k].get()))
         self.model.train()
         if cfg.compile:
             compile_layers(self.model)

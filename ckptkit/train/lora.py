@@ -3,7 +3,9 @@
 A :class:`LoRALinear` *is* an ``nn.Linear`` (same ``weight``/``bias`` names, so the
 base state dict keeps its canonical keys) with two extra parameters, ``lora_a``
 (r, in) and ``lora_b`` (out, r), initialised as PEFT does (A kaiming-uniform, B zeros)
-and applied as ``W x + (alpha / r) * B A dropout(x)``.
+and applied as ``W x + (alpha / r) * B A dropout(x)``. With ``use_dora`` (DoRA, as PEFT
+defines it) a third, ``lora_magnitude`` (out,), rescales each output row: the weight is
+``m * (W + s B A) / ||W + s B A||`` row-wise, the norm detached from the gradient.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ TARGETS: dict[str, str] = {
     "router": "router",
 }
 EXPERTS = "experts"
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b", ".lora_magnitude")
+"""State-dict key endings of the adapter tensors (the magnitude only with DoRA)."""
 
 
 class LoRALinear(nn.Linear):
     """``nn.Linear`` plus a low-rank update; base weight and bias are frozen.
 
-    ``scaling`` is ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``).
+    ``scaling`` is ``alpha / rank`` (``alpha / sqrt(rank)`` with ``use_rslora``); ``use_dora``
+    adds the magnitude vector (row norms of the base weight at init, in the adapter dtype).
     """
 
     def __init__(
@@ -54,11 +59,13 @@ class LoRALinear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         lora_dtype: torch.dtype | None = None,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if rank <= 0:
             raise CkptkitError(f"LoRA rank must be positive, got {rank}")
-        self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+        self.rank, self.alpha, self.use_rslora, self.use_dora = rank, alpha, use_rslora, use_dora
+        self.merged_norm: torch.Tensor | None = None  # DoRA: the row norms the merge divided by
         self.scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
         self.merged = False
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -68,10 +75,14 @@ class LoRALinear(nn.Linear):
         self.reset_lora(self.weight.device, lora_dtype or self.weight.dtype)
 
     def reset_lora(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Fresh adapter tensors with PEFT's default init: A kaiming-uniform, B zeros."""
+        """Fresh adapter tensors with PEFT's default init: A kaiming-uniform, B zeros; DoRA's
+        magnitude the base weight's row norms (on the meta device while the weight is there)."""
         self.lora_a = nn.Parameter(torch.empty(self.rank, self.in_features, device=device, dtype=dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, self.rank, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        if self.use_dora:
+            w = self.weight.detach()
+            self.lora_magnitude = nn.Parameter(dora_magnitude(w if w.is_meta else w.to(device), dtype))
 
     @classmethod
     def from_linear(
@@ -82,6 +93,7 @@ class LoRALinear(nn.Linear):
         dropout: float = 0.0,
         use_rslora: bool = False,
         lora_dtype: torch.dtype | None = None,
+        use_dora: bool = False,
     ) -> LoRALinear:
         """Wrap an existing linear, sharing its weight and bias tensors.
 
@@ -99,6 +111,7 @@ class LoRALinear(nn.Linear):
             linear.bias is not None,
             use_rslora,
             device="meta",
+            use_dora=use_dora,
         )
         lora.weight = nn.Parameter(w.data, requires_grad=False)
         if linear.bias is not None:
@@ -114,26 +127,54 @@ class LoRALinear(nn.Linear):
         result = F.linear(x, self.weight, self.bias)
         if self.merged:
             return result
+        if self.use_dora:
+            return self._dora_forward(x, result)
         a = self.dropout(x).to(self.lora_a.dtype)
         update = F.linear(F.linear(a, self.lora_a), self.lora_b) * self.scaling
         return (result + update).to(result.dtype)  # summed in the wider dtype, like PEFT
+
+    def _dora_forward(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """PEFT's DoRA forward: ``result + (s - 1) * (W x) + s * scaling * B A x`` with
+        ``s = m / ||W + scaling * B A||`` per output row, in the adapter dtype."""
+        x = x.to(self.lora_a.dtype)
+        weight = self.weight.to(x.dtype)
+        delta = (self.lora_b @ self.lora_a).detach()
+        norm = torch.linalg.norm(weight + self.scaling * delta, dim=1).detach()
+        scale = (self.lora_magnitude / norm).view(1, -1)
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            base = result if self.bias is None else result - self.bias
+        else:
+            x = self.dropout(x)
+            base = F.linear(x, weight)
+        lora = F.linear(F.linear(x, self.lora_a), self.lora_b)
+        return (result + ((scale - 1) * base + scale * lora * self.scaling)).to(result.dtype)
 
     @torch.no_grad()
     def merge(self) -> None:
         """Fold the update into ``weight`` (computed in float32, rounded once)."""
         if not self.merged:
-            self.weight.copy_(merged_weight(self.weight, self.lora_a, self.lora_b, self.scaling))
+            magnitude = self.lora_magnitude if self.use_dora else None
+            if magnitude is not None:
+                self.merged_norm = dora_norm(self.weight, self.lora_a, self.lora_b, self.scaling)
+            self.weight.copy_(merged_weight(self.weight, self.lora_a, self.lora_b, self.scaling, magnitude))
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         """Subtract the update again (exact up to float rounding of the weight dtype)."""
         if self.merged:
-            self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
+            if self.merged_norm is not None:  # PEFT's rule: W / (m / norm) - delta
+                delta = (self.lora_b @ self.lora_a) * self.scaling
+                factor = (self.lora_magnitude / self.merged_norm).view(-1, 1)
+                self.weight.copy_((self.weight / factor - delta).to(self.weight.dtype))
+                self.merged_norm = None
+            else:
+                self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
             self.merged = False
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, merged={self.merged}"
+        dora = ", dora=True" if self.use_dora else ""
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}{dora}, merged={self.merged}"
 
 
 def resolve_targets(targets: Iterable[str]) -> set[str]:
@@ -168,6 +209,7 @@ def apply_lora(
     ranks: dict[str, int] | None = None,
     use_rslora: bool = False,
     lora_dtype: torch.dtype | None = None,
+    use_dora: bool = False,
 ) -> nn.Module:
     """Replace the targeted linears with :class:`LoRALinear` in place and freeze everything else.
 
@@ -188,7 +230,8 @@ def apply_lora(
         names.append(name)
     if not names:
         raise CkptkitError(f"no module matches LoRA targets {sorted(leaves)}")
-    return add_lora(model, {n: (ranks or {}).get(n, rank) for n in names}, alpha, dropout, use_rslora, lora_dtype)
+    ranks = {n: (ranks or {}).get(n, rank) for n in names}
+    return add_lora(model, ranks, alpha, dropout, use_rslora, lora_dtype, use_dora)
 
 
 def add_lora(
@@ -198,6 +241,7 @@ def add_lora(
     dropout: float = 0.0,
     use_rslora: bool = False,
     lora_dtype: torch.dtype | None = None,
+    use_dora: bool = False,
 ) -> nn.Module:
     """Wrap exactly the named linears (canonical module name -> rank); freeze all base parameters."""
     for p in model.parameters():
@@ -215,7 +259,7 @@ def add_lora(
         setattr(
             model.get_submodule(parent_name),
             leaf,
-            LoRALinear.from_linear(module, rank, alpha, dropout, use_rslora, lora_dtype),
+            LoRALinear.from_linear(module, rank, alpha, dropout, use_rslora, lora_dtype, use_dora),
         )
     return model
 
@@ -254,8 +298,8 @@ def unmerge_lora(model: nn.Module) -> None:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors, ``<module>.lora_a`` / ``<module>.lora_b``."""
-    return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+    """Only the adapter tensors, ``<module>.lora_a`` / ``.lora_b`` (and DoRA's ``.lora_magnitude``)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith(ADAPTER_SUFFIXES)}
 
 
 def base_state_dict(model: nn.Module, merged: bool = True) -> dict[str, torch.Tensor]:
@@ -264,16 +308,41 @@ def base_state_dict(model: nn.Module, merged: bool = True) -> dict[str, torch.Te
     Weights stay in their own dtype; the merge is computed in float32 and rounded once.
     The model itself is left unchanged.
     """
-    out = {k: v for k, v in model.state_dict().items() if not k.endswith((".lora_a", ".lora_b"))}
+    out = {k: v for k, v in model.state_dict().items() if not k.endswith(ADAPTER_SUFFIXES)}
     if merged:
         for name, m in lora_modules(model).items():
             if not m.merged:
+                magnitude = m.lora_magnitude.detach() if m.use_dora else None
                 out[f"{name}.weight"] = merged_weight(
-                    m.weight.detach(), m.lora_a.detach(), m.lora_b.detach(), m.scaling
+                    m.weight.detach(), m.lora_a.detach(), m.lora_b.detach(), m.scaling, magnitude
                 )
     return out
 
 
-def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``W + scaling * B @ A`` computed in float32 and rounded once to ``W``'s dtype."""
+def merged_weight(
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    magnitude: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``W + scaling * B @ A`` computed in float32 and rounded once to ``W``'s dtype; with a
+    DoRA ``magnitude``, PEFT's merge: ``(m / ||W + delta||)[:, None] * (W + delta)``, delta
+    in the adapter dtype, the sum in the wider of the two, rounded once."""
+    if magnitude is not None:
+        factor = magnitude / dora_norm(weight, lora_a, lora_b, scaling)
+        return (factor.view(-1, 1) * (weight + (lora_b @ lora_a) * scaling)).to(weight.dtype)
     return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
+
+
+def dora_norm(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Row norms of ``W + scaling * B @ A`` (delta in the adapter dtype), as PEFT's merge takes them."""
+    combined = weight + (lora_b @ lora_a) * scaling
+    return torch.linalg.norm(combined, dim=1).to(combined.dtype)
+
+
+def dora_magnitude(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """DoRA's initial magnitude: the row norms of ``weight`` (B is zero), computed in the wider
+    of the weight's and the adapter's dtype and stored in the adapter's."""
+    wide = torch.promote_types(weight.dtype, dtype)
+    return torch.linalg.norm(weight.to(wide), dim=1).to(dtype)

@@ -2,10 +2,10 @@
 
 Keys are ``base_model.model.<HF module>.lora_{A,B}.weight`` with HF module names from
 :func:`ckptkit.models.hf_key`, so adapters round-trip with ``peft.PeftModel`` on the
-matching ``transformers`` model. Supported: plain LoRA (optionally rsLoRA, per-module
-ranks) on linear layers. Where a family fuses projections into one HF module (Phi-3's
-``qkv_proj``, ``gate_up_proj``), PEFT adapts the fused module whole: one A, and a B whose
-rows stack the parts; ckptkit's separate q/k/v (w1/w3) adapters then share one ``lora_a``
+matching ``transformers`` model. Supported: LoRA (optionally rsLoRA, DoRA's ``lora_magnitude_vector``,
+per-module ranks) on linear layers. Where a family fuses projections into one HF module (Phi-3's
+``qkv_proj``, ``gate_up_proj``), PEFT adapts the fused module whole: one A, and a B (DoRA magnitude)
+whose rows stack the parts; ckptkit's separate q/k/v (w1/w3) adapters then share one ``lora_a``
 and their ``lora_b`` are that B's row blocks. Experts and routers are PEFT's
 ``target_parameters`` (:mod:`ckptkit.train.peft_experts`). Anything else fails with one line.
 """
@@ -34,6 +34,7 @@ from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
 
 _PREFIX = "base_model.model."
+_MAGNITUDE = "lora_magnitude_vector"  # DoRA's, 1-D (out_features)
 
 # Every field PEFT 0.21 writes for a LoraConfig, at PEFT's defaults.
 _PEFT_DEFAULTS: dict[str, Any] = {
@@ -134,8 +135,9 @@ def save_adapter(
     alphas = {m.alpha for m in modules.values()}
     dropouts = {m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0 for m in modules.values()}
     rslora = {m.use_rslora for m in modules.values()}
-    if len(alphas) > 1 or len(dropouts) > 1 or len(rslora) > 1:
-        raise CkptkitError("PEFT format needs one lora_alpha, lora_dropout and use_rslora for all adapters")
+    dora = {m.use_dora for m in modules.values()}
+    if len(alphas) > 1 or len(dropouts) > 1 or len(rslora) > 1 or len(dora) > 1:
+        raise CkptkitError("PEFT format needs one lora_alpha, lora_dropout, use_rslora and use_dora for all adapters")
     if any(m.merged for m in modules.values()):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
@@ -170,6 +172,7 @@ def save_adapter(
         target_modules=target_modules,
         target_parameters=target_parameters or None,
         use_rslora=rslora.pop(),
+        use_dora=dora.pop(),
     )
     write_adapter(Path(out_dir), config, tensors)
 
@@ -186,10 +189,13 @@ def _peft_tensors(
     tensors: dict[str, torch.Tensor] = {}
     hf_names: dict[str, str] = {}
     moe: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    fused_b: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    fused_b: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     counts: dict[str, int] = {}
     for name, m in lora_modules(model).items():
         a, b = (m.lora_a, m.lora_b) if weights is None else (weights[f"{name}.lora_a"], weights[f"{name}.lora_b"])
+        mag = None if not m.use_dora else m.lora_magnitude if weights is None else weights[f"{name}.lora_magnitude"]
+        if name in moe_modules and mag is not None:
+            raise CkptkitError(f"DoRA on {name}: PEFT has no DoRA for experts or routers")
         if name in moe_modules:
             moe[name] = (a.detach(), b.detach())
             continue
@@ -200,18 +206,22 @@ def _peft_tensors(
             shared = a_key not in tensors or tensors[a_key].data_ptr() == a.data_ptr()
             if not shared and not (weights is not None and torch.equal(tensors[a_key], a)):  # gathered copies
                 raise CkptkitError(f"the parts of fused {hf} have separate LoRA A matrices; PEFT has one")
-            fused_b.setdefault(hf, []).append((part[1], b.detach()))
+            rows = (("lora_B.weight", b), (_MAGNITUDE, mag))
+            fused_b.setdefault(hf, []).extend((part[1], k, t) for k, t in rows if t is not None)
             counts[hf] = part[2]
         tensors[a_key] = a.detach()
         if part is None:
             tensors[f"{_PREFIX}{hf}.lora_B.weight"] = b.detach()
+            if mag is not None:
+                tensors[f"{_PREFIX}{hf}.{_MAGNITUDE}"] = mag.detach()
     for hf, parts in fused_b.items():
-        if len(parts) != counts[hf]:
+        if len({i for i, _, _ in parts}) != counts[hf]:
             raise CkptkitError(f"LoRA adapts only some parts of the fused {hf}; PEFT adapts it whole")
-        tensors[f"{_PREFIX}{hf}.lora_B.weight"] = torch.cat([b for _, b in sorted(parts, key=lambda p: p[0])])
+        for key in {k for _, k, _ in parts}:
+            tensors[f"{_PREFIX}{hf}.{key}"] = torch.cat([t.detach() for _, k, t in sorted(parts) if k == key])
     moe_tensors, target_parameters, _ = to_peft(cfg, moe)
     tensors.update({_PREFIX + k: v for k, v in moe_tensors.items()})
-    return {k: v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
+    return {k: v if v.is_meta else v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
 
 
 def read_adapter(adapter_dir: str | Path, merging: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -229,8 +239,6 @@ def _check_supported(config: dict[str, Any], merging: bool = False) -> None:
 
     if config.get("peft_type") != "LORA":
         raise unsupported(f"peft_type {config.get('peft_type')!r} (only LORA)")
-    if config.get("use_dora"):
-        raise unsupported("DoRA (use_dora)")
     checks = {
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         f"bias={config.get('bias')!r}": config.get("bias", "none") != "none",
@@ -248,11 +256,12 @@ def _check_supported(config: dict[str, Any], merging: bool = False) -> None:
 
 
 class AdapterWeights(NamedTuple):
-    """One LoRA pair for a canonical module: ``delta W = scaling * b @ a``."""
+    """One LoRA pair for a canonical module: ``delta W = scaling * b @ a`` (and DoRA's magnitude)."""
 
     a: torch.Tensor  # (r, in)
     b: torch.Tensor  # (out, r)
     scaling: float
+    magnitude: torch.Tensor | None = None  # (out,), DoRA only
 
 
 class Adapter(NamedTuple):
@@ -344,6 +353,8 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
     # embedding LoRA (merged only): delta W = (B @ A).T, i.e. a = B.T and b = A.T
     embedding = {".lora_embedding_A": ("lora_B", True), ".lora_embedding_B": ("lora_A", True)} if merging else {}
     suffixes = {".lora_A.weight": ("lora_A", False), ".lora_B.weight": ("lora_B", False), **embedding}
+    if config.get("use_dora"):
+        suffixes[f".{_MAGNITUDE}"] = ("magnitude", False)
     for key, tensor in tensors.items():
         body = key.removeprefix(_PREFIX)
         for suffix, (part, flip) in suffixes.items():
@@ -365,28 +376,30 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
         raise CkptkitError(f"adapter in {adapter_dir} has no LoRA weights")
     alpha = float(config.get("lora_alpha", 8))
     lora = {}
+    if config.get("use_dora") and moe:
+        raise CkptkitError(f"{adapter_dir}: DoRA on experts or routers (target_parameters), which PEFT lacks")
     for module, (a, b) in moe.items():
         lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(a.shape[0]) if config.get("use_rslora") else a.shape[0]))
     for module, ab in pairs.items():
-        if set(ab) != {"lora_A", "lora_B"}:
+        if set(ab) != {"lora_A", "lora_B", *(("magnitude",) if config.get("use_dora") else ())}:
             raise CkptkitError(f"adapter has an incomplete LoRA pair for {module}")
-        a, b = ab["lora_A"], ab["lora_B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise CkptkitError(
-                f"adapter LoRA A/B shapes {tuple(a.shape)}, {tuple(b.shape)} do not pair up for {module}"
-            )
+        a, b, mag = ab["lora_A"], ab["lora_B"], ab.get("magnitude")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or (mag is not None and mag.shape != b.shape[:1]):
+            got = ", ".join(str(tuple(t.shape)) for t in (a, b, mag) if t is not None)
+            raise CkptkitError(f"adapter LoRA A/B(/magnitude) shapes {got} do not pair up for {module}")
         rank = a.shape[0]
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         parts = fused_parts(model_type, module)
         if parts is None:
-            lora[module] = AdapterWeights(a, b, scaling)
+            lora[module] = AdapterWeights(a, b, scaling, mag)
             continue
         shapes = canonical_shapes(model)
         rows = [shapes[f"{p}.weight"][0] if f"{p}.weight" in shapes else -1 for p in parts]
         if min(rows) < 0 or sum(rows) != b.shape[0]:
             raise NotInBase(f"the adapter's {module} has {b.shape[0]} output rows, the model's {sum(rows)}")
-        for part, b_part in zip(parts, torch.split(b, rows), strict=True):
-            lora[part] = AdapterWeights(a, b_part, scaling)
+        mags = torch.split(mag, rows) if mag is not None else [None] * len(parts)
+        for part, b_part, m_part in zip(parts, torch.split(b, rows), mags, strict=True):
+            lora[part] = AdapterWeights(a, b_part, scaling, m_part)
     return Adapter(config, lora, base_copies, replaced)
 
 
@@ -413,6 +426,10 @@ def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
                 )
             m.lora_a.copy_(w.a)
             m.lora_b.copy_(w.b)
+            if (w.magnitude is not None) != m.use_dora:
+                raise CkptkitError(f"the adapter {'has' if m.use_dora else 'lacks'} DoRA on {name}; the model does not")
+            if w.magnitude is not None:  # assigned: on the meta device until the base is read
+                m.lora_magnitude = nn.Parameter(w.magnitude.to(m.lora_a.device, m.lora_a.dtype))
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False, base: str = "the model") -> nn.Module:
@@ -422,8 +439,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False,
     check_base_copies(adapter, model.state_dict())
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)
-    rslora = bool(adapter.config.get("use_rslora"))
-    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora)
+    rslora, dora = bool(adapter.config.get("use_rslora")), bool(adapter.config.get("use_dora"))
+    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora, None, dora)
     share_fused_lora(model)
     copy_lora_weights(model, adapter)
     if merge:

@@ -192,6 +192,7 @@ class LoRAConfig(Section):
     alpha: PositiveFloat = 16.0
     dropout: Fraction = 0.0
     targets: Annotated[list[LoRATarget], Field(min_length=1)] = ["q", "v"]
+    use_dora: Bool = False  # DoRA: a trained magnitude per output row (PEFT's use_dora)
     # final: intermediate checkpoints adapter-only, the last one merged too; every: all merged; never: none
     save_merged: Literal["final", "every", "never"] = "final"
 

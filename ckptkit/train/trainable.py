@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
 from ckptkit.tensors.dtypes import dtype_name
 from ckptkit.train.checkpointer import Checkpointer
-from ckptkit.train.lora import apply_lora, lora_modules, merged_weight
+from ckptkit.train.lora import ADAPTER_SUFFIXES, apply_lora, dora_magnitude, lora_modules, merged_weight
 from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.peft_io import prepare_for_peft
 from ckptkit.train.schema import LoRAConfig
@@ -58,6 +59,11 @@ class Trainable:
         """The model tensors a checkpoint writes (None: no model files). Only ``full`` may be
         used once this returns: under FSDP2 the files are written while training goes on."""
         raise NotImplementedError
+
+    def source(self, model: nn.Module, tensor: Gather) -> Gather:
+        """Where the model's tensors still on the meta device get their values: ``tensor``
+        (the base checkpoint's), for those the trainable does not make from it."""
+        return tensor
 
     def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None] | None:
         """What else goes into a checkpoint folder, written by the writing rank (the function
@@ -99,9 +105,16 @@ class LoRAAdapters(Trainable):
 
     def check(self, model_cfg: ModelConfig) -> None:
         check_targets(list(self.cfg.targets), model_cfg, self.cfg.dropout)
+        moe = sorted({"experts", "router"} & set(self.cfg.targets))
+        if self.cfg.use_dora and moe:
+            raise CkptkitError(
+                f"lora.use_dora: PEFT has no DoRA for {' and '.join(moe)} (stacked tensors); "
+                f"remove {' and '.join(moe)} from lora.targets or set lora.use_dora to false"
+            )
 
     def build(self, model: nn.Module, checkpointer: Checkpointer) -> None:
-        apply_lora(model, targets=self.cfg.targets, rank=self.cfg.rank, alpha=self.cfg.alpha, dropout=self.cfg.dropout)
+        cfg = self.cfg
+        apply_lora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout, use_dora=cfg.use_dora)
         for module in lora_modules(model).values():  # on the CPU in module order: the same draws on any placement
             module.reset_lora(torch.device("cpu"), module.lora_a.dtype)
         prepare_for_peft(model)  # fused modules share one A; PEFT names checked now, not at save
@@ -112,8 +125,19 @@ class LoRAAdapters(Trainable):
         if writer:
             checkpointer.prepare_peft_base()  # an HF base for the adapters' base_model_name_or_path
 
+    def source(self, model: nn.Module, tensor: Gather) -> Gather:
+        dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+
+        def read(key: str) -> torch.Tensor:  # DoRA's magnitude: the row norms of the base weight
+            if not key.endswith(".lora_magnitude"):
+                return tensor(key)
+            weight = key.removesuffix(".lora_magnitude") + ".weight"
+            return dora_magnitude(tensor(weight).to(dtypes[weight]), dtypes[key])
+
+        return read
+
     def sharded_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+        return {k: v for k, v in model.state_dict().items() if k.endswith(ADAPTER_SUFFIXES)}
 
     def model_files(self, model: nn.Module, full: Gather, final: bool) -> ModelFiles | None:
         when = self.cfg.save_merged
@@ -126,12 +150,13 @@ class LoRAAdapters(Trainable):
             if name not in modules or not key.endswith(".weight"):
                 return full(key).detach()
             w, a, b = (full(f"{name}.{part}").detach() for part in ("weight", "lora_a", "lora_b"))
-            return merged_weight(w, a, b, modules[name].scaling)
+            magnitude = full(f"{name}.lora_magnitude").detach() if modules[name].use_dora else None
+            return merged_weight(w, a, b, modules[name].scaling, magnitude)
 
-        return {k: tuple(v.shape) for k, v in weights.items() if not k.endswith((".lora_a", ".lora_b"))}, merged
+        return {k: tuple(v.shape) for k, v in weights.items() if not k.endswith(ADAPTER_SUFFIXES)}, merged
 
     def extra(self, model: nn.Module, full: Gather, checkpointer: Checkpointer) -> Callable[[Path], None]:
-        names = [k for k in model.state_dict() if k.endswith((".lora_a", ".lora_b"))]
+        names = [k for k in model.state_dict() if k.endswith(ADAPTER_SUFFIXES)]
 
         def write(folder: Path) -> None:  # reads the adapters when it runs, not the model
             checkpointer.write_adapter(model, folder, {k: full(k).cpu() for k in names})

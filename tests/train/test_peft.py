@@ -245,9 +245,6 @@ def test_unsupported_adapters_are_one_line_errors(tmp_path: Path) -> None:
         assert "\n" not in str(info.value)
         return str(info.value)
 
-    _peft_saved("llama3", tmp_path / "dora", r=4, target_modules=["q_proj"], use_dora=True)
-    assert "DoRA" in error("llama3", tmp_path / "dora")
-
     _peft_saved("llama3", tmp_path / "bias", r=4, target_modules=["q_proj"])
     _edit_config(tmp_path / "bias", bias="all")
     assert "bias" in error("llama3", tmp_path / "bias")
