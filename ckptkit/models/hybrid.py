@@ -192,11 +192,9 @@ class Hybrid:
 
     Attributes:
         split_in_proj: Qwen3.5's four linear-attention input projections.
-        mtp_moe: whether the MTP layer has experts (those of the MoE families).
     """
 
     split_in_proj = False
-    model_type = ""
 
     def is_moe(self, cfg: ModelConfig, layer: int | None) -> bool:
         f = cfg.fields(HybridFields)

@@ -20,9 +20,9 @@ class Qwen3_5(Hybrid, Family):
     name = "qwen3_5"
     hf_model_types = ("qwen3_5", "qwen3_5_text")
     hf_architecture = "Qwen3_5ForCausalLM"
-    multimodal_architecture = "Qwen3_5ForConditionalGeneration"
     fields: ClassVar[type[HybridFields]] = HybridFields
     split_in_proj = True
+    gguf_not_yet = "qwen35"
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         text, wrapper = text_config(cfg)
@@ -44,7 +44,7 @@ class Qwen3_5Moe(Qwen3_5):
     name = "qwen3_5_moe"
     hf_model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     hf_architecture = "Qwen3_5MoeForCausalLM"
-    multimodal_architecture = "Qwen3_5MoeForConditionalGeneration"
+    gguf_not_yet = "qwen35moe"
 
 
 register(Qwen3_5(), Qwen3_5Moe())

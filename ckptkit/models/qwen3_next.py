@@ -18,6 +18,7 @@ class Qwen3Next(Hybrid, Family):
     hf_model_types = ("qwen3_next",)
     hf_architecture = "Qwen3NextForCausalLM"
     fields: ClassVar[type[HybridFields]] = HybridFields
+    gguf_not_yet = "qwen3next"
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         moe = moe_fields(cfg)

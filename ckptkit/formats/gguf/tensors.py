@@ -58,7 +58,7 @@ class GGUFTensor:
 def spec_of(family: Family, where: object) -> GGUFSpec:
     spec = family.gguf_spec()
     if spec is None:
-        raise UnknownModel(f"{where}: llama.cpp has no architecture for model type {family.name}")
+        raise UnknownModel(family.no_gguf(where))
     return spec
 
 
