@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import Decoder, ModelConfig
 from ckptkit.models.fields import check_config_fields, non_negative_int, optional, positive_float, positive_int
+from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import MoEFields, expert_rules, expert_size, experts_layout_of
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
 
@@ -80,6 +81,21 @@ class HybridFields(MoEFields):
 
     def kind(self, layer: int) -> str:
         return self.layer_types[layer] if layer < len(self.layer_types) else (FULL if (layer + 1) % 4 == 0 else LINEAR)
+
+
+def hybrid_gguf(arch: str, architectures: tuple[str, ...], linear_attention: str, moe: bool) -> GGUFSpec:
+    """llama.cpp's Qwen3NextModel (``fused``) or a Qwen3.5 subclass of it (``tiled``): the keys
+    its set_gguf_parameters writes, in order (block_count counts the MTP layers)."""
+    experts = ("expert_count?", "expert_used_count?") if moe else ()
+    keys = (
+        "block_count_mtp", "context_length?", "embedding_length", "feed_forward_length_given?", "head_count",
+        "head_count_kv?", "rope_scaling", "rope_sections", "rope_freq_base?", "layer_norm_rms_eps?", *experts,
+        "head_dim?", "file_type", "expert_feed_forward_length?", "expert_shared_feed_forward_length?",
+        "nextn_predict_layers?", "ssm", "recurrent_layers?", "full_attention_interval", "rope_dimension_count_hybrid",
+    )  # fmt: skip
+    if linear_attention == "tiled":
+        keys += ("rope_sections_default",)
+    return GGUFSpec(arch, architectures, keys, "bpe_or_spm", linear_attention=linear_attention, reads_back=False)
 
 
 class Part(NamedTuple):

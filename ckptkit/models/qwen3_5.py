@@ -12,7 +12,15 @@ from typing import Any, ClassVar
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
-from ckptkit.models.hybrid import Hybrid, HybridFields, hybrid_config, hybrid_fields, moe_fields, text_config
+from ckptkit.models.hybrid import (
+    Hybrid,
+    HybridFields,
+    hybrid_config,
+    hybrid_fields,
+    hybrid_gguf,
+    moe_fields,
+    text_config,
+)
 from ckptkit.models.registry import register
 
 
@@ -22,7 +30,7 @@ class Qwen3_5(Hybrid, Family):
     hf_architecture = "Qwen3_5ForCausalLM"
     fields: ClassVar[type[HybridFields]] = HybridFields
     split_in_proj = True
-    gguf_not_yet = "qwen35"
+    gguf = hybrid_gguf("qwen35", ("Qwen3_5ForCausalLM",), "tiled", moe=False)
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         text, wrapper = text_config(cfg)

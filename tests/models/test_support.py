@@ -61,7 +61,13 @@ REFUSALS = {
 # The pre-tokenizers the fixtures' tiny byte-level BPE tokenizers were made with (fixtures/
 # make_fixtures.py): Llama 3's split for the Llama 3 and OLMo 2 ones, Qwen2's for Qwen's.
 FIXTURE_PRE = {"llama3": "llama-bpe", "llama3_1": "llama-bpe", "llama3_2": "llama-bpe", "olmo2": "llama-bpe"}
-FIXTURE_PRE |= {"qwen2": "qwen2", "qwen3": "qwen2", "qwen3_moe": "qwen2", "deepseek_v3": "llama-bpe"}
+FIXTURE_PRE |= {
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+    "qwen3_moe": "qwen2",
+    "deepseek_v3": "llama-bpe",
+    "qwen3_5": "qwen2",
+}
 
 # the quantized sources (fp8/*) have tests of their own in every format (tests/quant, test_gguf_fp8.py)
 ALL_FIXTURES = sorted(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
+from ckptkit.formats.gguf import hybrid
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
 from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, is_70b, quantize_type
 from ckptkit.formats.gguf.params import rope
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from ckptkit.tensors.lazy import Lazy
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
-ALWAYS_F32 = (".ffn_gate_inp.weight",)  # llama.cpp keeps MoE routers in float32 whatever the file type
+# llama.cpp keeps MoE routers and the linear attention's conv kernels in float32 whatever the file type
+ALWAYS_F32 = (".ffn_gate_inp.weight", ".ssm_conv1d.weight")
 
 
 @dataclass
@@ -264,7 +266,8 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         names = [n for n in names if n != "lm_head.weight"]
     order = _hf_order(ckpt, targets, names, fresh=regrouped)
     ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
-    tmap = name_map(spec, hparams["num_hidden_layers"])
+    layers = hparams["num_hidden_layers"]
+    tmap = name_map(spec, hybrid.blocks(hparams) if spec.linear_attention else layers)
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
     out: list[GGUFTensor] = []
@@ -277,8 +280,16 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     if mtp:  # llama.cpp's deepseek2 skips the multi-token-prediction layers
         fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
         ckpt.notes.append(note(fact))
-    for hf_name in order:
-        if hf_name in mtp:
+    skipped = [n for n in order if spec.linear_attention and hybrid.is_vision(n)]
+    if skipped:
+        fact = f"{len(skipped)} tensor(s) of the vision tower not written: llama.cpp writes them with --mmproj"
+        ckpt.notes.append(note(fact, "ckptkit does not write the vision part (--mmproj) as GGUF"))
+    for source_name in order:
+        if source_name in mtp or source_name in skipped:
+            continue
+        hf_name = hybrid.llama_cpp_name(source_name, layers) if spec.linear_attention else source_name
+        if spec.linear_attention:
+            out += _linear_attention(tmap, hf_name, targets[source_name], hparams, spec, ftype)
             continue
         if spec.latent_attention and hf_name.endswith("kv_b_proj.weight"):
             out += _kv_b_split(tmap, hf_name, targets[hf_name], hparams, ftype)
@@ -307,6 +318,32 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     if merger is not None:
         merger.check_done()
     return out, ftype
+
+
+def _linear_attention(
+    tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], spec: GGUFSpec, ftype: Any
+) -> list[GGUFTensor]:
+    """A tensor of a hybrid Qwen stack as llama.cpp writes it (:mod:`~ckptkit.formats.gguf.hybrid`)."""
+    if hf_name.endswith("in_proj_qkvz.weight"):
+        bid, gates = hf_name.split(".")[2], hparams["linear_num_value_heads"] * hparams["linear_value_head_dim"]
+        out = []
+        for i, (part, rows) in enumerate((("attn_qkv", lazy.shape[0] - gates), ("attn_gate", gates))):
+            name = f"blk.{bid}.{part}.weight"
+            shape: tuple[int, ...] = (rows, lazy.shape[1])
+            out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), _maker(lazy, _qkvz(i, hparams), False)))
+        return out
+    key = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias" if hf_name.endswith(".dt_bias") else hf_name
+    new = gguf_name(tmap, key) or hybrid.nextn_name(hf_name)
+    if new is None:
+        raise CkptkitError(f"llama.cpp has no GGUF name for tensor {hf_name!r}")
+    shape = tuple(d for d in lazy.shape if d != 1) if ".conv1d" in hf_name else lazy.shape
+    change = hybrid.transform(hf_name, hparams, spec.linear_attention == "tiled")
+    made = _maker(lazy, change, hybrid.arithmetic(hf_name))
+    return [GGUFTensor(new, shape, qtype(new, shape, ftype), made, lazy if change is None else None)]
+
+
+def _qkvz(i: int, hparams: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: hybrid.split_qkvz(t, hparams)[i]
 
 
 def _past_blocks(hf_name: str, blocks: int) -> bool:

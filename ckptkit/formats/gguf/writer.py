@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
+from ckptkit.formats.gguf.hybrid import hybrid_hparams
 from ckptkit.formats.gguf.mix import quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
@@ -365,6 +366,8 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     dtype = opts.dtype if same is None else kept_dtype(same["file_type"])
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
+    if spec.linear_attention:
+        hparams = hybrid_hparams(hparams, ckpt.tensors)
     tensors, ftype = model_tensors(ckpt, hparams, dtype)
     if same is not None:
         ckpt.notes.extend(keep_types(tensors, same["types"], ckpt.path))
