@@ -52,7 +52,7 @@ class Qwen3_5Moe(Qwen3_5):
     name = "qwen3_5_moe"
     hf_model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     hf_architecture = "Qwen3_5MoeForCausalLM"
-    gguf_not_yet = "qwen35moe"
+    gguf = hybrid_gguf("qwen35moe", ("Qwen3_5MoeForCausalLM",), "tiled", moe=True)
 
 
 register(Qwen3_5(), Qwen3_5Moe())

@@ -1,7 +1,8 @@
-"""Qwen3.5 (and later Qwen3.5-MoE, Qwen3-Next) to GGUF as llama.cpp's ``qwen35`` /
-``qwen35moe`` / ``qwen3next`` write them: byte for byte its ``convert_hf_to_gguf.py`` output
+"""Qwen3.5 and Qwen3.5-MoE (Qwen3-Next later) to GGUF as llama.cpp's ``qwen35`` /
+``qwen35moe`` write them: byte for byte its ``convert_hf_to_gguf.py`` output
 for every outtype (the MTP layer as the block past ``num_hidden_layers``, its own tensors as
-``blk.N.nextn.*``; value heads in tiled order; ``A_log`` as ``-exp(A_log)``)."""
+``blk.N.nextn.*``; value heads in tiled order; ``A_log`` as ``-exp(A_log)``; packed experts
+split into ``ffn_gate_exps`` / ``ffn_up_exps``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ckptkit.convert import ConvertOptions, convert
 
 from conftest import FIXTURES
 
-NAMES = ["qwen3_5", "qwen3_5-vl"]  # -vl: the multimodal layout, its vision tower not written (--mmproj)
+NAMES = ["qwen3_5", "qwen3_5-vl", "qwen3_5_moe"]  # -vl: the multimodal layout, its vision tower not written (--mmproj)
 PRE = "qwen2"  # the fixtures' tiny Qwen2-style tokenizer, whose hash llama.cpp cannot know
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.tensors.lazy import Lazy
+
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 _MTP_PARTS = {
     "fc": "eh_proj",
@@ -135,3 +137,50 @@ def split_qkvz(t: torch.Tensor, h: dict[str, Any]) -> tuple[torch.Tensor, torch.
     cols = t.shape[-1]
     qkv = torch.cat([q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)])
     return qkv, z.reshape(-1, cols).contiguous()
+
+
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?"
+)
+Made = tuple[str, tuple[int, ...], Callable[[], "torch.Tensor"]]  # HF name llama.cpp maps, shape, make
+
+
+class Experts:
+    """llama.cpp's Qwen2MoeModel experts: transformers' stacked ``gate_up_proj`` split into the
+    gate and up halves and ``down_proj`` as they come; one tensor per expert held until its
+    layer's are all read, then written stacked (down, gate, up), one merged tensor at a time."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.held: dict[str, dict[str, Lazy]] = {}
+
+    def take(self, name: str, lazy: Lazy) -> list[Made] | None:
+        """The merged tensors ``name`` completes (None: no expert's; ``[]``: held)."""
+        if not (m := _EXPERT.fullmatch(name)):
+            return None
+        bid, expert, proj = m.groups()
+        p = f"model.layers.{bid}.mlp.experts."
+        if expert is None and proj == "gate_up_proj":
+            e, rows, cols = lazy.shape
+            half = rows // 2
+            return [
+                (p + "gate_proj.weight", (e, half, cols), lambda: lazy.get()[:, :half].contiguous()),
+                (p + "up_proj.weight", (e, half, cols), lambda: lazy.get()[:, half:].contiguous()),
+            ]
+        if expert is None:
+            return [(p + proj + ".weight", lazy.shape, lazy.get)]
+        held = self.held.setdefault(bid, {})
+        held[f"{expert}.{proj}"] = lazy
+        if len(held) < 3 * self.n:
+            return []
+        del self.held[bid]
+        return [
+            (p + w + ".weight", (self.n, *held[f"0.{w}"].shape), _stacked([held[f"{e}.{w}"] for e in range(self.n)]))
+            for w in ("down_proj", "gate_proj", "up_proj")
+        ]
+
+
+def _stacked(lazies: list[Lazy]) -> Callable[[], torch.Tensor]:
+    from ckptkit.formats.gguf.experts import stack
+
+    return lambda: stack(lazies)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 # llama.cpp keeps MoE routers and the linear attention's conv kernels in float32 whatever the file type
-ALWAYS_F32 = (".ffn_gate_inp.weight", ".ssm_conv1d.weight")
+ALWAYS_F32 = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
 
 
 @dataclass
@@ -280,6 +280,7 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
     if mtp:  # llama.cpp's deepseek2 skips the multi-token-prediction layers
         fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
         ckpt.notes.append(note(fact))
+    hybrid_experts = hybrid.Experts(int(hparams.get("num_experts") or 0))
     skipped = [n for n in order if spec.linear_attention and hybrid.is_vision(n)]
     if skipped:
         fact = f"{len(skipped)} tensor(s) of the vision tower not written: llama.cpp writes them with --mmproj"
@@ -288,6 +289,9 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         if source_name in mtp or source_name in skipped:
             continue
         hf_name = hybrid.llama_cpp_name(source_name, layers) if spec.linear_attention else source_name
+        if spec.linear_attention and (merged := hybrid_experts.take(hf_name, targets[source_name])) is not None:
+            out += [GGUFTensor(n, shape, qtype(n, shape, ftype), make) for n, shape, make in _named(tmap, merged)]
+            continue
         if spec.linear_attention:
             out += _linear_attention(tmap, hf_name, targets[source_name], hparams, spec, ftype)
             continue
@@ -340,6 +344,16 @@ def _linear_attention(
     change = hybrid.transform(hf_name, hparams, spec.linear_attention == "tiled")
     made = _maker(lazy, change, hybrid.arithmetic(hf_name))
     return [GGUFTensor(new, shape, qtype(new, shape, ftype), made, lazy if change is None else None)]
+
+
+def _named(tmap: Any, made: list[hybrid.Made]) -> list[hybrid.Made]:
+    """``made`` under llama.cpp's GGUF names."""
+    out = []
+    for hf_name, shape, make in made:
+        if (name := gguf_name(tmap, hf_name)) is None:
+            raise CkptkitError(f"llama.cpp has no GGUF name for tensor {hf_name!r}")
+        out.append((name, shape, make))
+    return out
 
 
 def _qkvz(i: int, hparams: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
