@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
-from ckptkit.models.hybrid import Hybrid, HybridFields, hybrid_config, hybrid_fields, moe_fields
+from ckptkit.models.hybrid import Hybrid, HybridFields, hybrid_config, hybrid_fields, hybrid_gguf, moe_fields
 from ckptkit.models.registry import register
 
 
@@ -18,7 +18,7 @@ class Qwen3Next(Hybrid, Family):
     hf_model_types = ("qwen3_next",)
     hf_architecture = "Qwen3NextForCausalLM"
     fields: ClassVar[type[HybridFields]] = HybridFields
-    gguf_not_yet = "qwen3next"
+    gguf = hybrid_gguf("qwen3next", ("Qwen3NextForCausalLM",), "fused", moe=True)
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         moe = moe_fields(cfg)

@@ -128,12 +128,3 @@ def test_a_layer_type_neither_linear_nor_full_is_one_line(tmp_path: Path) -> Non
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(CkptkitError, match="layer_types must list linear_attention or full_attention"):
         open_checkpoint(src)
-
-
-@pytest.mark.parametrize(("name", "arch"), [("qwen3_next", "qwen3next")])
-def test_gguf_is_refused_in_one_line_naming_llama_cpp_s_architecture(name: str, arch: str, tmp_path: Path) -> None:
-    from ckptkit.convert import ConvertOptions, convert
-
-    with pytest.raises(CkptkitError, match=rf"does not write \w+ as GGUF yet \(llama\.cpp's {arch}\)$"):
-        convert(FIXTURES / "hf" / name, tmp_path / "m.gguf", ConvertOptions("gguf"))
-    assert not (tmp_path / "m.gguf").exists()

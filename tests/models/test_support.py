@@ -68,6 +68,7 @@ FIXTURE_PRE |= {
     "deepseek_v3": "llama-bpe",
     "qwen3_5": "qwen2",
     "qwen3_5_moe": "qwen2",
+    "qwen3_next": "qwen2",
 }
 
 # the quantized sources (fp8/*) have tests of their own in every format (tests/quant, test_gguf_fp8.py)

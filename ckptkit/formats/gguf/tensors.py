@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.gguf import hybrid
-from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view
+from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view, refuse_dense_layers
 from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, is_70b, quantize_type
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.registry import find_format, transformers_format
@@ -281,6 +281,8 @@ def model_tensors(ckpt: OpenedCheckpoint, hparams: dict[str, Any], dtype: str | 
         fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
         ckpt.notes.append(note(fact))
     hybrid_experts = hybrid.Experts(int(hparams.get("num_experts") or 0))
+    if spec.linear_attention and hybrid_experts.n:
+        refuse_dense_layers(ckpt, spec)
     skipped = [n for n in order if spec.linear_attention and hybrid.is_vision(n)]
     if skipped:
         fact = f"{len(skipped)} tensor(s) of the vision tower not written: llama.cpp writes them with --mmproj"
