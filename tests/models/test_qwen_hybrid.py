@@ -89,7 +89,12 @@ def _logits(folder: Path) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("name", NAMES)
+# qwen3_next's case took ~27 s on the shared 2 cores (transformers' forward of it): slow (its bytes are
+# checked by the round trip; the other three give the same code path's logits in the fast run)
+LOGITS = [pytest.param(n, marks=pytest.mark.slow) if n == "qwen3_next" else n for n in NAMES]
+
+
+@pytest.mark.parametrize("name", LOGITS)
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
     _convert(src, tmp_path / "dcp", "dcp")
