@@ -52,6 +52,8 @@ class Family:
             the family has no Meta release, its tokenizer files are carried as they are).
         gguf: how llama.cpp's converter writes it (:mod:`ckptkit.models.gguf_spec`; None:
             llama.cpp has no model class for it).
+        gguf_not_yet: the llama.cpp architecture that converts the family where ckptkit
+            does not write it yet (with ``gguf`` None).
     """
 
     name: ClassVar[str]
@@ -62,6 +64,7 @@ class Family:
     vocab_parallel: ClassVar[bool] = False
     tokenizer: ClassVar[TokenizerSpec | None] = None
     gguf: ClassVar[GGUFSpec | None] = None
+    gguf_not_yet: ClassVar[str | None] = None
 
     # --- layouts -------------------------------------------------------------
     def hf_layout(self, cfg: ModelConfig) -> Layout:
@@ -89,6 +92,12 @@ class Family:
         architecture is one the spec lists), or None when llama.cpp has none."""
         spec = self.gguf
         return spec if spec is not None and self.hf_architecture in spec.hf_architectures else None
+
+    def no_gguf(self, where: object) -> str:
+        """Why ``where`` (of this family) cannot be written as GGUF: one line."""
+        if self.gguf_not_yet:
+            return f"{where}: ckptkit does not write {self.name} as GGUF yet (llama.cpp's {self.gguf_not_yet})"
+        return f"{where}: llama.cpp has no GGUF architecture for model type {self.name}"
 
     # --- configs -------------------------------------------------------------
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:

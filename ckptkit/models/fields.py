@@ -56,7 +56,7 @@ def rope_scaling(v: Any, nested: bool = True) -> bool:
     return isinstance(v, dict) and all(
         isinstance(k, str)
         and (
-            isinstance(x, str | bool)  # yarn's "truncate" (gpt-oss)
+            isinstance(x, str | bool)  # yarn's "truncate" (gpt-oss), Qwen3.5's mrope_interleaved
             or positive_float(x)
             or x is None
             or isinstance(x, list)

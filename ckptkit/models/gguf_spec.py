@@ -41,6 +41,9 @@ class GGUFSpec:
             (set when reading a GGUF back).
         latent_attention: DeepSeek's: ``kv_b_proj`` written split per head as ``attn_k_b``
             (transposed) and ``attn_v_b``, the MTP layers past ``num_hidden_layers`` not written.
+        linear_attention: the hybrid Qwen stacks' Gated DeltaNet layers and MTP layers
+            (:mod:`ckptkit.formats.gguf.hybrid`): ``tiled`` (Qwen3.5: value heads reordered) or
+            ``fused`` (Qwen3-Next: ``in_proj_qkvz`` split); None: not a hybrid stack.
         reads_back: ckptkit reads its GGUFs back into the family (else written only).
         interleaved_experts: gpt-oss's: the stacked ``experts.gate_up_proj`` [E, cols, 2 *
             rows] / ``down_proj`` [E, cols, rows] written transposed, the interleaved gate and
@@ -61,6 +64,7 @@ class GGUFSpec:
     experts: GGUFExperts | None = None
     implied: tuple[tuple[str, Any], ...] = ()
     latent_attention: bool = False
+    linear_attention: str | None = None
     reads_back: bool = True
     interleaved_experts: bool = False
 

@@ -272,7 +272,7 @@ class GGUFFormat(CheckpointFormat):
         needs = {"tokenizer": f"{VOCAB_NEEDS[spec.vocab]} (the source's, or --tokenizer PATH)"}
         if spec.embeddings_to_vocab:
             needs["vocab"] = VOCAB_ROWS
-        if spec.experts is not None and not takes_dense_layers(spec):
+        if (spec.experts is not None or spec.linear_attention) and not takes_dense_layers(spec):
             needs["experts"] = EXPERTS_EVERYWHERE.format(arch=spec.arch)
         tokenizer = "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
         if not spec.reads_back:

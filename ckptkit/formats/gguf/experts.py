@@ -74,10 +74,8 @@ def takes_dense_layers(spec: GGUFSpec) -> bool:
 EXPERTS_EVERYWHERE = "experts in every layer (llama.cpp's {arch} has no dense MLP; its converter refuses one)"
 
 
-def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts) -> tuple[OpenedCheckpoint, bool]:
-    """``ckpt`` as llama.cpp's class reads it, and whether it was regrouped: a class that
-    takes no stacked experts reads a stacked checkpoint as the per-expert HF copy that
-    ``--to hf --experts per-expert`` writes (its files, and so its tensor order)."""
+def refuse_dense_layers(ckpt: OpenedCheckpoint, spec: GGUFSpec) -> None:
+    """One line where ``spec``'s architecture has experts in every layer and ``ckpt`` has dense ones."""
     cfg = ckpt.config
     dense = [i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)]
     if dense and not takes_dense_layers(spec):
@@ -86,6 +84,14 @@ def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts)
             f"{', '.join(map(str, dense))} of this {ckpt.family.name} model have a dense MLP; "
             "llama.cpp cannot write it as GGUF"
         )
+
+
+def llama_cpp_view(ckpt: OpenedCheckpoint, spec: GGUFSpec, experts: GGUFExperts) -> tuple[OpenedCheckpoint, bool]:
+    """``ckpt`` as llama.cpp's class reads it, and whether it was regrouped: a class that
+    takes no stacked experts reads a stacked checkpoint as the per-expert HF copy that
+    ``--to hf --experts per-expert`` writes (its files, and so its tensor order)."""
+    cfg = ckpt.config
+    refuse_dense_layers(ckpt, spec)
     if experts.takes_stacked or cfg.fields(MoEFields).experts_layout == "per-expert":
         return ckpt, False
     view = copy.copy(ckpt)  # the same tensors, named one per expert

@@ -141,7 +141,7 @@ def _all() -> list[Family]:
 def spec_for(family: Family, where: object) -> GGUFSpec:
     spec = family.gguf_spec()
     if spec is None:
-        raise UnknownModel(f"{where}: llama.cpp has no GGUF architecture for model type {family.name}")
+        raise UnknownModel(family.no_gguf(where))
     if not spec.reads_back:
         raise UnknownModel(f"{where}: ckptkit writes {family.name} as GGUF but does not read it back yet")
     return spec

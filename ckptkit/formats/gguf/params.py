@@ -258,6 +258,67 @@ WRITERS |= {
 }
 
 
+# --- the hybrid Qwen stacks (Qwen3NextModel and its Qwen3.5 subclasses) ----------------------------
+
+
+def _blocks(h: dict[str, Any]) -> int:
+    return int(h["num_hidden_layers"]) + int(h.get("mtp_num_hidden_layers") or 0)
+
+
+def _sections(w: Any, h: dict[str, Any], default: bool) -> None:
+    """The mRoPE sections padded to four; ``default``: Qwen3.5's when the config has none."""
+    given = (h.get("rope_parameters", h.get("rope_scaling")) or {}).get("mrope_section")
+    if default and given is None:
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+    elif not default and given is not None:
+        w.add_rope_dimension_sections((list(given) + [0, 0, 0, 0])[:4])
+
+
+def _ssm(w: Any, h: dict[str, Any]) -> None:
+    w.add_ssm_conv_kernel(h["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(h["linear_key_head_dim"])
+    w.add_ssm_group_count(h["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(h["linear_num_value_heads"])
+    w.add_ssm_inner_size(h["linear_value_head_dim"] * h["linear_num_value_heads"])
+
+
+def _recurrent(w: Any, h: dict[str, Any]) -> None:
+    types = h["layer_types"]
+    if len(types) != h["num_hidden_layers"]:
+        raise CkptkitError(f"config.json: layer_types has {len(types)} entries, not num_hidden_layers")
+    flags = [t == "linear_attention" for t in types] + [False] * (_blocks(h) - len(types))
+    w.add_array(f"{w.arch}.attention.recurrent_layers", flags)  # the gguf package has no add_ for it yet
+
+
+def _hybrid_rope_dims(h: dict[str, Any]) -> int:
+    head = h.get("head_dim") or h["hidden_size"] // h["num_attention_heads"]
+    return int(head * rope(h).get("partial_rotary_factor", 0.25))
+
+
+WRITERS |= {
+    "block_count_mtp": (lambda w, h, t: w.add_block_count(_blocks(h)), None),
+    "feed_forward_length_given": (
+        lambda w, h, t: w.add_feed_forward_length(h["intermediate_size"]),
+        "intermediate_size",
+    ),
+    "rope_sections": (lambda w, h, t: _sections(w, h, False), None),
+    "rope_sections_default": (lambda w, h, t: _sections(w, h, True), None),
+    "expert_shared_feed_forward_length": (
+        lambda w, h, t: w.add_expert_shared_feed_forward_length(h["shared_expert_intermediate_size"]),
+        "shared_expert_intermediate_size",
+    ),
+    "mtp_predict_layers": (lambda w, h, t: w.add_nextn_predict_layers(h["mtp_num_hidden_layers"]), "mtp_layers"),
+    "ssm": (lambda w, h, t: _ssm(w, h), None),
+    "recurrent_layers": (lambda w, h, t: _recurrent(w, h), "layer_types"),
+    "full_attention_interval": (
+        lambda w, h, t: w.add_full_attention_interval(h.get("full_attention_interval", 4)),
+        None,
+    ),
+    "rope_dimension_count_hybrid": (lambda w, h, t: w.add_rope_dimension_count(_hybrid_rope_dims(h)), None),
+}
+_PRESENT["mtp_layers"] = lambda h: h.get("mtp_num_hidden_layers") or None
+
+
 def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftype: Any) -> None:
     """The keys ``names`` (a spec's ``parameters``) from config.json ``hparams``."""
     for name in names:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
-from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view
+from ckptkit.formats.gguf import hybrid
+from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view, refuse_dense_layers
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, ggml_type, model_facts, quantize_type, writable
 from ckptkit.formats.gguf.params import rope
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
     from ckptkit.tensors.lazy import Lazy
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
-ALWAYS_F32 = (".ffn_gate_inp.weight",)  # llama.cpp keeps MoE routers in float32 whatever the file type
+# llama.cpp keeps MoE routers and the linear attention's conv kernels in float32 whatever the file type
+ALWAYS_F32 = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
 
 
 @dataclass
@@ -62,7 +64,7 @@ class GGUFTensor:
 def spec_of(family: Family, where: object) -> GGUFSpec:
     spec = family.gguf_spec()
     if spec is None:
-        raise UnknownModel(f"{where}: llama.cpp has no architecture for model type {family.name}")
+        raise UnknownModel(family.no_gguf(where))
     return spec
 
 
@@ -276,7 +278,11 @@ def model_tensors(
         names = [n for n in names if n != "lm_head.weight"]
     order = _hf_order(ckpt, targets, names, fresh=regrouped)
     ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
-    tmap = name_map(spec, hparams["num_hidden_layers"] + int(hparams.get("num_nextn_predict_layers") or 0))
+    layers = hparams["num_hidden_layers"]
+    blocks = (
+        hybrid.blocks(hparams) if spec.linear_attention else layers + int(hparams.get("num_nextn_predict_layers") or 0)
+    )
+    tmap = name_map(spec, blocks)
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
     out: list[GGUFTensor] = []
@@ -289,8 +295,22 @@ def model_tensors(
     if mtp:  # llama.cpp's deepseek2 skips the multi-token-prediction layers
         fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
         ckpt.notes.append(note(fact))
-    for hf_name in order:
-        if hf_name in mtp:
+    hybrid_experts = hybrid.Experts(int(hparams.get("num_experts") or 0))
+    if spec.linear_attention and hybrid_experts.n:
+        refuse_dense_layers(ckpt, spec)
+    skipped = [n for n in order if spec.linear_attention and hybrid.is_vision(n)]
+    if skipped:
+        fact = f"{len(skipped)} tensor(s) of the vision tower not written: llama.cpp writes them with --mmproj"
+        ckpt.notes.append(note(fact, "ckptkit does not write the vision part (--mmproj) as GGUF"))
+    for source_name in order:
+        if source_name in mtp or source_name in skipped:
+            continue
+        hf_name = hybrid.llama_cpp_name(source_name, layers) if spec.linear_attention else source_name
+        if spec.linear_attention and (merged := hybrid_experts.take(hf_name, targets[source_name])) is not None:
+            out += [GGUFTensor(n, shape, qtype(n, shape, ftype), make) for n, shape, make in _named(tmap, merged)]
+            continue
+        if spec.linear_attention:
+            out += _linear_attention(tmap, hf_name, targets[source_name], hparams, spec, ftype)
             continue
         if spec.latent_attention and hf_name.endswith("kv_b_proj.weight"):
             out += _kv_b_split(tmap, hf_name, targets[hf_name], hparams, ftype)
@@ -322,6 +342,42 @@ def model_tensors(
     if merger is not None:
         merger.check_done()
     return out, ftype
+
+
+def _linear_attention(
+    tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], spec: GGUFSpec, ftype: Any
+) -> list[GGUFTensor]:
+    """A tensor of a hybrid Qwen stack as llama.cpp writes it (:mod:`~ckptkit.formats.gguf.hybrid`)."""
+    if hf_name.endswith("in_proj_qkvz.weight"):
+        bid, gates = hf_name.split(".")[2], hparams["linear_num_value_heads"] * hparams["linear_value_head_dim"]
+        out = []
+        for i, (part, rows) in enumerate((("attn_qkv", lazy.shape[0] - gates), ("attn_gate", gates))):
+            name = f"blk.{bid}.{part}.weight"
+            shape: tuple[int, ...] = (rows, lazy.shape[1])
+            out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), _maker(lazy, _qkvz(i, hparams), False)))
+        return out
+    key = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias" if hf_name.endswith(".dt_bias") else hf_name
+    new = gguf_name(tmap, key) or hybrid.nextn_name(hf_name)
+    if new is None:
+        raise CkptkitError(f"llama.cpp has no GGUF name for tensor {hf_name!r}")
+    shape = tuple(d for d in lazy.shape if d != 1) if ".conv1d" in hf_name else lazy.shape
+    change = hybrid.transform(hf_name, hparams, spec.linear_attention == "tiled")
+    made = _maker(lazy, change, hybrid.arithmetic(hf_name))
+    return [GGUFTensor(new, shape, qtype(new, shape, ftype), made, lazy if change is None else None)]
+
+
+def _named(tmap: Any, made: list[hybrid.Made]) -> list[hybrid.Made]:
+    """``made`` under llama.cpp's GGUF names."""
+    out = []
+    for hf_name, shape, make in made:
+        if (name := gguf_name(tmap, hf_name)) is None:
+            raise CkptkitError(f"llama.cpp has no GGUF name for tensor {hf_name!r}")
+        out.append((name, shape, make))
+    return out
+
+
+def _qkvz(i: int, hparams: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: hybrid.split_qkvz(t, hparams)[i]
 
 
 def _past_blocks(hf_name: str, blocks: int) -> bool:

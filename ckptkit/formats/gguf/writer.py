@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
+from ckptkit.formats.gguf.hybrid import hybrid_hparams
 from ckptkit.formats.gguf.imatrix import load_imatrix
 from ckptkit.formats.gguf.mix import quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
@@ -377,6 +378,8 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     dtype = opts.dtype if same is None else kept_dtype(same["file_type"])
     spec = spec_of(ckpt.family, ckpt.path)
     hparams = hf_hparams(ckpt)
+    if spec.linear_attention:
+        hparams = hybrid_hparams(hparams, ckpt.tensors)
     imatrix = None
     if opts.quant.imatrix is not None and quantize_type(dtype) is not None:
         imatrix = load_imatrix(opts.quant.imatrix)

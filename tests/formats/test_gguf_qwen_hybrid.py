@@ -1,0 +1,138 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next to GGUF as llama.cpp's ``qwen35`` / ``qwen35moe`` /
+``qwen3next`` write them: byte for byte its ``convert_hf_to_gguf.py`` output
+for every outtype (the MTP layer as the block past ``num_hidden_layers``, its own tensors as
+``blk.N.nextn.*``; value heads in tiled order; ``A_log`` as ``-exp(A_log)``; packed experts
+split into ``ffn_gate_exps`` / ``ffn_up_exps``, per-expert ones merged; Qwen3-Next's fused
+``in_proj_qkvz`` split into ``attn_qkv`` and ``attn_gate``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
+
+from ckptkit.convert import ConvertOptions, convert
+from ckptkit.errors import CkptkitError
+
+from conftest import FIXTURES
+
+NAMES = [
+    "qwen3_5",
+    "qwen3_5-vl",
+    "qwen3_5_moe",
+    "qwen3_next",
+]  # -vl: the multimodal layout, its vision tower not written (--mmproj)
+PRE = "qwen2"  # the fixtures' tiny Qwen2-style tokenizer, whose hash llama.cpp cannot know
+
+
+def all_moe_qwen3_next(out: Path) -> Path:
+    """The qwen3_next fixture's config with experts in every layer (llama.cpp's qwen3next has no
+    dense MLP), built by transformers (seeded, every parameter random) in bfloat16, with the
+    fixture's MTP layer (transformers builds none) and tokenizer."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = FIXTURES / "hf" / "qwen3_next"
+    out.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text()) | {"mlp_only_layers": []}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    model.to(torch.bfloat16).save_pretrained(out)
+    mtp = {k: v for p in sorted(src.glob("*.safetensors")) for k, v in load_file(p).items() if k.startswith("mtp.")}
+    save_file(load_file(out / "model.safetensors") | mtp, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The HF folder of a test name: a fixture, or (``qwen3_next``) its all-experts variant."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name == "qwen3_next" and name not in made:
+            made[name] = all_moe_qwen3_next(tmp_path_factory.mktemp("all-moe") / "qwen3_next")
+        return made.get(name, (FIXTURES / "hf" / name).resolve())
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str | None], Path]:
+    """llama.cpp's GGUF of an HF folder for an outtype, every outtype from one converter process."""
+    made: dict[Path, dict[str, Path]] = {}
+
+    def get(src: Path, dtype: str | None) -> Path:
+        if src not in made:
+            tmp = tmp_path_factory.mktemp(src.name)
+            outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
+            made[src] = llama_cpp_ggufs(llama_cpp, src, outs, PRE)
+        return made[src][OUTTYPES[dtype]]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_to_gguf_equals_llama_cpp(
+    name: str,
+    dtype: str | None,
+    sources: Callable[[str], Path],
+    reference: Callable[[Path, str | None], Path],
+    tmp_path: Path,
+) -> None:
+    ours = tmp_path / "ours.gguf"
+    opts = ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None)
+    convert(sources(name), ours, opts)
+    assert_same_gguf(ours, reference(sources(name), dtype))
+
+
+def _source(name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for p in sorted((FIXTURES / "hf" / name).glob("*.safetensors")) for k, v in load_file(p).items()}
+
+
+def test_linear_attention_and_mtp_tensors_as_llama_cpp_names_them(tmp_path: Path) -> None:
+    """Values computed here from transformers' tensors (the fixture: 2 key heads of 6, 4 value
+    heads of 10, 3 layers and an MTP layer)."""
+    from gguf import GGUFReader
+
+    convert(FIXTURES / "hf" / "qwen3_5", tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    reader = GGUFReader(tmp_path / "m.gguf")
+    got = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    src = _source("qwen3_5")
+    a = "model.layers.0.linear_attn."
+    assert torch.equal(got["blk.0.ssm_a"], -torch.exp(src[a + "A_log"].float())[[0, 2, 1, 3]])
+    assert torch.equal(got["blk.0.ssm_dt.bias"], src[a + "dt_bias"].float()[[0, 2, 1, 3]])
+    z = src[a + "in_proj_z.weight"].view(2, 2, 10, 40).transpose(0, 1).reshape(40, 40)  # [k0v0, k1v0, k0v1, k1v1]
+    assert torch.equal(got["blk.0.attn_gate.weight"].view(torch.bfloat16), z)
+    assert torch.equal(got["blk.0.ssm_norm.weight"], src[a + "norm.weight"].float())  # the gated norm: no + 1
+    assert torch.equal(got["blk.0.attn_norm.weight"], src["model.layers.0.input_layernorm.weight"].float() + 1)
+    assert got["blk.0.ssm_conv1d.weight"].shape == (64, 3)  # squeezed, kept float32
+    assert torch.equal(got["blk.3.nextn.eh_proj.weight"].view(torch.bfloat16), src["mtp.fc.weight"])
+    assert torch.equal(got["blk.3.nextn.enorm.weight"], src["mtp.pre_fc_norm_embedding.weight"].float() + 1)
+    assert torch.equal(got["blk.3.attn_q.weight"].view(torch.bfloat16), src["mtp.layers.0.self_attn.q_proj.weight"])
+    assert reader.fields["qwen35.block_count"].contents() == 4
+
+
+def test_a_dense_layer_of_qwen3_next_is_refused_as_llama_cpp_has_none(tmp_path: Path) -> None:
+    # the fixture's layer 0 is dense (mlp_only_layers); llama.cpp's converter fails on it too
+    with pytest.raises(
+        CkptkitError,
+        match=r"qwen3next has experts in every layer, but layer\(s\) 0 of this qwen3_next model have a dense MLP",
+    ):
+        convert(FIXTURES / "hf" / "qwen3_next", tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    assert not (tmp_path / "m.gguf").exists()
