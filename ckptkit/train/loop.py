@@ -101,6 +101,7 @@ class Recipe:
                 for layer in self.model.layers:
                     layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
             placement.place(self.model, self.trainable.source(self.model, lambda k: source.tensors[k].get()))
+            self.trainable.placed(self.model)
         self.model.train()
         if cfg.compile:
             compile_layers(self.model)

@@ -185,6 +185,18 @@ class FullFinetuneConfig(RecipeConfig):
         return data
 
 
+def _quantize_base(value: Any) -> Any:
+    """``nf4``, torchtune's ``true`` (NF4), or ``false``/``null`` (none)."""
+    if value is True or value == "nf4":
+        return "nf4"
+    if value is False or value is None:
+        return None
+    raise ValueError(f"quantize_base must be nf4, true or false, not {value!r}")
+
+
+QuantizeBase = Annotated[Literal["nf4"] | None, BeforeValidator(_quantize_base)]
+
+
 class LoRAConfig(Section):
     """Low-rank adapters: where, how large, and what the checkpoints hold."""
 
@@ -195,6 +207,10 @@ class LoRAConfig(Section):
     use_dora: Bool = False  # DoRA: a trained magnitude per output row (PEFT's use_dora)
     # final: intermediate checkpoints adapter-only, the last one merged too; every: all merged; never: none
     save_merged: Literal["final", "every", "never"] = "final"
+    # QLoRA (ckptkit.train.nf4): nf4 (or true) keeps the decoder layers' frozen linears in NF4
+    quantize_base: QuantizeBase = None
+    # the base a merged save adds the adapter to: nf4 (dequantized, as trained) or original (16-bit)
+    merge_base: Literal["nf4", "original"] = "nf4"
 
 
 class LoRAFinetuneConfig(RecipeConfig):
@@ -212,6 +228,11 @@ class LoRAFinetuneConfig(RecipeConfig):
                 "this config has no lora section: it is a full_finetune config "
                 "(run it with `ckptkit run full_finetune`, or add a lora section)"
             )
+        if "quantize_base" in data:  # also accepted at the top level: quantize_base=nf4
+            data = dict(data)
+            quantize = data.pop("quantize_base")
+            if isinstance(data["lora"], dict):
+                data["lora"] = {**data["lora"], "quantize_base": quantize}
         if "save_adapter_weights_only" in data:  # torchtune's spelling of lora.save_merged=never
             data = dict(data)
             only = data.pop("save_adapter_weights_only")
@@ -239,3 +260,9 @@ class LoRAFinetuneDistributedConfig(LoRAFinetuneConfig):
     """``lora_finetune_distributed``: ``lora_finetune``'s keys (``batch_size`` per rank) plus FSDP2's."""
 
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+
+    @model_validator(mode="after")
+    def _no_qlora(self) -> LoRAFinetuneDistributedConfig:
+        if self.lora.quantize_base is not None:
+            raise ValueError("quantize_base is not supported under FSDP2 yet; run lora_finetune (one device)")
+        return self

@@ -18,6 +18,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
 from ckptkit.tensors.dtypes import dtype_name
+from ckptkit.train import nf4
 from ckptkit.train.checkpointer import Checkpointer
 from ckptkit.train.lora import ADAPTER_SUFFIXES, apply_lora, dora_magnitude, lora_modules, merged_weight
 from ckptkit.train.lora_targets import check_targets
@@ -41,6 +42,9 @@ class Trainable:
 
     def build(self, model: nn.Module, checkpointer: Checkpointer) -> None:
         """Adapt ``model`` (on the meta device); tensors made here keep their values."""
+
+    def placed(self, model: nn.Module) -> None:
+        """Adapt ``model`` once its tensors hold their values on their device."""
 
     def prepare(self, checkpointer: Checkpointer, writer: bool) -> None:
         """Last setup before training (``writer``: on the rank that writes checkpoints)."""
@@ -120,6 +124,11 @@ class LoRAAdapters(Trainable):
         prepare_for_peft(model)  # fused modules share one A; PEFT names checked now, not at save
         if checkpointer.resume:
             checkpointer.load_adapter_into(model)
+        self.checkpointer = checkpointer
+
+    def placed(self, model: nn.Module) -> None:
+        if self.cfg.quantize_base == "nf4":
+            nf4.quantize_base(model)
 
     def prepare(self, checkpointer: Checkpointer, writer: bool) -> None:
         if writer:
@@ -147,9 +156,12 @@ class LoRAAdapters(Trainable):
 
         def merged(key: str) -> torch.Tensor:
             name = key.removesuffix(".weight")
+            w = full(key).detach()
+            if nf4.is_nf4(w):  # QLoRA: the base lora.merge_base names
+                w = nf4.merge_base_weight(self.cfg.merge_base, w, lambda: _base_tensor(self.checkpointer, key))
             if name not in modules or not key.endswith(".weight"):
-                return full(key).detach()
-            w, a, b = (full(f"{name}.{part}").detach() for part in ("weight", "lora_a", "lora_b"))
+                return w
+            a, b = (full(f"{name}.{part}").detach() for part in ("lora_a", "lora_b"))
             magnitude = full(f"{name}.lora_magnitude").detach() if modules[name].use_dora else None
             return merged_weight(w, a, b, modules[name].scaling, magnitude)
 
@@ -162,3 +174,9 @@ class LoRAAdapters(Trainable):
             checkpointer.write_adapter(model, folder, {k: full(k).cpu() for k in names})
 
         return write
+
+
+def _base_tensor(checkpointer: Checkpointer, key: str) -> torch.Tensor:
+    """One tensor of the input checkpoint, read again (QLoRA's ``merge_base: original``)."""
+    with checkpointer.open_base() as base:
+        return base.tensors[key].get()
