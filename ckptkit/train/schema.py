@@ -212,6 +212,13 @@ class LoRAConfig(Section):
     # the base a merged save adds the adapter to: nf4 (dequantized, as trained) or original (16-bit)
     merge_base: Literal["nf4", "original"] = "nf4"
 
+    @model_validator(mode="after")
+    def _dora_on_full_weights(self) -> LoRAConfig:
+        """DoRA's magnitudes start from the 16-bit rows; on an NF4 base they would not match PEFT's."""
+        if self.use_dora and self.quantize_base is not None:
+            raise ValueError("use_dora with quantize_base (QDoRA) is not supported yet; drop one of them")
+        return self
+
 
 class LoRAFinetuneConfig(RecipeConfig):
     """``lora_finetune``: adapters train, the base stays frozen."""
