@@ -11,10 +11,13 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+import pytest
 
 LFS_MIN = 1024  # files of at least this size (and every weight file) are LFS files, as on the Hub
 WEIGHTS = (".safetensors", ".bin", ".pth", ".pt", ".gguf", ".onnx")
@@ -210,3 +213,18 @@ class FakeHub:
 
 def _git_blob(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """The fake Hub as huggingface_hub's endpoint, with an empty cache (a test module imports it:
+    a conftest.py here would shadow tests/conftest.py, since every tests/ folder is on sys.path)."""
+    server = FakeHub()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)  # no local org/name here: names go to the Hub
+    yield server
+    server.close()

@@ -9,6 +9,8 @@ import pytest
 from fake_hub import FakeHub
 from test_hub_sources import FIXTURES, HF, ckptkit, everything, local_reference, same_files
 
+pytest_plugins = ["fake_hub"]  # its `hub` fixture (a conftest.py here would shadow tests/conftest.py)
+
 
 def fill_cache(hub: FakeHub, repo_id: str) -> None:
     """Every file of the repository into the Hub cache, as `hf download` (or transformers) leaves it."""

@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 
 from ckptkit.cli import app
 
+pytest_plugins = ["fake_hub"]  # its `hub` fixture (a conftest.py here would shadow tests/conftest.py)
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 HF = FIXTURES / "hf/llama2"
 HF_SHARDS = sorted(p.name for p in HF.glob("*.safetensors"))

@@ -211,3 +211,11 @@ def test_the_dcp_face_check_finds_a_planted_reach_inside(tmp_path: Path) -> None
     assert reaches_inside(_graph(root), "ckptkit.formats.dcp") == [
         "ckptkit.train.distributed imports ckptkit.formats.dcp.folder"
     ]
+
+
+def test_one_conftest_for_all_test_folders() -> None:
+    """Every tests/ folder is on sys.path (tests/conftest.py), so a second conftest.py would
+    shadow the root one for every ``from conftest import ...``: fixtures of one folder live
+    in a helper module its tests name in ``pytest_plugins``."""
+    tests = PACKAGE.parent / "tests"
+    assert sorted(p.relative_to(tests).as_posix() for p in tests.rglob("conftest.py")) == ["conftest.py"]
