@@ -50,8 +50,8 @@ def _more_bits(i: int, n: int) -> bool:
 
 
 def _expected_type(ftype: str, name: str, row: int, bf16: str, n: int) -> str:
-    """llama-quantize's type for a tensor of these dense Llamas of ``n`` layers (the
-    2-layer fixture's rows of 64 and 192 fit no 256 block)."""
+    """llama-quantize's type for a tensor of the widened dense Llama of ``n`` layers (the
+    bundled fixtures' rows of 64 and 192: ``test_llama_quantize_golden``)."""
     if name.endswith("norm.weight") or name == "rope_freqs.weight":
         return bf16
     base = {"Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K"}.get(ftype, ftype)
@@ -105,21 +105,6 @@ def _check(ours: Path, ref16: Path, ftype: str) -> dict[str, str]:
         want = values.astype(np.float16).view(np.uint8) if kind == "F16" else reference(kind, values)
         assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), want.reshape(-1)), t.name
     return types
-
-
-@pytest.fixture(scope="module")
-def llama2_bf16(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return llama_cpp_gguf(llama_cpp, FIXTURES / "hf" / "llama2", tmp_path_factory.mktemp("ref") / "bf16.gguf", "auto")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("ftype", sorted(FILE_TYPE))
-def test_fixture_quantizes_as_llama_quantize(ftype: str, llama2_bf16: Path, tmp_path: Path) -> None:
-    """Rows of 64 and 192: the K types fall back to Q5_0 / Q5_1 / Q8_0, output.weight to Q8_0."""
-    out = tmp_path / "model.gguf"
-    convert(FIXTURES / "hf" / "llama2", out, ConvertOptions("gguf", dtype=ftype.lower()))
-    types = _check(out, llama2_bf16, ftype)
-    assert types["output.weight"] == "Q8_0"
 
 
 def _wide_llama(out: Path) -> Path:
