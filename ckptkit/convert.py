@@ -379,7 +379,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions) -> Result:
         raise FlagError("--shards must be at least 1")
     check_options(fmt, o.dtype, o.shards, o.max_shard_size, o.allow_lossy_cast)
     check_gguf_pre(fmt, o.gguf_pre)
-    check_quant_options(o.quant, o.dtype if fmt.name == "gguf" else None)
+    check_quant_options(o.quant, o.dtype if set(FILE_TYPES) & set(fmt.info.extra_dtypes) else None)
     if parse_ref(src) is None:
         return _convert_local(src, dst, fmt, o)
     check_destination(src, dst, o.force, fmt)  # before a byte of the source is fetched

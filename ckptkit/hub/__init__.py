@@ -2,7 +2,7 @@
 ``org/name``, ``org/name@revision`` or ``hf://org/name[@revision][/subfolder]``.
 
 :func:`hub_source` turns one into a local folder: the repository is listed first (files,
-sizes, checksums), one weight set is chosen (:mod:`~ckptkit.hub.selection`), an unsupported
+sizes, checksums), one weight set is chosen (:mod:`~ckptkit.formats.hub_files`), an unsupported
 model is refused from its ``config.json`` before a byte of weights is fetched, and the files
 come through huggingface_hub's cache (checked) or, with ``stream``, by HTTP range reads
 mounted in place of local files (no copy kept). A local path that exists always wins.
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.hub_files import Selection, choose, choose_file, has_hf_config, is_single_file, single_file_format
 from ckptkit.hub.download import fetch
 from ckptkit.hub.listing import HubError, Listing, list_cached, list_repo, offline
 from ckptkit.hub.refs import HubRef, parse_ref
-from ckptkit.hub.selection import Selection, choose, choose_file
 from ckptkit.hub.stream import RangeFile
 from ckptkit.io import mounted
 
@@ -90,7 +90,7 @@ def hub_source(
     listing = list_repo(ref)
     sizes = {name: f.size for name, f in listing.files.items()}
     where = str(ref)
-    if ref.subfolder.endswith(".gguf"):
+    if is_single_file(ref.subfolder):
         selection = choose_file(sizes, ref.subfolder, where)
     else:
         selection = choose(sizes, ref.subfolder, from_format, lambda name: _read_small(listing, name), where)
@@ -119,7 +119,7 @@ def hub_source(
 
 
 def _with_path(done: Resolved, root: Path, selection: Selection) -> Resolved:
-    path = root / selection.weights[0] if selection.format == "gguf" else root
+    path = root / selection.weights[0] if single_file_format(selection.format) else root
     return Resolved(path, done.from_format, done.ref, done.commit, done.selection, done.nbytes, done.streamed)
 
 
@@ -146,7 +146,7 @@ def _read_small(listing: Listing, name: str) -> bytes:
 
 def _refuse_unsupported(listing: Listing, selection: Selection, model_type: str | None, where: str) -> None:
     """Read ``config.json`` before any weights: an unsupported model is refused here."""
-    if model_type is not None or selection.format not in ("hf", "hf-bin") or "config.json" not in selection.side:
+    if model_type is not None or not has_hf_config(selection.format) or "config.json" not in selection.side:
         return
     from ckptkit.models.registry import detect_from_hf
 
@@ -165,7 +165,7 @@ def _cached(ref: HubRef, from_format: str | None) -> Resolved:
     folder, commit = list_cached(ref)
     base = folder / ref.subfolder if ref.subfolder else folder
     sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
-    if ref.subfolder.endswith(".gguf"):
+    if is_single_file(ref.subfolder):
         selection = choose_file(sizes, ref.subfolder, str(ref))
     else:
         selection = choose(sizes, ref.subfolder, from_format, lambda n: (folder / n).read_bytes(), str(ref))

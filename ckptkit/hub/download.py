@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ckptkit.formats.hub_files import Selection
 from ckptkit.hub.listing import HubError, Listing, RemoteFile, cache_dir, endpoint, hub_errors
-from ckptkit.hub.selection import Selection
 from ckptkit.progress import Bar, byte_progress
 
 CHECKED_DIR = "hub-checked"  # under ckptkit's own cache: blobs whose checksum already matched

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptkit.formats.hub_files import FILE_NAME_SUFFIXES
+
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _PLAIN = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?:@(?P<rev>[^/@\s]+))?$")
 _URI = re.compile(rf"^hf:/{{1,2}}(?P<repo>{_PART}/{_PART})(?:@(?P<rev>[^/@\s]+))?(?:/(?P<sub>[^@\s]+?))?/?$")
@@ -35,6 +37,6 @@ def parse_ref(text: str | Path) -> HubRef | None:
         if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
             return None
         return HubRef(m["repo"], m["rev"], sub)
-    if (m := _PLAIN.match(raw)) is not None and not m["repo"].endswith((".json", ".gguf", ".safetensors")):
+    if (m := _PLAIN.match(raw)) is not None and not m["repo"].endswith(FILE_NAME_SUFFIXES):
         return HubRef(m["repo"], m["rev"])
     return None

@@ -41,8 +41,9 @@ class HybridFields(MoEFields):
         layer_types: ``linear_attention`` or ``full_attention`` per layer.
         mtp_num_hidden_layers: the config's MTP layer count (None: the config has none).
         mtp_layers: the MTP layers the checkpoint holds (from its tensor names).
-        multimodal: the ``...ForConditionalGeneration`` config.json without its
-            ``text_config`` (None: a causal LM).
+        vl_wrapper: the ``...ForConditionalGeneration`` config.json without its
+            ``text_config`` (None: a causal LM). Not ``multimodal``: Llama 4's fields
+            have a boolean of that name, and a field name has one check in ckptkit.json.
         vision: the vision tower's tensors (canonical ``visual.*`` name -> shape), from the
             checkpoint's names; not part of the saved config.
     """
@@ -71,7 +72,7 @@ class HybridFields(MoEFields):
     mrope_interleaved: bool | None = None
     mtp_num_hidden_layers: int | None = None
     mtp_layers: int = 0
-    multimodal: dict[str, Any] | None = None
+    vl_wrapper: dict[str, Any] | None = None
     vision: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,7 +218,7 @@ class Hybrid:
         return f.num_experts > 0 and (layer is None or f.is_moe_layer(layer))
 
     def text_prefix(self, cfg: ModelConfig) -> str:
-        return "model.language_model." if cfg.fields(HybridFields).multimodal is not None else "model."
+        return "model.language_model." if cfg.fields(HybridFields).vl_wrapper is not None else "model."
 
     def canonical_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         f, h, split = cfg.fields(HybridFields), cfg.hidden_size, self.split_in_proj

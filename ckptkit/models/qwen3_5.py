@@ -35,17 +35,17 @@ class Qwen3_5(Hybrid, Family):
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:
         text, wrapper = text_config(cfg)
         moe = moe_fields(text)
-        own = self.fields(**moe, dense_layers=[], multimodal=wrapper, experts_layout="stacked")  # as released
+        own = self.fields(**moe, dense_layers=[], vl_wrapper=wrapper, experts_layout="stacked")  # as released
         return hybrid_config(text, self.name, own)
 
     def config_to_hf(self, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         f = cfg.fields(HybridFields)
         out = hybrid_fields(cfg, self, self.hf_model_types[1], dtype, dense=not f.num_experts)
-        if f.multimodal is None:
+        if f.vl_wrapper is None:
             return out
         for key in ("architectures", "dtype", "rope_theta"):
             out.pop(key)
-        return {**f.multimodal, "text_config": out, "dtype": dtype}
+        return {**f.vl_wrapper, "text_config": out, "dtype": dtype}
 
 
 class Qwen3_5Moe(Qwen3_5):

@@ -47,7 +47,7 @@ def test_detected_with_mtp_and_vision_listed_by_inspect(name: str) -> None:
         assert ckpt.family.name == FAMILY.get(name, name)
         f = ckpt.config.extra
         assert f.layer_types == ["linear_attention", "full_attention", "linear_attention"]
-        assert (f.mtp_layers, f.num_experts, f.multimodal is not None) == (
+        assert (f.mtp_layers, f.num_experts, f.vl_wrapper is not None) == (
             1,
             0 if name.startswith("qwen3_5") and "moe" not in name else 4,
             name.endswith("-vl"),

@@ -274,3 +274,25 @@ def test_dash_h_is_help(command: list[str]) -> None:
     long, short = runner.invoke(app, [*command, "--help"]), runner.invoke(app, [*command, "-h"])
     assert long.exit_code == 0 and short.exit_code == 0
     assert short.output == long.output and "Usage" in long.output
+
+
+def test_a_field_name_means_one_thing_across_families() -> None:
+    """ckptkit.json and config.json are checked against every family's field checks at once
+    (``fields.set_family_checks``), so a field one family checks (Llama 4's boolean
+    ``multimodal``) must not name another family's field of another type (Qwen 3.5's wrapper
+    config once did, and its DCP round trip was refused)."""
+    import dataclasses
+
+    from ckptkit.models.registry import REGISTRY
+
+    checks: dict[str, tuple[str, object]] = {}
+    for name, family in REGISTRY.items():
+        for key, check in family.fields.all_checks().items():
+            checks.setdefault(key, (name, check))
+    clashes = []
+    for name, family in REGISTRY.items():
+        own = family.fields.all_checks()
+        for f in dataclasses.fields(family.fields):
+            if f.name in checks and checks[f.name][1] is not own.get(f.name):
+                clashes.append(f"{name}.{f.name} (checked as {checks[f.name][0]}'s)")
+    assert clashes == []

@@ -1,4 +1,5 @@
-"""Which files of a Hub repository make one checkpoint: exactly one weight set (HF safetensors,
+"""Which files of a Hub repository make one checkpoint (for :mod:`ckptkit.hub`):
+exactly one weight set (HF safetensors,
 else ``.bin``, else Meta's ``original/``) and the small files beside it, never a second copy of
 the same weights in another format (``original/``, ``metal/``, ``onnx/``, ``*.gguf``)."""
 
@@ -122,3 +123,22 @@ def choose_file(names: dict[str, int], path: str, where: str) -> Selection:
         raise CkptkitError(f"{where}: the repository has no file {path}")
     folder, _, name = path.rpartition("/")
     return Selection("gguf", folder, (), (name,))
+
+
+# a name ending so is a file, never a Hub repository name (``out/model.gguf``, ``a/config.json``)
+FILE_NAME_SUFFIXES = (".json", ".gguf", ".safetensors")
+
+
+def is_single_file(path: str) -> bool:
+    """Whether ``path`` in a repository names a one-file checkpoint (a ``.gguf``)."""
+    return path.lower().endswith(".gguf")
+
+
+def single_file_format(fmt: str) -> bool:
+    """Whether the selection of format ``fmt`` is one file (its path is the file's)."""
+    return fmt == "gguf"
+
+
+def has_hf_config(fmt: str) -> bool:
+    """Whether a checkpoint of format ``fmt`` has transformers' ``config.json`` (read before any weights)."""
+    return fmt in ("hf", "hf-bin")
