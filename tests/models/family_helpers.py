@@ -52,3 +52,14 @@ def assert_every_tensor_random(ckpt: Checkpoint) -> None:
     for key, lazy in ckpt.tensors.items():
         t = lazy.get()
         assert t.unique().numel() > min(t.numel() // 2, 3), key
+
+
+def convert_chain(src: Path, tmp: Path, *steps: str) -> Path:
+    """Convert ``src`` through each step (``"to [options...]"``, a folder under ``tmp`` each,
+    every step from the previous one's output); the last output."""
+    for i, step in enumerate(steps):
+        to, *extra = step.split()
+        dst = tmp / f"{i}-{to}"
+        convert(src, dst, to, *extra)
+        src = dst
+    return src

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import FIXTURES, assert_every_tensor_random, causal_lm_logits, convert, files, read_tensors
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+    read_tensors,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
@@ -43,18 +51,15 @@ def test_fixture_has_every_parameter_random(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    convert(src, tmp_path / "bin", "hf-bin")
-    convert(tmp_path / "bin", tmp_path / "int", "internal")
-    convert(tmp_path / "int", tmp_path / "hf", "hf")
-    assert files(tmp_path / "hf") == files(src)
+    out = convert_chain(src, tmp_path, "hf-bin", "internal", "hf")
+    assert files(out) == files(src)
 
 
 @pytest.mark.parametrize("to", ["dcp", "dcp-titan"])
 def test_hf_to_dcp_to_hf_keeps_every_tensor_bitwise(to: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / "deepseek_v3"
-    convert(src, tmp_path / "dcp", to, "--shards", "2")
-    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    want, got = read_tensors(src), read_tensors(tmp_path / "hf")
+    out = convert_chain(src, tmp_path, f"{to} --shards 2", "hf")
+    want, got = read_tensors(src), read_tensors(out)
     assert list(got) == list(want) or sorted(got) == sorted(want)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import FIXTURES, assert_every_tensor_random, causal_lm_logits, convert, files, read_tensors
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+    read_tensors,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
@@ -34,17 +42,14 @@ def test_detected_with_its_nextn_layer_listed_by_inspect() -> None:
 
 
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(tmp_path: Path) -> None:
-    convert(SRC, tmp_path / "bin", "hf-bin")
-    convert(tmp_path / "bin", tmp_path / "int", "internal")
-    convert(tmp_path / "int", tmp_path / "hf", "hf")
-    assert files(tmp_path / "hf") == files(SRC)
+    out = convert_chain(SRC, tmp_path, "hf-bin", "internal", "hf")
+    assert files(out) == files(SRC)
 
 
 @pytest.mark.parametrize("to", ["dcp", "dcp-titan"])
 def test_hf_to_dcp_to_hf_keeps_every_tensor_bitwise(to: str, tmp_path: Path) -> None:
-    convert(SRC, tmp_path / "dcp", to, "--shards", "2")
-    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    assert files(tmp_path / "hf") == files(SRC)
+    out = convert_chain(SRC, tmp_path, f"{to} --shards 2", "hf")
+    assert files(out) == files(SRC)
 
 
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(tmp_path: Path) -> None:

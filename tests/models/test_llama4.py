@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import FIXTURES, assert_every_tensor_random, convert, files
+from family_helpers import FIXTURES, assert_every_tensor_random, convert, convert_chain, files
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
@@ -48,11 +48,8 @@ def test_text_model_is_the_multimodal_release_s_language_model() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_bin_to_internal_to_dcp_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    convert(src, tmp_path / "bin", "hf-bin")
-    convert(tmp_path / "bin", tmp_path / "int", "internal")
-    convert(tmp_path / "int", tmp_path / "dcp", "dcp", "--shards", "2")
-    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    assert files(tmp_path / "hf") == files(src)
+    out = convert_chain(src, tmp_path, "hf-bin", "internal", "dcp --shards 2", "hf")
+    assert files(out) == files(src)
 
 
 def _logits(folder: Path) -> torch.Tensor:

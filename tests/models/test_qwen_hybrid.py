@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import FIXTURES, assert_every_tensor_random, causal_lm_logits, convert, files, read_tensors
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+    read_tensors,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.errors import CkptkitError
@@ -50,11 +58,8 @@ def test_fixture_has_every_parameter_random(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_bin_to_internal_to_dcp_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    convert(src, tmp_path / "bin", "hf-bin")
-    convert(tmp_path / "bin", tmp_path / "int", "internal")
-    convert(tmp_path / "int", tmp_path / "dcp", "dcp", "--shards", "2")
-    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    assert files(tmp_path / "hf") == files(src)
+    out = convert_chain(src, tmp_path, "hf-bin", "internal", "dcp --shards 2", "hf")
+    assert files(out) == files(src)
 
 
 # qwen3_next's case took ~27 s on the shared 2 cores (transformers' forward of it): slow (its bytes are
