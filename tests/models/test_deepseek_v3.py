@@ -12,6 +12,7 @@ import torch
 from family_helpers import (
     FIXTURES,
     assert_every_tensor_random,
+    assert_stacked_experts_round_trip,
     causal_lm_logits,
     convert,
     convert_chain,
@@ -81,13 +82,7 @@ def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, t
 def test_stacked_experts_load_in_transformers_and_come_back_per_expert(tmp_path: Path) -> None:
     """transformers' own 3-D experts (``mlp.experts.gate_up_proj``); the MTP layer stays as the release has it."""
     src = FIXTURES / "hf" / "deepseek_v3"
-    convert(src, tmp_path / "stacked", "hf", "--experts", "stacked")
-    names = set(read_tensors(tmp_path / "stacked"))
-    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.3.mlp.experts.0.up_proj.weight" in names
-    assert (causal_lm_logits(tmp_path / "stacked") - causal_lm_logits(src)).abs().max().item() == 0.0
-    convert(tmp_path / "stacked", tmp_path / "back", "hf", "--experts", "per-expert")
-    want, got = read_tensors(src), read_tensors(tmp_path / "back")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert_stacked_experts_round_trip(src, tmp_path)
 
 
 def test_a_checkpoint_without_its_mtp_layer_converts_without_one(tmp_path: Path) -> None:

@@ -8,15 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from family_helpers import (
     FIXTURES,
     assert_every_tensor_random,
+    assert_stacked_experts_round_trip,
     causal_lm_logits,
     convert,
     convert_chain,
     files,
-    read_tensors,
 )
 
 from ckptkit.checkpoint import open_checkpoint
@@ -64,13 +63,7 @@ def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(tmp_path: Pa
 
 
 def test_stacked_experts_load_in_transformers_and_come_back_per_expert(tmp_path: Path) -> None:
-    convert(SRC, tmp_path / "stacked", "hf", "--experts", "stacked")
-    names = set(read_tensors(tmp_path / "stacked"))
-    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.3.mlp.experts.0.up_proj.weight" in names
-    assert (causal_lm_logits(tmp_path / "stacked") - causal_lm_logits(SRC)).abs().max().item() == 0.0
-    convert(tmp_path / "stacked", tmp_path / "back", "hf", "--experts", "per-expert")
-    want, got = read_tensors(SRC), read_tensors(tmp_path / "back")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert_stacked_experts_round_trip(SRC, tmp_path)
 
 
 def test_dcp_names_are_torchtitan_s_spelling(tmp_path: Path) -> None:
