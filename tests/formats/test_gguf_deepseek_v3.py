@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_family_helpers import llama_cpp_references
 from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
 
 from ckptkit.convert import ConvertOptions, convert
@@ -22,30 +23,21 @@ PRE = "llama-bpe"  # the fixtures' tiny Llama 3 style tokenizer, whose hash llam
 
 
 @pytest.fixture(scope="module")
-def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None], Path]:
-    """llama.cpp's GGUF of a fixture for an outtype, every outtype from one converter process."""
-    made: dict[str, dict[str, Path]] = {}
-
-    def get(name: str, dtype: str | None) -> Path:
-        if name not in made:
-            tmp = tmp_path_factory.mktemp(name)
-            outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
-            made[name] = llama_cpp_ggufs(llama_cpp, FIXTURES / "hf" / name, outs, PRE)
-        return made[name][OUTTYPES[dtype]]
-
-    return get
+def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str | None], Path]:
+    """llama.cpp's GGUF of an HF folder for an outtype, every outtype from one converter process."""
+    return llama_cpp_references(llama_cpp, tmp_path_factory, PRE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_gguf_equals_llama_cpp(
-    name: str, dtype: str | None, reference: Callable[[str, str | None], Path], tmp_path: Path
+    name: str, dtype: str | None, reference: Callable[[Path, str | None], Path], tmp_path: Path
 ) -> None:
     ours = tmp_path / "ours.gguf"
     opts = ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None)
     convert(FIXTURES / "hf" / name, ours, opts)
-    assert_same_gguf(ours, reference(name, dtype))
+    assert_same_gguf(ours, reference(FIXTURES / "hf" / name, dtype))
 
 
 def test_kv_b_is_split_per_head_and_the_mtp_layer_left_out(tmp_path: Path) -> None:

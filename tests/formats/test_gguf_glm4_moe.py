@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
+from gguf_family_helpers import llama_cpp_references
+from test_gguf import OUTTYPES, assert_same_gguf
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
@@ -21,28 +22,20 @@ PRE = "glm4"  # the fixture's tiny tokenizer, whose hash llama.cpp cannot know
 
 
 @pytest.fixture(scope="module")
-def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str | None], Path]:
-    """llama.cpp's GGUF of the fixture for an outtype, every outtype from one converter process."""
-    made: dict[str, Path] = {}
-
-    def get(dtype: str | None) -> Path:
-        if not made:
-            tmp = tmp_path_factory.mktemp("glm4_moe")
-            made.update(llama_cpp_ggufs(llama_cpp, SRC, {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}, PRE))
-        return made[OUTTYPES[dtype]]
-
-    return get
+def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str | None], Path]:
+    """llama.cpp's GGUF of an HF folder for an outtype, every outtype from one converter process."""
+    return llama_cpp_references(llama_cpp, tmp_path_factory, PRE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
 def test_hf_to_gguf_equals_llama_cpp(
-    dtype: str | None, reference: Callable[[str | None], Path], tmp_path: Path
+    dtype: str | None, reference: Callable[[Path, str | None], Path], tmp_path: Path
 ) -> None:
     ours = tmp_path / "ours.gguf"
     opts = ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None)
     convert(SRC, ours, opts)
-    assert_same_gguf(ours, reference(dtype))
+    assert_same_gguf(ours, reference(SRC, dtype))
 
 
 def test_nextn_layer_is_block_n_with_its_experts_merged_and_glm_specials(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
+from gguf_family_helpers import llama_cpp_references
+from test_gguf import OUTTYPES, assert_same_gguf
 
 from ckptkit.convert import ConvertOptions, convert
 
@@ -20,27 +21,19 @@ PRE = "gpt-4o"  # llama.cpp's name for the o200k split of gpt-oss's tokenizer (t
 
 
 @pytest.fixture(scope="module")
-def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str | None], Path]:
-    """llama.cpp's GGUF of the fixture for an outtype, every outtype from one converter process."""
-    made: dict[str, Path] = {}
-
-    def get(dtype: str | None) -> Path:
-        if not made:
-            tmp = tmp_path_factory.mktemp("gpt_oss")
-            made.update(llama_cpp_ggufs(llama_cpp, SRC, {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}, PRE))
-        return made[OUTTYPES[dtype]]
-
-    return get
+def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str | None], Path]:
+    """llama.cpp's GGUF of an HF folder for an outtype, every outtype from one converter process."""
+    return llama_cpp_references(llama_cpp, tmp_path_factory, PRE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
 def test_hf_to_gguf_equals_llama_cpp(
-    dtype: str | None, reference: Callable[[str | None], Path], tmp_path: Path
+    dtype: str | None, reference: Callable[[Path, str | None], Path], tmp_path: Path
 ) -> None:
     ours = tmp_path / "ours.gguf"
     convert(SRC, ours, ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None))
-    assert_same_gguf(ours, reference(dtype))
+    assert_same_gguf(ours, reference(SRC, dtype))
 
 
 def test_experts_are_transposed_and_gate_up_split_by_parity(tmp_path: Path) -> None:

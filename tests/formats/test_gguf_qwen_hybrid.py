@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf import OUTTYPES, assert_same_gguf, llama_cpp_ggufs
+from gguf_family_helpers import llama_cpp_references
+from test_gguf import OUTTYPES, assert_same_gguf
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
@@ -71,16 +72,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
 @pytest.fixture(scope="module")
 def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str | None], Path]:
     """llama.cpp's GGUF of an HF folder for an outtype, every outtype from one converter process."""
-    made: dict[Path, dict[str, Path]] = {}
-
-    def get(src: Path, dtype: str | None) -> Path:
-        if src not in made:
-            tmp = tmp_path_factory.mktemp(src.name)
-            outs = {t: tmp / f"{t}.gguf" for t in OUTTYPES.values()}
-            made[src] = llama_cpp_ggufs(llama_cpp, src, outs, PRE)
-        return made[src][OUTTYPES[dtype]]
-
-    return get
+    return llama_cpp_references(llama_cpp, tmp_path_factory, PRE)
 
 
 @pytest.mark.slow

@@ -9,31 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    assert_stacked_experts_round_trip,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+    read_tensors,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 NAMES = ["deepseek_v3", "deepseek_v3-qproj"]
-
-
-def _convert(src: Path, dst: Path, to: str, *extra: str) -> None:
-    from typer.testing import CliRunner
-
-    from ckptkit.cli import app
-
-    result = CliRunner().invoke(app, ["convert", str(src), str(dst), "--to", to, "--force", "--quiet", *extra])
-    assert result.exit_code == 0, result.output
-
-
-def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
-
-
-def _safetensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -56,65 +46,43 @@ def test_detected_with_its_mtp_layer_listed_by_inspect(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_fixture_has_every_parameter_random(name: str) -> None:
     with open_checkpoint(FIXTURES / "hf" / name) as ckpt:
-        for key, lazy in ckpt.tensors.items():
-            t = lazy.get()
-            assert t.unique().numel() > min(t.numel() // 2, 3), key
+        assert_every_tensor_random(ckpt)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    _convert(src, tmp_path / "bin", "hf-bin")
-    _convert(tmp_path / "bin", tmp_path / "int", "internal")
-    _convert(tmp_path / "int", tmp_path / "hf", "hf")
-    assert _files(tmp_path / "hf") == _files(src)
+    out = convert_chain(src, tmp_path, "hf-bin", "internal", "hf")
+    assert files(out) == files(src)
 
 
 @pytest.mark.parametrize("to", ["dcp", "dcp-titan"])
 def test_hf_to_dcp_to_hf_keeps_every_tensor_bitwise(to: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / "deepseek_v3"
-    _convert(src, tmp_path / "dcp", to, "--shards", "2")
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    want, got = _safetensors(src), _safetensors(tmp_path / "hf")
+    out = convert_chain(src, tmp_path, f"{to} --shards 2", "hf")
+    want, got = read_tensors(src), read_tensors(out)
     assert list(got) == list(want) or sorted(got) == sorted(want)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
-def _logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # the MTP layer: "unexpected" to transformers, which drops it
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 17, 200, 3, 99, 311, 42, 7, 250, 1]])
-    with torch.no_grad():
-        return model(ids).logits
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    _convert(src, tmp_path / "dcp", "dcp-titan")
+    convert(src, tmp_path / "dcp", "dcp-titan")
     (tmp_path / "dcp" / "ckptkit-origin.json").unlink()  # as torchtitan saves it: no record of the HF folder
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")  # config.json written afresh from the DCP's
+    convert(tmp_path / "dcp", tmp_path / "hf", "hf")  # config.json written afresh from the DCP's
     written, saved = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", src))
     # every field transformers saved, but its version; plus the top-level rope_theta older readers want
     assert written == {k: v for k, v in saved.items() if k != "transformers_version"} | {"rope_theta": 10000.0}
-    want, got = _logits(src), _logits(tmp_path / "hf")
+    want, got = causal_lm_logits(src), causal_lm_logits(tmp_path / "hf")
     assert want.abs().max() > 0 and (got - want).abs().max().item() == 0.0
 
 
 def test_stacked_experts_load_in_transformers_and_come_back_per_expert(tmp_path: Path) -> None:
     """transformers' own 3-D experts (``mlp.experts.gate_up_proj``); the MTP layer stays as the release has it."""
     src = FIXTURES / "hf" / "deepseek_v3"
-    _convert(src, tmp_path / "stacked", "hf", "--experts", "stacked")
-    names = set(_safetensors(tmp_path / "stacked"))
-    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.3.mlp.experts.0.up_proj.weight" in names
-    assert (_logits(tmp_path / "stacked") - _logits(src)).abs().max().item() == 0.0
-    _convert(tmp_path / "stacked", tmp_path / "back", "hf", "--experts", "per-expert")
-    want, got = _safetensors(src), _safetensors(tmp_path / "back")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert_stacked_experts_round_trip(src, tmp_path)
 
 
 def test_a_checkpoint_without_its_mtp_layer_converts_without_one(tmp_path: Path) -> None:
@@ -126,13 +94,13 @@ def test_a_checkpoint_without_its_mtp_layer_converts_without_one(tmp_path: Path)
     for p in (FIXTURES / "hf" / "deepseek_v3-qproj").iterdir():
         if p.suffix == ".json" and p.name != "model.safetensors.index.json":
             (src / p.name).write_bytes(p.read_bytes())
-    kept = {k: v for k, v in _safetensors(FIXTURES / "hf" / "deepseek_v3-qproj").items() if ".layers.3." not in k}
+    kept = {k: v for k, v in read_tensors(FIXTURES / "hf" / "deepseek_v3-qproj").items() if ".layers.3." not in k}
     save_file(kept, src / "model.safetensors", metadata={"format": "pt"})
     with open_checkpoint(src) as ckpt:
         assert not ckpt.config.extra.mtp_stored and not any(k.startswith("mtp.") for k in ckpt.tensors)
-    _convert(src, tmp_path / "dcp", "dcp")
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    got = _safetensors(tmp_path / "hf")
+    convert(src, tmp_path / "dcp", "dcp")
+    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
+    got = read_tensors(tmp_path / "hf")
     assert sorted(got) == sorted(kept) and all(torch.equal(got[k], v) for k, v in kept.items())
 
 
@@ -151,7 +119,7 @@ TITAN_MOE_LAYER = {
 def test_dcp_names_are_torchtitan_s(to: str, bias: str, output: str, tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    _convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "dcp", to)
+    convert(FIXTURES / "hf" / "deepseek_v3", tmp_path / "dcp", to)
     meta = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
     layer1 = {k.removeprefix("layers.1.") for k in meta if k.startswith("layers.1.")}
     assert layer1 == TITAN_MOE_LAYER | {f"moe.{bias}"}

@@ -8,13 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from test_deepseek_v3 import _convert, _files, _logits, _safetensors
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    assert_stacked_experts_round_trip,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 SRC = FIXTURES / "hf" / "glm4_moe"
 
 
@@ -25,9 +31,7 @@ def test_detected_with_its_nextn_layer_listed_by_inspect() -> None:
         assert (f.num_experts, f.dense_layers, f.num_nextn_predict_layers, f.mtp_stored) == (4, [0], 1, True)
         assert (f.partial_rotary_factor, f.use_qk_norm, ckpt.config.attention_bias) == (0.5, True, True)
         mtp = [k for k in ckpt.tensors if k.startswith("mtp.0.")]
-        for key, lazy in ckpt.tensors.items():  # every parameter and buffer random
-            t = lazy.get()
-            assert t.unique().numel() > min(t.numel() // 2, 3), key
+        assert_every_tensor_random(ckpt)  # every parameter and buffer random
     stored = json.loads((SRC / "model.safetensors.index.json").read_text())["weight_map"]
     in_mtp = sorted(k for k in stored if k.startswith("model.layers.3."))
     assert sorted("model.layers.3." + k.removeprefix("mtp.0.") for k in mtp) == in_mtp
@@ -37,44 +41,35 @@ def test_detected_with_its_nextn_layer_listed_by_inspect() -> None:
 
 
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "bin", "hf-bin")
-    _convert(tmp_path / "bin", tmp_path / "int", "internal")
-    _convert(tmp_path / "int", tmp_path / "hf", "hf")
-    assert _files(tmp_path / "hf") == _files(SRC)
+    out = convert_chain(SRC, tmp_path, "hf-bin", "internal", "hf")
+    assert files(out) == files(SRC)
 
 
 @pytest.mark.parametrize("to", ["dcp", "dcp-titan"])
 def test_hf_to_dcp_to_hf_keeps_every_tensor_bitwise(to: str, tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "dcp", to, "--shards", "2")
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    assert _files(tmp_path / "hf") == _files(SRC)
+    out = convert_chain(SRC, tmp_path, f"{to} --shards 2", "hf")
+    assert files(out) == files(SRC)
 
 
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "dcp", "dcp")
+    convert(SRC, tmp_path / "dcp", "dcp")
     (tmp_path / "dcp" / "ckptkit-origin.json").unlink()  # no record of the HF folder
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")  # config.json written afresh from the DCP's
+    convert(tmp_path / "dcp", tmp_path / "hf", "hf")  # config.json written afresh from the DCP's
     written, saved = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", SRC))
     # every field transformers saved, but its version; plus the top-level rope_theta older readers want
     assert written == {k: v for k, v in saved.items() if k != "transformers_version"} | {"rope_theta": 1000000.0}
-    want, got = _logits(SRC), _logits(tmp_path / "hf")
+    want, got = causal_lm_logits(SRC), causal_lm_logits(tmp_path / "hf")
     assert want.abs().max() > 0 and (got - want).abs().max().item() == 0.0
 
 
 def test_stacked_experts_load_in_transformers_and_come_back_per_expert(tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "stacked", "hf", "--experts", "stacked")
-    names = set(_safetensors(tmp_path / "stacked"))
-    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.3.mlp.experts.0.up_proj.weight" in names
-    assert (_logits(tmp_path / "stacked") - _logits(SRC)).abs().max().item() == 0.0
-    _convert(tmp_path / "stacked", tmp_path / "back", "hf", "--experts", "per-expert")
-    want, got = _safetensors(SRC), _safetensors(tmp_path / "back")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert_stacked_experts_round_trip(SRC, tmp_path)
 
 
 def test_dcp_names_are_torchtitan_s_spelling(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    _convert(SRC, tmp_path / "dcp", "dcp")
+    convert(SRC, tmp_path / "dcp", "dcp")
     meta = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
     layer1 = {k.removeprefix("layers.1.") for k in meta if k.startswith("layers.1.")}
     attn = {f"attention.w{p}.{w}" for p in "qkv" for w in ("weight", "bias")} | {"attention.wo.weight"}

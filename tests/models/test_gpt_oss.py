@@ -8,31 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+    read_tensors,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 SRC = FIXTURES / "hf" / "gpt_oss"
-
-
-def _convert(src: Path, dst: Path, to: str, *extra: str) -> None:
-    from typer.testing import CliRunner
-
-    from ckptkit.cli import app
-
-    result = CliRunner().invoke(app, ["convert", str(src), str(dst), "--to", to, "--force", "--quiet", *extra])
-    assert result.exit_code == 0, result.output
-
-
-def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
-
-
-def _safetensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
 
 
 def test_detected_with_sinks_biases_and_stacked_experts_listed() -> None:
@@ -49,44 +38,29 @@ def test_detected_with_sinks_biases_and_stacked_experts_listed() -> None:
 
 def test_fixture_has_every_parameter_random() -> None:
     with open_checkpoint(SRC) as ckpt:
-        for key, lazy in ckpt.tensors.items():
-            t = lazy.get()
-            assert t.unique().numel() > min(t.numel() // 2, 3), key
+        assert_every_tensor_random(ckpt)
 
 
 def test_hf_to_bin_to_internal_to_hf_is_byte_identical(tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "bin", "hf-bin")
-    _convert(tmp_path / "bin", tmp_path / "int", "internal")
-    _convert(tmp_path / "int", tmp_path / "hf", "hf")
-    assert _files(tmp_path / "hf") == _files(SRC)
+    out = convert_chain(SRC, tmp_path, "hf-bin", "internal", "hf")
+    assert files(out) == files(SRC)
 
 
 @pytest.mark.parametrize("to", ["dcp", "dcp-titan"])
 def test_hf_to_dcp_to_hf_keeps_every_tensor_bitwise(to: str, tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "dcp", to, "--shards", "2")
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    want, got = _safetensors(SRC), _safetensors(tmp_path / "hf")
+    out = convert_chain(SRC, tmp_path, f"{to} --shards 2", "hf")
+    want, got = read_tensors(SRC), read_tensors(out)
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
-def _logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 17, 200, 3, 99, 311, 42, 7, 250, 1, 64, 128]])  # past the sliding window of 8
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(tmp_path: Path) -> None:
-    _convert(SRC, tmp_path / "dcp", "dcp")
+    convert(SRC, tmp_path / "dcp", "dcp")
     (tmp_path / "dcp" / "ckptkit-origin.json").unlink()  # no record of the HF folder: config.json afresh
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
+    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
     written, saved = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", SRC))
     assert written == {k: v for k, v in saved.items() if k != "transformers_version"}
-    want, got = _logits(SRC), _logits(tmp_path / "hf")
+    ids = [5, 17, 200, 3, 99, 311, 42, 7, 250, 1, 64, 128]  # past the sliding window of 8
+    want, got = causal_lm_logits(SRC, ids), causal_lm_logits(tmp_path / "hf", ids)
     assert want.abs().max() > 0 and (got - want).abs().max().item() == 0.0

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_deepseek_v3 import _convert, _files
+from family_helpers import FIXTURES, assert_every_tensor_random, convert, convert_chain, files
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.inspection import inspect_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 NAMES = ["llama4-text", "llama4"]
 
 
@@ -31,9 +30,7 @@ def test_detected_with_the_vision_tower_listed_by_inspect(name: str) -> None:
             [1, 0, 1, 0],
             name == "llama4",
         )
-        for key, lazy in ckpt.tensors.items():  # every parameter random
-            t = lazy.get()
-            assert t.unique().numel() > min(t.numel() // 2, 3), key
+        assert_every_tensor_random(ckpt)  # every parameter random
         vision = sorted(ckpt.unused)
     stored = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     assert vision == sorted(k for k in stored if not k.startswith(("model.", "lm_head", "language_model.")))
@@ -51,11 +48,8 @@ def test_text_model_is_the_multimodal_release_s_language_model() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_bin_to_internal_to_dcp_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    _convert(src, tmp_path / "bin", "hf-bin")
-    _convert(tmp_path / "bin", tmp_path / "int", "internal")
-    _convert(tmp_path / "int", tmp_path / "dcp", "dcp", "--shards", "2")
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    assert _files(tmp_path / "hf") == _files(src)
+    out = convert_chain(src, tmp_path, "hf-bin", "internal", "dcp --shards 2", "hf")
+    assert files(out) == files(src)
 
 
 def _logits(folder: Path) -> torch.Tensor:
@@ -72,9 +66,9 @@ def _logits(folder: Path) -> torch.Tensor:
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    _convert(src, tmp_path / "dcp", "dcp")
+    convert(src, tmp_path / "dcp", "dcp")
     (tmp_path / "dcp" / "ckptkit-origin.json").unlink()  # no record of the HF folder
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")  # config.json written afresh from the DCP's
+    convert(tmp_path / "dcp", tmp_path / "hf", "hf")  # config.json written afresh from the DCP's
     written, saved = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", src))
     assert written == {k: v for k, v in saved.items() if k != "transformers_version"}
     want, got = _logits(src), _logits(tmp_path / "hf")

@@ -10,33 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_helpers import (
+    FIXTURES,
+    assert_every_tensor_random,
+    causal_lm_logits,
+    convert,
+    convert_chain,
+    files,
+    read_tensors,
+)
 
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.errors import CkptkitError
 from ckptkit.inspection import inspect_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 NAMES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl"]
 FAMILY = {"qwen3_5-vl": "qwen3_5"}
-
-
-def _convert(src: Path, dst: Path, to: str, *extra: str) -> None:
-    from typer.testing import CliRunner
-
-    from ckptkit.cli import app
-
-    result = CliRunner().invoke(app, ["convert", str(src), str(dst), "--to", to, "--force", "--quiet", *extra])
-    assert result.exit_code == 0, result.output
-
-
-def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
-
-
-def _safetensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -63,30 +52,14 @@ def test_detected_with_mtp_and_vision_listed_by_inspect(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_fixture_has_every_parameter_random(name: str) -> None:
     with open_checkpoint(FIXTURES / "hf" / name) as ckpt:
-        for key, lazy in ckpt.tensors.items():
-            t = lazy.get()
-            assert t.unique().numel() > min(t.numel() // 2, 3), key
+        assert_every_tensor_random(ckpt)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_to_bin_to_internal_to_dcp_to_hf_is_byte_identical(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    _convert(src, tmp_path / "bin", "hf-bin")
-    _convert(tmp_path / "bin", tmp_path / "int", "internal")
-    _convert(tmp_path / "int", tmp_path / "dcp", "dcp", "--shards", "2")
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
-    assert _files(tmp_path / "hf") == _files(src)
-
-
-def _logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # mtp.* and the vision tower: "unexpected" to the causal LM, which drops them
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 17, 200, 3, 99, 311, 42, 7, 250, 1]])
-    with torch.no_grad():
-        return model(ids).logits
+    out = convert_chain(src, tmp_path, "hf-bin", "internal", "dcp --shards 2", "hf")
+    assert files(out) == files(src)
 
 
 # qwen3_next's case took ~27 s on the shared 2 cores (transformers' forward of it): slow (its bytes are
@@ -97,29 +70,29 @@ LOGITS = [pytest.param(n, marks=pytest.mark.slow) if n == "qwen3_next" else n fo
 @pytest.mark.parametrize("name", LOGITS)
 def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, tmp_path: Path) -> None:
     src = FIXTURES / "hf" / name
-    _convert(src, tmp_path / "dcp", "dcp")
+    convert(src, tmp_path / "dcp", "dcp")
     (tmp_path / "dcp" / "ckptkit-origin.json").unlink()  # no record of the HF folder: config.json written afresh
-    _convert(tmp_path / "dcp", tmp_path / "hf", "hf")
+    convert(tmp_path / "dcp", tmp_path / "hf", "hf")
     written, saved = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", src))
     saved.pop("transformers_version")
     if "text_config" not in saved:  # the top-level rope_theta older readers of a causal LM want
         saved["rope_theta"] = 1000000.0
     assert written == saved
-    want, got = _safetensors(src), _safetensors(tmp_path / "hf")
+    want, got = read_tensors(src), read_tensors(tmp_path / "hf")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
-    want_logits, got_logits = _logits(src), _logits(tmp_path / "hf")
+    want_logits, got_logits = causal_lm_logits(src), causal_lm_logits(tmp_path / "hf")
     assert want_logits.abs().max() > 0 and (got_logits - want_logits).abs().max().item() == 0.0
 
 
 def test_packed_experts_come_back_per_expert_and_packed(tmp_path: Path) -> None:
     """Qwen3.5-MoE's packed experts (the MTP layer's too) one tensor each, then packed again."""
     src = FIXTURES / "hf" / "qwen3_5_moe"
-    _convert(src, tmp_path / "per", "hf", "--experts", "per-expert")
-    names = set(_safetensors(tmp_path / "per"))
+    convert(src, tmp_path / "per", "hf", "--experts", "per-expert")
+    names = set(read_tensors(tmp_path / "per"))
     assert {"model.layers.0.mlp.experts.3.down_proj.weight", "mtp.layers.0.mlp.experts.0.up_proj.weight"} <= names
-    assert (_logits(tmp_path / "per") - _logits(src)).abs().max().item() == 0.0
-    _convert(tmp_path / "per", tmp_path / "back", "hf", "--experts", "stacked")
-    want, got = _safetensors(src), _safetensors(tmp_path / "back")
+    assert (causal_lm_logits(tmp_path / "per") - causal_lm_logits(src)).abs().max().item() == 0.0
+    convert(tmp_path / "per", tmp_path / "back", "hf", "--experts", "stacked")
+    want, got = read_tensors(src), read_tensors(tmp_path / "back")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
 
 
