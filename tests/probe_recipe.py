@@ -9,8 +9,6 @@ the objects themselves (not from what the recipe logs), in ``OUTPUT_DIR/probe_ra
 
     python tests/probe_recipe.py RECIPE --config CONFIG [key=value ...]
     torchrun --nproc-per-node 2 tests/probe_recipe.py RECIPE_distributed --config ...
-
-or, in a test, ``install()`` in the process that runs the recipe.
 """
 
 from __future__ import annotations
@@ -58,13 +56,7 @@ def probed_cleanup(self: Recipe) -> None:
     path.write_text(json.dumps(record))
 
 
-def install() -> None:
-    """Record from now on (in this process: tests/fork_ranks.py calls it in each forked rank)."""
-    Recipe.setup, Recipe._step, Recipe.cleanup = probed_setup, probed_step, probed_cleanup  # type: ignore[method-assign]
-    torch.nn.utils.clip_grad_norm_ = probed_clip  # type: ignore[assignment]
-
-
-if __name__ == "__main__":
-    install()
-    recipe = sys.argv.pop(1)
-    runpy.run_module(f"ckptkit.train.recipes.{recipe}", run_name="__main__", alter_sys=True)
+Recipe.setup, Recipe._step, Recipe.cleanup = probed_setup, probed_step, probed_cleanup  # type: ignore[method-assign]
+torch.nn.utils.clip_grad_norm_ = probed_clip  # type: ignore[assignment]
+recipe = sys.argv.pop(1)
+runpy.run_module(f"ckptkit.train.recipes.{recipe}", run_name="__main__", alter_sys=True)

@@ -7,6 +7,7 @@ and exit 2 too."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from ckptkit.errors import FlagError
 from ckptkit.formats import REGISTRY
 
 from conftest import FIXTURES
-from fork_ranks import ckptkit_forked
 
 RANKED = [name for name, fmt in REGISTRY.items() if fmt.info.sharding == "ranks"]
 
@@ -53,9 +53,9 @@ CONTRADICT_FILES = {
 
 
 def run(args: list[str], dst: Path) -> subprocess.CompletedProcess[str]:
-    """``ckptkit convert FIXTURE DST ...`` in a process of its own (a fork of this one, tests/fork_ranks.py)."""
     src, *rest = args
-    return ckptkit_forked("convert", FIXTURES / src, dst, *rest)
+    cmd = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / src), str(dst), *rest]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ USAGE = {
 
 @pytest.mark.parametrize(("args", "message"), USAGE.values(), ids=USAGE.keys())
 def test_bad_usage_of_every_command_is_one_line(args: list[str], message: str) -> None:
-    proc = ckptkit_forked(*args)
+    proc = subprocess.run([sys.executable, "-m", "ckptkit", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,12 @@ import pytest
 from ckptkit.formats import format_names
 
 from conftest import FIXTURES
-from fork_ranks import ckptkit_forked
 
 
 def ckptkit(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``python -m ckptkit ARGS`` in a process of its own: a fork of this one (tests/fork_ranks.py)."""
-    return ckptkit_forked(*args)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 def one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:

@@ -10,16 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES
-from fork_ranks import cli_in_fork
 
 REPO = Path(__file__).resolve().parents[2]
 STOPS = [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGHUP, "stopped by SIGHUP")]
@@ -86,18 +83,17 @@ def test_convert_stopped_mid_write_leaves_nothing(tmp_path: Path, signum: int, s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
 
 
-def signal_in_save(signum: int, name: str) -> Callable[[], None]:
-    """What installs an audit hook that sends SIGNUM to the process once checkpoint NAME is
-    written, before it is put in place."""
+STOP_IN_SAVE = r"""
+import os, signal, sys
+from ckptkit.cli import app
 
-    def install() -> None:
-        def hook(event: str, hook_args: tuple[Any, ...]) -> None:
-            if event == "ckptkit.publish" and hook_args[0] == "fsync" and f".{name}." in hook_args[1]:
-                os.kill(os.getpid(), signum)
-
-        sys.addaudithook(hook)
-
-    return install
+signum, name, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+def hook(event, hook_args):  # SIGNUM to itself once checkpoint NAME is written, before it is put in place
+    if event == "ckptkit.publish" and hook_args[0] == "fsync" and f".{name}." in hook_args[1]:
+        os.kill(os.getpid(), signum)
+sys.addaudithook(hook)
+app(args, prog_name="ckptkit")
+"""
 
 
 @pytest.mark.parametrize(("signum", "said"), STOPS, ids=[s.name for s, _ in STOPS])
@@ -107,11 +103,13 @@ def test_training_stopped_in_a_save_says_the_last_complete_checkpoint(tmp_path: 
     out = tmp_path / "out"
     args = ["run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=4",
             "save_every_n_steps=1", "quiet=false", f"checkpointer.output_dir={out}"]  # fmt: skip
-    # the CLI in a process of its own: a fork of this one (tests/fork_ranks.py)
-    code, stderr = cli_in_fork(args, tmp_path / "logs", before_run=signal_in_save(int(signum), "step_2"))
-    assert code == 128 + signum, stderr
-    lines = stderr.strip().splitlines()
-    assert "Traceback" not in stderr
+    res = subprocess.run(
+        [sys.executable, "-c", STOP_IN_SAVE, str(int(signum)), "step_2", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 128 + signum, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert "Traceback" not in res.stderr
     assert lines[-4].endswith("stopped at step 2/4 after " + lines[-4].split(" after ")[1])
     assert lines[-3].endswith(f"checkpoints: {out / 'step_1'}")
     resume = f"resume_from_checkpoint=true checkpointer.recipe_checkpoint={out / 'step_1'}"

@@ -28,12 +28,12 @@ from ckptkit.train.distributed import sharded_model
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
-from fork_ranks import killed_after_save, recipe_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = FIXTURES / "meta" / "llama2-2rank"
 COMMON = ["epochs=2", "max_steps_per_epoch=2", "save_every_n_steps=1", "quiet=true",
           f"checkpointer.checkpoint_dir={BASE}"]  # fmt: skip
+RECIPE = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]
 LOSS_RTOL, WEIGHT_ATOL, ADAPTER_ATOL = (
     1e-5,
     1e-4,
@@ -41,12 +41,16 @@ LOSS_RTOL, WEIGHT_ATOL, ADAPTER_ATOL = (
 )  # 1 vs 2 processes: float sums in another order (test_distributed.py)
 
 
-def on_ranks(*args: str, log_dir: Path, recipe: str = "full_finetune") -> None:
-    """``RECIPE_distributed`` with config ``tiny_..._distributed`` on 2 forked ranks (tests/fork_ranks.py);
-    the full fine-tuning one takes ``COMMON`` first."""
-    common = COMMON if recipe == "full_finetune" else []
-    config = {"full_finetune": "tiny_full", "lora_finetune": "tiny_lora"}[recipe]
-    recipe_on_ranks(f"{recipe}_distributed", f"{config}_distributed", *common, *args, log_dir=log_dir)
+def torchrun(
+    target: list[str], *args: str, nproc: int = 2, env: dict[str, str] | None = None, config: str = "tiny_full"
+) -> int:
+    common = COMMON if config == "tiny_full" else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target,
+           "--config", f"{config}_distributed", *common, *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if env is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode
 
 
 def rows(output_dir: Path) -> list[dict]:
@@ -78,7 +82,7 @@ def resume(folder: Path) -> list[str]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 ranks, synchronous saves, uninterrupted: step_1, epoch_0, step_3, epoch_1 (final)."""
     out = tmp_path_factory.mktemp("dcp-train") / "reference"
-    on_ranks(f"checkpointer.output_dir={out}", log_dir=out.parent / "logs")
+    torchrun(RECIPE, f"checkpointer.output_dir={out}")
     return out
 
 
@@ -120,16 +124,16 @@ def test_async_save_killed_before_publishing_keeps_the_previous_checkpoint_and_r
 ) -> None:
     out = tmp_path / "killed"
     args = ["checkpointer.async_save=true", f"checkpointer.output_dir={out}"]
-    codes = killed_after_save("full_finetune_distributed", "tiny_full_distributed", *COMMON, *args,
-                              before="step_3", log_dir=tmp_path / "killed_logs")  # fmt: skip
-    assert codes[0] == -9  # rank 0 SIGKILLed (the other stopped, as torchrun's agent does)
+    rc = torchrun(["tests/dist_kill_after_save.py", "full_finetune_distributed"], *args,
+                  env={"CKPTKIT_KILL_BEFORE": "step_3"})  # fmt: skip
+    assert rc != 0
     # step_3 was completely written but never put in place; epoch_0 is whole
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["epoch_0", "metrics.jsonl", "step_1"]
     [partial] = [p for p in out.iterdir() if p.name.startswith(".step_3.") and p.name.endswith(".ckptkit-tmp")]
     assert (partial / "recipe_state" / ".metadata").is_file()
     assert model_files(out / "epoch_0") == model_files(reference / "epoch_0")  # byte for byte
     # resuming in the same output_dir removes what the killed save left and ends where the reference did
-    on_ranks(*args, *resume(out / "epoch_0"), log_dir=tmp_path / "resume_logs")
+    torchrun(RECIPE, *args, *resume(out / "epoch_0"))
     assert not any(p.name.endswith(".ckptkit-tmp") for p in out.iterdir())
     assert losses(out)[-2:] == losses(reference)[2:] and lrs(out)[-2:] == lrs(reference)[2:]
     assert tree_hashes(out / "epoch_1") == tree_hashes(reference / "epoch_1")  # every byte
@@ -152,8 +156,7 @@ def test_resume_on_another_number_of_ranks(reference: Path, tmp_path: Path) -> N
     assert lrs(tmp_path / "two_to_one") == lrs(reference)[1:]  # the schedule's position, exactly
     # 1 -> 2: a one-process run's mid-run checkpoint resumed on 2 ranks
     single(f"checkpointer.output_dir={tmp_path / 'one'}")
-    on_ranks(*resume(tmp_path / "one" / "step_1"), f"checkpointer.output_dir={tmp_path / 'one_to_two'}",
-             log_dir=tmp_path / "logs")  # fmt: skip
+    torchrun(RECIPE, *resume(tmp_path / "one" / "step_1"), f"checkpointer.output_dir={tmp_path / 'one_to_two'}")
     assert_close(losses(tmp_path / "one_to_two"), losses(tmp_path / "one")[1:])
     assert lrs(tmp_path / "one_to_two") == lrs(tmp_path / "one")[1:]
     # the float32 weights two steps later (the bf16 files of the final checkpoint round them)
@@ -174,13 +177,13 @@ def test_lora_resumes_bitwise_from_its_sharded_adapters(tmp_path: Path) -> None:
 
     common = ["epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=2", "quiet=true", "checkpointer.async_save=true",
               f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / 'phi3'}"]  # fmt: skip
-    on_ranks(*common, f"checkpointer.output_dir={tmp_path / 'whole'}", log_dir=tmp_path / "whole_logs",
-             recipe="lora_finetune")  # fmt: skip
+    recipe = ["-m", "ckptkit.train.recipes.lora_finetune_distributed"]
+    torchrun(recipe, *common, f"checkpointer.output_dir={tmp_path / 'whole'}", config="tiny_lora")
     killed = tmp_path / "killed"
-    codes = killed_after_save("lora_finetune_distributed", "tiny_lora_distributed", *common,
-                              f"checkpointer.output_dir={killed}", after="step_2",
-                              log_dir=tmp_path / "killed_logs")  # fmt: skip
-    assert codes[0] == -9 and not (killed / "epoch_0").exists()
+    rc = torchrun(["tests/dist_kill_after_save.py", "lora_finetune_distributed"], *common,
+                  f"checkpointer.output_dir={killed}", env={"CKPTKIT_KILL_AFTER": "step_2"},
+                  config="tiny_lora")  # fmt: skip
+    assert rc != 0 and not (killed / "epoch_0").exists()
     assert sorted(p.name for p in (killed / "step_2").iterdir()) == ["adapter", "recipe_state"]
     state = sharded_model(killed / "step_2" / "recipe_state")
     keys = set(state.entries)
@@ -188,8 +191,8 @@ def test_lora_resumes_bitwise_from_its_sharded_adapters(tmp_path: Path) -> None:
     shares = {"attn.k_proj": "attn.q_proj", "attn.v_proj": "attn.q_proj", "mlp.w3": "mlp.w1"}
     for part, first in shares.items():  # one A per fused module, trained as one
         assert torch.equal(state.read(f"layers.0.{part}.lora_a"), state.read(f"layers.0.{first}.lora_a"))
-    on_ranks(*common, *resume(killed / "step_2"), f"checkpointer.output_dir={tmp_path / 'resumed'}",
-             log_dir=tmp_path / "resumed_logs", recipe="lora_finetune")  # fmt: skip
+    torchrun(recipe, *common, *resume(killed / "step_2"), f"checkpointer.output_dir={tmp_path / 'resumed'}",
+             config="tiny_lora")  # fmt: skip
     assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")[2:]
     assert tree_hashes(tmp_path / "resumed" / "epoch_0") == tree_hashes(tmp_path / "whole" / "epoch_0")
     # 2 -> 1: the same checkpoint on one process (no torchrun: a group of one), the same global batch

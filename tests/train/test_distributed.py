@@ -1,5 +1,4 @@
-"""The FSDP2 recipes on CPU with gloo and 2 processes (forked with torchrun's environment,
-tests/fork_ranks.py; ``ckptkit run`` where the launcher is tested), against the single-device ones.
+"""The FSDP2 recipes on CPU with gloo and 2 processes (torchrun), against the single-device ones.
 
 Tolerances: the 2-process run sums each rank's token losses and all-reduces them, and
 reduce-scatters gradients, so float32 sums are added in another order than on one device:
@@ -26,12 +25,20 @@ from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
-from fork_ranks import killed_after_save, recipe_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
 ADAPTER_ATOL = 5e-4
+
+
+def torchrun(target: list[str], *args: str, nproc: int = 2, env: dict[str, str] | None = None) -> int:
+    """``torchrun --standalone --nproc-per-node N TARGET ARGS`` from the repository root; its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target, *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if env is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode
 
 
 def run_single(recipe: str, config: str, *overrides: str) -> None:
@@ -101,8 +108,8 @@ def full_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     convert(FIXTURES / "hf" / "llama2", base, ConvertOptions("hf", dtype="float32"))
     common = ["epochs=1", "save_every_n_steps=2", "quiet=true", f"checkpointer.checkpoint_dir={base}"]
     run_single("full_finetune", "tiny_full", *common, f"checkpointer.output_dir={root / 'single'}")
-    recipe_on_ranks("full_finetune_distributed", "tiny_full_distributed", *common,
-                    f"checkpointer.output_dir={root / 'dist'}", log_dir=root / "logs")  # fmt: skip
+    target = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]
+    torchrun(target, "--config", "tiny_full_distributed", *common, f"checkpointer.output_dir={root / 'dist'}")
     return {"root": root, "base": base, "single": root / "single", "dist": root / "dist", "common": common}
 
 
@@ -129,13 +136,13 @@ def test_full_two_processes_match_one_device(full_runs: dict) -> None:
 def test_killed_run_resumes_exactly_and_on_one_process(full_runs: dict) -> None:
     root, common, dist = full_runs["root"], full_runs["common"], full_runs["dist"]
     killed = root / "killed"
-    out = f"checkpointer.output_dir={killed}"
-    codes = killed_after_save("full_finetune_distributed", "tiny_full_distributed", *common, out,
-                              after="step_2", log_dir=root / "killed_logs")  # fmt: skip
-    assert codes[0] == -9 and (killed / "step_2").is_dir() and not (killed / "step_4").exists()
+    args = ["--config", "tiny_full_distributed", *common, f"checkpointer.output_dir={killed}"]
+    rc = torchrun(["tests/dist_kill_after_save.py", "full_finetune_distributed"], *args,
+                  env={"CKPTKIT_KILL_AFTER": "step_2"})  # fmt: skip
+    assert rc != 0 and (killed / "step_2").is_dir() and not (killed / "step_4").exists()
     resume = ["resume_from_checkpoint=true", f"checkpointer.recipe_checkpoint={killed / 'step_2' / 'recipe_state'}"]
-    recipe_on_ranks("full_finetune_distributed", "tiny_full_distributed", *common, *resume,
-                    f"checkpointer.output_dir={root / 'r2'}", log_dir=root / "r2_logs")  # fmt: skip
+    target = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]
+    torchrun(target, "--config", "tiny_full_distributed", *common, *resume, f"checkpointer.output_dir={root / 'r2'}")
     assert tree_hashes(root / "r2" / "epoch_0") == tree_hashes(dist / "epoch_0")  # every byte
     assert losses(root / "r2") == losses(dist)[2:]
     # one process (no torchrun: a group of one), the same global batch: the curve goes on
@@ -152,16 +159,17 @@ def test_killed_run_resumes_exactly_and_on_one_process(full_runs: dict) -> None:
 
 @pytest.mark.slow
 def test_lora_meta_two_rank_in_and_out(tmp_path: Path) -> None:
-    """LoRA (activation checkpointing on) from the Meta 2-rank fixture (``ckptkit run
-    --nproc-per-node 2`` launching a run that succeeds: test_recipes.py, test_train_outputs.py)."""
+    """LoRA (activation checkpointing on) from the Meta 2-rank fixture, launched by ``ckptkit run``."""
     from safetensors.torch import load_file
 
     base = FIXTURES / "meta" / "llama2-2rank"
     common = ["epochs=1", "max_steps_per_epoch=3", "quiet=true", f"checkpointer.checkpoint_dir={base}"]
     run_single("lora_finetune", "tiny_lora", *common, f"checkpointer.output_dir={tmp_path / 'single'}")
-    recipe_on_ranks("lora_finetune_distributed", "tiny_lora_distributed", *common,
-                    "enable_activation_checkpointing=true", f"checkpointer.output_dir={tmp_path / 'dist'}",
-                    log_dir=tmp_path / "logs")  # fmt: skip
+    cmd = [sys.executable, "-m", "ckptkit", "run", "--nproc-per-node", "2", "lora_finetune_distributed",
+           "--config", "tiny_lora_distributed", *common, "enable_activation_checkpointing=true",
+           f"checkpointer.output_dir={tmp_path / 'dist'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_losses(losses(tmp_path / "single"), losses(tmp_path / "dist"))
     single, dist = tmp_path / "single" / "epoch_0", tmp_path / "dist" / "epoch_0"
     assert sorted(p.name for p in dist.iterdir()) == sorted(p.name for p in single.iterdir())
@@ -198,11 +206,10 @@ def test_no_rank_holds_the_whole_model_while_saving(tmp_path: Path) -> None:
     del model
     for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "base" / name).write_bytes((FIXTURES / "hf" / "llama2" / name).read_bytes())
-    recipe_on_ranks("full_finetune_distributed", "tiny_full_distributed",
-                    f"checkpointer.checkpoint_dir={tmp_path / 'base'}", f"checkpointer.output_dir={tmp_path / 'out'}",
-                    "dtype=bf16", "batch_size=1", "epochs=1", "max_steps_per_epoch=2", "save_every_n_steps=1",
-                    "dataset.max_seq_len=32", "dataset.train_on_input=true", "quiet=true",
-                    log_dir=tmp_path / "logs")  # fmt: skip
+    torchrun(["-m", "ckptkit.train.recipes.full_finetune_distributed"], "--config", "tiny_full_distributed",
+             f"checkpointer.checkpoint_dir={tmp_path / 'base'}", f"checkpointer.output_dir={tmp_path / 'out'}",
+             "dtype=bf16", "batch_size=1", "epochs=1", "max_steps_per_epoch=2", "save_every_n_steps=1",
+             "dataset.max_seq_len=32", "dataset.train_on_input=true", "quiet=true")  # fmt: skip
     saves = {Path(r["checkpoint"]).name: r for r in metrics(tmp_path / "out") if "checkpoint" in r}
     assert list(saves) == ["step_1", "epoch_0"]  # sharded state only; sharded state converted on rank 0
     for save in saves.values():

@@ -24,13 +24,13 @@ from test_distributed import (
     bf16_ulps,
     losses,
     run_single,
+    torchrun,
 )
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.train.transformer import SparseMoE
 
 from conftest import FIXTURES, raw_layout
-from fork_ranks import recipe_on_ranks
 from train_helpers import TOL
 
 RTOL = {"fp32": 16 * torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps}
@@ -48,8 +48,8 @@ def test_full_fine_tuning_of_qwen3_moe_on_two_processes_matches_one_device(tmp_p
     convert(FIXTURES / "hf" / "qwen3_moe-stacked", base, ConvertOptions("hf", dtype="float32"))
     common = ["epochs=1", "max_steps_per_epoch=4", "quiet=true", AUX, f"checkpointer.checkpoint_dir={base}"]
     run_single("full_finetune", "tiny_full", *common, "batch_size=8", f"checkpointer.output_dir={tmp_path / 'one'}")
-    recipe_on_ranks("full_finetune_distributed", "tiny_full_distributed", *common,
-                    f"checkpointer.output_dir={tmp_path / 'two'}", log_dir=tmp_path / "logs")  # fmt: skip
+    target = ["-m", "ckptkit.train.recipes.full_finetune_distributed"]
+    torchrun(target, "--config", "tiny_full_distributed", *common, f"checkpointer.output_dir={tmp_path / 'two'}")
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), "fp32")
     worst = assert_same_names_partition_dtypes(tmp_path / "one" / "epoch_0", tmp_path / "two" / "epoch_0")
     assert max(worst.values()) < WEIGHT_ATOL, worst
@@ -76,8 +76,8 @@ def test_lora_on_experts_and_router_on_two_processes_matches_one_device(src: str
     common = ["epochs=1", "max_steps_per_epoch=4", "quiet=true", AUX, f"dtype={dtype}", f"lora.targets=[{targets}]",
               f"checkpointer.checkpoint_dir={base}"]  # fmt: skip
     run_single("lora_finetune", "tiny_lora", *common, "batch_size=8", f"checkpointer.output_dir={tmp_path / 'one'}")
-    recipe_on_ranks("lora_finetune_distributed", "tiny_lora_distributed", *common,
-                    f"checkpointer.output_dir={tmp_path / 'two'}", log_dir=tmp_path / "logs")  # fmt: skip
+    target = ["-m", "ckptkit.train.recipes.lora_finetune_distributed"]
+    torchrun(target, "--config", "tiny_lora_distributed", *common, f"checkpointer.output_dir={tmp_path / 'two'}")
     assert_close(losses(tmp_path / "one"), losses(tmp_path / "two"), dtype)
     one, two = tmp_path / "one" / "epoch_0", tmp_path / "two" / "epoch_0"
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (one, two))

@@ -1,8 +1,7 @@
 """One training loop for every recipe: each config key has its effect, the same one, on one
-device and on 2 FSDP2 processes (gloo, CPU; forked with torchrun's environment by
-tests/fork_ranks.py), for full and LoRA fine-tuning.
+device and on 2 FSDP2 processes (gloo, CPU), for full and LoRA fine-tuning.
 
-Both paths run under ``tests/probe_recipe.py``'s recorder, which records from the loop's own objects what
+Both paths run under ``tests/probe_recipe.py``, which records from the loop's own objects what
 each key did: the blocks compiled, the optimizer's param groups, the samples held out for
 validation, every step's learning rate, global batches and each rank's part of them, and the
 gradient norm clipping saw. The 2-process runs take ``batch_size`` per rank, so 2 x 2 is the
@@ -13,7 +12,10 @@ sums added in another order, see test_distributed.py); everything else is equal.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,7 @@ from ckptkit.train.loop import RECIPES
 from ckptkit.train.recipes import recipe_entry
 from ckptkit.train.tokenizer import load_tokenizer
 
-from fork_ranks import logs_tail, recipe_on_ranks
-
+REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
 # Every key the distributed recipes once ignored or implemented apart, at a value that is not its
 # default (on a CPU the optimizer is fused by default, so false is the value that shows).
@@ -42,14 +43,19 @@ def rows(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def probe(recipe: str, config: str, *overrides: str, log_dir: Path, nproc: int) -> str:
-    """Run ``recipe`` under tests/probe_recipe.py's recorder, on one process or ``nproc`` forked
-    ranks (tests/fork_ranks.py); what the ranks wrote to stdout and stderr."""
-    import probe_recipe
+def torchrun(recipe: str, config: str, *overrides: str, env: dict[str, str] | None = None) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", f"ckptkit.train.recipes.{recipe}", "--config", config, *overrides]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
-    recipe_on_ranks(recipe, config, *overrides, log_dir=log_dir, nproc=nproc, before_run=probe_recipe.install,
-                    env=NO_DYNAMO)  # fmt: skip
-    return "".join(logs_tail(log_dir, r, chars=10**6) for r in range(nproc))
+
+def probe(launch: list[str], recipe: str, config: str, *overrides: str) -> str:
+    """Run ``recipe`` under tests/probe_recipe.py (``launch``: python, or torchrun); its stderr."""
+    cmd = [*launch, "tests/probe_recipe.py", recipe, "--config", config, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **NO_DYNAMO})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
 
 
 def assert_close(a: list[float], b: list[float]) -> None:
@@ -71,12 +77,18 @@ def test_config_keys_have_the_same_effect_on_one_device_and_two_processes(
     recipe: str, config: str, tmp_path: Path
 ) -> None:
     single, dist = tmp_path / "single", tmp_path / "dist"
+    torchrun_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     logs = [
-        probe(recipe, config, *KEYS, "batch_size=4", f"checkpointer.output_dir={single}",
-              log_dir=tmp_path / "single_logs", nproc=1),
-        probe(f"{recipe}_distributed", f"{config}_distributed", *KEYS, "batch_size=2",
-              f"checkpointer.output_dir={dist}", log_dir=tmp_path / "dist_logs", nproc=2),
-    ]  # fmt: skip
+        probe([sys.executable], recipe, config, *KEYS, "batch_size=4", f"checkpointer.output_dir={single}"),
+        probe(
+            torchrun_2,
+            f"{recipe}_distributed",
+            f"{config}_distributed",
+            *KEYS,
+            "batch_size=2",
+            f"checkpointer.output_dir={dist}",
+        ),  # fmt: skip
+    ]
     one = json.loads((single / "probe_rank_0.json").read_text())
     ranks = [json.loads((dist / f"probe_rank_{r}.json").read_text()) for r in (0, 1)]
     lr = parse_config(load_config(config), RECIPES[recipe][0]).optimizer.lr
@@ -132,8 +144,8 @@ def test_compiled_blocks_train_under_fsdp2(tmp_path: Path) -> None:
     gives the eager single-device loss."""
     common = ["epochs=1", "max_steps_per_epoch=1", "quiet=true"]
     recipe_entry("full_finetune")(load_config("tiny_full", [*common, f"checkpointer.output_dir={tmp_path / 'eager'}"]))
-    recipe_on_ranks("full_finetune_distributed", "tiny_full_distributed", *common, "compile=true",
-                    f"checkpointer.output_dir={tmp_path / 'compiled'}", log_dir=tmp_path / "logs")  # fmt: skip
+    torchrun("full_finetune_distributed", "tiny_full_distributed", *common, "compile=true",
+             f"checkpointer.output_dir={tmp_path / 'compiled'}")  # fmt: skip
     eager, compiled = rows(tmp_path / "eager"), rows(tmp_path / "compiled")
     assert compiled[0]["setup"]["compiled_layers"] == 2 and eager[0]["setup"]["compiled_layers"] == 0
     assert_close([r["loss"] for r in eager if "loss" in r], [r["loss"] for r in compiled if "loss" in r])

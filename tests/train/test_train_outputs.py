@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,6 @@ from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, tree_hashes
-from fork_ranks import cli_in_fork, recipe_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,13 +112,15 @@ LOG_LINE = re.compile(
 @pytest.mark.slow
 def test_plain_log_lines_and_summary_when_not_a_terminal(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    code, stderr = cli_in_fork(["run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=3",
-                                f"checkpointer.output_dir={out}"], tmp_path / "logs")  # fmt: skip
-    assert code == 0, stderr[-3000:]
-    lines = stderr.strip().splitlines()
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
+         "max_steps_per_epoch=3", f"checkpointer.output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = res.stderr.strip().splitlines()
     steps = [m.group(1) for m in map(LOG_LINE.fullmatch, lines) if m]
     assert steps == ["1", "2", "3"], lines
-    assert "nan" not in stderr and " 0 tok/s" not in stderr
+    assert "nan" not in res.stderr and " 0 tok/s" not in res.stderr
     assert lines[-2].endswith("finished at step 3/3 after " + lines[-2].split(" after ")[1])
     assert lines[-1].endswith(f"checkpoints: {out / 'epoch_0'}")
 
@@ -148,14 +150,15 @@ def test_interrupted_run_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.
 
 @pytest.mark.slow
 def test_wandb_project_without_wandb_is_one_line(tmp_path: Path) -> None:
-    def without_wandb() -> None:
-        sys.modules["wandb"] = None  # type: ignore[assignment]  (Python's way of making an import fail)
-
-    args = ["run", "lora_finetune", "--config", "tiny_lora", "wandb.project=x", "epochs=1", "max_steps_per_epoch=1",
-            f"checkpointer.output_dir={tmp_path / 'o'}"]  # fmt: skip
-    code, stderr = cli_in_fork(args, tmp_path / "logs", before_run=without_wandb)
-    assert code == 1
-    assert stderr.strip() == "error: wandb.project is set but wandb is not installed (pip install wandb)"
+    code = (
+        "import sys; sys.modules['wandb'] = None\n"  # Python's way of making an import fail
+        "from ckptkit.cli import app\n"
+        "app(['run', 'lora_finetune', '--config', 'tiny_lora', 'wandb.project=x', 'epochs=1', "
+        f"'max_steps_per_epoch=1', 'checkpointer.output_dir={tmp_path / 'o'}'])"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip() == "error: wandb.project is set but wandb is not installed (pip install wandb)"
 
 
 @pytest.mark.slow
@@ -163,10 +166,11 @@ def test_wandb_offline_run_records_the_metrics(tmp_path: Path) -> None:
     """wandb is in the test extra: this runs (offline, no network) wherever the tests do."""
     out = tmp_path / "out"
     env = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    code, stderr = cli_in_fork(["run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=2",
-                                "wandb.project=ckptkit-test", "wandb.mode=offline", f"checkpointer.output_dir={out}"],
-                               tmp_path / "logs", env=env)  # fmt: skip
-    assert code == 0, stderr[-3000:]
+    subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
+         "max_steps_per_epoch=2", "wandb.project=ckptkit-test", "wandb.mode=offline", f"checkpointer.output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
     (record,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     data = record.read_bytes()
     for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
@@ -205,11 +209,12 @@ def test_a_start_summary_comes_first_and_epochs_are_numbered_as_the_folders(tmp_
     from train_helpers import hf_model
 
     out = tmp_path / "out"
-    args = ["run", "lora_finetune", "--config", "tiny_lora", "epochs=2", "max_steps_per_epoch=2",
-            "save_every_n_steps=1", f"checkpointer.output_dir={out}"]  # fmt: skip
-    code, stderr = cli_in_fork(args, tmp_path / "logs")
-    assert code == 0, stderr[-3000:]
-    lines = [line[len("2026-01-01 00:00:00 ") :] for line in stderr.strip().splitlines()]
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=2",
+         "max_steps_per_epoch=2", "save_every_n_steps=1", f"checkpointer.output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = [line[len("2026-01-01 00:00:00 ") :] for line in res.stderr.strip().splitlines()]
     # PEFT's count for tiny_lora's adapters (rank 16 on every projection and lm_head) on the same base
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     trainable, total = get_peft_model(
@@ -270,8 +275,10 @@ def test_every_path_in_a_tiny_configs_comments_exists_after_a_run(name: str, tmp
     recipe = {"tiny_full": "full_finetune", "tiny_lora": "lora_finetune"}[name.removesuffix("_distributed")]
     out = tmp_path / "out"
     overrides = ["epochs=2", "max_steps_per_epoch=2", "quiet=true", f"checkpointer.output_dir={out}"]
-    if name.endswith("_distributed"):  # 2 ranks forked as torchrun starts them (tests/fork_ranks.py)
-        recipe_on_ranks(f"{recipe}_distributed", name, *overrides, log_dir=tmp_path / "logs")
+    if name.endswith("_distributed"):
+        proc = subprocess.run([sys.executable, "-m", "ckptkit", "run", "--nproc-per-node", "2", f"{recipe}_distributed",
+                               "--config", name, *overrides], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         run(recipe, name, *overrides)
     output, inside = under_output(config)
