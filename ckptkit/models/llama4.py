@@ -105,6 +105,7 @@ def layer_parts(cfg: ModelConfig, moe: bool) -> list[Part]:
 class Llama4(Family):
     name = "llama4"
     hf_model_types = ("llama4_text", "llama4")
+    gguf_not_yet = "llama4"  # llama.cpp's Llama4Model (its gate_up_proj split, intermediate_size_mlp)
     hf_architecture = "Llama4ForCausalLM"
     fields: ClassVar[type[Llama4Fields]] = Llama4Fields
 

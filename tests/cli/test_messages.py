@@ -36,11 +36,12 @@ CHOICES = {
     ),
     "--dtype int8": (
         ["--to", "gguf", "--dtype", "int8"],
-        "error: --dtype int8: not one of bfloat16, float16, float32, fp8, q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_S, "
-        "Q4_K_M, Q5_K_S, Q5_K_M, Q6_K; did you mean 'q8_0'?",
+        "error: --dtype int8: not one of bfloat16, float16, float32, fp8, q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, "
+        "Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0; "
+        "did you mean 'q8_0'?",
     ),
     "--dtype=fp16": (["--to", "hf", "--dtype=fp16"], "did you mean 'float16'?"),
-    "--dtype q3_k_m": (["--to", "gguf", "--dtype", "q3_k_m"], "error: --dtype q3_k_m: not yet supported"),
+    "--dtype iq2_xxs": (["--to", "gguf", "--dtype", "iq2_xxs"], "error: --dtype iq2_xxs: not one of bfloat16"),
     "--model-type lama2": (["--to", "hf", "--model-type", "lama2"], "did you mean 'llama2'?"),
 }
 

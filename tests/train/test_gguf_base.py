@@ -164,9 +164,9 @@ def test_tensor_types_ckptkit_does_not_write_are_noted() -> None:
     notes = keep_types(planned, kinds, "base.gguf")
     assert [q(t.qtype).name for t in planned] == ["Q8_0", "BF16", "Q4_0"]  # rows of 64: no Q4_K block of 256
     assert notes == [
-        "base.gguf: ckptkit writes GGUF tensors as BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, "
-        "in rows of whole blocks; tensors of other types or rows written Q4_K as BF16; to quantize them as "
-        "before, run llama.cpp's llama-quantize on the output"
+        "base.gguf: ckptkit writes GGUF tensors as BF16, F16, F32, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, "
+        "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TQ1_0, TQ2_0, in rows of whole blocks; tensors of other types or rows "
+        "written Q4_K as BF16; to quantize them as before, run llama.cpp's llama-quantize on the output"
     ]
 
 
