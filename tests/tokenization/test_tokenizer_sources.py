@@ -160,7 +160,15 @@ def test_gguf_takes_the_sentencepiece_model_as_llama_cpp_reads_it(family: str, t
 # --- sentencepiece's whitespace handling, which tokenizer.json does reproduce ----------------
 
 WHITESPACE = st.sampled_from([" ", "  ", "   ", "\t", "\n", "\u3000", "\u00a0", "▁", "▁▁", "a", "bc", "é", "ﬁ"])
-TEXTS = st.lists(st.one_of(st.text(max_size=5), WHITESPACE), max_size=12).map("".join)
+# Without the special tokens' own spellings: in text, tokenizers' added-token matcher takes
+# "<unk>" as the special token and sentencepiece never does (as transformers' own
+# LlamaTokenizerFast does; not the whitespace rule under test).
+SPECIALS = ("<unk>", "<s>", "</s>")
+TEXTS = (
+    st.lists(st.one_of(st.text(max_size=5), WHITESPACE), max_size=12)
+    .map("".join)
+    .filter(lambda t: not any(s in t for s in SPECIALS))
+)
 
 
 @pytest.fixture(scope="module")
