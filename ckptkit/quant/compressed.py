@@ -22,7 +22,6 @@ from ckptkit.errors import CkptkitError
 from ckptkit.quant.grid import E4M3, INT8, GridScaled
 from ckptkit.quant.method import Stored, register_method
 
-SCALE_SUFFIX = "_scale"
 ACTIVATION: tuple[str, ...] = (".input_scale", ".input_zero_point", ".input_global_scale", ".k_scale", ".v_scale")
 ACTIVATION += (".output_scale", ".output_zero_point")
 NAIVE_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
@@ -102,6 +101,8 @@ def _matches(module: str, target: str, classes: bool) -> bool:
 class CompressedTensors(GridScaled):
     """``quant_method: "compressed-tensors"`` with naive (float / int) quantized weights."""
 
+    activation_scales = ACTIVATION
+
     name = "compressed-tensors"
     skip_key = "ignore"
 
@@ -125,15 +126,6 @@ class CompressedTensors(GridScaled):
         if not (isinstance(ignore, list) and all(isinstance(m, str) for m in ignore)):
             raise CkptkitError(f"{where}: quantization_config.ignore must be a list of names")
         self.ignore = ignore
-
-    def scale_name(self, weight: str) -> str:
-        return weight + SCALE_SUFFIX
-
-    def weight_of_scale(self, name: str) -> str | None:
-        return name.removesuffix(SCALE_SUFFIX) if name.endswith(".weight" + SCALE_SUFFIX) else None
-
-    def is_activation_scale(self, name: str) -> bool:
-        return name.endswith(ACTIVATION)
 
     def keeps_unquantized(self, name: str) -> bool:
         module = name.rsplit(".", 1)[0]

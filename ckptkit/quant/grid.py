@@ -34,6 +34,9 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int
     return math.ceil(rows / block[0]), math.ceil(cols / block[1])
 
 
+SCALE_SUFFIX = "_scale"
+
+
 class GridScaled(QuantMethod):
     """A method whose weights are stored elements times one scale per block of a grid.
 
@@ -41,6 +44,17 @@ class GridScaled(QuantMethod):
     grid's (a per-tensor scale may be stored as a scalar or ``[1]``)."""
 
     scale_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    activation_scales: tuple[str, ...] = ()  # name endings of activation-only tensors (not weights)
+
+    def scale_name(self, weight: str) -> str:
+        """``<weight>_scale``, the scale that multiplies (compressed-tensors', modelopt's name)."""
+        return weight + SCALE_SUFFIX
+
+    def weight_of_scale(self, name: str) -> str | None:
+        return name.removesuffix(SCALE_SUFFIX) if name.endswith(".weight" + SCALE_SUFFIX) else None
+
+    def is_activation_scale(self, name: str) -> bool:
+        return name.endswith(self.activation_scales)
 
     def block_of(self, weight: Stored) -> tuple[int, int]:
         """The (rows, cols) block one scale of ``weight`` covers (the whole matrix: per tensor)."""

@@ -19,13 +19,14 @@ from ckptkit.errors import CkptkitError
 from ckptkit.quant.grid import E4M3, GridScaled
 from ckptkit.quant.method import Stored, register_method
 
-SCALE_SUFFIX = "_scale"
 ACTIVATION = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
 ALGORITHMS = ("FP8",)
 
 
 class ModelOptFP8(GridScaled):
     """``quant_method: "modelopt"`` with ``quant_algo: "FP8"`` (per-tensor scales)."""
+
+    activation_scales = ACTIVATION
 
     name = "modelopt"
     stored = E4M3
@@ -45,15 +46,6 @@ class ModelOptFP8(GridScaled):
         if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
             raise CkptkitError(f"{where}: quantization_config.exclude_modules must be a list of names")
         self.skip = skip
-
-    def scale_name(self, weight: str) -> str:
-        return weight + SCALE_SUFFIX
-
-    def weight_of_scale(self, name: str) -> str | None:
-        return name.removesuffix(SCALE_SUFFIX) if name.endswith(".weight" + SCALE_SUFFIX) else None
-
-    def is_activation_scale(self, name: str) -> bool:
-        return name.endswith(ACTIVATION)
 
     def keeps_unquantized(self, name: str) -> bool:
         module = name.rsplit(".", 1)[0]
