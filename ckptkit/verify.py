@@ -246,10 +246,12 @@ def _with_scales(ckpt: Checkpoint, names: dict[str, str], other: Checkpoint) -> 
         return out
     kept = other.quant.scales if other.quant is not None else {}
     method = ckpt.quant.method
-    for name, scale in ckpt.quant.scales.items():
+    for name, scales in ckpt.quant.scales.items():
         if name in kept:
-            out[method.scale_name(name)] = scale
-            names[method.scale_name(name)] = method.scale_name(names.get(name, name))
+            native = method.scale_names(names.get(name, name))
+            for scale_name, scale, native_name in zip(method.scale_names(name), scales, native, strict=True):
+                out[scale_name] = scale
+                names[scale_name] = native_name
     return out
 
 
@@ -280,7 +282,7 @@ def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torc
     when ``plain`` is the reference dequantization of ``q`` and re-quantizing it with
     ``side``'s scale gives back every byte of ``q``; ``quantized`` when only the latter holds."""
     assert side.quant is not None
-    method, scale = side.quant.method, side.quant.scales[name].get()
+    method, scale = side.quant.method, side.quant.scale(name)
     plain = method.unloaded(plain)
     back = _bitwise_equal(method.requantize(plain, scale), q)
     exact = _bitwise_equal(method.dequantize(q, scale, plain.dtype), plain)

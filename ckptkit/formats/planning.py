@@ -125,7 +125,7 @@ def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -
     restore = origin.get("format") == planner.fmt.name and opts.shards is None and opts.max_shard_size is None
     ckpt, restore = experts_view(ckpt, opts.experts, restore)
     targets, notes = planner.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
-    companions: dict[str, str] = {}  # weight -> its scale, placed after it
+    companions: dict[str, tuple[str, ...]] = {}  # weight -> its scales, placed after it
     if ckpt.quant is not None:  # kept quantized: each weight's scale beside it
         natives: dict[str, str] = {}
         for native, canonical, _ in planner.rules(ckpt):
@@ -214,7 +214,7 @@ def _restored_plan(
     planner: FolderPlanner,
     targets: dict[str, Lazy],
     notes: list[str],
-    companions: dict[str, str],
+    companions: dict[str, tuple[str, ...]],
 ) -> Plan | None:
     """The recorded layout of ``planner`` (file names, order, ranks, storage sharing), if it
     still fits; ``companions``: tensors placed right after another one where the record
@@ -247,9 +247,7 @@ def _restored_plan(
         for k in f["keys"]:
             if k in targets:
                 keys.append(k)
-                extra = companions.get(k)
-                if extra is not None and extra not in placed:
-                    keys.append(extra)
+                keys.extend(extra for extra in companions.get(k, ()) if extra not in placed)
         aliases = _shared_storage(ckpt, planner, f.get("aliases") or {}, keys)
         files.append(
             FilePlan(f["name"], keys, f.get("metadata"), rank=i, ranks=n, aliases=aliases, archive=f.get("archive"))

@@ -47,12 +47,16 @@ class Quantization:
     canonical weight's scale, and the activation-only scales that were dropped."""
 
     method: QuantMethod
-    scales: dict[str, Lazy]  # canonical weight name -> its scale as stored (values checked on read)
+    scales: dict[str, tuple[Lazy, ...]]  # canonical weight -> its scales as stored (method.scale_names order)
     dropped: list[str] = field(default_factory=list)
 
     @property
     def config(self) -> dict[str, Any]:
         return self.method.config
+
+    def scale(self, name: str) -> torch.Tensor:
+        """Weight ``name``'s scale as the method's arithmetic takes it (:meth:`QuantMethod.combined`)."""
+        return self.method.combined(tuple(s.get() for s in self.scales[name]))
 
     def describe(self, weights: dict[str, Lazy]) -> dict[str, Any]:
         """What ``inspect`` shows: the method, its blocks, stored and dequantized dtypes."""
@@ -80,7 +84,7 @@ class Found:
     """What :func:`found_quantization` took out of a checkpoint's tensor list."""
 
     method: QuantMethod
-    pairs: dict[str, Stored]  # native weight name -> its scale's info
+    pairs: dict[str, tuple[Stored, ...]]  # native weight name -> its scales' infos (method.scale_names order)
     dropped: list[str]
 
 
@@ -99,7 +103,7 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
     if config is None:
         return None
     method = method_for(config, where)
-    pairs: dict[str, Stored] = {}
+    found: dict[str, dict[str, Stored]] = {}
     dropped = [k for k in infos if method.is_activation_scale(k)]
     for name, info in infos.items():
         weight = method.weight_of_scale(name)
@@ -116,7 +120,17 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
         if method.keeps_unquantized(weight):
             raise CkptkitError(f"{where}: {method.skip_key} lists {weight}, which is stored quantized")
         method.check_pair(w, info)
-        pairs[weight] = info
+        found.setdefault(weight, {})[name] = info
+    pairs: dict[str, tuple[Stored, ...]] = {}
+    for weight, scales in found.items():
+        names = method.scale_names(weight)
+        missing = [n for n in names if n not in scales]
+        if missing:
+            raise CkptkitError(
+                f"{where.parent / infos[weight].file}: {weight} has {', '.join(scales)} but no scale {missing[0]}; "
+                f"{method.name} weights need {', '.join(names)}"
+            )
+        pairs[weight] = tuple(scales[n] for n in names)
     for name, info in infos.items():
         if info.dtype == method.stored and name not in pairs and method.weight_of_scale(name) is None:
             raise CkptkitError(
@@ -125,7 +139,7 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
             )
     if not pairs:
         raise CkptkitError(f"{where}: quantization_config says {method.name}, but no tensor has a scale")
-    for name in [*dropped, *(method.scale_name(w) for w in pairs)]:
+    for name in [*dropped, *(n for w in pairs for n in method.scale_names(w))]:
         del infos[name]
     return Found(method, pairs, dropped)
 
@@ -140,9 +154,9 @@ def bound(
     """``found``'s scales by canonical weight name, through the format's ``rules`` (native,
     canonical, transform); ``reader`` has ``read(native)`` and ``spans(native)``."""
     by_native = {native: (canonical[0], kind) for native, canonical, kind in rules if len(canonical) == 1}
-    scales: dict[str, Lazy] = {}
+    scales: dict[str, tuple[Lazy, ...]] = {}
     method = found.method
-    for native, info in found.pairs.items():
+    for native, infos in found.pairs.items():
         canonical, kind = by_native.get(native, (native, None))
         if canonical not in tensors:
             raise CkptkitError(f"{method.where}: {native} is quantized, but the model does not use it as a weight")
@@ -151,7 +165,7 @@ def bound(
                 f"{method.where}: {native} is stored with its rows moved across {method.name} blocks; "
                 "ckptkit reads such blocks only where they hold whole heads"
             )
-        scales[canonical] = checked_scale(method, info, reader)
+        scales[canonical] = tuple(checked_scale(method, info, reader) for info in infos)
     return Quantization(method, scales, found.dropped)
 
 
@@ -182,13 +196,12 @@ def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> di
     name and in the layout the method's model holds it, :meth:`QuantMethod.dequantized_as`)."""
     out: dict[str, Lazy] = {}
     for name, w in tensors.items():
-        scale = quant.scales.get(name)
-        if scale is None:
+        if name not in quant.scales:
             out[name] = w
             continue
 
-        def get(w: Lazy = w, scale: Lazy = scale) -> torch.Tensor:
-            return quant.method.loaded(w.get(), scale.get(), to_torch(dtype))
+        def get(w: Lazy = w, name: str = name) -> torch.Tensor:
+            return quant.method.loaded(w.get(), quant.scale(name), to_torch(dtype))
 
         new, shape = quant.method.dequantized_as(name, w.shape)
         out[new] = Lazy(shape, dtype, get, w.file)
@@ -209,7 +222,7 @@ def quantized(tensors: dict[str, Lazy], method: QuantMethod) -> tuple[dict[str, 
     """``tensors`` quantized by ``method`` where :func:`quantizable`, the others as they
     are; each scale computed with its weight (one tensor at a time)."""
     out: dict[str, Lazy] = {}
-    scales: dict[str, Lazy] = {}
+    scales: dict[str, tuple[Lazy, ...]] = {}
     for name, lazy in tensors.items():
         if not quantizable(name, lazy):
             out[name] = lazy
@@ -224,7 +237,7 @@ def quantized(tensors: dict[str, Lazy], method: QuantMethod) -> tuple[dict[str, 
             return made.pop("scale") if "scale" in made else method.quantize(lazy.get())[1]
 
         out[name] = Lazy(lazy.shape, method.stored, weight, lazy.file)
-        scales[name] = Lazy(method.scale_shape(lazy.shape), "float32", scale, lazy.file)
+        scales[name] = (Lazy(method.scale_shape(lazy.shape), "float32", scale, lazy.file),)
     return out, Quantization(method, scales)
 
 
@@ -243,17 +256,19 @@ def keeps_in(quant: Quantization, rules: Iterable[tuple[str, tuple[str, ...], Tr
 
 def with_scales(
     targets: dict[str, Lazy], quant: Quantization, natives: dict[str, str]
-) -> tuple[dict[str, Lazy], dict[str, str]]:
-    """(``targets`` (native name -> tensor) with each quantized weight's scale after it,
-    native weight name -> its scale's name); ``natives``: canonical weight -> native name."""
-    after = {natives[c]: (quant.method.scale_name(natives[c]), s) for c, s in quant.scales.items() if c in natives}
+) -> tuple[dict[str, Lazy], dict[str, tuple[str, ...]]]:
+    """(``targets`` (native name -> tensor) with each quantized weight's scales after it,
+    native weight name -> its scales' names); ``natives``: canonical weight -> native name."""
+    after = {
+        natives[c]: dict(zip(quant.method.scale_names(natives[c]), s, strict=True))
+        for c, s in quant.scales.items()
+        if c in natives
+    }
     out: dict[str, Lazy] = {}
     for name, lazy in targets.items():
         out[name] = lazy
-        if name in after:
-            scale_name, scale = after[name]
-            out[scale_name] = scale
-    return out, {w: s for w, (s, _) in after.items() if w in targets}
+        out.update(after.get(name, {}))
+    return out, {w: tuple(s) for w, s in after.items() if w in targets}
 
 
 def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:

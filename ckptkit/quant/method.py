@@ -51,9 +51,22 @@ class QuantMethod:
         self.config = dict(config)
         self.where = where
 
+    @classmethod
+    def for_config(cls, config: Mapping[str, Any], where: Path) -> QuantMethod:
+        """The method reading ``config`` (a ``quant_method`` may have variants: modelopt's ``quant_algo``)."""
+        return cls(config, where)
+
     def scale_name(self, weight: str) -> str:
         """The name of ``weight``'s scale tensor (native or canonical names alike)."""
         raise NotImplementedError
+
+    def scale_names(self, weight: str) -> tuple[str, ...]:
+        """The names of all of ``weight``'s scale tensors, :meth:`scale_name` first (NVFP4 has two)."""
+        return (self.scale_name(weight),)
+
+    def combined(self, scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The one scale tensor the arithmetic takes, of a weight's :meth:`scale_names` tensors."""
+        return scales[0]
 
     def weight_of_scale(self, name: str) -> str | None:
         """The weight a tensor of this name is the scale of, or None: not a scale name."""
@@ -132,4 +145,4 @@ def method_for(config: Any, where: Path) -> QuantMethod:
             f"{where}: quantization_config names quant_method {name!r}, which ckptkit does not read "
             f"(it reads {', '.join(sorted(METHODS))}); nothing converted"
         )
-    return cls(config, where)
+    return cls.for_config(config, where)
