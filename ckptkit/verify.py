@@ -270,11 +270,18 @@ def _renamed(ckpt: Checkpoint, mine: dict[str, Lazy], other: dict[str, Lazy], na
     return renamed
 
 
-def _quantized_side(a: Checkpoint, b: Checkpoint, name: str, renamed: dict[str, str]) -> Checkpoint | None:
-    """The side holding weight ``name`` quantized, where only one does."""
+def _quantized_side(
+    a: Checkpoint, b: Checkpoint, name: str, renamed: dict[str, str], ta: torch.Tensor, tb: torch.Tensor
+) -> Checkpoint | None:
+    """The side holding weight ``name`` (``ta`` / ``tb``) quantized, where only one does and
+    the other holds it in the shape it dequantizes to."""
     qa = a.quant is not None and renamed.get(name, name) in a.quant.scales
     qb = b.quant is not None and renamed.get(name, name) in b.quant.scales
-    return None if qa == qb else a if qa else b
+    side = None if qa == qb else a if qa else b
+    if side is None or side.quant is None or name in renamed:
+        return side
+    q, plain = (ta, tb) if side is a else (tb, ta)
+    return side if side.quant.method.dequantized_as(name, tuple(q.shape))[1] == tuple(plain.shape) else None
 
 
 def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torch.Tensor) -> tuple[str, float]:
@@ -307,7 +314,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
     with byte_progress("verifying", total, quiet) as bar:
         for name in common:
             ta, tb = tensors_a[name].get(), tensors_b[name].get()
-            side = _quantized_side(a, b, name, renamed) if ta.shape == tb.shape or name in renamed else None
+            side = _quantized_side(a, b, name, renamed, ta, tb)
             if cast is not None and ta.dtype.is_floating_point and side is None:
                 ta = ta.to(cast)
             report.compared += 1

@@ -10,6 +10,7 @@ A method is one module registering a :class:`~ckptkit.quant.method.QuantMethod`
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.quant import compressed, fp8, mistral, modelopt, mxfp4
+from ckptkit.quant import compressed, fp8, mistral, modelopt, mxfp4, nvfp4
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
 from ckptkit.tensors.dtypes import to_torch
 from ckptkit.tensors.lazy import Lazy
@@ -86,6 +87,7 @@ class Found:
     method: QuantMethod
     pairs: dict[str, tuple[Stored, ...]]  # native weight name -> its scales' infos (method.scale_names order)
     dropped: list[str]
+    stored_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # weights shown in their model shape
 
 
 def source_quant_config(config: dict[str, Any]) -> Any:
@@ -96,8 +98,9 @@ def source_quant_config(config: dict[str, Any]) -> Any:
 
 def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found | None:
     """The quantization ``config`` (a ``quantization_config``, None: none) describes in
-    ``infos``; its scales and activation-only scales are removed from ``infos`` (the
-    caller puts them back once the model's tensors are named). One line
+    ``infos``; its scales and activation-only scales are removed from ``infos`` and packed
+    weights shown in the shape the model config implies (:meth:`QuantMethod.model_shape`;
+    the caller puts them back once the model's tensors are named). One line
     naming the tensor for a quantized weight without its scale, a scale without its weight
     or of the wrong shape or dtype, a config that contradicts the tensors."""
     if config is None:
@@ -141,7 +144,10 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
         raise CkptkitError(f"{where}: quantization_config says {method.name}, but no tensor has a scale")
     for name in [*dropped, *(n for w in pairs for n in method.scale_names(w))]:
         del infos[name]
-    return Found(method, pairs, dropped)
+    shapes = {w: tuple(infos[w].shape) for w in pairs if method.model_shape(infos[w].shape) != tuple(infos[w].shape)}
+    for w, shape in shapes.items():
+        infos[w] = dataclasses.replace(infos[w], shape=method.model_shape(shape))
+    return Found(method, pairs, dropped, shapes)
 
 
 def bound(
@@ -166,6 +172,8 @@ def bound(
                 "ckptkit reads such blocks only where they hold whole heads"
             )
         scales[canonical] = tuple(checked_scale(method, info, reader) for info in infos)
+        if native in found.stored_shapes:  # the model's view checked the unpacked shape: the weight as stored
+            tensors[canonical] = dataclasses.replace(tensors[canonical], shape=found.stored_shapes[native])
     return Quantization(method, scales, found.dropped)
 
 
@@ -288,6 +296,6 @@ def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
 
 assert fp8.BlockFP8.name in METHODS
 assert compressed.CompressedTensors.name in METHODS
-assert modelopt.ModelOptFP8.name in METHODS
+assert modelopt.ModelOptFP8.name in METHODS and nvfp4.ModelOptNVFP4 in modelopt.ModelOptFP8.variants.values()
 assert mistral.MistralFP8.name in METHODS
 assert mxfp4.MXFP4.name in METHODS

@@ -100,6 +100,11 @@ class QuantMethod:
         """The reference dequantization of ``weight`` with its ``scale``, in ``dtype``."""
         raise NotImplementedError
 
+    def model_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape the model config implies for a weight stored in ``shape`` under its own
+        name (NVFP4: two values a byte); by default the same."""
+        return tuple(shape)
+
     def dequantized_as(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The name and shape weight ``name`` of stored ``shape`` has once dequantized
         (:meth:`loaded`'s result): by default the same."""

@@ -3,9 +3,8 @@ float8 e4m3 weights with one float32 ``weight_scale`` per tensor, which multipli
 stored element (``input_scale`` / ``k_scale`` / ``v_scale`` scale activations: dropped).
 
 ``exclude_modules`` lists the modules left unquantized (``fnmatch`` patterns, as modelopt
-writes them: ``lm_head``, ``model.layers.*.mlp.gate``). NVFP4 (``quant_algo: "NVFP4"``:
-packed e2m1 pairs, e4m3 per-16 scales and a float32 ``weight_scale_2``) is refused in one
-line: its weights carry two scales, which ckptkit does not carry yet.
+writes them: ``lm_head``, ``model.layers.*.mlp.gate``). The config's ``quant_algo``
+picks the variant: ``FP8`` here, ``NVFP4`` in :mod:`ckptkit.quant.nvfp4`.
 """
 
 from __future__ import annotations
@@ -13,14 +12,13 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.quant.grid import E4M3, GridScaled
 from ckptkit.quant.method import Stored, register_method
 
 ACTIVATION = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
-ALGORITHMS = ("FP8",)
 
 
 class ModelOptFP8(GridScaled):
@@ -33,15 +31,21 @@ class ModelOptFP8(GridScaled):
     skip_key = "exclude_modules"
     scale_dtypes = ("float32",)
 
+    variants: ClassVar[dict[str, type[ModelOptFP8]]] = {}  # quant_algo -> its class
+
+    @classmethod
+    def for_config(cls, config: Mapping[str, Any], where: Path) -> ModelOptFP8:
+        algo = _fields(config).get("quant_algo")
+        variant = cls.variants.get(algo) if isinstance(algo, str) else None
+        if variant is None:
+            raise CkptkitError(
+                f"{where}: modelopt quant_algo {algo!r}: ckptkit reads {', '.join(cls.variants)}; nothing converted"
+            )
+        return variant(config, where)
+
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         super().__init__(config, where)
-        nested = config.get("quantization")  # hf_quant_config.json's layout, copied into config.json
-        fields = nested if isinstance(nested, dict) else config
-        algo = fields.get("quant_algo")
-        if algo not in ALGORITHMS:
-            raise CkptkitError(
-                f"{where}: modelopt quant_algo {algo!r}: ckptkit reads {', '.join(ALGORITHMS)}; nothing converted"
-            )
+        fields = _fields(config)
         skip = fields.get("exclude_modules") or []
         if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
             raise CkptkitError(f"{where}: quantization_config.exclude_modules must be a list of names")
@@ -62,4 +66,11 @@ class ModelOptFP8(GridScaled):
         return {"method": self.name, "block": "tensor", "stored": self.stored, "scales": "float32 per tensor"}
 
 
+def _fields(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config's modelopt fields (nested under ``quantization`` in hf_quant_config.json's layout)."""
+    nested = config.get("quantization")
+    return nested if isinstance(nested, dict) else config
+
+
+ModelOptFP8.variants["FP8"] = ModelOptFP8
 register_method(ModelOptFP8)

@@ -28,6 +28,28 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_NAN = 0xFF
 
 
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 2n] of uint8 [..., n] e2m1 pairs: the even element in the low nibble
+    (bit 3 the sign), as OpenAI's and NVIDIA's releases pack them."""
+    import torch
+
+    lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
+    return torch.stack((lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]), dim=-1).flatten(-2)
+
+
+def e2m1_packed(scaled: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n / 2] pairs of the e2m1 codes nearest ``scaled`` [..., n] (a tie: the
+    even code; beyond +-6: +-6; the sign bit as ``signbit``), packed as :func:`e2m1_values` reads them."""
+    import torch
+
+    grid = torch.tensor(E2M1)
+    mids = (grid[1:] + grid[:-1]) / 2
+    mag = scaled.abs().clamp(max=E2M1[-1])
+    low, high = torch.bucketize(mag, mids, right=False), torch.bucketize(mag, mids, right=True)
+    codes = torch.where(low % 2 == 0, low, high) | (torch.signbit(scaled).long() << 3)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
 class MXFP4(QuantMethod):
     """``quant_method: "mxfp4"``: e2m1 values in blocks of 32 along the columns, e8m0 scales."""
 
@@ -84,10 +106,8 @@ class MXFP4(QuantMethod):
         """[..., rows, cols] in ``dtype``: e2m1 value x ``2 ** (scale - 127)`` in float32, one cast."""
         import torch
 
-        lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
-        values = torch.stack((lut[(weight & 0x0F).long()], lut[(weight >> 4).long()]), dim=-1)
         factor = torch.exp2(scale.to(torch.float32) - 127).unsqueeze(-1)
-        out = (values.reshape(*weight.shape[:-1], BLOCK) * factor).to(dtype)
+        out = (e2m1_values(weight) * factor).to(dtype)
         return out.reshape(*weight.shape[:-2], weight.shape[-2] * BLOCK)
 
     def dequantized_as(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -108,12 +128,7 @@ class MXFP4(QuantMethod):
         import torch
 
         scaled = values.to(torch.float32).reshape(*scale.shape, BLOCK) / torch.exp2(scale.float() - 127).unsqueeze(-1)
-        grid = torch.tensor(E2M1)
-        mids = (grid[1:] + grid[:-1]) / 2
-        mag = scaled.abs().clamp(max=E2M1[-1])
-        low, high = torch.bucketize(mag, mids, right=False), torch.bucketize(mag, mids, right=True)
-        codes = torch.where(low % 2 == 0, low, high) | (torch.signbit(scaled).long() << 3)
-        return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        return e2m1_packed(scaled)
 
     def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MX recipe: per block, exponent ``floor(log2(amax)) - 2`` (e2m1's largest), e8m0."""

@@ -21,6 +21,7 @@ from conftest import FIXTURES
 CT = FIXTURES / "ct" / "fp8"
 INT8 = FIXTURES / "ct" / "int8"
 MO = FIXTURES / "modelopt" / "fp8"
+NV = FIXTURES / "modelopt" / "nvfp4"
 MI = FIXTURES / "mistral-fp8"
 WQ = "layers.0.attention.wq"
 Q = "model.layers.0.self_attn.q_proj"  # per channel in ct/fp8
@@ -161,7 +162,62 @@ BROKEN: dict[str, tuple[Path, dict[str, torch.Tensor | None], dict[str, Any], st
         {"exclude_modules": ["lm_head", "model.layers.*.self_attn.q_proj"]},
         rf"exclude_modules lists {Q}.weight, which is stored quantized",
     ),
-    "modelopt unknown algo": (MO, {}, {"quant_algo": "W4A8_AWQ"}, r"modelopt quant_algo 'W4A8_AWQ': ckptkit reads FP8"),
+    "modelopt unknown algo": (
+        MO,
+        {},
+        {"quant_algo": "W4A8_AWQ"},
+        r"modelopt quant_algo 'W4A8_AWQ': ckptkit reads FP8, NVFP4; nothing converted",
+    ),
+    "nvfp4 no weight_scale_2": (
+        NV,
+        {f"{Q}.weight_scale_2": None},
+        {},
+        rf"{Q}.weight has {Q}.weight_scale but no scale {Q}.weight_scale_2; modelopt weights need",
+    ),
+    "nvfp4 no weight_scale": (NV, {f"{Q}.weight_scale": None}, {}, rf"{Q}.weight has {Q}.weight_scale_2 but no"),
+    "nvfp4 no scales": (
+        NV,
+        {f"{Q}.weight_scale": None, f"{Q}.weight_scale_2": None},
+        {},
+        rf"{Q}.weight is quantized \(uint8\) but has no scale {Q}.weight_scale; refusing to copy raw",
+    ),
+    "nvfp4 scale shape": (
+        NV,
+        {f"{Q}.weight_scale": _stored(NV, f"{Q}.weight_scale")[:, :3].contiguous()},
+        {},
+        rf"{Q}.weight_scale is \[64, 3\], but {Q}.weight uint8 \[64, 32\] \(64 x 64 values\) needs \[64, 4\]",
+    ),
+    "nvfp4 scale dtype": (
+        NV,
+        {f"{Q}.weight_scale": _stored(NV, f"{Q}.weight_scale").float()},
+        {},
+        rf"{Q}.weight_scale is float32; NVFP4 weight scales are float8_e4m3fn",
+    ),
+    "nvfp4 nan block scale": (
+        NV,
+        {f"{Q}.weight_scale": _stored(NV, f"{Q}.weight_scale").view(torch.uint8).fill_(0x7F).view(torch.float8_e4m3fn)},
+        {},
+        rf"{Q}.weight_scale: 256 scale\(s\) are NaN or infinite",
+    ),
+    "nvfp4 global scale shape": (
+        NV,
+        {f"{Q}.weight_scale_2": torch.ones(2)},
+        {},
+        rf"{Q}.weight_scale_2 is float32 \[2\]; an NVFP4 weight_scale_2 is one float32",
+    ),
+    "nvfp4 negative global scale": (
+        NV,
+        {f"{Q}.weight_scale_2": torch.tensor(-1.0)},
+        {},
+        rf"{Q}.weight_scale_2: negative scales",
+    ),
+    "nvfp4 packed size": (
+        NV,
+        {f"{Q}.weight": _stored(NV, f"{Q}.weight")[:, :28].contiguous()},
+        {},
+        rf"{Q}.weight is uint8 \[64, 28\]: NVFP4 weights are matrices of rows of whole 16-value blocks",
+    ),
+    "nvfp4 group size": (NV, {}, {"group_size": 32}, r"NVFP4 group_size 32: NVFP4 scales blocks of 16"),
     "mistral inf qscale": (
         MI,
         {f"{WQ}.qscale_weight": torch.tensor(float("inf"))},

@@ -1,0 +1,138 @@
+"""modelopt NVFP4 sources (``quant_method: "modelopt"``, ``quant_algo: "NVFP4"``): inspected,
+dequantized by modelopt's recipe (``NVFP4QTensor.dequantize``: the block's float32 scale
+``e4m3 x weight_scale_2``, times the e2m1 value, one rounding to the output dtype), proven
+lossless by ``verify``, kept as stored through hf, hf-bin and internal (DCP, whose layout
+moves rows across the per-row scales, gets them dequantized).
+
+The element order and the e4m3 block scales are checked against llama.cpp's converter,
+whose ``_nvfp4_pack`` repacks the same tensors into GGUF's NVFP4 type (decoded by the gguf
+package); the arithmetic against the formula written out here. Measured on the fixture:
+llama.cpp's order, ``(e2m1 x e4m3) x weight_scale_2``, differs from modelopt's in float32 on
+4928 of 49152 values, on none once rounded to bfloat16 or float16.
+
+Fixture: ``fixtures/modelopt/nvfp4`` (``fixtures/make_nvfp4_fixtures.py``)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptkit.convert import ConvertOptions, convert
+from ckptkit.inspection import inspect_path
+from ckptkit.verify import verify_paths
+
+from conftest import FIXTURES
+
+NV = FIXTURES / "modelopt" / "nvfp4"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def e2m1(code: torch.Tensor) -> torch.Tensor:
+    """The value of 4-bit e2m1 codes from their bits: sign, 2 exponent bits (bias 1), 1 mantissa bit."""
+    sign = 1 - 2 * ((code >> 3) & 1).float()
+    exponent, mantissa = ((code >> 1) & 3).float(), (code & 1).float()
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa / 2))
+    return sign * magnitude
+
+
+def modelopt_dequantized(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """float32 values: byte j holds values 2j (low nibble) and 2j + 1 (high nibble); each
+    block of 16 times ``float32(scale) * scale_2``."""
+    rows = packed.shape[0]
+    values = torch.empty(rows, packed.shape[1] * 2)
+    values[:, 0::2], values[:, 1::2] = e2m1(packed & 0x0F), e2m1(packed >> 4)
+    per_block = scale.float() * scale_2.float()
+    return (values.reshape(rows, -1, 16) * per_block.unsqueeze(-1)).reshape(rows, -1)
+
+
+def _quantized(stored: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in stored if k + "_scale" in stored and k + "_scale_2" in stored]
+
+
+def test_inspect_shows_method_and_dtypes() -> None:
+    q = inspect_path(NV)["quantization"]
+    assert (q["method"], q["block"], q["stored"], q["scales"]) == (
+        "modelopt", [1, 16], "uint8", "float8_e4m3fn per 16 x float32 weight_scale_2",
+    )  # fmt: skip
+    assert (q["quantized_tensors"], q["dropped_activation_scales"]) == (12, 16)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dequantized_by_modelopts_recipe(dtype: str, tmp_path: Path) -> None:
+    convert(NV, tmp_path / "out", ConvertOptions("hf", dtype=dtype))
+    ours, stored = load_file(tmp_path / "out" / "model.safetensors"), load_file(NV / "model.safetensors")
+    weights = _quantized(stored)
+    assert len(weights) == 12
+    for name in weights:
+        wide = modelopt_dequantized(stored[name], stored[name + "_scale"], stored[name + "_scale_2"])
+        assert torch.equal(ours[name].view(torch.uint8), wide.to(DTYPES[dtype]).view(torch.uint8)), name
+    excluded = "model.layers.1.mlp.down_proj.weight"  # exclude_modules: as stored (cast by --dtype)
+    assert torch.equal(ours[excluded], stored[excluded].to(DTYPES[dtype]))
+    if dtype == "bfloat16":
+        report = verify_paths(NV, tmp_path / "out")
+        assert report.verdict().startswith("DEQUANTIZED: 9 of 21 tensors bitwise equal, 12 dequantized weights")
+
+
+def _llama_cpp_pack(llama_cpp: Path) -> Callable[..., Any]:
+    """llama.cpp's converter's ``ModelBase._nvfp4_pack``, taken out of its source (importing
+    the converter's package takes half a minute)."""
+    tree = ast.parse((llama_cpp / "conversion" / "base.py").read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_nvfp4_pack")
+    fn.decorator_list = []
+    scope: dict[str, Any] = {"torch": torch, "np": np, "Tensor": torch.Tensor}
+    exec(compile(ast.Module([fn], []), "conversion/base.py", "exec"), scope)
+    return scope["_nvfp4_pack"]  # type: ignore[no-any-return]
+
+
+def test_element_order_and_block_scales_as_llama_cpp_reads_them(llama_cpp: Path, tmp_path: Path) -> None:
+    import gguf
+
+    pack = _llama_cpp_pack(llama_cpp)
+    stored = load_file(NV / "model.safetensors")
+    convert(NV, tmp_path / "out", ConvertOptions("hf", dtype="float32"))
+    ours = load_file(tmp_path / "out" / "model.safetensors")
+    values = differ = 0
+    for name in _quantized(stored):
+        raw, shape = pack(stored[name], stored[name + "_scale"])
+        blocks = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.NVFP4)  # e2m1 x e4m3, exact
+        theirs = torch.from_numpy(blocks.astype(np.float32)).reshape(shape)
+        scale_2 = stored[name + "_scale_2"]
+        assert torch.equal(ours[name], modelopt_dequantized(stored[name], stored[name + "_scale"], scale_2))
+        unit = modelopt_dequantized(stored[name], stored[name + "_scale"], torch.tensor(1.0))
+        assert torch.equal(unit, theirs), name  # same element order, same e4m3 scales
+        llama_order = theirs * scale_2  # llama.cpp multiplies by weight_scale_2 at inference
+        values += theirs.numel()
+        differ += int((llama_order != ours[name]).sum())
+        assert torch.equal(llama_order.to(torch.bfloat16), ours[name].to(torch.bfloat16)), name
+    assert (values, differ) == (49152, 4928)
+
+
+def test_kept_through_hf_bin_internal_and_hf(tmp_path: Path) -> None:
+    path = NV
+    for i, to in enumerate(["hf-bin", "internal", "hf"]):
+        out = tmp_path / f"{i}-{to}"
+        convert(path, out, ConvertOptions(to))
+        assert verify_paths(NV, out).verdict().startswith("IDENTICAL: all 45 tensors")
+        path = out
+    back, stored = load_file(path / "model.safetensors"), load_file(NV / "model.safetensors")
+    assert set(stored) - set(back) == {k for k in stored if k.endswith(("input_scale", "k_scale", "v_scale"))}
+    assert all(
+        back[k].dtype == stored[k].dtype
+        and torch.equal(back[k].reshape(-1).view(torch.uint8), stored[k].reshape(-1).view(torch.uint8))
+        for k in back
+    )
+    assert json.loads((path / "config.json").read_text()) == json.loads((NV / "config.json").read_text())
+
+
+def test_dcp_gets_them_dequantized(tmp_path: Path) -> None:
+    result = convert(NV, tmp_path / "dcp", ConvertOptions("dcp"))
+    assert any("12 modelopt weights dequantized to bfloat16 (--to dcp" in n for n in result.notes)
+    assert verify_paths(NV, tmp_path / "dcp").verdict().startswith("DEQUANTIZED: 9 of 21 tensors bitwise equal")
