@@ -18,6 +18,7 @@ from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.family import Family
 from ckptkit.models.fields import check_layer_count
 from ckptkit.quant import Quantization, bound, found_quantization, source_quant_config
+from ckptkit.quant.modelopt import HF_QUANT_CONFIG
 from ckptkit.tensors.lazy import Lazy, decode_tensor, encode_tensor
 from ckptkit.tokenization import TOKENIZER_FILES, supplied_tokenizer
 from ckptkit.untrusted import check_source_folder
@@ -91,8 +92,8 @@ class Checkpoint:
         for p in entries(self.side_folder):
             if not is_file(p) or p.name in skip or p.name.startswith("."):
                 continue
-            if is_checkpoint_file(p.name):
-                continue  # some format's weights, index or config: another layout shipped alongside
+            if is_checkpoint_file(p.name) or p.name == HF_QUANT_CONFIG:
+                continue  # some format's weights, index or config (a kept quantization is in config.json)
             out.append(p)
         return out
 
@@ -141,7 +142,8 @@ def open_checkpoint(
     raw = open_raw(reader, root, config)
     try:
         stored = dict(raw.infos)  # the scales are hidden from the model's view, then put back
-        found = found_quantization(source_quant_config(raw.config), raw.infos, root / raw.config_name)
+        folder = root if root.is_dir() else None
+        found = found_quantization(source_quant_config(raw.config, folder), raw.infos, root / raw.config_name)
         given = get_family(model_type) if model_type else None
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)

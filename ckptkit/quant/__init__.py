@@ -90,10 +90,16 @@ class Found:
     stored_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # weights shown in their model shape
 
 
-def source_quant_config(config: dict[str, Any]) -> Any:
+def source_quant_config(config: dict[str, Any], folder: Path | None = None) -> Any:
     """The ``quantization_config`` of a checkpoint's config (None: not quantized), or the
-    one Mistral's params.json ``quantization`` amounts to."""
-    return config[QUANT_KEY] if QUANT_KEY in config else mistral.mistral_config(config)
+    one Mistral's params.json ``quantization`` amounts to, or (``folder``'s) the one a
+    modelopt export's ``hf_quant_config.json`` amounts to."""
+    if QUANT_KEY in config:
+        return config[QUANT_KEY]
+    found = mistral.mistral_config(config)
+    if found is None and folder is not None:
+        found = modelopt.hf_quant_config(folder)
+    return found
 
 
 def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found | None:

@@ -19,6 +19,7 @@ from ckptkit.quant.grid import E4M3, GridScaled
 from ckptkit.quant.method import Stored, register_method
 
 ACTIVATION = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
+HF_QUANT_CONFIG = "hf_quant_config.json"  # a modelopt export's quantization, where config.json has none
 
 
 class ModelOptFP8(GridScaled):
@@ -35,7 +36,7 @@ class ModelOptFP8(GridScaled):
 
     @classmethod
     def for_config(cls, config: Mapping[str, Any], where: Path) -> ModelOptFP8:
-        algo = _fields(config).get("quant_algo")
+        algo = fields(config).get("quant_algo")
         variant = cls.variants.get(algo) if isinstance(algo, str) else None
         if variant is None:
             raise CkptkitError(
@@ -45,8 +46,8 @@ class ModelOptFP8(GridScaled):
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         super().__init__(config, where)
-        fields = _fields(config)
-        skip = fields.get("exclude_modules") or []
+        given = fields(config)
+        skip = given.get("exclude_modules") or []
         if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
             raise CkptkitError(f"{where}: quantization_config.exclude_modules must be a list of names")
         self.skip = skip
@@ -66,7 +67,27 @@ class ModelOptFP8(GridScaled):
         return {"method": self.name, "block": "tensor", "stored": self.stored, "scales": "float32 per tensor"}
 
 
-def _fields(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def hf_quant_config(folder: Path) -> dict[str, Any] | None:
+    """The ``quantization_config`` a modelopt export's ``hf_quant_config.json`` in ``folder``
+    amounts to, as transformers writes it into ``config.json`` (its ``quantization`` fields,
+    ``producer``, ``quant_method`` the producer's name), or None."""
+    import json
+
+    path = folder / HF_QUANT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CkptkitError(f"{path}: not readable JSON ({e})") from None
+    producer = doc.get("producer") if isinstance(doc, dict) else None
+    name = producer.get("name") if isinstance(producer, dict) else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict) or name != "modelopt":
+        raise CkptkitError(f"{path}: not a modelopt export's quantization (producer modelopt, quantization)")
+    return {"quant_method": name, "producer": producer, **doc["quantization"]}
+
+
+def fields(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The config's modelopt fields (nested under ``quantization`` in hf_quant_config.json's layout)."""
     nested = config.get("quantization")
     return nested if isinstance(nested, dict) else config

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.quant.grid import CHUNK_ELEMENTS, E4M3, SCALE_SUFFIX
 from ckptkit.quant.method import Stored
-from ckptkit.quant.modelopt import ModelOptFP8
+from ckptkit.quant.modelopt import ModelOptFP8, fields
 from ckptkit.quant.mxfp4 import e2m1_packed, e2m1_values
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class ModelOptNVFP4(ModelOptFP8):
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         super().__init__(config, where)
-        group = self.config.get("group_size", BLOCK)
+        group = fields(config).get("group_size", BLOCK)
         if group != BLOCK:
             raise CkptkitError(f"{where}: NVFP4 group_size {group!r}: NVFP4 scales blocks of {BLOCK}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptkit.convert import ConvertOptions, convert
+from ckptkit.errors import CkptkitError
 from ckptkit.inspection import inspect_path
 from ckptkit.verify import verify_paths
 
@@ -136,3 +138,34 @@ def test_dcp_gets_them_dequantized(tmp_path: Path) -> None:
     result = convert(NV, tmp_path / "dcp", ConvertOptions("dcp"))
     assert any("12 modelopt weights dequantized to bfloat16 (--to dcp" in n for n in result.notes)
     assert verify_paths(NV, tmp_path / "dcp").verdict().startswith("DEQUANTIZED: 9 of 21 tensors bitwise equal")
+
+
+def _hf_quant_config_only(tmp_path: Path, producer: str = "modelopt") -> Path:
+    """The fixture as older modelopt exports ship it: the quantization in hf_quant_config.json only."""
+    src = shutil.copytree(NV, tmp_path / "src")
+    doc = json.loads((src / "config.json").read_text())
+    q = doc.pop("quantization_config")
+    (src / "config.json").write_text(json.dumps(doc))
+    fields = {k: v for k, v in q.items() if k not in ("producer", "quant_method")}
+    (src / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {**q["producer"], "name": producer}, "quantization": fields})
+    )
+    return src
+
+
+def test_hf_quant_config_json_alone_is_read(tmp_path: Path) -> None:
+    src = _hf_quant_config_only(tmp_path)
+    convert(src, tmp_path / "kept", ConvertOptions("hf"))
+    assert verify_paths(src, tmp_path / "kept").verdict().startswith("IDENTICAL: all 45 tensors")
+    kept = json.loads((tmp_path / "kept" / "config.json").read_text())["quantization_config"]
+    assert kept == json.loads((NV / "config.json").read_text())["quantization_config"]  # as transformers writes it
+    convert(src, tmp_path / "bf16", ConvertOptions("hf", dtype="bfloat16"))
+    assert not (tmp_path / "bf16" / "hf_quant_config.json").exists()  # it would say the bf16 weights are NVFP4
+    assert verify_paths(src, tmp_path / "bf16").verdict().startswith("DEQUANTIZED: 9 of 21 tensors")
+
+
+def test_hf_quant_config_json_of_another_producer_is_refused(tmp_path: Path) -> None:
+    src = _hf_quant_config_only(tmp_path, producer="other")
+    with pytest.raises(CkptkitError, match=r"hf_quant_config.json: not a modelopt export's quantization"):
+        convert(src, tmp_path / "out", ConvertOptions("hf"))
+    assert not (tmp_path / "out").exists()
