@@ -65,11 +65,8 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
         rules = []  # the format does not hold this family: its own plan says so
     if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim):
         return ckpt, opts
-    if opts.dtype is None and fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF
-        raise CkptkitError(
-            f"{ckpt.path}: MXFP4 experts are not written to GGUF as llama.cpp writes them (its MXFP4 type) yet; "
-            "pass --dtype bfloat16 to write them dequantized"
-        )
+    if fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF: kept as llama.cpp keeps them
+        return ckpt, opts
     dtype = opts.dtype or DEFAULT_DEQUANTIZED
     if opts.dtype is None:
         ckpt.notes.append(
