@@ -63,7 +63,7 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
         rules = fmt.planner(fmt).rules(ckpt) if fmt.info.holds_quantized else []
     except CkptkitError:
         rules = []  # the format does not hold this family: its own plan says so
-    if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim):
+    if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim, ckpt.tensors):
         return ckpt, opts
     if fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF: kept as llama.cpp keeps them
         return ckpt, opts
