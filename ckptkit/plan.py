@@ -19,6 +19,7 @@ from ckptkit.models import EXPERTS_LAYOUTS
 from ckptkit.models.moe import experts as experts_of
 from ckptkit.quant import DEFAULT_DEQUANTIZED, FP8_DTYPE, dequantized, keeps_in, quantized
 from ckptkit.quant.fp8 import BlockFP8
+from ckptkit.tensors.dtypes import FLOATING
 
 __all__ = ["FilePlan", "Options", "Plan", "check_experts_choice", "plan_conversion", "target_format"]
 
@@ -68,6 +69,8 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
     if fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF: kept as llama.cpp keeps them
         return ckpt, opts
     dtype = opts.dtype or DEFAULT_DEQUANTIZED
+    if dtype not in FLOATING:  # a GGML type (q8_0, Q4_K_M): quantized from the float32 product, as llama.cpp does
+        dtype = "float32"
     if opts.dtype is None:
         ckpt.notes.append(
             note(
