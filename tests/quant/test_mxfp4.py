@@ -166,6 +166,19 @@ def test_gguf_keeps_the_experts_mxfp4_in_ggml_block_order(tmp_path: Path) -> Non
     assert tensors["token_embd.weight"].tensor_type.name == "F32"
 
 
+def test_ggml_block_order_undone_gives_the_release_bytes() -> None:
+    """The repacking read back (:func:`release_blocks`) gives every blocks and scales byte."""
+    from ckptkit.formats.gguf.mxfp4 import ggml_blocks, release_blocks
+
+    t = stored()
+    for name in [k for k in t if k.endswith("_blocks")]:
+        scales = t[name.removesuffix("_blocks") + "_scales"]
+        packed = ggml_blocks(t[name], scales)
+        assert packed.shape == (*scales.shape[:-1], scales.shape[-1] * 17)
+        blocks, back = release_blocks(packed)
+        assert torch.equal(blocks, t[name]) and torch.equal(back, scales), name
+
+
 def test_gguf_with_a_llama_quantize_type_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=r"--dtype Q4_K_M: ckptkit does not re-quantize MXFP4 experts") as err:
         convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o", dtype="Q4_K_M"))
