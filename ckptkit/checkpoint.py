@@ -156,7 +156,7 @@ def open_checkpoint(
         if found is not None:
             raw.infos.clear()
             raw.infos.update(stored)
-            quant = bound(found, _rules(reader, family, cfg), tensors, raw, cfg.head_dim)
+            quant = bound(found, _rules(reader, family, cfg), tensors, raw, cfg)
             raw.notes.extend(quant.notes())
         origin = recorded_origin(reader, raw)
         # the format's notes, shared: it may add some when asked for its side folder later

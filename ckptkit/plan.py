@@ -19,6 +19,7 @@ from ckptkit.models import EXPERTS_LAYOUTS
 from ckptkit.models.moe import experts as experts_of
 from ckptkit.quant import DEFAULT_DEQUANTIZED, FP8_DTYPE, dequantized, keeps_in, quantized
 from ckptkit.quant.fp8 import BlockFP8
+from ckptkit.tensors.dtypes import FLOATING
 
 __all__ = ["FilePlan", "Options", "Plan", "check_experts_choice", "plan_conversion", "target_format"]
 
@@ -63,14 +64,13 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
         rules = fmt.planner(fmt).rules(ckpt) if fmt.info.holds_quantized else []
     except CkptkitError:
         rules = []  # the format does not hold this family: its own plan says so
-    if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim):
+    if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim, ckpt.tensors):
         return ckpt, opts
-    if opts.dtype is None and fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF
-        raise CkptkitError(
-            f"{ckpt.path}: MXFP4 experts are not written to GGUF as llama.cpp writes them (its MXFP4 type) yet; "
-            "pass --dtype bfloat16 to write them dequantized"
-        )
+    if fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF: kept as llama.cpp keeps them
+        return ckpt, opts
     dtype = opts.dtype or DEFAULT_DEQUANTIZED
+    if dtype not in FLOATING:  # a GGML type (q8_0, Q4_K_M): quantized from the float32 product, as llama.cpp does
+        dtype = "float32"
     if opts.dtype is None:
         ckpt.notes.append(
             note(

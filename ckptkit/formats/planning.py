@@ -127,10 +127,10 @@ def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -
     targets, notes = planner.targets(ckpt, _unused_pool(ckpt), with_optional=restore)
     companions: dict[str, tuple[str, ...]] = {}  # weight -> its scales, placed after it
     if ckpt.quant is not None:  # kept quantized: each weight's scale beside it
-        natives: dict[str, str] = {}
-        for native, canonical, _ in planner.rules(ckpt):
-            natives.setdefault(canonical[0], native)
-        targets, companions = with_scales(targets, ckpt.quant, natives)
+        natives: dict[str, tuple[str, Any]] = {}
+        for native, canonical, kind in planner.rules(ckpt):
+            natives.setdefault(canonical[0], (native, kind))
+        targets, companions = with_scales(targets, ckpt.quant, natives, ckpt.config)
     if opts.dtype is not None:
         kept = [k for k, v in targets.items() if v.dtype not in FLOATING]
         if kept:

@@ -161,10 +161,11 @@ def bound(
     rules: Iterable[tuple[str, tuple[str, ...], Transform]],
     tensors: dict[str, Lazy],
     reader: Any,
-    head_dim: int,
+    cfg: Any,
 ) -> Quantization:
     """``found``'s scales by canonical weight name, through the format's ``rules`` (native,
-    canonical, transform); ``reader`` has ``read(native)`` and ``spans(native)``."""
+    canonical, transform); ``reader`` has ``read(native)`` and ``spans(native)``; ``cfg``
+    (the model's config) is what a row permutation of a per-row scale is made with."""
     by_native = {native: (canonical[0], kind) for native, canonical, kind in rules if len(canonical) == 1}
     scales: dict[str, tuple[Lazy, ...]] = {}
     method = found.method
@@ -172,15 +173,44 @@ def bound(
         canonical, kind = by_native.get(native, (native, None))
         if canonical not in tensors:
             raise CkptkitError(f"{method.where}: {native} is quantized, but the model does not use it as a weight")
-        if kind is not None and not kind.is_identity() and not whole_heads(kind, method, head_dim):
-            raise CkptkitError(
-                f"{method.where}: {native} is stored with its rows moved across {method.name} blocks; "
-                "ckptkit reads such blocks only where they hold whole heads"
-            )
-        scales[canonical] = tuple(checked_scale(method, info, reader) for info in infos)
+        found_scales = tuple(checked_scale(method, info, reader) for info in infos)
+        if kind is not None and not kind.is_identity() and not whole_heads(kind, method, cfg.head_dim):
+            if not (kind.permutes_rows and all(per_row(i.shape, tensors[canonical].shape) for i in infos)):
+                raise CkptkitError(
+                    f"{method.where}: {native} is stored with its rows moved across {method.name} blocks; "
+                    "ckptkit reads such blocks only where they hold whole heads"
+                )
+            found_scales = tuple(rows_moved(s, kind, cfg, to_native=False) for s in found_scales)
+        scales[canonical] = found_scales
         if native in found.stored_shapes:  # the model's view checked the unpacked shape: the weight as stored
             tensors[canonical] = dataclasses.replace(tensors[canonical], shape=found.stored_shapes[native])
     return Quantization(method, scales, found.dropped)
+
+
+def per_row(scale: tuple[int, ...], weight: tuple[int, ...]) -> bool:
+    """Whether a scale of shape ``scale`` has a row of its own for each row of a matrix of
+    shape ``weight`` (per channel, or per group of columns): it moves with the weight's rows."""
+    return len(scale) == 2 and len(weight) == 2 and scale[0] == weight[0] > 1
+
+
+def rows_moved(scale: Lazy, kind: Transform, cfg: Any, to_native: bool) -> Lazy:
+    """A per-row ``scale`` with its rows permuted as ``kind`` permutes its weight's: towards
+    the format's native order (``to_native``) or back to the canonical one; spans too."""
+    shape = scale.shape
+
+    def get() -> torch.Tensor:
+        t = scale.get()
+        return kind.inverse([t], cfg) if to_native else kind.forward(t, cfg, [shape])[0]
+
+    def spans() -> list[Span] | None:
+        found = scale.spans()
+        if found is None:
+            return None
+        if to_native:
+            return kind.inverse_spans([found], [shape], cfg)
+        return kind.forward_spans(found, shape, cfg, [shape])[0]
+
+    return Lazy(shape, scale.dtype, get, scale.file, spans)
 
 
 def whole_heads(kind: Transform, method: QuantMethod, head_dim: int) -> bool:
@@ -255,29 +285,48 @@ def quantized(tensors: dict[str, Lazy], method: QuantMethod) -> tuple[dict[str, 
     return out, Quantization(method, scales)
 
 
-def keeps_in(quant: Quantization, rules: Iterable[tuple[str, tuple[str, ...], Transform]], head_dim: int) -> bool:
+def keeps_in(
+    quant: Quantization,
+    rules: Iterable[tuple[str, tuple[str, ...], Transform]],
+    head_dim: int,
+    weights: dict[str, Lazy],
+) -> bool:
     """Whether a layout of ``rules`` (native, canonical, transform) holds every quantized
-    weight with its scale unchanged."""
+    weight of ``weights`` (canonical) with its scale: unchanged, or (a per-row scale of a
+    weight whose rows the layout permutes) with its rows permuted the same way; and under
+    a name the method reads back as quantized (compressed-tensors' groups name HF modules)."""
     if not quant.method.keepable:
         return False
-    kinds = {canonical[0]: kind for _, canonical, kind in rules if len(canonical) == 1}
-    for name in quant.scales:
-        kind = kinds.get(name)
-        if kind is None or not (kind.is_identity() or whole_heads(kind, quant.method, head_dim)):
+    kinds = {canonical[0]: (native, kind) for native, canonical, kind in rules if len(canonical) == 1}
+    for name, found in quant.scales.items():
+        native, kind = kinds.get(name, ("", None))
+        if kind is None or not quant.method.reads_as_quantized(native):
+            return False
+        moved = kind.permutes_rows and all(per_row(s.shape, weights[name].shape) for s in found)
+        if not (kind.is_identity() or whole_heads(kind, quant.method, head_dim) or moved):
             return False
     return True
 
 
 def with_scales(
-    targets: dict[str, Lazy], quant: Quantization, natives: dict[str, str]
+    targets: dict[str, Lazy], quant: Quantization, natives: dict[str, tuple[str, Transform | None]], cfg: Any
 ) -> tuple[dict[str, Lazy], dict[str, tuple[str, ...]]]:
     """(``targets`` (native name -> tensor) with each quantized weight's scales after it,
-    native weight name -> its scales' names); ``natives``: canonical weight -> native name."""
-    after = {
-        natives[c]: dict(zip(quant.method.scale_names(natives[c]), s, strict=True))
-        for c, s in quant.scales.items()
-        if c in natives
-    }
+    native weight name -> its scales' names); ``natives``: canonical weight -> (native name,
+    the rule's transform): a per-row scale of a weight whose rows it permutes is permuted
+    the same way (with ``cfg``, the model's config)."""
+    after: dict[str, dict[str, Lazy]] = {}
+    for c, found in quant.scales.items():
+        if c not in natives:
+            continue
+        native, kind = natives[c]
+        if native in targets and kind is not None and not kind.is_identity() and kind.permutes_rows:
+            if not whole_heads(kind, quant.method, cfg.head_dim):
+                found = tuple(
+                    rows_moved(s, kind, cfg, to_native=True) if per_row(s.shape, targets[native].shape) else s
+                    for s in found
+                )
+        after[native] = dict(zip(quant.method.scale_names(native), found, strict=True))
     out: dict[str, Lazy] = {}
     for name, lazy in targets.items():
         out[name] = lazy

@@ -131,6 +131,10 @@ class CompressedTensors(GridScaled):
         module = name.rsplit(".", 1)[0]
         return any(_matches(module, t, classes=False) for t in self.ignore)
 
+    def reads_as_quantized(self, native: str) -> bool:
+        module = native.rsplit(".", 1)[0]
+        return any(scheme.matches(module) for scheme in self.schemes)
+
     def scheme_of(self, weight: Stored) -> Scheme:
         module = weight.name.rsplit(".", 1)[0]
         for scheme in self.schemes:

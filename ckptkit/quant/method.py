@@ -80,6 +80,11 @@ class QuantMethod:
         """Whether the config leaves weight ``name`` unquantized (``modules_to_not_convert``)."""
         raise NotImplementedError
 
+    def reads_as_quantized(self, native: str) -> bool:
+        """Whether a quantized weight stored under the name ``native`` is read back as one
+        (a method that finds each weight's scheme by module name needs the config to name it)."""
+        return True
+
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the scale of a weight of ``shape``."""
         raise NotImplementedError

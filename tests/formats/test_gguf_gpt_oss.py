@@ -1,7 +1,8 @@
 """gpt-oss to GGUF as llama.cpp's ``gpt-oss`` writes it: byte for byte its
 ``convert_hf_to_gguf.py`` output for every outtype, the stacked experts transposed with the
 interleaved gate and up rows split, their biases split the same way, the sinks as
-``attn_sinks.weight``; the o200k pre-tokenizer as llama.cpp names it (``gpt-4o``)."""
+``attn_sinks.weight``; the o200k pre-tokenizer as llama.cpp names it (``gpt-4o``). The
+release's MXFP4 experts as llama.cpp keeps them (GGML's MXFP4, repacked), for every outtype."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ckptkit.convert import ConvertOptions, convert
 from conftest import FIXTURES
 
 SRC = FIXTURES / "hf" / "gpt_oss"
+MXFP4_SRC = FIXTURES / "mxfp4" / "gpt_oss"  # OpenAI's release layout: MXFP4 experts (_blocks, _scales)
 PRE = "gpt-4o"  # llama.cpp's name for the o200k split of gpt-oss's tokenizer (the fixture's tiny one)
 
 
@@ -34,6 +36,17 @@ def test_hf_to_gguf_equals_llama_cpp(
     ours = tmp_path / "ours.gguf"
     convert(SRC, ours, ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None))
     assert_same_gguf(ours, reference(SRC, dtype))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(OUTTYPES))
+def test_mxfp4_release_to_gguf_equals_llama_cpp(
+    dtype: str | None, reference: Callable[[Path, str | None], Path], tmp_path: Path
+) -> None:
+    """Every outtype the converter takes keeps the MXFP4 experts (repacked, written first)."""
+    ours = tmp_path / "ours.gguf"
+    convert(MXFP4_SRC, ours, ConvertOptions("gguf", gguf_pre=PRE, dtype=dtype, allow_lossy_cast=dtype is not None))
+    assert_same_gguf(ours, reference(MXFP4_SRC, dtype))
 
 
 def test_experts_are_transposed_and_gate_up_split_by_parity(tmp_path: Path) -> None:

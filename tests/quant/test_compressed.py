@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,12 +147,39 @@ def test_kept_through_hf_bin_and_internal(tmp_path: Path) -> None:
     assert (path / "config.json").read_text() == (INT8 / "config.json").read_text()
 
 
-def test_per_channel_scales_across_a_row_permutation_are_dequantized(tmp_path: Path) -> None:
-    """DCP stores Q/K rows in Meta's order: per-channel scales would have to move with
-    them, which ckptkit does not do; it writes the reference dequantization, and says so."""
-    result = convert(INT8, tmp_path / "dcp", ConvertOptions("dcp"))
-    assert any("14 compressed-tensors weights dequantized to bfloat16 (--to dcp" in n for n in result.notes)
-    assert verify_paths(INT8, tmp_path / "dcp").verdict().startswith("DEQUANTIZED: 7 of 21 tensors")
+@pytest.mark.parametrize("dcp", ["dcp", "dcp-titan"])
+def test_per_channel_scales_move_with_the_rows_through_dcp(dcp: str, tmp_path: Path) -> None:
+    """DCP stores Q/K rows in Meta's order: a per-channel scale's rows move with its weight's
+    there (torch's own DCP reader gets them so) and back, so HF -> DCP -> HF is byte-identical."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    result = convert(INT8, tmp_path / "dcp", ConvertOptions(dcp))
+    assert not any("dequantized" in n for n in result.notes)
+    reader = torch_dcp.FileSystemReader(str(tmp_path / "dcp"))
+    meta = reader.read_metadata().state_dict_metadata
+    held = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.endswith("wq.weight_scale")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in a single process"
+        torch_dcp.load(held, storage_reader=reader)
+    stored = tensors(INT8)
+    heads = json.loads((INT8 / "config.json").read_text())["num_attention_heads"]
+    for layer in (0, 1):
+        scale = stored[f"model.layers.{layer}.self_attn.q_proj.weight_scale"]
+        meta_order = scale.reshape(heads, 2, -1, 1).transpose(1, 2).reshape(scale.shape)  # rotate-half -> pairs
+        (name,) = [k for k in held if k.startswith(f"layers.{layer}.")]
+        assert torch.equal(held[name], meta_order) and not torch.equal(meta_order, scale)
+    convert(tmp_path / "dcp", tmp_path / "hf", ConvertOptions("hf"))
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (INT8 / "model.safetensors").read_bytes()
+    assert verify_paths(INT8, tmp_path / "dcp").verdict().startswith("IDENTICAL")
+
+
+@pytest.mark.parametrize("to", ["dcp", "internal"])
+def test_groups_naming_hf_modules_are_dequantized_where_the_names_change(to: str, tmp_path: Path) -> None:
+    """The FP8 fixture's groups target HF module names (``re:.*self_attn...``), which DCP and
+    internal do not use: kept there, it would not read back; dequantized, with the note."""
+    result = convert(FP8, tmp_path / "out", ConvertOptions(to))
+    assert any(f"13 compressed-tensors weights dequantized to bfloat16 (--to {to}" in n for n in result.notes)
+    assert verify_paths(FP8, tmp_path / "out").verdict().startswith("DEQUANTIZED: 8 of 21 tensors")
 
 
 def test_fp8_kept_but_for_its_activation_scales(tmp_path: Path) -> None:

@@ -138,13 +138,49 @@ def test_broken_sources_are_one_line_and_write_nothing(case: str, tmp_path: Path
     assert not (tmp_path / "out").exists()
 
 
-def test_gguf_without_dtype_is_one_line_until_mxfp4_is_repacked(tmp_path: Path) -> None:
-    """llama.cpp keeps MXFP4 experts as its MXFP4 type: not written otherwise unless --dtype asks."""
-    with pytest.raises(CkptkitError, match=r"MXFP4 experts are not written to GGUF .* pass --dtype bfloat16"):
-        convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o"))
-    assert not (tmp_path / "m.gguf").exists()
-    convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o", dtype="bfloat16"))
+def test_gguf_keeps_the_experts_mxfp4_in_ggml_block_order(tmp_path: Path) -> None:
+    """The experts go to GGUF as GGML's MXFP4 (not re-quantized): the ``gguf`` package's own
+    MXFP4 dequantization of each gives the source's values (dequantized as transformers does),
+    gate and up the even and odd rows of ``gate_up_proj``; the rest as ``--dtype`` says."""
+    import gguf
+    import numpy as np
     from gguf import GGUFReader
 
-    tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
-    assert tensors["blk.0.ffn_down_exps.weight"].tensor_type.name == "BF16"
+    convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o", dtype="float32"))
+    reader = GGUFReader(tmp_path / "m.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    assert [t.name for t in reader.tensors[:3]] == [f"blk.0.ffn_{p}_exps.weight" for p in ("down", "gate", "up")]
+    t, m = stored(), method()
+    for layer in (0, 1):
+        down = f"model.layers.{layer}.mlp.experts.down_proj_blocks"
+        gate_up = f"model.layers.{layer}.mlp.experts.gate_up_proj_blocks"
+        want = {"down": m.dequantize(t[down], t[m.scale_name(down)], torch.float32)}
+        values = m.dequantize(t[gate_up], t[m.scale_name(gate_up)], torch.float32)
+        want |= {"gate": values[:, 0::2], "up": values[:, 1::2]}
+        for proj, values in want.items():
+            got = tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            assert got.tensor_type.name == "MXFP4"
+            theirs = gguf.quants.dequantize(got.data, gguf.GGMLQuantizationType.MXFP4)
+            assert np.array_equal(theirs, values.numpy()), (layer, proj)  # ggml reads code 8 (-0) as +0
+    assert tensors["token_embd.weight"].tensor_type.name == "F32"
+
+
+def test_ggml_block_order_undone_gives_the_release_bytes() -> None:
+    """The repacking read back (:func:`release_blocks`) gives every blocks and scales byte."""
+    from ckptkit.formats.gguf.mxfp4 import ggml_blocks, release_blocks
+
+    t = stored()
+    for name in [k for k in t if k.endswith("_blocks")]:
+        scales = t[name.removesuffix("_blocks") + "_scales"]
+        packed = ggml_blocks(t[name], scales)
+        assert packed.shape == (*scales.shape[:-1], scales.shape[-1] * 17)
+        blocks, back = release_blocks(packed)
+        assert torch.equal(blocks, t[name]) and torch.equal(back, scales), name
+
+
+def test_gguf_with_a_llama_quantize_type_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(CkptkitError, match=r"--dtype Q4_K_M: ckptkit does not re-quantize MXFP4 experts") as err:
+        convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre="gpt-4o", dtype="Q4_K_M"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "m.gguf").exists()

@@ -43,7 +43,8 @@ def quantized_chunks(
     ``checked_as`` (the tensor's name), a cast to F16 / BF16 that overflows a value is a
     one-line error naming it, and its underflows are counted for the conversion's note
     (:func:`~ckptkit.tensors.casting.checked_cast`). ``weights`` (imatrix, ``(experts, columns)``):
-    a type of :data:`~ckptkit.formats.gguf.weighted.WEIGHTED` quantized row by row with them."""
+    a type of :data:`~ckptkit.formats.gguf.weighted.WEIGHTED` quantized row by row with them.
+    A uint8 ``t`` is its type's GGML bytes already (MXFP4 kept as stored): written as it is."""
     import gguf
     import numpy as np
     import torch
@@ -58,6 +59,9 @@ def quantized_chunks(
     step = max(1, CHUNK_BYTES // max(1, t.shape[-1] * 4))
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step].contiguous()
+        if chunk.dtype == torch.uint8:  # already the type's GGML bytes (MXFP4 kept as stored)
+            yield chunk.numpy().tobytes()
+            continue
         if chunk.dtype == torch.bfloat16 and qtype == gguf.GGMLQuantizationType.BF16:
             yield bf16_bytes(chunk)
             continue

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
-from ckptkit.formats.gguf import hybrid
+from ckptkit.formats.gguf import hybrid, mxfp4
 from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view, refuse_dense_layers
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, ggml_type, model_facts, quantize_type, writable
@@ -260,6 +260,11 @@ def model_tensors(
 
     quantized = quantize_type(dtype)
     if quantized is not None:
+        if mxfp4.is_mxfp4(ckpt):
+            raise CkptkitError(
+                f"{ckpt.path}: --dtype {dtype}: ckptkit does not re-quantize MXFP4 experts as llama-quantize does; "
+                "write --to gguf without --dtype (experts kept MXFP4) and run llama-quantize on that"
+            )
         base, _ = model_tensors(ckpt, hparams, None)
         spec = spec_of(ckpt.family, ckpt.path)
         moe = experts(ckpt.config)
@@ -277,15 +282,19 @@ def model_tensors(
     if spec.drops_output:
         names = [n for n in names if n != "lm_head.weight"]
     order = _hf_order(ckpt, targets, names, fresh=regrouped)
-    ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
     layers = hparams["num_hidden_layers"]
     blocks = (
         hybrid.blocks(hparams) if spec.linear_attention else layers + int(hparams.get("num_nextn_predict_layers") or 0)
     )
     tmap = name_map(spec, blocks)
+    out: list[GGUFTensor] = []
+    if mxfp4.is_mxfp4(ckpt):  # kept as llama.cpp keeps them, written first
+        mx = gguf.GGMLQuantizationType.MXFP4
+        out += [GGUFTensor(n, shape, mx, make) for n, shape, make in mxfp4.expert_tensors(ckpt, order, targets, tmap)]
+        order = [n for n in order if not n.endswith(mxfp4.BLOCKS)]
+    ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
-    out: list[GGUFTensor] = []
     freqs = rope_freqs(hparams) if spec.rope_freqs else None
     if freqs is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
@@ -341,7 +350,7 @@ def model_tensors(
         out.append(GGUFTensor(new, lazy.shape, kind, made, None if plus_one else lazy, heads))
     if merger is not None:
         merger.check_done()
-    return out, ftype
+    return out, mxfp4.file_type(ftype) if mxfp4.is_mxfp4(ckpt) else ftype
 
 
 def _linear_attention(

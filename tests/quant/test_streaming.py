@@ -1,0 +1,106 @@
+"""Converting a quantized source is streamed: the process's peak memory grows by about one
+tensor and its scale (dequantized, in float32 while it is computed), never by the model.
+
+The source is a block-FP8 Llama (DeepSeek's ``weight_scale_inv``, 128 x 128 blocks) of
+8 layers whose MLP weights are the largest tensors, made in the test: random e4m3 codes
+(no NaN) and power-of-two scales. The peak is the kernel's (``VmHWM``), reset before the
+conversion through ``/proc/self/clear_refs``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckptkit.convert import ConvertOptions, convert
+
+from conftest import FIXTURES
+
+HIDDEN, INTER, LAYERS, BLOCK = 512, 2048, 8, 128
+CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
+LARGEST = HIDDEN * INTER  # elements of the largest weight
+MiB = 1 << 20
+
+
+def _fp8(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3's NaN codes
+    exponents = torch.randint(-8, 2, (-(-rows // BLOCK), -(-cols // BLOCK)), generator=gen).float()
+    return codes.view(torch.float8_e4m3fn), torch.exp2(exponents)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("fp8-stream")
+    gen = torch.Generator().manual_seed(0)
+    vocab = 384  # the tokenizer's
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(vocab, HIDDEN, generator=gen).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(vocab, HIDDEN, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+    }
+    shapes = {
+        "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (128, HIDDEN), "self_attn.v_proj": (128, HIDDEN),
+        "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN),
+        "mlp.down_proj": (HIDDEN, INTER),
+    }  # fmt: skip
+    for i in range(LAYERS):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        for name, shape in shapes.items():
+            w, s = _fp8(*shape, gen)
+            tensors[f"model.layers.{i}.{name}.weight"], tensors[f"model.layers.{i}.{name}.weight_scale_inv"] = w, s
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": CONFIG,
+    }  # fmt: skip
+    (src / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURES / "fp8" / "llama-overhang" / f, src / f)
+    return src
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(key)
+
+
+def peak_growth(run: object) -> int:
+    """How far the process's resident memory rose above where it stood while ``run()`` ran.
+    glibc first hands its free heap pages back (``malloc_trim``) and maps every allocation of
+    64 KiB or more on its own (``M_MMAP_THRESHOLD`` fixed), so that memory freed earlier, or
+    by one tensor for the next, is not resident already where the peak could not see it."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 10)
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status("VmRSS")
+    run()  # type: ignore[operator]
+    return _status("VmHWM") - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
+@pytest.mark.parametrize("to", ["hf", "gguf"])
+def test_dequantizing_holds_one_tensor_not_the_model(to: str, source: Path, tmp_path: Path) -> None:
+    out = tmp_path / ("out.gguf" if to == "gguf" else "out")
+    opts = ConvertOptions(to, dtype="bfloat16", gguf_pre="llama-bpe" if to == "gguf" else None)
+    warm = FIXTURES / "fp8" / "llama-overhang"  # the same code on a tiny source: imports, pools, caches
+    convert(warm, tmp_path / "warm" if to == "hf" else tmp_path / "warm.gguf", opts)
+    grown = peak_growth(lambda: convert(source, out, opts))
+    written = sum(p.stat().st_size for p in ([out] if to == "gguf" else out.glob("*.safetensors")))
+    assert written > 50 * MiB  # the model, dequantized to bf16
+    print(f"--to {to}: peak grew {grown / MiB:.1f} MiB writing {written / MiB:.0f} MiB; largest tensor "
+          f"{LARGEST * 4 / MiB:.0f} MiB in float32")  # fmt: skip
+    assert grown < 4 * LARGEST * 4  # a few copies of one tensor in float32 (16 MiB), not the model
