@@ -132,6 +132,10 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
             fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({e.why})"
             return {}, [note(fact, NO_TOKENIZER)]
         files["tokenizer.model"] = spm.write_spm_model(model)
+    elif (pre := meta_str(h, "tokenizer.ggml.pre", "default")) not in PRE_TOKENIZER_RULES:
+        known = ", ".join(PRE_TOKENIZER_RULES)
+        fact = f"byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known}): the output has none"
+        return {}, [note(fact, NO_TOKENIZER)]
     else:
         bos_id = ids["bos"]
         tok = _bpe_tokenizer(h, bool(add_bos), tokens[bos_id] if bos_id is not None else None, bos_id)
