@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.gguf.experts import per_expert
-from ckptkit.formats.gguf.made import Made, Reader
+from ckptkit.formats.gguf.made import Made, Reader, expert
 from ckptkit.formats.gguf.tensors import gguf_name, name_map
 from ckptkit.formats.tensor_info import TensorInfo
-from ckptkit.io import Span, take
+from ckptkit.io import Span
 from ckptkit.models import canonical_shapes
+from ckptkit.models.moe import experts
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +69,8 @@ def needs_view(spec: GGUFSpec) -> bool:
 
 def hf_layout(family: Family, cfg: ModelConfig, spec: GGUFSpec) -> Layout:
     """The family's HF layout the view holds: one tensor per expert where llama.cpp merges them."""
-    return family.hf_layout(per_expert(cfg) if spec.experts is not None else cfg)
+    merged = spec.experts is not None or spec.linear_attention is not None
+    return family.hf_layout(per_expert(cfg) if merged and experts(cfg) is not None else cfg)
 
 
 def hf_view(raw: RawCheckpoint, family: Family, cfg: ModelConfig, spec: GGUFSpec) -> RawCheckpoint:
@@ -131,21 +133,6 @@ def _made(reader: Reader, tmap: Any, name: str, shape: tuple[int, ...], spec: GG
     if new is None or not reader.has(new):
         return None
     return reader.renamed(new)
-
-
-def expert(reader: Reader, merged: str, e: int) -> Made:
-    """Expert ``e`` of the merged tensor ``merged`` [E, rows, cols]: its slice, bytes where they lie."""
-    info = reader.info(merged)
-    shape = info.shape[1:]
-
-    def spans() -> list[Span] | None:
-        whole = reader.raw.spans(merged)
-        if whole is None:
-            return None
-        size = sum(s.nbytes for s in whole) // info.shape[0]
-        return take(whole, e * size, size)
-
-    return Made(shape, info.dtype, lambda: reader.read(merged)[e].clone(), spans)
 
 
 def _kv_b(reader: Reader, tmap: Any, name: str, shape: tuple[int, ...]) -> Made:

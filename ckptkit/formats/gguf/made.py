@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
+from ckptkit.io import take
 
 if TYPE_CHECKING:
     import torch
@@ -53,3 +54,18 @@ class Reader:
     def renamed(self, name: str) -> Made:
         info = self.info(name)
         return Made(info.shape, info.dtype, lambda: self.raw.read(name), lambda: self.raw.spans(name))
+
+
+def expert(reader: Reader, merged: str, e: int) -> Made:
+    """Expert ``e`` of the merged tensor ``merged`` [E, rows, cols]: its slice, bytes where they lie."""
+    info = reader.info(merged)
+    shape = info.shape[1:]
+
+    def spans() -> list[Span] | None:
+        whole = reader.raw.spans(merged)
+        if whole is None:
+            return None
+        size = sum(s.nbytes for s in whole) // info.shape[0]
+        return take(whole, e * size, size)
+
+    return Made(shape, info.dtype, lambda: reader.read(merged)[e].clone(), spans)
