@@ -71,6 +71,20 @@ def test_internal_copy_gives_the_gguf_of_the_hf_folder_it_came_from(tmp_path: Pa
     assert_same_gguf(tmp_path / "b.gguf", tmp_path / "a.gguf")  # general.name aside: the folder's
 
 
+def test_gguf_reads_back_kv_b_joined_and_the_mtp_layer_gone(tmp_path: Path) -> None:
+    """ckptkit's GGUF (llama.cpp's, byte for byte: the slow tests) converts back to every
+    tensor of the fixture but the MTP layer's, bit for bit."""
+    from ckptkit.checkpoint import open_checkpoint
+
+    src = FIXTURES / "hf" / "deepseek_v3"
+    convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+    with open_checkpoint(src) as a, open_checkpoint(tmp_path / "back") as b:
+        assert sorted(b.tensors) == sorted(k for k in a.tensors if not k.startswith("mtp."))
+        differ = [k for k in b.tensors if not torch.equal(a.tensors[k].get(), b.tensors[k].get())]
+        assert differ == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name", NAMES)

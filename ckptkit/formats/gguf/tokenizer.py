@@ -5,7 +5,7 @@ A sentencepiece vocabulary (``tokenizer.ggml.model = llama``) becomes a ``tokeni
 prefix as ``add_space_prefix`` says) and the ``tokenizer.json`` ckptkit's converters make
 from it; a byte-level BPE one (``gpt2``) becomes a ``tokenizer.json`` with the stored
 vocabulary and merges, split by the pre-tokenizer ``tokenizer.ggml.pre`` names (only the
-ones whose regex is known here: Llama 3's and Qwen2's). ``tokenizer_config.json``,
+ones whose regex is known here: Llama 3's and Qwen2's; for another, none, with a note). ``tokenizer_config.json``,
 ``special_tokens_map.json`` and ``generation_config.json`` carry the special tokens,
 ``add_bos``/``add_eos``, the chat template and llama.cpp's sampling keys.
 """
