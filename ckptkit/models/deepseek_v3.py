@@ -29,7 +29,7 @@ from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
 from ckptkit.tensors.transforms import STACKED
 
 MTP_PREFIX = "mtp."
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\..+")
+_HF_LAYER = re.compile(r"(?:model\.layers|blk)\.(\d+)\..+")  # blk: GGUF, NextN layers as blocks
 
 
 @dataclass
@@ -225,7 +225,6 @@ DEEPSEEK2_GGUF = GGUFSpec(
     "bpe",
     experts=GGUFExperts(("w2", "w1", "w3")),
     latent_attention=True,
-    reads_back=False,
 )
 
 
@@ -299,12 +298,12 @@ class DeepseekV3(Family):
 
     def refine_config(self, cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
         names = list(names)
-        mtp = re.compile(rf"(model\.layers\.{cfg.num_layers}|{re.escape(MTP_PREFIX)}0)\..+")
+        mtp = re.compile(rf"(model\.layers\.{cfg.num_layers}|blk\.{cfg.num_layers}|{re.escape(MTP_PREFIX)}0)\..+")
         cfg = cfg.replace_fields(mtp_stored=any(mtp.fullmatch(n) for n in names))
         return experts_layout_of(cfg, self.layer_names(cfg, names))
 
     def layer_names(self, cfg: ModelConfig, names: Iterable[str]) -> list[str]:
-        """All but the MTP layers' (HF ``model.layers.{N + j}``)."""
+        """All but the MTP layers' (HF ``model.layers.{N + j}``, GGUF ``blk.{N + j}``)."""
         return [n for n in names if not ((m := _HF_LAYER.fullmatch(n)) and int(m.group(1)) >= cfg.num_layers)]
 
     def config_from_hf(self, cfg: dict[str, Any]) -> ModelConfig:

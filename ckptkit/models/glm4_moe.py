@@ -80,7 +80,6 @@ GLM4MOE_GGUF = GGUFSpec(
     ),
     "glm",
     experts=GGUFExperts(("w2", "w1", "w3")),
-    reads_back=False,
 )
 
 

@@ -98,7 +98,7 @@ GPT_OSS_GGUF = GGUFSpec(
     ("GptOssForCausalLM",),
     (*MOE_TEXT_MODEL_PARAMETERS, "sliding_window", "expert_feed_forward_length_mla"),
     "bpe",
-    reads_back=False,
+    sliding_pattern=2,
     interleaved_experts=True,
 )
 

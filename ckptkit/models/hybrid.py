@@ -29,6 +29,7 @@ from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
 LINEAR, FULL = "linear_attention", "full_attention"
 MTP = "mtp."
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\..+")
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")  # a GGUF's: the MTP layers are the blocks past the text layers
 VISION = "visual."  # the vision tower of the multimodal releases (HF: under ``model.``), carried as it is
 
 
@@ -96,7 +97,7 @@ def hybrid_gguf(arch: str, architectures: tuple[str, ...], linear_attention: str
     )  # fmt: skip
     if linear_attention == "tiled":
         keys += ("rope_sections_default",)
-    return GGUFSpec(arch, architectures, keys, "bpe_or_spm", linear_attention=linear_attention, reads_back=False)
+    return GGUFSpec(arch, architectures, keys, "bpe_or_spm", linear_attention=linear_attention)
 
 
 class Part(NamedTuple):
@@ -272,8 +273,14 @@ class Hybrid:
         raise NotImplementedError
 
     def layer_names(self, cfg: ModelConfig, names: Iterable[str]) -> list[str]:
-        """The text layers' names: not the MTP layers' nor the vision tower's (``blocks.N``)."""
-        return [n for n in names if not n.startswith((MTP, VISION, "model." + VISION))]
+        """The text layers' names: not the MTP layers' (GGUF: blocks past the layers) nor the
+        vision tower's (``blocks.N``)."""
+        return [
+            n
+            for n in names
+            if not n.startswith((MTP, VISION, "model." + VISION))
+            and not ((m := _GGUF_BLOCK.match(n)) and int(m.group(1)) >= cfg.num_layers)
+        ]
 
     def refine_config(self, cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
         """The MTP layers and the vision tower the checkpoint holds (``names``: its tensor
@@ -281,6 +288,8 @@ class Hybrid:
         infos = names if isinstance(names, Mapping) else {}
         names = list(names)
         stored = {int(m.group(1)) for n in names if (m := _MTP_LAYER.fullmatch(n))}
+        stored |= {int(m.group(1)) - cfg.num_layers for n in names if (m := _GGUF_BLOCK.match(n))}
+        stored = {j for j in stored if j >= 0}
         vision = {}
         for n in names:
             canonical = n.removeprefix("model.")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gguf_family_helpers import llama_cpp_references
+from gguf_family_helpers import assert_reads_back, llama_cpp_references
 from test_gguf import OUTTYPES, assert_same_gguf
 
 from ckptkit.convert import ConvertOptions, convert
@@ -74,7 +74,22 @@ def test_a_tokenizer_without_glm_s_special_tokens_is_refused_in_one_line(tmp_pat
         convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
 
 
-def test_a_glm4moe_gguf_is_not_read_back_yet(tmp_path: Path) -> None:
+def test_gguf_reads_back_bitwise_without_the_tokenizer_it_cannot_rebuild(tmp_path: Path) -> None:
+    from ckptkit.verify import verify_paths
+
     convert(SRC, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
-    with pytest.raises(CkptkitError, match="glm4moe"):
-        convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+    result = convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+    assert verify_paths(SRC, tmp_path / "back").identical == verify_paths(SRC, SRC).identical
+    assert [n for n in result.notes if "pre-tokenizer" in n] == [
+        "byte-level BPE pre-tokenizer 'glm4' is not one ckptkit rebuilds (llama-bpe, qwen2): the output has none; "
+        "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_llama_cpp_gguf_reads_back_bitwise(
+    dtype: str, reference: Callable[[Path, str | None], Path], tmp_path: Path
+) -> None:
+    """Experts split, the NextN layer's blocks back under their HF names, the layer count without them."""
+    assert_reads_back(reference(SRC, dtype), SRC, tmp_path / "hf")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gguf_family_helpers import llama_cpp_references
+from gguf_family_helpers import assert_reads_back, llama_cpp_references
 from test_gguf import OUTTYPES, assert_same_gguf
 
 from ckptkit.convert import ConvertOptions, convert
@@ -74,3 +74,13 @@ def test_experts_are_transposed_and_gate_up_split_by_parity(tmp_path: Path) -> N
     sinks = stored["model.layers.1.self_attn.sinks"].float().numpy().tobytes()
     assert tensors["blk.1.attn_sinks.weight"].data.tobytes() == sinks
     assert GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.pre"].contents() == PRE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_llama_cpp_gguf_reads_back_bitwise(
+    dtype: str, reference: Callable[[Path, str | None], Path], tmp_path: Path
+) -> None:
+    """Experts transposed back with gate and up rows interleaved again, the sinks renamed back;
+    yarn untruncated, as the release states."""
+    assert_reads_back(reference(SRC, dtype), SRC, tmp_path / "hf")

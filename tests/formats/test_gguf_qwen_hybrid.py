@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_family_helpers import llama_cpp_references
+from gguf_family_helpers import assert_reads_back, llama_cpp_references
 from test_gguf import OUTTYPES, assert_same_gguf
 
 from ckptkit.convert import ConvertOptions, convert
@@ -91,6 +91,26 @@ def test_hf_to_gguf_equals_llama_cpp(
     assert_same_gguf(ours, reference(sources(name), dtype))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", [n for n in NAMES if not n.endswith("-vl")])
+def test_llama_cpp_gguf_reads_back_bitwise(
+    name: str,
+    dtype: str,
+    sources: Callable[[str], Path],
+    reference: Callable[[Path, str | None], Path],
+    tmp_path: Path,
+) -> None:
+    """-exp(A_log) and the 1 + w norms undone exactly (in bfloat16, the narrowest dtype that
+    gives the stored values), value heads back in grouped order, in_proj_qkvz fused again,
+    the MTP blocks back as mtp.*, experts split. Qwen3-Next from an f32 GGUF: the state dicts
+    transformers loads are equal, its logits differ by 2.9e-6 (measured; cause not found)."""
+    src = sources(name)
+    measured = 2.9e-6 if (name, dtype) == ("qwen3_next", "float32") else 0.0
+    ignored = frozenset({"mtp_num_hidden_layers"})  # the GGUF counts the MTP layer the source's config omits
+    assert_reads_back(reference(src, dtype), src, tmp_path / "hf", ignored=ignored, logits_diff=measured)
+
+
 def _source(name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -128,3 +148,14 @@ def test_a_dense_layer_of_qwen3_next_is_refused_as_llama_cpp_has_none(tmp_path: 
     ):
         convert(FIXTURES / "hf" / "qwen3_next", tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_gguf_reads_back_bitwise(tmp_path: Path) -> None:
+    """ckptkit's GGUF (llama.cpp's, byte for byte: the slow tests) of Qwen3.5 converts back to
+    the fixture's tensors and config."""
+    from ckptkit.verify import verify_paths
+
+    src = FIXTURES / "hf" / "qwen3_5"
+    convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+    assert verify_paths(src, tmp_path / "back").identical == verify_paths(src, src).identical

@@ -243,8 +243,13 @@ class GGUFFormat(CheckpointFormat):
         """The HF layout's canonical tensors; Gemma's ``1 + w`` norms undone exactly (or refused
         when read), in the file type's dtype where ``w`` is exact there (as other widened
         tensors, :mod:`.widened`); ``rope_freqs.weight`` is the config's rope scaling, not carried."""
+        from ckptkit.formats.canonical import canonical_view
+        from ckptkit.formats.gguf.hf_view import hf_layout, hf_view, needs_view
         from ckptkit.tensors.lazy import Lazy
 
+        spec = model.spec_for(family, family.name)
+        if needs_view(spec):  # llama.cpp's splits, merges and arithmetic undone (hf_view)
+            return canonical_view(hf_view(raw, family, cfg, spec), hf_layout(family, cfg, spec), cfg)
         tensors, unused = super().canonical_view(raw, family, cfg)
         unused.pop(model.ROPE_FREQS, None)
         where = raw.root / raw.config_name

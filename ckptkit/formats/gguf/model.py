@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel
+from ckptkit.formats.gguf.arch_params import arch_fields
 from ckptkit.formats.gguf.experts import merged_rules, per_expert
 from ckptkit.formats.gguf.params import hparams_from_metadata
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
@@ -65,12 +66,13 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     ``read_rope_freqs()`` returns the stored ``rope_freqs.weight``."""
     arch = architecture(h)
     moe = f"{arch}.expert_count" in h.metadata  # llama.cpp's llama class writes Mixtral too
-    families = [f for f in candidates(arch) if (_spec(f).experts is not None) == moe]
+    families = [f for f in candidates(arch) if _has_experts(_spec(f)) == moe]
     if not families:
         return {}
     family = _hf_model_type(h, families)
     spec = _spec(family)
     out = hparams_from_metadata(h.metadata, arch)
+    arch_fields(h.metadata, arch, out, {t.name for t in h.tensors})
     for field, value in spec.implied:
         out.setdefault(field, value)
     shapes = {t.name: t.shape for t in h.tensors}
@@ -87,6 +89,12 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
         out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
     check_config_fields("config.json", out, f"{h.path} (metadata as config.json)")
     return out
+
+
+def _has_experts(spec: GGUFSpec) -> bool:
+    """Whether llama.cpp writes ``expert_count`` for the spec's models (every model of its class)."""
+    counted = any(p.rstrip("?") == "expert_count" for p in spec.parameters)
+    return spec.experts is not None or spec.interleaved_experts or counted
 
 
 def assumed_fields(spec: GGUFSpec, hparams: dict[str, Any]) -> dict[str, Any]:

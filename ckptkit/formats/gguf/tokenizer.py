@@ -5,7 +5,7 @@ A sentencepiece vocabulary (``tokenizer.ggml.model = llama``) becomes a ``tokeni
 prefix as ``add_space_prefix`` says) and the ``tokenizer.json`` ckptkit's converters make
 from it; a byte-level BPE one (``gpt2``) becomes a ``tokenizer.json`` with the stored
 vocabulary and merges, split by the pre-tokenizer ``tokenizer.ggml.pre`` names (only the
-ones whose regex is known here: Llama 3's and Qwen2's). ``tokenizer_config.json``,
+ones whose regex is known here: Llama 3's and Qwen2's; for another, none, with a note). ``tokenizer_config.json``,
 ``special_tokens_map.json`` and ``generation_config.json`` carry the special tokens,
 ``add_bos``/``add_eos``, the chat template and llama.cpp's sampling keys.
 """
@@ -132,6 +132,10 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
             fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({e.why})"
             return {}, [note(fact, NO_TOKENIZER)]
         files["tokenizer.model"] = spm.write_spm_model(model)
+    elif (pre := meta_str(h, "tokenizer.ggml.pre", "default")) not in PRE_TOKENIZER_RULES:
+        known = ", ".join(PRE_TOKENIZER_RULES)
+        fact = f"byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known}): the output has none"
+        return {}, [note(fact, NO_TOKENIZER)]
     else:
         bos_id = ids["bos"]
         tok = _bpe_tokenizer(h, bool(add_bos), tokens[bos_id] if bos_id is not None else None, bos_id)
