@@ -34,6 +34,7 @@ from ckptkit.io.publish import (
     stopped_by,
     stopping_on_signals,
     sweep,
+    tmp_beside,
 )
 from ckptkit.io.records import SpanReader, Verifier, read_spans
 from ckptkit.io.source import (
@@ -68,6 +69,7 @@ __all__ = [
     "AUTO", "COPY_METHODS", "OutputFile", "Overlap", "DEPTH", "direct_pays", "ALIGN",
     # putting the output in place
     "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
+    "tmp_beside",
     # stopping: SIGTERM and SIGHUP as Ctrl-C
     "Stopped", "stopping_on_signals", "stopped_by", "signal_of",
 ]  # fmt: skip

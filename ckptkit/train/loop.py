@@ -30,12 +30,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
-from ckptkit.io import signal_of, stopped_by, stopping_on_signals
+from ckptkit.io import signal_of, stopped_by, stopping_on_signals, tmp_beside
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
 from ckptkit.train.config import config_path, load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
 from ckptkit.train.distributed import PeerFailed
 from ckptkit.train.metrics import MetricLogger, Progress
+from ckptkit.train.offload import ActivationOffload
 from ckptkit.train.placement import FSDP2, Placement, Save, SingleDevice, open_source
 from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import (
@@ -75,6 +76,9 @@ class Recipe:
         self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint)
         self.metrics: MetricLogger | None = None
         self.finished = False  # every epoch ran (set by the training loop)
+        self.offload: ActivationOffload | None = None
+        if cfg.enable_activation_offloading:  # on CPU to files in output_dir (a killed run's: swept at start)
+            self.offload = ActivationOffload(self.device, tmp_beside(self.checkpointer.output_dir / "activations"))
         torch.manual_seed(self.seed)
         random.seed(self.seed)
 
@@ -100,6 +104,8 @@ class Recipe:
             if cfg.enable_activation_checkpointing:
                 for layer in self.model.layers:
                     layer.forward = lambda *a, f=layer.forward: checkpoint(f, *a, use_reentrant=False)
+            if self.offload is not None:
+                self.offload.wrap(self.model)
             placement.place(self.model, self.trainable.source(self.model, lambda k: source.tensors[k].get()))
             self.trainable.placed(self.model)
         self.model.train()
@@ -294,6 +300,8 @@ class Recipe:
                     self.progress.note(f"deleted {gone} (checkpointer.keep_last_n_checkpoints)")
 
     def cleanup(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
         if self.metrics is not None:
             self.metrics.close()
             if hasattr(self, "progress"):  # what was reached, the checkpoints, how to resume a stopped run

@@ -151,6 +151,7 @@ class RecipeConfig(Section):
     lr_scheduler: SchedulerConfig = SchedulerConfig()
     clip_grad_norm: PositiveFloat | None = None
     enable_activation_checkpointing: Bool = False
+    enable_activation_offloading: Bool = False  # saved activations to pinned CPU memory (CUDA) or disk (CPU)
     compile: Bool = False
     # mixture-of-experts models: weight of the router's load-balancing loss (null: config.json's)
     router_aux_loss_coef: NonNegativeFloat | None = None
