@@ -24,6 +24,7 @@ names (torchtitan has no Gemma model) with the HF config.json.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -41,6 +42,7 @@ from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
 SLIDING, FULL = "sliding_attention", "full_attention"
 # the multimodal release's towers and embedders (HF: under ``model.``): carried, unused by the text model
 TOWERS = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
+_KEYS = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attn)\.k_proj\.weight")
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Gemma4Fields(SlidingWindow, SoftCapping, LocalRope):
             ``text_config`` (None: a causal LM).
         towers: the towers' tensors (canonical name, without ``model.`` -> shape), from the
             checkpoint's names; not part of the saved config.
+        shared_kv_stored: the checkpoint holds k/v projections and key norms for the
+            KV-shared layers too (Google's releases; transformers ignores them), from its names.
     """
 
     decoder = Decoder(embed_scale=True, post_norms=True, qk_norm="head")
@@ -87,10 +91,11 @@ class Gemma4Fields(SlidingWindow, SoftCapping, LocalRope):
     initializer_range: float = 0.02
     wrapper: dict[str, Any] | None = None
     towers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shared_kv_stored: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        del out["towers"]
+        del out["towers"], out["shared_kv_stored"]
         return out
 
 
@@ -134,7 +139,7 @@ def layer_parts(cfg: ModelConfig, i: int) -> list[Part]:
 
     proj("q_proj", "q_proj", q, h)
     parts.append(Part(a + "q_norm.weight", "attn.q_norm.scale", None, (d,)))
-    if not shares_kv(cfg, i):
+    if not shares_kv(cfg, i) or f.shared_kv_stored:
         parts.append(Part(a + "k_norm.weight", "attn.k_norm.scale", None, (d,)))
         proj("k_proj", "k_proj", kv * d, h)
         if not (f.attention_k_eq_v and layer_type(cfg, i) == FULL):
@@ -227,13 +232,16 @@ class Gemma4(Family):
         return [n for n in names if not n.removeprefix("model.").startswith(TOWERS)]
 
     def refine_config(self, cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
-        """The towers the checkpoint holds (``names``: its tensor infos, whose shapes give theirs)."""
+        """The towers the checkpoint holds (``names``: its tensor infos, whose shapes give
+        theirs), and whether it holds the KV-shared layers' k/v projections."""
         infos = names if isinstance(names, Mapping) else {}
-        towers = {}
+        towers, stored = {}, False
         for n in names:
             if (canonical := n.removeprefix("model.")).startswith(TOWERS):
                 towers[canonical] = tuple(infos[n].shape) if n in infos else ()
-        return cfg.replace_fields(towers=towers)
+            elif (m := _KEYS.search(n)) and shares_kv(cfg, int(m.group(1))):
+                stored = True
+        return cfg.replace_fields(towers=towers, shared_kv_stored=stored)
 
     def sliding_windows(self, cfg: ModelConfig) -> list[int | None]:
         window = cfg.fields(Gemma4Fields).sliding_window

@@ -106,3 +106,34 @@ def test_a_layer_type_neither_sliding_nor_full_is_one_line(tmp_path: Path) -> No
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(CkptkitError, match="layer_types must list sliding_attention or full_attention"):
         open_checkpoint(src)
+
+
+def test_the_kv_shared_layers_keys_and_values_of_google_s_releases_are_carried(tmp_path: Path) -> None:
+    """Google's small releases store k/v projections and key norms for the KV-shared layers,
+    which transformers ignores on load: read, carried bitwise through every format, unused."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in (FIXTURES / "hf" / "gemma4-text").iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    gen = torch.Generator().manual_seed(4)
+    extra = {}
+    for i, d in ((2, 12), (3, 16)):  # layer 2 sliding (head_dim 12), layer 3 full (16); one KV head
+        a = f"model.layers.{i}.self_attn."
+        extra |= {a + "k_proj.weight": (d, 40), a + "v_proj.weight": (d, 40), a + "k_norm.weight": (d,)}
+    added = {k: torch.randn(shape, generator=gen).to(torch.bfloat16) for k, shape in extra.items()}
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    save_file({**load_file(src / last), **added}, src / last, metadata={"format": "pt"})
+    index["weight_map"] |= dict.fromkeys(added, last)
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    with open_checkpoint(src) as ckpt:
+        assert ckpt.config.extra.shared_kv_stored and ckpt.tensors["layers.3.attn.v_proj.weight"].shape == (16, 40)
+    assert set(added) <= {t["name"] for t in inspect_path(src)["tensors"]}
+    out = convert_chain(src, tmp_path, "internal", "dcp", "hf")
+    assert read_tensors(out).keys() == read_tensors(src).keys()
+    assert all(torch.equal(read_tensors(out)[k], v) for k, v in added.items())
+    original = causal_lm_logits(FIXTURES / "hf" / "gemma4-text", IDS)
+    assert (causal_lm_logits(out, IDS) - original).abs().max().item() == 0.0
