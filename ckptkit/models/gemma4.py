@@ -35,6 +35,7 @@ from ckptkit.models.deepseek_v3 import Part
 from ckptkit.models.family import Family
 from ckptkit.models.features import LocalRope, SlidingWindow, SoftCapping
 from ckptkit.models.fields import boolean, non_negative_int
+from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.hybrid import text_config
 from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
@@ -190,12 +191,39 @@ def head_parts(cfg: ModelConfig) -> list[Part]:
     return parts
 
 
+# llama.cpp's Gemma4Model: Gemma3Model's keys (TextModel's, rewritten in place), then its own
+_GEMMA4 = (
+    "block_count", "context_length?", "embedding_length", "feed_forward_length_per_layer", "head_count",
+    "head_count_kv_per_layer", "rope_scaling", "rope_freq_base?", "rope_freq_base_swa?", "layer_norm_rms_eps?",
+    "expert_count_given?", "expert_used_count_given?", "head_dim_full", "file_type", "final_logit_softcapping?",
+    "sliding_window", "shared_kv_layers", "embedding_length_per_layer_input", "sliding_window_pattern",
+    "head_dim_swa", "expert_feed_forward_length_given?", "rope_dimension_count_per_kind",
+)  # fmt: skip
+GEMMA4_GGUF = GGUFSpec(
+    "gemma4",
+    ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    _GEMMA4,
+    "gemma4",
+    embeddings_to_vocab=True,
+    renames=(
+        ("layer_scalar", "layer_output_scale.weight"),
+        ("router.scale", "ffn_gate_inp.scale"),
+        ("router.per_expert_scale", "ffn_down_exps.scale"),
+        ("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+        ("experts.down_proj", "ffn_down_exps.weight"),
+    ),
+    skipped=TOWERS,
+    proportional_rope=True,
+    reads_back=False,
+)
+
+
 class Gemma4(Family):
     name = "gemma4"
     hf_model_types = ("gemma4_text", "gemma4")
     hf_architecture = "Gemma4ForCausalLM"
     fields: ClassVar[type[Gemma4Fields]] = Gemma4Fields
-    gguf_not_yet = "gemma4"  # llama.cpp's Gemma4Model (its gemma4 vocabulary, rope_freqs, per-layer arrays)
+    gguf = GEMMA4_GGUF
 
     def canonical_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes = {p.canonical: p.shape for p in head_parts(cfg)}

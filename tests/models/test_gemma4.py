@@ -88,14 +88,6 @@ def test_hf_written_from_dcp_gives_transformers_the_source_s_logits(name: str, t
     assert want_logits.abs().max() > 0 and (got_logits - want_logits).abs().max().item() == 0.0
 
 
-def test_gguf_is_refused_in_one_line(tmp_path: Path) -> None:
-    from ckptkit.convert import ConvertOptions
-    from ckptkit.convert import convert as convert_api
-
-    with pytest.raises(CkptkitError, match="does not write gemma4 as GGUF yet .llama.cpp's gemma4."):
-        convert_api(FIXTURES / "hf" / "gemma4-text", tmp_path / "m.gguf", ConvertOptions("gguf"))
-
-
 def test_a_layer_type_neither_sliding_nor_full_is_one_line(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
