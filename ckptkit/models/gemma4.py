@@ -214,7 +214,6 @@ GEMMA4_GGUF = GGUFSpec(
     ),
     skipped=TOWERS,
     proportional_rope=True,
-    reads_back=False,
 )
 
 

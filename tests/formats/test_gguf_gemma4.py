@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gguf_family_helpers import llama_cpp_references
@@ -91,3 +92,48 @@ def test_a_full_rope_llama_cpp_does_not_write_is_one_line(tmp_path: Path) -> Non
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(CkptkitError, match="llama.cpp writes only 'proportional' rope .* not 'default'$"):
         convert(src, tmp_path / "m.gguf", ConvertOptions("gguf"))
+
+
+def _text_tensors(folder: Path) -> dict[str, Any]:
+    """The text model's tensors of an HF folder, under the causal LM's names."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        out |= load_file(p)
+    towers = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+    return {k.replace("language_model.", ""): v for k, v in out.items() if not k.startswith(towers)}
+
+
+def assert_reads_back(src: Path, gguf_file: Path, out: Path) -> None:
+    """``gguf_file`` read back as HF: the source text model's tensors, their values bit for bit
+    (float32 widened from the source's bfloat16 where the GGUF is f32), a config.json that
+    transformers loads, and for the causal LM the source's float32 logits exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    convert(gguf_file, out, ConvertOptions("hf"))
+    want, got = _text_tensors(src), _text_tensors(out)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name].to(value.dtype), value) and torch.equal(got[name].float(), value.float()), name
+    ids = torch.tensor([[1, 5, 9, 22, 7, 3, 100, 41]])
+    logits = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+    if src == TEXT:
+        source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        assert source.abs().max() > 0 and (logits - source).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("src", [TEXT, RELEASE], ids=["text", "release"])
+def test_gguf_reads_back_to_the_source(src: Path, tmp_path: Path) -> None:
+    convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", dtype="bfloat16"))
+    assert_reads_back(src, tmp_path / "m.gguf", tmp_path / "hf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src", [TEXT, RELEASE], ids=["text", "release"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_cpp_gguf_reads_back_to_the_source(
+    src: Path, dtype: str, reference: Callable[[Path, str | None], Path], tmp_path: Path
+) -> None:
+    assert_reads_back(src, reference(src, dtype), tmp_path / "hf")

@@ -136,3 +136,94 @@ def proportional_rope_freqs(h: dict[str, Any]) -> torch.Tensor:
     pairs = full_head_dim(h) // 2
     rotated = int(full_head_dim(h) * full["partial_rotary_factor"] / 2)
     return torch.tensor([1.0] * rotated + [UNROTATED] * (pairs - rotated), dtype=torch.float32)
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def _ints(kv: dict[str, Any], key: str, layers: int) -> list[int] | None:
+    """A per-layer array key (or one value for every layer); None when absent."""
+    value = kv.get(key)
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+        raise CkptkitError(f"metadata {key} must give a positive integer for each of the {layers} layers")
+    return values
+
+
+def _partial_factor(stored: torch.Tensor, head: int) -> float:
+    """``partial_rotary_factor`` of the full layers from their ``rope_freqs.weight``."""
+    import torch
+
+    values = stored.to(torch.float32)
+    rotated = int((values == 1.0).sum())
+    if values.numel() != head // 2 or not bool((values[rotated:] == torch.tensor(UNROTATED)).all()):
+        raise CkptkitError(
+            f"rope_freqs.weight is not {head // 2} factors of 1 then {UNROTATED:g} (Gemma 4's proportional rope)"
+        )
+    return 2 * rotated / head
+
+
+def scalar_view(kv: dict[str, Any], arch: str) -> dict[str, Any]:
+    """``kv`` with its per-layer arrays as their first value (what the common keys' reader takes)."""
+    keys = (f"{arch}.feed_forward_length", f"{arch}.attention.head_count_kv")
+    return {k: v[0] if k in keys and isinstance(v, list) and v else v for k, v in kv.items()}
+
+
+def hparams_from_layers(
+    kv: dict[str, Any], arch: str, out: dict[str, Any], rope_freqs: Any, shapes: dict[str, Any]
+) -> None:
+    """Gemma 4's config.json fields from its per-layer keys, ``rope_freqs()`` (the stored
+    ``rope_freqs.weight``) and the tensors' ``shapes`` (by name), into ``out`` (the common fields)."""
+    pattern = kv.get(f"{arch}.attention.sliding_window_pattern")
+    layers = out["num_hidden_layers"]
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise CkptkitError(f"metadata {arch}.attention.sliding_window_pattern must give each of the {layers} layers")
+    types = [SLIDING if s else FULL for s in pattern]
+    ff = _ints(kv, f"{arch}.feed_forward_length", layers) or []
+    heads_kv = _ints(kv, f"{arch}.attention.head_count_kv", layers) or []
+    swa_dim = _ints(kv, f"{arch}.attention.key_length_swa", 1)
+    full_dim = _ints(kv, f"{arch}.attention.key_length", 1)
+    if not (ff and heads_kv and swa_dim and full_dim):
+        raise CkptkitError(f"metadata lacks {arch}.feed_forward_length, head_count_kv or key_length(_swa)")
+    swa_kv = next((k for k, t in zip(heads_kv, types, strict=True) if t == SLIDING), heads_kv[0])
+    full_kv = next((k for k, t in zip(heads_kv, types, strict=True) if t == FULL), swa_kv)
+    own: dict[str, Any] = {"head_dim": full_dim[0]}
+    if isinstance(kv.get(f"{arch}.attention.head_count_kv"), list):
+        own["num_key_value_heads"] = full_kv
+    shared = int(kv.get(f"{arch}.attention.shared_kv_layers") or 0)
+    full_rope = {"partial_rotary_factor": _partial_factor(rope_freqs(), full_dim[0]), "rope_type": "proportional"}
+    theta = out.get("rope_theta")
+    if theta is not None:
+        full_rope["rope_theta"] = theta
+    local = (out.get("rope_parameters") or {}).get(SLIDING) or {"rope_type": "default"}
+    per_layer = kv.get(f"{arch}.embedding_length_per_layer_input") or 0
+    out.pop("rope_theta", None)
+    out.update(
+        head_dim=swa_dim[0],
+        intermediate_size=ff[0],
+        use_double_wide_mlp=len(set(ff)) > 1,
+        num_key_value_heads=swa_kv,
+        layer_types=types,
+        per_layer_config={str(i): dict(own) for i, t in enumerate(types) if t == FULL},
+        num_kv_shared_layers=shared,
+        hidden_size_per_layer_input=per_layer,
+        rope_parameters={FULL: full_rope, SLIDING: local},
+        attention_k_eq_v=any(
+            t == FULL and i < layers - shared and f"blk.{i}.attn_v.weight" not in shapes for i, t in enumerate(types)
+        ),
+        enable_moe_block=f"{arch}.expert_count" in kv,
+    )
+    if out["enable_moe_block"]:
+        out.update(
+            num_experts=kv[f"{arch}.expert_count"],
+            top_k_experts=kv.get(f"{arch}.expert_used_count"),
+            moe_intermediate_size=kv.get(f"{arch}.expert_feed_forward_length"),
+        )
+    # the per-layer embeddings' rows; without them unused, given as the vocabulary's
+    rows = shapes.get("per_layer_token_embd.weight", shapes.get("token_embd.weight"))
+    if rows is not None:
+        out["vocab_size_per_layer_input"] = int(rows[0])
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        out.pop(key, None)
