@@ -21,7 +21,7 @@ from ckptkit.models.shapes import canonical_shapes
 # isort: off
 from ckptkit.models import llama, mistral, qwen2, gemma, phi3, qwen3, mixtral, gemma2, gemma3, olmo2  # noqa: F401
 from ckptkit.models import deepseek_v3, gpt_oss, glm4_moe, llama4  # noqa: F401
-from ckptkit.models import qwen3_next, qwen3_5  # noqa: F401
+from ckptkit.models import qwen3_next, qwen3_5, gemma4  # noqa: F401
 # isort: on
 
 __all__ = [

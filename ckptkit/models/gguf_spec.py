@@ -48,6 +48,14 @@ class GGUFSpec:
         interleaved_experts: gpt-oss's: the stacked ``experts.gate_up_proj`` [E, cols, 2 *
             rows] / ``down_proj`` [E, cols, rows] written transposed, the interleaved gate and
             up rows (and biases) split, the attention ``sinks`` named ``attn_sinks.weight``.
+        renames: (HF name past ``model.layers.{i}.``, GGUF name past ``blk.{i}.``) for layer
+            tensors its ``modify_tensors`` names itself (the ``gguf`` package's map lacks them);
+            such a tensor is written as stored (Gemma 4's stacked experts not split).
+        skipped: HF name prefixes past ``model.`` of tensors its text model does not write
+            (the vision and audio towers: ``--mmproj``'s).
+        proportional_rope: Gemma 4's: ``rope_freqs.weight`` leaves the full-attention heads'
+            dimensions past ``partial_rotary_factor`` unrotated
+            (:func:`ckptkit.formats.gguf.per_layer.proportional_rope_freqs`).
     """
 
     arch: str
@@ -67,6 +75,9 @@ class GGUFSpec:
     linear_attention: str | None = None
     reads_back: bool = True
     interleaved_experts: bool = False
+    renames: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()
+    proportional_rope: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel
+from ckptkit.formats.gguf import per_layer
 from ckptkit.formats.gguf.arch_params import arch_fields
 from ckptkit.formats.gguf.experts import merged_rules, per_expert
 from ckptkit.formats.gguf.params import hparams_from_metadata
 from ckptkit.formats.gguf.reader import GGUFHeader, meta_int, meta_str
 from ckptkit.formats.gguf.tensors import gguf_name, name_map, rope_freqs
+from ckptkit.formats.gguf.tensors import renamed as llama_cpp_renamed
 from ckptkit.models.fields import check_config_fields
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.spec import Layout, Rule
@@ -66,16 +68,21 @@ def hf_config(h: GGUFHeader, read_rope_freqs: Any) -> dict[str, Any]:
     ``read_rope_freqs()`` returns the stored ``rope_freqs.weight``."""
     arch = architecture(h)
     moe = f"{arch}.expert_count" in h.metadata  # llama.cpp's llama class writes Mixtral too
-    families = [f for f in candidates(arch) if _has_experts(_spec(f)) == moe]
+    found = candidates(arch)
+    families = [f for f in found if _has_experts(_spec(f)) == moe] if len(found) > 1 else found
     if not families:
         return {}
     family = _hf_model_type(h, families)
     spec = _spec(family)
-    out = hparams_from_metadata(h.metadata, arch)
-    arch_fields(h.metadata, arch, out, {t.name for t in h.tensors})
+    shapes = {t.name: t.shape for t in h.tensors}
+    if spec.proportional_rope:  # Gemma 4's layers of two kinds
+        out = hparams_from_metadata(per_layer.scalar_view(h.metadata, arch), arch)
+        per_layer.hparams_from_layers(h.metadata, arch, out, read_rope_freqs, shapes)
+    else:
+        out = hparams_from_metadata(h.metadata, arch)
+    arch_fields(h.metadata, arch, out, set(shapes))
     for field, value in spec.implied:
         out.setdefault(field, value)
-    shapes = {t.name: t.shape for t in h.tensors}
     if "vocab_size" not in out and EMBEDDINGS in shapes:
         out["vocab_size"] = shapes[EMBEDDINGS][0]
     out.update(model_type=family.hf_model_types[0], architectures=[family.hf_architecture])
@@ -164,7 +171,7 @@ def layout(family: Family, cfg: ModelConfig) -> Layout:
 
     def rename(rule: Rule, per_layer: bool) -> Rule | None:
         probe = rule.native.format(i=0) if per_layer else rule.native
-        name = gguf_name(tmap, probe)
+        name = llama_cpp_renamed(spec, probe) or gguf_name(tmap, probe)
         if name is None and rule.optional:  # Gemma's lm_head: llama.cpp never writes it
             return None
         if name is None:
@@ -187,7 +194,7 @@ def layout(family: Family, cfg: ModelConfig) -> Layout:
         head=renamed(hf.head, False),
         layer=renamed(hf.layer, True),
         tail=renamed(hf.tail, False),
-        unused=(r"rope_freqs\.weight",) if spec.rope_freqs else (),
+        unused=(r"rope_freqs\.weight",) if spec.rope_freqs or spec.proportional_rope else (),
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf import per_layer
 
 Writer = Callable[[Any, dict[str, Any], Any], None]  # (gguf.GGUFWriter, config.json, file type)
 
@@ -317,6 +318,8 @@ WRITERS |= {
     "rope_dimension_count_hybrid": (lambda w, h, t: w.add_rope_dimension_count(_hybrid_rope_dims(h)), None),
 }
 _PRESENT["mtp_layers"] = lambda h: h.get("mtp_num_hidden_layers") or None
+WRITERS |= per_layer.WRITERS  # Gemma4Model's (layers of two kinds)
+_PRESENT |= per_layer.PRESENT
 
 
 def add_parameters(w: Any, names: tuple[str, ...], hparams: dict[str, Any], ftype: Any) -> None:

@@ -24,6 +24,7 @@ from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llam
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, ggml_type, model_facts, quantize_type, writable
 from ckptkit.formats.gguf.params import rope
+from ckptkit.formats.gguf.per_layer import proportional_rope_freqs
 from ckptkit.formats.registry import find_format, transformers_format
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import experts
@@ -245,6 +246,18 @@ def gguf_name(tmap: Any, hf_name: str) -> str | None:
     return found
 
 
+def renamed(spec: GGUFSpec, hf_name: str) -> str | None:
+    """The GGUF name llama.cpp gives a layer tensor its model class names itself (``spec.renames``)."""
+    found = _LAYER.fullmatch(hf_name.replace("language_model.", ""))
+    if found is None:
+        return None
+    new = dict(spec.renames).get(found.group(2))
+    return None if new is None else f"blk.{found.group(1)}.{new}"
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
 def model_tensors(
     ckpt: OpenedCheckpoint,
     hparams: dict[str, Any],
@@ -296,6 +309,8 @@ def model_tensors(
     n_head = hparams["num_attention_heads"]
     n_kv = hparams.get("num_key_value_heads") or n_head
     freqs = rope_freqs(hparams) if spec.rope_freqs else None
+    if spec.proportional_rope:
+        freqs = proportional_rope_freqs(hparams)
     if freqs is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         factors: torch.Tensor = freqs
@@ -307,14 +322,24 @@ def model_tensors(
     hybrid_experts = hybrid.Experts(int(hparams.get("num_experts") or 0))
     if spec.linear_attention and hybrid_experts.n:
         refuse_dense_layers(ckpt, spec)
-    skipped = [n for n in order if spec.linear_attention and hybrid.is_vision(n)]
+    skipped = [
+        n
+        for n in order
+        if (spec.linear_attention and hybrid.is_vision(n)) or n.removeprefix("model.").startswith(spec.skipped)
+    ]
     if skipped:
-        fact = f"{len(skipped)} tensor(s) of the vision tower not written: llama.cpp writes them with --mmproj"
+        towers = "tensor(s) of the vision (or audio) tower not written"
+        fact = f"{len(skipped)} {towers}: llama.cpp writes them with --mmproj"
         ckpt.notes.append(note(fact, "ckptkit does not write the vision part (--mmproj) as GGUF"))
     for source_name in order:
         if source_name in mtp or source_name in skipped:
             continue
         hf_name = hybrid.llama_cpp_name(source_name, layers) if spec.linear_attention else source_name
+        if spec.renames and (out_name := renamed(spec, source_name)) is not None:
+            lazy = targets[source_name]
+            kind = qtype(out_name, lazy.shape, ftype)
+            out.append(GGUFTensor(out_name, lazy.shape, kind, _maker(lazy, None, False), lazy))
+            continue
         if spec.linear_attention and (merged := hybrid_experts.take(hf_name, targets[source_name])) is not None:
             out += [GGUFTensor(n, shape, qtype(n, shape, ftype), make) for n, shape, make in _named(tmap, merged)]
             continue
@@ -330,10 +355,11 @@ def model_tensors(
         if spec.interleaved_experts and (split := interleaved_experts(hf_name, targets[hf_name], tmap)):
             out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in split]
             continue
-        new = gguf_name(tmap, hf_name + (".weight" if spec.interleaved_experts and hf_name.endswith("sinks") else ""))
+        sinks = spec.interleaved_experts and hf_name.endswith("sinks")
+        new = gguf_name(tmap, hf_name.replace("language_model.", "") + (".weight" if sinks else ""))
         if new is None:
             raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
-        lazy = targets[hf_name]
+        lazy = targets[source_name]
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None
         heads: int | None = None
         if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -35,7 +35,13 @@ VOCAB_NEEDS = {
     "glm": f"{BPE}, with GLM's special tokens ([gMASK] and its user, observation and end-of-text tokens)",
     "spm_unprefixed": SPM,
     "spm_unprefixed_or_bpe": f"{SPM} or {BPE}",
+    "gemma4": "tokenizer.json (sentencepiece-style BPE)",
 }
+NOT_REBUILT = ("gemma4",)  # vocabularies whose tokenizer files are not rebuilt when a GGUF is read
+# Gemma 4's chat-format tokens that llama.cpp's gemma4 vocabulary always renders (user-defined)
+GEMMA4_VISIBLE = frozenset(
+    ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>')
+)
 # llama.cpp's _set_vocab_glm: special token kind -> the added token it names
 GLM_SPECIALS = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
 VOCAB_ROWS = "with a tokenizer.json, a token for every embedding row (llama.cpp would drop the rest)"
@@ -234,6 +240,27 @@ def special_vocab(folder: Path, **kwargs: Any) -> Any:
     return special
 
 
+def gemma4_keys(w: Any, folder: Path) -> None:
+    """llama.cpp's gemma4 vocabulary: tokenizer.json's tokens as ``gguf.LlamaHfVocab`` reads
+    them (its chat-format tokens user-defined), its merges, BOS added, no space prefix."""
+    import gguf
+
+    if not (folder / "tokenizer.json").is_file():
+        raise no_tokenizer(folder)
+    tokens, scores, types = [], [], []
+    for text, score, kind in gguf.LlamaHfVocab(folder).all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(gguf.TokenType.USER_DEFINED if text.decode() in GEMMA4_VISIBLE else kind)
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    special_vocab(folder, load_merges=True).add_to_gguf(w)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+
+
 def add_vocab(
     w: Any, kind: str, folder: Path, hparams: dict[str, Any], pre: str | None = None, by: str = ASKED
 ) -> list[str]:
@@ -316,6 +343,8 @@ def add_vocab(
         w.add_add_space_prefix(False)
     elif kind == "spm_unprefixed_or_bpe":
         gpt2_keys()
+    elif kind == "gemma4":
+        gemma4_keys(w, folder)
     else:  # pragma: no cover - a spec naming a vocab kind this module lacks
         raise CkptkitError(f"no GGUF vocabulary writer {kind!r}")
     if pre is not None and not wrote_bpe and by == ASKED:

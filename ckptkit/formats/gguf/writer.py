@@ -380,6 +380,8 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     hparams = hf_hparams(ckpt)
     if spec.linear_attention:
         hparams = hybrid_hparams(hparams, ckpt.tensors)
+    elif spec.skipped:  # a multimodal release: llama.cpp reads its text_config at the top
+        hparams = {**hparams, **hparams.get("text_config", {})}
     imatrix = None
     if opts.quant.imatrix is not None and quantize_type(dtype) is not None:
         imatrix = load_imatrix(opts.quant.imatrix)
