@@ -7,7 +7,6 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -18,9 +17,7 @@ from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, tree_hashes
-
-if TYPE_CHECKING:
-    from click.testing import Result
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 EPS32 = torch.finfo(torch.float32).eps
@@ -35,16 +32,6 @@ def run(recipe: str, config: str, *overrides: str) -> None:
     recipe_entry(recipe)(load_config(config, list(overrides)))
 
 
-def ckptkit(*args: str) -> Result:
-    """``ckptkit ARGS`` in this process (the CLI's own app and error handling, no interpreter to start)."""
-    from typer.testing import CliRunner
-
-    from ckptkit.cli import app
-
-    return CliRunner().invoke(app, list(args))
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("recipe", "config", "bound"), [("full_finetune", "tiny_full", 0.7), ("lora_finetune", "tiny_lora", 0.8)]
 )
@@ -227,7 +214,6 @@ def copy_and_edit(recipe: str, folder: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_a_copied_recipe_is_the_loop_to_edit(tmp_path: Path) -> None:
     """``ckptkit cp full_finetune`` writes the training loop as one script: edits to it change what
     ``ckptkit run ./full_finetune.py`` does; the bundled recipe is untouched by them."""
