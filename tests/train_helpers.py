@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from click.testing import Result
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 FAMILIES = ["llama2", "llama3", "llama3_1", "llama3_2", "mistral", "qwen2", "gemma", "phi3"]
@@ -67,3 +70,13 @@ def padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     mask[1, :5] = 0
     mask[2, 9:] = 0
     return ids.masked_fill(mask == 0, 0), mask
+
+
+def ckptkit(*args: str) -> Result:
+    """``ckptkit ARGS`` in this process: the CLI's own app, exit codes and one-line errors, with
+    no interpreter and torch to start (seconds of CPU each)."""
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    return CliRunner().invoke(app, list(args))

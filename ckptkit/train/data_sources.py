@@ -38,7 +38,9 @@ def resolve_source(source: str) -> Path | str:
 def load_rows(source: str, split: str, column_map: dict[str, str] | None = None) -> list[Row]:
     """The rows of ``split`` of ``source``, with ``column_map`` (our name -> the data's column) applied."""
     where = resolve_source(source)
-    if isinstance(where, Path) and where.suffix in (".json", ".jsonl") and not _have_datasets():
+    if isinstance(where, Path) and where.parent == DATASET_DIR and where.suffix == ".jsonl" and split == "train":
+        rows = read_json_rows(where)  # a bundled dataset: ours, read without importing `datasets` (seconds)
+    elif isinstance(where, Path) and where.suffix in (".json", ".jsonl") and not _have_datasets():
         if split != "train":
             raise CkptkitError(
                 f"dataset.split: {split!r} of a JSON file needs `datasets`: pip install 'ckptkit[train]'"

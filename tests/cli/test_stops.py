@@ -1,6 +1,7 @@
 """Every way a user stops ckptkit ends in one line: Ctrl-C, SIGTERM and SIGHUP sent to a
 real ``ckptkit`` process in the middle of a write leave no temporary folder, no lock and no
-half-written checkpoint, print one line, and exit 128 + the signal's number."""
+half-written checkpoint, print one line, and exit 128 + the signal's number (a save stopped
+by a signal is also checked in this process, with the ckptkit app under CliRunner)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 STOPS = [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGHUP, "stopped by SIGHUP")]
@@ -83,33 +86,43 @@ def test_convert_stopped_mid_write_leaves_nothing(tmp_path: Path, signum: int, s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]
 
 
-STOP_IN_SAVE = r"""
-import os, signal, sys
-from ckptkit.cli import app
+STOP_IN_SAVE: dict[str, int | str] = {}  # signum, name: the signal this process sends itself in that save
 
-signum, name, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-def hook(event, hook_args):  # SIGNUM to itself once checkpoint NAME is written, before it is put in place
-    if event == "ckptkit.publish" and hook_args[0] == "fsync" and f".{name}." in hook_args[1]:
-        os.kill(os.getpid(), signum)
-sys.addaudithook(hook)
-app(args, prog_name="ckptkit")
-"""
+
+def _stop_in_save(event: str, hook_args: tuple) -> None:
+    """An audit hook: SIGNUM to this process once checkpoint NAME is written, before it is put in place."""
+    if STOP_IN_SAVE and event == "ckptkit.publish" and hook_args[0] == "fsync":
+        if f".{STOP_IN_SAVE['name']}." in hook_args[1]:
+            os.kill(os.getpid(), int(STOP_IN_SAVE.pop("signum")))
+            STOP_IN_SAVE.clear()
+
+
+@pytest.fixture(scope="module")
+def stop_in_save() -> Iterator[dict[str, int | str]]:
+    """Arm with ``signum`` and ``name``; disarmed after each use (an audit hook stays for the process)."""
+    sys.addaudithook(_stop_in_save)
+    yield STOP_IN_SAVE
+    STOP_IN_SAVE.clear()
 
 
 @pytest.mark.parametrize(("signum", "said"), STOPS, ids=[s.name for s, _ in STOPS])
-def test_training_stopped_in_a_save_says_the_last_complete_checkpoint(tmp_path: Path, signum: int, said: str) -> None:
+def test_training_stopped_in_a_save_says_the_last_complete_checkpoint(
+    tmp_path: Path, signum: int, said: str, stop_in_save: dict[str, int | str]
+) -> None:
     """Ctrl-C / SIGTERM / SIGHUP while step_2 is being saved: step_2 is not kept, step_1 is
-    the one to resume from, and the run says so; exit 130 / 143 / 129."""
+    the one to resume from, and the run says so; exit 130 / 143 / 129. The ckptkit command
+    runs in this process (CliRunner), which sends itself the signal."""
     out = tmp_path / "out"
     args = ["run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=4",
             "save_every_n_steps=1", "quiet=false", f"checkpointer.output_dir={out}"]  # fmt: skip
-    res = subprocess.run(
-        [sys.executable, "-c", STOP_IN_SAVE, str(int(signum)), "step_2", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 128 + signum, res.stderr
+    stop_in_save.update(signum=int(signum), name="step_2")
+    try:
+        res = ckptkit(*args)
+    finally:
+        stop_in_save.clear()
+    assert res.exit_code == 128 + signum, res.output
     lines = res.stderr.strip().splitlines()
-    assert "Traceback" not in res.stderr
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
     assert lines[-4].endswith("stopped at step 2/4 after " + lines[-4].split(" after ")[1])
     assert lines[-3].endswith(f"checkpoints: {out / 'step_1'}")
     resume = f"resume_from_checkpoint=true checkpointer.recipe_checkpoint={out / 'step_1'}"

@@ -4,8 +4,6 @@ weights) run here with their own settings on the tiny fixture of their model typ
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from ckptkit.train.loop import RECIPES as SCHEMAS
 from ckptkit.train.recipes import RECIPES, recipe_entry
 
 from conftest import FIXTURES
+from train_helpers import ckptkit
 
 CONFIGS = Path(__file__).resolve().parents[2] / "ckptkit" / "train" / "configs"
 
@@ -92,11 +91,10 @@ def test_an_override_path_is_the_users_relative_to_the_cwd(tmp_path: Path, monke
     assert cfg["checkpointer"]["checkpoint_dir"] == "fixtures/hf/llama2"
 
 
-def test_a_missing_path_is_named_by_its_config_key(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora",
-           "checkpointer.checkpoint_dir=gone"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
+def test_a_missing_path_is_named_by_its_config_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    proc = ckptkit("run", "lora_finetune", "--config", "tiny_lora", "checkpointer.checkpoint_dir=gone")
+    assert proc.exit_code == 1
     assert proc.stderr.splitlines() == [
         f"error: {CONFIGS / 'tiny_lora.yaml'} with the KEY=VALUE overrides: config key checkpointer.checkpoint_dir: "
         "gone: no such file or directory"
@@ -110,10 +108,8 @@ def test_a_missing_tokenizer_is_named_by_its_config_key(tmp_path: Path, monkeypa
         recipe_entry("lora_finetune")(load_config("tiny_lora", ["tokenizer=gone", "quiet=true"]))
 
 
-@pytest.mark.slow
-def test_a_tiny_recipe_runs_from_any_directory(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
-           "max_steps_per_epoch=1", "quiet=true"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+def test_a_tiny_recipe_runs_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    proc = ckptkit("run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=1", "quiet=true")
+    assert proc.exit_code == 0, proc.output
     assert (tmp_path / "out" / "tiny_lora" / "epoch_0" / "adapter").is_dir()  # outputs in the cwd

@@ -207,6 +207,25 @@ def test_every_file_format_gives_the_same_samples(tmp_path: Path) -> None:
         )
 
 
+def test_a_bundled_dataset_is_read_without_datasets_as_datasets_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny_alpaca's rows, read without importing ``datasets`` (every training process saves
+    its seconds), are the rows ``datasets.load_dataset("json")`` gives, labelled by line."""
+    import datasets
+
+    from ckptkit.train import data_sources
+
+    path = DATASET_DIR / "tiny_alpaca.jsonl"
+    theirs = [dict(r) for r in datasets.load_dataset("json", data_files=str(path), split="train")]
+
+    def refused(*args: object) -> None:
+        raise AssertionError("datasets was asked")
+
+    monkeypatch.setattr(data_sources, "_rows_via_datasets", refused)
+    rows = data_sources.load_rows("tiny_alpaca", "train")
+    assert [r for _, r in rows] == theirs and len(theirs) == 48
+    assert [label for label, _ in rows] == [f"{path}:{n}" for n in range(1, 49)]
+
+
 def test_validation_fraction_holds_rows_out() -> None:
     tokenizer = load_tokenizer(FIXTURES / "hf" / "llama3")
     full = build_dataset(dataset({"source": "tiny_alpaca"}), tokenizer).samples

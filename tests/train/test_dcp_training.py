@@ -28,6 +28,7 @@ from ckptkit.train.distributed import sharded_model
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = FIXTURES / "meta" / "llama2-2rank"
@@ -212,16 +213,14 @@ class _Boom:
         return (os.system, (f"touch {self.target}",))
 
 
-@pytest.mark.slow
 def test_resuming_from_a_hostile_recipe_state_runs_nothing(tmp_path: Path) -> None:
     """torch's ``dcp.load`` unpickles ``.metadata`` as it is: the recipe reads it with the
     restricted reader first and stops with one line."""
     state, target = tmp_path / "recipe_state", tmp_path / "pwned"
     state.mkdir()
     (state / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": _Boom(str(target))}))
-    cmd = [sys.executable, "-m", "ckptkit", "run", "full_finetune_distributed", "--config", "tiny_full_distributed",
-           *COMMON, f"checkpointer.output_dir={tmp_path / 'out'}", *resume(state)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    proc = ckptkit("run", "full_finetune_distributed", "--config", "tiny_full_distributed", *COMMON,
+                   f"checkpointer.output_dir={tmp_path / 'out'}", *resume(state))  # fmt: skip
+    assert proc.exit_code == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.output[-3000:]
     assert "refusing to load" in proc.stderr and "posix.system" in proc.stderr
     assert not target.exists()

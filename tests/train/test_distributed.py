@@ -25,6 +25,7 @@ from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import launch_torchrun, recipe_entry
 
 from conftest import FIXTURES, raw_layout, tree_hashes
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-5
@@ -220,10 +221,9 @@ def test_no_rank_holds_the_whole_model_while_saving(tmp_path: Path) -> None:
 
 
 def test_launch_and_resume_mistakes_are_one_line(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "ckptkit", "run", "--nproc-per-node", "2", "full_finetune_distributed",
-           "--config", "tiny_full_distributed", f"checkpointer.checkpoint_dir={tmp_path / 'missing'}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+    proc = ckptkit("run", "--nproc-per-node", "2", "full_finetune_distributed", "--config", "tiny_full_distributed",
+                   f"checkpointer.checkpoint_dir={tmp_path / 'missing'}")  # fmt: skip
+    assert proc.exit_code == 1 and proc.stderr.strip().splitlines() == [
         f"error: {REPO / 'ckptkit/train/configs/tiny_full_distributed.yaml'} with the KEY=VALUE overrides: "
         f"config key checkpointer.checkpoint_dir: {tmp_path / 'missing'}: no such file or directory"
     ]

@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import tree_hashes
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = ["epochs=2", "max_steps_per_epoch=1", "quiet=true"]
@@ -76,7 +75,6 @@ def test_an_empty_or_unrelated_folder_is_fine(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "metrics.jsonl", "notes.txt"]
 
 
-@pytest.mark.slow
 def test_two_processes_refuse_a_run_s_folder_in_one_line_before_writing(tmp_path: Path) -> None:
     """``ckptkit run --nproc-per-node 2``: the launcher finds the other run and says so in one
     line before any process starts (exit 1), and the folder is as it was."""
@@ -84,12 +82,9 @@ def test_two_processes_refuse_a_run_s_folder_in_one_line_before_writing(tmp_path
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     before = tree_hashes(out)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "run", "full_finetune_distributed", "--nproc-per-node", "2",
-         "--config", "tiny_full_distributed", *COMMON, f"checkpointer.output_dir={out}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr
+    proc = ckptkit("run", "full_finetune_distributed", "--nproc-per-node", "2", "--config", "tiny_full_distributed",
+                   *COMMON, f"checkpointer.output_dir={out}")  # fmt: skip
+    assert proc.exit_code == 1, proc.output
     said = f"checkpointer.output_dir {out} holds another run (metrics.jsonl)"
     assert proc.stderr.startswith(f"error: {said}; ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert tree_hashes(out) == before

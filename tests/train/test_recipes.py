@@ -17,6 +17,7 @@ from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, tree_hashes
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 EPS32 = torch.finfo(torch.float32).eps
@@ -31,16 +32,16 @@ def run(recipe: str, config: str, *overrides: str) -> None:
     recipe_entry(recipe)(load_config(config, list(overrides)))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("recipe", "config", "bound"), [("full_finetune", "tiny_full", 0.7), ("lora_finetune", "tiny_lora", 0.8)]
 )
-def test_cli_run_lowers_the_loss(recipe: str, config: str, bound: float, tmp_path: Path) -> None:
+def test_cli_run_lowers_the_loss(
+    recipe: str, config: str, bound: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
-    subprocess.run(
-        [sys.executable, "-m", "ckptkit", "run", recipe, "--config", config, f"checkpointer.output_dir={out}"],
-        cwd=REPO, check=True, capture_output=True,
-    )  # fmt: skip
+    monkeypatch.chdir(REPO)
+    result = ckptkit("run", recipe, "--config", config, f"checkpointer.output_dir={out}")
+    assert result.exit_code == 0, result.output[-3000:]
     curve = losses(out)
     last_epoch = curve[-6:]  # 48 samples / batch 8 = 6 steps per epoch
     assert sum(last_epoch) / len(last_epoch) < bound * curve[0], curve
@@ -141,12 +142,10 @@ def test_bad_data_row_names_its_line(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match=rf"{data}:3: missing or non-string field\(s\): output"):
         run("full_finetune", "tiny_full", f"dataset.source={data}", f"checkpointer.output_dir={tmp_path / 'o'}")
     data.write_text('{"instruction": "a", "output": "b"}\n{oops\n')
-    res = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "run", "full_finetune", "--config", "tiny_full",
-         f"dataset.source={data}", f"checkpointer.output_dir={tmp_path / 'o'}"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
-    assert res.returncode == 1 and "Traceback" not in res.stderr
+    res = ckptkit("run", "full_finetune", "--config", "tiny_full", f"dataset.source={data}",
+                  f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
+    assert res.exit_code == 1 and res.exception is not None and isinstance(res.exception, SystemExit)
+    assert "Traceback" not in res.output
     assert res.stderr.strip().splitlines() == [res.stderr.strip()] and f"{data}:2: invalid JSON" in res.stderr
 
 
@@ -190,18 +189,12 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path: Path, mon
 
 
 def test_ls_and_cp(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "ckptkit", "ls"], capture_output=True, text=True, check=True)
-    assert "full_finetune" in res.stdout and "tiny_lora" in res.stdout
-    subprocess.run(
-        [sys.executable, "-m", "ckptkit", "cp", "lora_finetune", str(tmp_path)], check=True, capture_output=True
-    )
-    subprocess.run(
-        [sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], check=True, capture_output=True
-    )
-    again = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "cp", "tiny_lora", str(tmp_path / "my.yaml")], capture_output=True, text=True
-    )
-    assert again.returncode == 1 and "already exists" in again.stderr
+    res = ckptkit("ls")
+    assert res.exit_code == 0 and "full_finetune" in res.stdout and "tiny_lora" in res.stdout
+    assert ckptkit("cp", "lora_finetune", str(tmp_path)).exit_code == 0
+    assert ckptkit("cp", "tiny_lora", str(tmp_path / "my.yaml")).exit_code == 0
+    again = ckptkit("cp", "tiny_lora", str(tmp_path / "my.yaml"))
+    assert again.exit_code == 1 and "already exists" in again.stderr
     # the copied recipe runs as a file
     run(str(tmp_path / "lora_finetune.py"), str(tmp_path / "my.yaml"), "epochs=1", "max_steps_per_epoch=1",
         f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
@@ -211,7 +204,7 @@ def test_ls_and_cp(tmp_path: Path) -> None:
 def copy_and_edit(recipe: str, folder: Path) -> Path:
     """``ckptkit cp RECIPE``, then two edits in the loop it holds: every optimizer step prints a
     line, and the loss it reports is doubled."""
-    subprocess.run([sys.executable, "-m", "ckptkit", "cp", recipe, str(folder)], check=True, capture_output=True)
+    assert ckptkit("cp", recipe, str(folder)).exit_code == 0
     path = folder / f"{recipe}.py"
     text = path.read_text()
     step, loss = "        self.optimizer.step()\n", "        return stats.loss, sum("
@@ -221,21 +214,20 @@ def copy_and_edit(recipe: str, folder: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_a_copied_recipe_is_the_loop_to_edit(tmp_path: Path) -> None:
     """``ckptkit cp full_finetune`` writes the training loop as one script: edits to it change what
     ``ckptkit run ./full_finetune.py`` does; the bundled recipe is untouched by them."""
     script = copy_and_edit("full_finetune", tmp_path)
     keys = ["epochs=1", "max_steps_per_epoch=2", "quiet=true"]
-    cmd = [sys.executable, "-m", "ckptkit", "run", str(script), "--config", "tiny_full", *keys]
-    edited = subprocess.run([*cmd, f"checkpointer.output_dir={tmp_path / 'edited'}"], capture_output=True, text=True)
-    assert edited.returncode == 0, edited.stderr[-3000:]
+    cmd = ["run", str(script), "--config", "tiny_full", *keys]
+    edited = ckptkit(*cmd, f"checkpointer.output_dir={tmp_path / 'edited'}")
+    assert edited.exit_code == 0, edited.output[-3000:]
     assert edited.stdout.splitlines() == ["edited step on rank 0"] * 2
     run("full_finetune", "tiny_full", *keys, f"checkpointer.output_dir={tmp_path / 'bundled'}")
     ours, theirs = losses(tmp_path / "edited"), losses(tmp_path / "bundled")
     assert len(ours) == 2 and ours[0] == 2 * theirs[0]  # step 1 computes the same loss before any update
-    proc = subprocess.run([*cmd[:4], "--nproc-per-node", "2", *cmd[4:]], capture_output=True, text=True)
-    assert proc.returncode == 2  # bad usage
+    proc = ckptkit(*cmd[:2], "--nproc-per-node", "2", *cmd[2:])
+    assert proc.exit_code == 2  # bad usage
     assert proc.stderr.strip() == f"error: {script}: runs on one device; run it without --nproc-per-node"
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ from ckptkit.errors import CkptkitError
 from ckptkit.train.config import load_config, parse_config
 from ckptkit.train.recipes import recipe_entry
 from ckptkit.train.schema import FullFinetuneConfig, LoRAFinetuneConfig
+
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,12 +84,9 @@ def test_too_short_max_seq_len_is_refused_before_training(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_process_error_has_no_traceback(tmp_path: Path) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "run", "full_finetune", "--config", "tiny_full", "optimizer.lrr=1e-3",
-         f"checkpointer.output_dir={tmp_path / 'o'}"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
-    assert res.returncode == 1
+    res = ckptkit("run", "full_finetune", "--config", "tiny_full", "optimizer.lrr=1e-3",
+                  f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
     line = res.stderr.strip()
     assert "\n" not in line and line.startswith("error: ") and "tiny_full.yaml" in line
     assert line.endswith("unknown key optimizer.lrr; did you mean optimizer.lr?")

@@ -50,6 +50,16 @@ def torchrun(recipe: str, config: str, *overrides: str, env: dict[str, str] | No
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def probe_here(recipe: str, config: str, *overrides: str) -> None:
+    """Run ``recipe`` in this process under tests/probe_recipe.py's probes, dynamo disabled as
+    ``TORCH_COMPILE_DISABLE=1`` disables it."""
+    import torch._dynamo
+    from probe_recipe import probing
+
+    with probing(), torch._dynamo.config.patch(disable=True):
+        recipe_entry(recipe)(load_config(config, list(overrides)))
+
+
 def probe(launch: list[str], recipe: str, config: str, *overrides: str) -> str:
     """Run ``recipe`` under tests/probe_recipe.py (``launch``: python, or torchrun); its stderr."""
     cmd = [*launch, "tests/probe_recipe.py", recipe, "--config", config, *overrides]
@@ -74,12 +84,14 @@ def held_out(recipe: str, config: str, seed: int) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "config"), [("full_finetune", "tiny_full"), ("lora_finetune", "tiny_lora")])
 def test_config_keys_have_the_same_effect_on_one_device_and_two_processes(
-    recipe: str, config: str, tmp_path: Path
+    recipe: str, config: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     single, dist = tmp_path / "single", tmp_path / "dist"
     torchrun_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    probe_here(recipe, config, *KEYS, "batch_size=4", f"checkpointer.output_dir={single}")  # one device, here
+    captured = capsys.readouterr()
     logs = [
-        probe([sys.executable], recipe, config, *KEYS, "batch_size=4", f"checkpointer.output_dir={single}"),
+        captured.out + captured.err,
         probe(
             torchrun_2,
             f"{recipe}_distributed",

@@ -19,6 +19,7 @@ from ckptkit.train.config import load_config
 from ckptkit.train.recipes import recipe_entry
 
 from conftest import FIXTURES, tree_hashes
+from train_helpers import ckptkit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,14 +110,11 @@ LOG_LINE = re.compile(
 )
 
 
-@pytest.mark.slow
 def test_plain_log_lines_and_summary_when_not_a_terminal(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    res = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=1",
-         "max_steps_per_epoch=3", f"checkpointer.output_dir={out}"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    res = ckptkit("run", "lora_finetune", "--config", "tiny_lora", "epochs=1", "max_steps_per_epoch=3",
+                  f"checkpointer.output_dir={out}")  # fmt: skip
+    assert res.exit_code == 0, res.output[-3000:]
     lines = res.stderr.strip().splitlines()
     steps = [m.group(1) for m in map(LOG_LINE.fullmatch, lines) if m]
     assert steps == ["1", "2", "3"], lines
@@ -148,16 +146,11 @@ def test_interrupted_run_says_how_to_resume(tmp_path: Path, monkeypatch: pytest.
     assert err[-1].endswith(f"resume with the same command plus: {resume}")
 
 
-@pytest.mark.slow
-def test_wandb_project_without_wandb_is_one_line(tmp_path: Path) -> None:
-    code = (
-        "import sys; sys.modules['wandb'] = None\n"  # Python's way of making an import fail
-        "from ckptkit.cli import app\n"
-        "app(['run', 'lora_finetune', '--config', 'tiny_lora', 'wandb.project=x', 'epochs=1', "
-        f"'max_steps_per_epoch=1', 'checkpointer.output_dir={tmp_path / 'o'}'])"
-    )
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert res.returncode == 1
+def test_wandb_project_without_wandb_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # Python's way of making an import fail
+    res = ckptkit("run", "lora_finetune", "--config", "tiny_lora", "wandb.project=x", "epochs=1",
+                  "max_steps_per_epoch=1", f"checkpointer.output_dir={tmp_path / 'o'}")  # fmt: skip
+    assert res.exit_code == 1
     assert res.stderr.strip() == "error: wandb.project is set but wandb is not installed (pip install wandb)"
 
 
@@ -202,18 +195,15 @@ def test_terminal_bar_shows_no_numbers_before_the_first_step(monkeypatch: pytest
     assert "loss 2.5000  1234 tok/s" in shown()
 
 
-@pytest.mark.slow
 def test_a_start_summary_comes_first_and_epochs_are_numbered_as_the_folders(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
 
     from train_helpers import hf_model
 
     out = tmp_path / "out"
-    res = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "run", "lora_finetune", "--config", "tiny_lora", "epochs=2",
-         "max_steps_per_epoch=2", "save_every_n_steps=1", f"checkpointer.output_dir={out}"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    res = ckptkit("run", "lora_finetune", "--config", "tiny_lora", "epochs=2", "max_steps_per_epoch=2",
+                  "save_every_n_steps=1", f"checkpointer.output_dir={out}")  # fmt: skip
+    assert res.exit_code == 0, res.output[-3000:]
     lines = [line[len("2026-01-01 00:00:00 ") :] for line in res.stderr.strip().splitlines()]
     # PEFT's count for tiny_lora's adapters (rank 16 on every projection and lm_head) on the same base
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
