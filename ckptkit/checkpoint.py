@@ -156,6 +156,7 @@ def open_checkpoint(
         if found is not None:
             raw.infos.clear()
             raw.infos.update(stored)
+            raw.stored_names.update(found.renamed)
             quant = bound(found, _rules(reader, family, cfg), tensors, raw, cfg)
             raw.notes.extend(quant.notes())
         origin = recorded_origin(reader, raw)

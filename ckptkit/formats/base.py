@@ -179,15 +179,21 @@ class RawCheckpoint:
     notes: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # entries besides the model (optimizer state)
     hf_config: bool = False
+    stored_names: dict[str, str] = field(default_factory=dict)  # a name read -> the tensor stored (X.weight_packed)
 
     def files_folder(self) -> Path | None:
         """A folder the format made with the checkpoint's non-weight files (tokenizer,
         generation config), or None: they lie beside the weights."""
         return None
 
+    def info(self, name: str) -> TensorInfo:
+        """The stored metadata of native tensor ``name`` (under its stored name)."""
+        return self.infos[self.stored_names.get(name, name)]
+
     def read(self, name: str) -> torch.Tensor:
         """One native tensor, materialised (Meta ranks concatenated)."""
         # Meta ranks each hold every tensor (checked when opened); other formats one file per tensor.
+        name = self.stored_names.get(name, name)
         files = list(self.files) if self.split_dims else [self.infos[name].file]
         if len(files) > 1 and self.split_dims.get(name) is None:
             return self._replicated(name, files)
@@ -199,6 +205,7 @@ class RawCheckpoint:
     def spans(self, name: str) -> list[Span] | None:
         """Where one native tensor's bytes lie as stored (Meta ranks: the merge's byte
         ranges), or None when some part is not one stored range."""
+        name = self.stored_names.get(name, name)
         if not self.split_dims:
             span = self.readers[self.infos[name].file].span(name)
             return None if span is None else [span]

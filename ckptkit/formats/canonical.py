@@ -108,7 +108,7 @@ def _forward_spans(
         native = raw.spans(rule.native)
         if native is None:
             return None
-        return rule.kind.forward_spans(native, raw.infos[rule.native].shape, cfg, shapes)[j]
+        return rule.kind.forward_spans(native, raw.info(rule.native).shape, cfg, shapes)[j]
 
     return spans
 
@@ -121,7 +121,7 @@ def _forward_rows(raw: RawCheckpoint, rule: Rule, cfg: ModelConfig) -> Callable[
         native = raw.spans(rule.native)
         if native is None:
             return None
-        return rule.kind.forward_rows(native, raw.infos[rule.native].shape, cfg, order)
+        return rule.kind.forward_rows(native, raw.info(rule.native).shape, cfg, order)
 
     return rows
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.quant import compressed, fp8, mistral, modelopt, mxfp4, nvfp4
+from ckptkit.quant import compressed, fp8, mistral, modelopt, mxfp4, nvfp4, packed
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
 from ckptkit.tensors.dtypes import to_torch
 from ckptkit.tensors.lazy import Lazy
@@ -88,6 +88,7 @@ class Found:
     pairs: dict[str, tuple[Stored, ...]]  # native weight name -> its scales' infos (method.scale_names order)
     dropped: list[str]
     stored_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # weights shown in their model shape
+    renamed: dict[str, str] = field(default_factory=dict)  # weights shown under their model name -> stored name
 
 
 def source_quant_config(config: dict[str, Any], folder: Path | None = None) -> Any:
@@ -118,12 +119,14 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
         weight = method.weight_of_scale(name)
         if weight is None:
             continue
-        w = infos.get(weight)
+        w = infos.get(method.stored_name(weight))
         if w is None:
-            raise CkptkitError(f"{where.parent / info.file}: {name} is a scale, but there is no tensor {weight}")
+            raise CkptkitError(
+                f"{where.parent / info.file}: {name} is a scale, but there is no tensor {method.stored_name(weight)}"
+            )
         if w.dtype != method.stored:
             raise CkptkitError(
-                f"{where.parent / w.file}: {weight} is {w.dtype} but has a scale {name}; "
+                f"{where.parent / w.file}: {w.name} is {w.dtype} but has a scale {name}; "
                 f"{method.name} weights are {method.stored}"
             )
         if method.keeps_unquantized(weight):
@@ -136,24 +139,34 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
         missing = [n for n in names if n not in scales]
         if missing:
             raise CkptkitError(
-                f"{where.parent / infos[weight].file}: {weight} has {', '.join(scales)} but no scale {missing[0]}; "
+                f"{where.parent / infos[method.stored_name(weight)].file}: {weight} has {', '.join(scales)} but no "
+                f"scale {missing[0]}; "
                 f"{method.name} weights need {', '.join(names)}"
             )
         pairs[weight] = tuple(scales[n] for n in names)
     for name, info in infos.items():
-        if info.dtype == method.stored and name not in pairs and method.weight_of_scale(name) is None:
+        weight = method.model_name(name) or name
+        if info.dtype == method.stored and weight not in pairs and method.weight_of_scale(name) is None:
             raise CkptkitError(
                 f"{where.parent / info.file}: {name} is quantized ({info.dtype}) but has no scale "
-                f"{method.scale_name(name)}; refusing to copy raw {method.name} bytes as weights"
+                f"{method.scale_name(weight)}; refusing to copy raw {method.name} bytes as weights"
             )
     if not pairs:
         raise CkptkitError(f"{where}: quantization_config says {method.name}, but no tensor has a scale")
     for name in [*dropped, *(n for w in pairs for n in method.scale_names(w))]:
         del infos[name]
+    renamed = {w: method.stored_name(w) for w in pairs if method.stored_name(w) != w}
+    if renamed:  # shown under the model's name, in stored order
+        back = {s: w for w, s in renamed.items()}
+        shown = {
+            back.get(k, k): dataclasses.replace(v, name=back.get(k, k)) if k in back else v for k, v in infos.items()
+        }
+        infos.clear()
+        infos.update(shown)
     shapes = {w: tuple(infos[w].shape) for w in pairs if method.model_shape(infos[w].shape) != tuple(infos[w].shape)}
     for w, shape in shapes.items():
         infos[w] = dataclasses.replace(infos[w], shape=method.model_shape(shape))
-    return Found(method, pairs, dropped, shapes)
+    return Found(method, pairs, dropped, shapes, renamed)
 
 
 def bound(
@@ -315,23 +328,24 @@ def with_scales(
     native weight name -> its scales' names); ``natives``: canonical weight -> (native name,
     the rule's transform): a per-row scale of a weight whose rows it permutes is permuted
     the same way (with ``cfg``, the model's config)."""
+    method = quant.method
     after: dict[str, dict[str, Lazy]] = {}
     for c, found in quant.scales.items():
         if c not in natives:
             continue
         native, kind = natives[c]
         if native in targets and kind is not None and not kind.is_identity() and kind.permutes_rows:
-            if not whole_heads(kind, quant.method, cfg.head_dim):
+            if not whole_heads(kind, method, cfg.head_dim):
                 found = tuple(
                     rows_moved(s, kind, cfg, to_native=True) if per_row(s.shape, targets[native].shape) else s
                     for s in found
                 )
-        after[native] = dict(zip(quant.method.scale_names(native), found, strict=True))
+        after[native] = dict(zip(method.scale_names(native), found, strict=True))
     out: dict[str, Lazy] = {}
     for name, lazy in targets.items():
-        out[name] = lazy
+        out[method.stored_name(name) if name in after else name] = lazy
         out.update(after.get(name, {}))
-    return out, {w: tuple(s) for w, s in after.items() if w in targets}
+    return out, {method.stored_name(w): tuple(s) for w, s in after.items() if w in targets}
 
 
 def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
@@ -346,7 +360,11 @@ def recorded_scales(config_text: str | None, names: Iterable[str]) -> set[str]:
         return set()
     if method is None:
         return set()
-    return {n for n in names if method.weight_of_scale(n) is not None or method.is_activation_scale(n)}
+    return {
+        n
+        for n in names
+        if method.weight_of_scale(n) is not None or method.is_activation_scale(n) or method.model_name(n) is not None
+    }
 
 
 assert fp8.BlockFP8.name in METHODS
@@ -354,3 +372,4 @@ assert compressed.CompressedTensors.name in METHODS
 assert modelopt.ModelOptFP8.name in METHODS and nvfp4.ModelOptNVFP4 in modelopt.ModelOptFP8.variants.values()
 assert mistral.MistralFP8.name in METHODS
 assert mxfp4.MXFP4.name in METHODS
+assert compressed.CompressedTensors.packed is packed.PackedCompressedTensors

@@ -16,15 +16,17 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptkit.errors import CkptkitError
 from ckptkit.quant.grid import E4M3, INT8, GridScaled
 from ckptkit.quant.method import Stored, register_method
 
+PACKED_DTYPE = "int32"
 ACTIVATION: tuple[str, ...] = (".input_scale", ".input_zero_point", ".input_global_scale", ".k_scale", ".v_scale")
 ACTIVATION += (".output_scale", ".output_zero_point")
 NAIVE_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
+PACKED = "pack-quantized"  # int4 packed eight to an int32 word (packed.py)
 STRATEGIES = ("tensor", "channel", "group", "block")
 
 
@@ -36,19 +38,23 @@ class Scheme:
             raise CkptkitError(f"{where}: quantization_config.config_groups.{name} has no weights arguments")
         w = group["weights"]
         self.format = group.get("format") or default_format
-        if self.format not in NAIVE_FORMATS:
+        if self.format not in (*NAIVE_FORMATS, PACKED):
             raise CkptkitError(
                 f"{where}: compressed-tensors format {self.format!r} ({name}): ckptkit reads "
-                f"{', '.join(NAIVE_FORMATS)}; nothing converted"
+                f"{', '.join((*NAIVE_FORMATS, PACKED))}; nothing converted"
             )
         kind, bits = w.get("type"), w.get("num_bits")
-        if (kind, bits) not in (("float", 8), ("int", 8)):
+        self.symmetric = w.get("symmetric", True) is not False
+        if self.format == PACKED:
+            if (kind, bits) != ("int", 4):
+                raise CkptkitError(f"{where}: {name}: {PACKED} {bits}-bit {kind} weights: ckptkit reads 4-bit int")
+        elif (kind, bits) not in (("float", 8), ("int", 8)):
             raise CkptkitError(f"{where}: {name}: {bits}-bit {kind} weights: ckptkit reads 8-bit float or int")
-        if w.get("symmetric", True) is not True:
+        elif not self.symmetric:
             raise CkptkitError(f"{where}: {name}: asymmetric weights (zero points): ckptkit reads symmetric ones")
         if w.get("dynamic", False) not in (False, None):
             raise CkptkitError(f"{where}: {name}: dynamic weight scales: not a stored checkpoint's weights")
-        self.stored = E4M3 if kind == "float" else INT8
+        self.stored = PACKED_DTYPE if self.format == PACKED else E4M3 if kind == "float" else INT8
         self.strategy = w.get("strategy")
         if self.strategy not in STRATEGIES:
             raise CkptkitError(
@@ -106,6 +112,20 @@ class CompressedTensors(GridScaled):
     name = "compressed-tensors"
     skip_key = "ignore"
 
+    packed: ClassVar[type[CompressedTensors] | None] = None  # the pack-quantized reader (packed.py)
+
+    @classmethod
+    def for_config(cls, config: Mapping[str, Any], where: Path) -> CompressedTensors:
+        groups = config.get("config_groups")
+        formats = (
+            {g.get("format") or config.get("format") for g in groups.values() if isinstance(g, dict)}
+            if isinstance(groups, dict)
+            else set()
+        )
+        if PACKED in formats and cls.packed is not None:
+            return cls.packed(config, where)
+        return cls(config, where)
+
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         super().__init__(config, where)
         status = config.get("quantization_status", "compressed")
@@ -120,7 +140,9 @@ class CompressedTensors(GridScaled):
         self.schemes = [Scheme(k, v, config.get("format"), where) for k, v in groups.items()]
         stored = {s.stored for s in self.schemes}
         if len(stored) > 1:
-            raise CkptkitError(f"{where}: compressed-tensors groups of both float and int weights: not read")
+            raise CkptkitError(
+                f"{where}: compressed-tensors groups of {' and '.join(sorted(stored))} weights: not read"
+            )
         self.stored = stored.pop()
         ignore = config.get("ignore") or []
         if not (isinstance(ignore, list) and all(isinstance(m, str) for m in ignore)):
@@ -136,11 +158,15 @@ class CompressedTensors(GridScaled):
         return any(scheme.matches(module) for scheme in self.schemes)
 
     def scheme_of(self, weight: Stored) -> Scheme:
-        module = weight.name.rsplit(".", 1)[0]
+        return self.scheme_named(weight.name)
+
+    def scheme_named(self, name: str) -> Scheme:
+        """The config group's scheme of the weight stored as ``name``."""
+        module = name.rsplit(".", 1)[0]
         for scheme in self.schemes:
             if scheme.matches(module):
                 return scheme
-        raise CkptkitError(f"{self.where}: {weight.name} is stored quantized, but no config group targets {module}")
+        raise CkptkitError(f"{self.where}: {name} is stored quantized, but no config group targets {module}")
 
     def block_of(self, weight: Stored) -> tuple[int, int]:
         return self.scheme_of(weight).block_of(weight.shape)

@@ -64,6 +64,16 @@ class QuantMethod:
         """The names of all of ``weight``'s scale tensors, :meth:`scale_name` first (NVFP4 has two)."""
         return (self.scale_name(weight),)
 
+    def stored_name(self, weight: str) -> str:
+        """The name weight ``weight`` is stored under (compressed-tensors' packed ``X.weight_packed``);
+        by default its own."""
+        return weight
+
+    def model_name(self, stored: str) -> str | None:
+        """The weight a tensor stored as ``stored`` is (:meth:`stored_name`'s inverse), or None:
+        not a renamed weight."""
+        return None
+
     def combined(self, scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The one scale tensor the arithmetic takes, of a weight's :meth:`scale_names` tensors."""
         return scales[0]

@@ -20,11 +20,13 @@ from conftest import FIXTURES
 
 CT = FIXTURES / "ct" / "fp8"
 INT8 = FIXTURES / "ct" / "int8"
+W4 = FIXTURES / "ct" / "w4a16-asym"
 MO = FIXTURES / "modelopt" / "fp8"
 NV = FIXTURES / "modelopt" / "nvfp4"
 MI = FIXTURES / "mistral-fp8"
 WQ = "layers.0.attention.wq"
 Q = "model.layers.0.self_attn.q_proj"  # per channel in ct/fp8
+K = "model.layers.0.self_attn.k_proj"  # 20 rows: int4 groups of 8 in ct/w4a16-asym
 GATE = "model.layers.0.mlp.gate_proj"  # 16 x 16 blocks in ct/fp8
 
 
@@ -36,6 +38,16 @@ def _poked(folder: Path, name: str, value: float) -> torch.Tensor:
     t = _stored(folder, name)
     t.view(-1)[min(1, t.numel() - 1)] = value
     return t
+
+
+def _w4_scale(value: float) -> torch.Tensor:
+    return _poked(W4, f"{K}.weight_scale", value)
+
+
+def _w4_groups(**weights: Any) -> dict[str, Any]:
+    groups = json.loads((W4 / "config.json").read_text())["quantization_config"]["config_groups"]
+    groups["group_0"]["weights"].update(weights)
+    return groups  # type: ignore[no-any-return]
 
 
 def _ct_scale(value: float) -> torch.Tensor:
@@ -93,11 +105,62 @@ BROKEN: dict[str, tuple[Path, dict[str, torch.Tensor | None], dict[str, Any], st
         {"config_groups": json.loads((CT / "config.json").read_text())["quantization_config"]["config_groups"]},
         r"is int8 but has a scale .*weight_scale; compressed-tensors weights are float8_e4m3fn",
     ),
-    "ct pack-quantized": (
+    "ct pack-quantized 8-bit": (
         INT8,
         {},
         {"format": "pack-quantized"},
-        r"format 'pack-quantized' \(group_0\): ckptkit reads",
+        r"group_0: pack-quantized 8-bit int weights: ckptkit reads 4-bit int",
+    ),
+    "ct bitmask format": (
+        INT8,
+        {},
+        {"format": "sparse-bitmask"},
+        r"format 'sparse-bitmask' \(group_0\): ckptkit reads",
+    ),
+    "ct4 no scale": (W4, {f"{K}.weight_scale": None}, {}, rf"{K}.weight has .* but no scale {K}.weight_scale"),
+    "ct4 no zero point": (W4, {f"{K}.weight_zero_point": None}, {}, rf"but no scale {K}.weight_zero_point"),
+    "ct4 no packed weight": (
+        W4,
+        {f"{K}.weight_packed": None},
+        {},
+        rf"{K}.weight_s\w+ is a scale, but there is no tensor {K}.weight_packed",
+    ),
+    "ct4 packed weight without scales": (
+        W4,
+        {f"{K}.weight_scale": None, f"{K}.weight_shape": None, f"{K}.weight_zero_point": None},
+        {},
+        rf"{K}.weight_packed is quantized \(int32\) but has no scale {K}.weight_scale",
+    ),
+    "ct4 scale shape": (
+        W4,
+        {f"{K}.weight_scale": torch.ones(20, 4, dtype=torch.bfloat16)},
+        {},
+        rf"{K}.weight_scale is \[20, 4\], but {K}.weight_packed \[20, 5\] \(20 x 40 int4, groups of 8\) "
+        r"needs \[20, 5\]",
+    ),
+    "ct4 zero point shape": (
+        W4,
+        {f"{K}.weight_zero_point": torch.zeros(20, 5, dtype=torch.int32)},
+        {},
+        rf"{K}.weight_zero_point is \[20, 5\], .* needs \[3, 5\]",
+    ),
+    "ct4 nan scale": (
+        W4,
+        {f"{K}.weight_scale": _w4_scale(float("nan"))},
+        {},
+        rf"{K}.weight_scale: 1 scale\(s\) are NaN",
+    ),
+    "ct4 weight_shape lies": (
+        W4,
+        {f"{K}.weight_shape": torch.tensor([20, 32])},
+        {},
+        rf"{K}.weight_shape is \[20, 32\], but the packed weight holds \[20, 40\]",
+    ),
+    "ct4 groups not whole": (
+        W4,
+        {},
+        {"config_groups": _w4_groups(group_size=16)},
+        r"down_proj.weight_packed holds 56 columns, not whole groups of 16; not read",
     ),
     "ct frozen": (INT8, {}, {"quantization_status": "frozen"}, r"quantization_status 'frozen': the weights are not"),
     "ct no target": (
