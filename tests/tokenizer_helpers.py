@@ -218,6 +218,20 @@ def gguf_reader(path: Path) -> object:
     return reader
 
 
+_VOCABS: dict[str, dict[str, object]] = {}
+
+
+def llama_cpp_vocab(name: str) -> dict[str, object]:
+    """The key/value entries of llama.cpp's ``models/ggml-vocab-{name}.gguf`` (checked by
+    SHA-256), decoded once per process by ``gguf_sections.kv_values`` (``test_gguf.py`` checks
+    it against ``GGUFReader``, which takes tens of seconds on Llama 3's)."""
+    if name not in _VOCABS:
+        from gguf_sections import kv_values
+
+        _VOCABS[name] = kv_values(llama_cpp_dir() / "models" / f"ggml-vocab-{name}.gguf")
+    return _VOCABS[name]
+
+
 LLAMA2_MODEL_SHA256 = "e402be23ecce98d0833a76ba7a502e2a8bf01f8063f1c7087667e5c1858bd969"
 
 
@@ -241,9 +255,9 @@ def llama2_tokenizer_model() -> Path:
 def _write_llama2_model(vocab: Path, path: Path) -> None:
     from ckptkit.tokenization.spm_proto import BPE, Piece, SpmModel, write_spm_model
 
-    fields = gguf_reader(vocab).fields  # type: ignore[attr-defined]
-    tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "scores", "token_type"))
-    pieces = [Piece(t, s, k) for t, s, k in zip(tokens, scores, types, strict=True)]
+    fields = llama_cpp_vocab(vocab.name.removeprefix("ggml-vocab-").removesuffix(".gguf"))
+    tokens, scores, types = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    pieces = [Piece(t, s, k) for t, s, k in zip(tokens, scores, types, strict=True)]  # type: ignore[call-overload]
     model = SpmModel(pieces, BPE, byte_fallback=True, normalizer_name="identity", remove_extra_whitespaces=False)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(write_spm_model(model))

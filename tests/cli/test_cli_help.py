@@ -3,6 +3,7 @@ name whole, usage lines naming arguments as the docs do."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,20 +19,51 @@ from ckptkit.cli import app
 COMMANDS = sorted(get_command(app).commands)  # type: ignore[attr-defined]
 
 
-def _help(command: list[str]) -> str:
-    """The help a user sees in an 80-column terminal (a real process: click sizes its
-    output from the terminal, not from what a test runner passes it)."""
+# Each command's --help in one process: the app's entry point run once per command, its
+# stdout taken for each, the exit status with it.
+HELPS = """
+import contextlib, io, json, sys
+from ckptkit.cli import app
+found = {}
+for command in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            app([*command, "--help"], prog_name="ckptkit")
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    found[" ".join(command)] = [code, out.getvalue()]
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, str]:
+    """The help a user sees in an 80-column terminal, by command (a real process: click sizes
+    its output from the terminal, not from what a test runner passes it); one process
+    prints every command's."""
     env = {**os.environ, "COLUMNS": "80", "LINES": "24"}
-    result = subprocess.run(
-        [sys.executable, "-m", "ckptkit", *command, "--help"], env=env, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    commands = json.dumps([[], *[[c] for c in COMMANDS]])
+    result = subprocess.run([sys.executable, "-c", HELPS, commands], env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    found = json.loads(result.stdout)
+    assert all(code == 0 for code, _ in found.values()), found
+    return {command: text for command, (_, text) in found.items()}
+
+
+@pytest.mark.slow
+def test_help_of_a_process_of_its_own_is_the_same(helps: dict[str, str]) -> None:
+    """``python -m ckptkit convert --help`` prints what the one process printed for it."""
+    env = {**os.environ, "COLUMNS": "80", "LINES": "24"}
+    cmd = [sys.executable, "-m", "ckptkit", "convert", "--help"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    assert (result.returncode, result.stdout, result.stderr) == (0, helps["convert"], "")
 
 
 @pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]], ids=lambda c: " ".join(c) or "ckptkit")
-def test_help_fits_80_columns_with_every_option_whole(command: list[str]) -> None:
-    text = _help(command)
+def test_help_fits_80_columns_with_every_option_whole(command: list[str], helps: dict[str, str]) -> None:
+    text = helps[" ".join(command)]
     assert [line for line in text.splitlines() if len(line) > 80] == []
     assert "…" not in text
     if command:
@@ -77,7 +109,7 @@ def _offered(command: str, param: Any) -> list[str]:
         ("generate", "Usage: ckptkit generate [OPTIONS] CHECKPOINT"),
     ],
 )
-def test_usage_line_names_arguments_as_the_docs_do(command: str, usage: str) -> None:
-    text = _help([command])
+def test_usage_line_names_arguments_as_the_docs_do(command: str, usage: str, helps: dict[str, str]) -> None:
+    text = helps[command]
     assert text.splitlines()[0] == usage
     assert "<bool>" not in text and "{" not in text.splitlines()[0]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import ckptkit_in_process
 from typer.main import get_command
 
 from ckptkit.cli import app
@@ -56,18 +57,28 @@ def _runnable() -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_documented_commands_run_on_the_bundled_fixtures(tmp_path: Path) -> None:
+def test_documented_commands_run_on_the_bundled_fixtures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run in order, from a folder that sees the repository's fixtures, as a user would from
-    the repository root (outputs land in the temporary folder)."""
+    the repository root (outputs land in the temporary folder): the first line by bash with
+    the ``ckptkit`` console script, the others' ``ckptkit`` commands in this process
+    (tests/cli_helpers.py), each exiting 0."""
     (tmp_path / "fixtures").symlink_to(ROOT / "fixtures")
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "COLUMNS": "80"}
     commands = _runnable()
     assert len(commands) >= 6
-    for where, command in commands:
-        assert shlex.split(command)[0] == "ckptkit", command  # nothing else is documented to run
-        res = subprocess.run(["bash", "-ec", command], cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert res.returncode == 0, f"{where}: {command}\n{res.stdout}\n{res.stderr}"
+    (where, first), *rest = commands
+    res = subprocess.run(["bash", "-ec", first], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, f"{where}: {first}\n{res.stdout}\n{res.stderr}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    for where, command in rest:
+        for part in command.split(" && "):
+            argv = shlex.split(part)
+            assert argv[0] == "ckptkit" and "|" not in argv and ";" not in part, command  # nothing else is documented
+            proc = ckptkit_in_process(*argv[1:])
+            assert proc.returncode == 0, f"{where}: {command}\n{proc.stdout}\n{proc.stderr}"
+    assert shlex.split(first)[0] == "ckptkit", first
 
 
 def _synopses(path: Path) -> dict[str, list[str]]:

@@ -7,10 +7,10 @@ and exit 2 too."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import ckptkit_in_process, ckptkit_process
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import FlagError
@@ -53,9 +53,9 @@ CONTRADICT_FILES = {
 
 
 def run(args: list[str], dst: Path) -> subprocess.CompletedProcess[str]:
+    """``ckptkit convert FIXTURES/SRC DST REST`` in this process (tests/cli_helpers.py)."""
     src, *rest = args
-    cmd = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURES / src), str(dst), *rest]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return ckptkit_in_process("convert", FIXTURES / src, dst, *rest)
 
 
 @pytest.mark.parametrize(
@@ -138,9 +138,20 @@ USAGE = {
 }
 
 
-@pytest.mark.parametrize(("args", "message"), USAGE.values(), ids=USAGE.keys())
-def test_bad_usage_of_every_command_is_one_line(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", *args], capture_output=True, text=True, timeout=300)
+# Also run as genuine ``python -m ckptkit`` processes (the others run in this process).
+IN_A_PROCESS = ("no such command", "convert without --to", "run bad process count")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [pytest.param(*case, marks=pytest.mark.slow) if name in IN_A_PROCESS else case for name, case in USAGE.items()],
+    ids=USAGE.keys(),
+)
+def test_bad_usage_of_every_command_is_one_line(args: list[str], message: str, request: pytest.FixtureRequest) -> None:
+    proc = ckptkit_in_process(*args)
+    if request.node.callspec.id in IN_A_PROCESS:
+        real = ckptkit_process(*args)
+        assert (real.returncode, real.stdout, real.stderr) == (proc.returncode, proc.stdout, proc.stderr)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()

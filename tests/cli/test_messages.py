@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import ckptkit_in_process, ckptkit_process
 
 from ckptkit.formats import format_names
 
@@ -17,9 +17,9 @@ from conftest import FIXTURES
 
 
 def ckptkit(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptkit", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
+    """``ckptkit ARGS`` in this process (tests/cli_helpers.py); the cases marked slow run
+    ``python -m ckptkit`` too, for what a process of its own prints."""
+    return ckptkit_in_process(*args)
 
 
 def one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:
@@ -174,6 +174,21 @@ def test_an_adapter_on_another_base_names_the_adapter_the_mismatch_and_the_fix(
     line = one_line(proc, 1)
     assert line.startswith(f"error: {folder}: ")
     assert expected.format(base=base_dir, trained_on=trained_on) in line
+
+
+@pytest.mark.slow
+def test_a_process_of_its_own_prints_the_same_one_line(adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Bad usage (exit 2) and a refused adapter (exit 1, after loading the base) as genuine
+    ``python -m ckptkit`` processes: one line, as in the in-process runs above, with nothing
+    printed while importing or loading."""
+    args, expected = CHOICES["--to huggingface"]
+    line = one_line(ckptkit_process("convert", FIXTURES / "hf/llama2", tmp_path / "o", *args), 2)
+    assert expected in line
+    command, adapter, base, expected = WRONG_BASE["generate, other hidden size"]
+    folder, base_dir = adapters[adapter], FIXTURES / "hf" / base
+    proc = ckptkit_process(command, base_dir, "--prompt", "hi", "--max-new-tokens", "2", "--adapter", folder)
+    line = one_line(proc, 1)
+    assert line.startswith(f"error: {folder}: ") and "it was trained on a model with hidden size 40" in line
 
 
 @pytest.mark.slow

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import ckptkit_in_process
 from safetensors.torch import load_file, save_file
 from test_errors import copy_fixture, edit_pickle
 
@@ -22,9 +22,7 @@ CANONICAL_ONLY = ("layers.0.attn.", "sa_norm", ".scale", "mlp.w1")
 
 
 def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptkit", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
+    return ckptkit_in_process(*args)
 
 
 def test_a_widening_cast_is_reported_as_same_values_in_hf_names(tmp_path: Path) -> None:

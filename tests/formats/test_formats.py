@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import ckptkit_in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -71,12 +72,8 @@ def test_torch_writer_loads_with_torch_and_passes_zip_crc(sd: dict, tmp_path_fac
 def test_inspect_json_describes_hf_fixture() -> None:
     from transformers import AutoModelForCausalLM
 
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "inspect", str(FIXTURES / "hf" / "llama3"), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = ckptkit_in_process("inspect", FIXTURES / "hf" / "llama3", "--json")
+    assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["format"] == "hf" and info["model_type"] == "llama3"
     assert info["files"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
@@ -117,11 +114,7 @@ def test_dtype_cast_and_verify(tmp_path: Path) -> None:
         assert {t.dtype for t in ck.tensors.values()} == {"float32"}
     cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
     assert cfg["dtype"] == "float32"
-    res = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "verify", str(FIXTURES / "hf" / "qwen2"), str(tmp_path / "f32"), "--json"],
-        capture_output=True,
-        text=True,
-    )
+    res = ckptkit_in_process("verify", FIXTURES / "hf" / "qwen2", tmp_path / "f32", "--json")
     report = json.loads(res.stdout)
     assert res.returncode == 1 and not report["identical"] and report["verdict"] == "cast"
     first = report["differences"][0]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf_sections import read_sections
+from gguf_sections import kv_values, read_sections
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError, FlagError
@@ -129,7 +129,8 @@ def assert_same_gguf(ours: Path, theirs: Path) -> None:
 @pytest.mark.parametrize(("family", "pre"), [("llama2", None), ("qwen2", "qwen2")])
 def test_sections_split_a_gguf_as_gguf_reader_reads_it(family: str, pre: str | None, tmp_path: Path) -> None:
     """What assert_same_gguf compares: every key/value entry's bytes are its GGUFReader field's
-    parts (sentencepiece and BPE vocabularies, merges), every tensor GGUFReader's."""
+    parts (sentencepiece and BPE vocabularies, merges), every tensor GGUFReader's; what
+    kv_values decodes is every field's ``contents()``."""
     from gguf import GGUFReader
 
     out = tmp_path / "m.gguf"
@@ -138,6 +139,8 @@ def test_sections_split_a_gguf_as_gguf_reader_reads_it(family: str, pre: str | N
     fields = [(k, b"".join(p.tobytes() for p in f.parts)) for k, f in reader.fields.items()]
     fields = [(k, entry) for k, entry in fields if not k.startswith("GGUF.")]
     assert sections.kv == fields and len(fields) > 20
+    contents = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert kv_values(out) == contents and len(contents["tokenizer.ggml.tokens"]) > 100
     tensors = [(t.name, int(t.tensor_type), tuple(int(x) for x in t.shape)) for t in reader.tensors]
     assert sections.tensors == tensors
     assert all(sections.data[t.name] == t.data.tobytes() for t in reader.tensors)

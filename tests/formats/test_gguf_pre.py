@@ -75,10 +75,11 @@ def test_a_tokenizer_llama_cpp_does_not_recognise_goes_to_gguf_with_gguf_pre(
     it; the tokenizer the GGUF's vocabulary gives with NAME's split (as ckptkit rebuilds it,
     which gives llama.cpp's official ids for llama-bpe: test_gguf_read.py) is the source's,
     id for id. With a wrong NAME the note asks to check the ids."""
+    from gguf_sections import kv_values
     from test_gguf_read import cli
 
     from conftest import FIXTURES
-    from tokenizer_helpers import CORPUS, gguf_reader
+    from tokenizer_helpers import CORPUS
 
     src = FIXTURES / fixture
     code, _, err = cli("convert", src, tmp_path / "no.gguf", "--to", "gguf")
@@ -91,9 +92,9 @@ def test_a_tokenizer_llama_cpp_does_not_recognise_goes_to_gguf_with_gguf_pre(
         notes = [line for line in err.splitlines() if line.startswith("note:")]
         assert len(notes) == 1 and "llama.cpp's converter would refuse" in notes[0], err
         assert ("; to be sure llama.cpp splits text" not in notes[0]) == same, notes[0]  # action only if needed
-        fields = gguf_reader(out).fields  # type: ignore[attr-defined]
-        assert fields["tokenizer.ggml.pre"].contents() == name
-        assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+        fields = kv_values(out)
+        assert fields["tokenizer.ggml.pre"] == name
+        assert fields["tokenizer.ggml.model"] == "gpt2"
         code, _, err = cli("convert", out, tmp_path / name, "--to", "hf")
         assert code == 0, err
         if same:  # (a tiny vocabulary may give the same ids with another split: the wrong one is not checked)
@@ -125,10 +126,10 @@ def test_gguf_pre_names_only_what_llama_cpp_knows_in_one_line(llama_cpp: Path, t
 def test_a_gguf_written_with_gguf_pre_converts_to_gguf_again_with_its_recorded_name(tmp_path: Path) -> None:
     """Its tokenizer (rebuilt from the GGUF) is still one llama.cpp does not recognise: the
     GGUF's own tokenizer.ggml.pre is taken, with the note; a tokenizer --tokenizer gives is not."""
+    from gguf_sections import kv_values
     from test_gguf_read import cli
 
     from conftest import FIXTURES
-    from tokenizer_helpers import gguf_reader
 
     src = FIXTURES / "hf" / "qwen2"
     code, _, err = cli("convert", src, tmp_path / "a.gguf", "--to", "gguf", "--gguf-pre", "qwen2", "--quiet")
@@ -137,7 +138,7 @@ def test_a_gguf_written_with_gguf_pre_converts_to_gguf_again_with_its_recorded_n
     assert code == 0, err
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "written with tokenizer.ggml.pre 'qwen2' as the source GGUF records" in notes[0]
-    assert gguf_reader(tmp_path / "b.gguf").fields["tokenizer.ggml.pre"].contents() == "qwen2"  # type: ignore[attr-defined]
+    assert kv_values(tmp_path / "b.gguf")["tokenizer.ggml.pre"] == "qwen2"
     code, _, err = cli("convert", tmp_path / "a.gguf", tmp_path / "c.gguf", "--to", "gguf", "--tokenizer", src)
     assert code == 1 and "name it with --gguf-pre NAME" in err, err
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import ckptkit_in_process
 
 if __name__ == "__main__":  # run as a script: rewrite docs/support.md (tests/ for its imports)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,7 +42,9 @@ def test_docs_support_matrix_is_the_command_output() -> None:
 
 @pytest.fixture(scope="module")
 def matrix() -> dict[str, dict[str, dict[str, Any]]]:
-    return json.loads(ckptkit("support", "--json"))
+    proc = ckptkit_in_process("support", "--json")  # tests/cli_helpers.py; the doc test above runs a process
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return json.loads(proc.stdout)
 
 
 def test_support_matrix_covers_every_registered_model_type_and_format(matrix: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import sentencepiece as spm
+from gguf_sections import kv_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,10 +33,10 @@ from reference_cache import cached_outputs
 from tokenizer_helpers import (
     CORPUS,
     autotokenizer_without_extras,
-    gguf_reader,
     llama2_tokenizer_model,
     llama3_tokenizer_model,
     llama_cpp_dir,
+    llama_cpp_vocab,
     mistral_tokenizer_models,
     vocab_tests,
     write_tiny_meta_llama3,
@@ -113,8 +114,13 @@ def _with_specials(text: str, specials: dict[str, int], encode: Any) -> list[int
 def _sp_ids(sp: Any, text: str) -> list[int]:
     """Sentencepiece's ids for ``text``, its control and unknown pieces written in the text
     (``[INST]``, ``</s>``) as their ids."""
-    specials = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
-    return _with_specials(text, specials, sp.encode)
+    if sp not in _SP_SPECIALS:
+        n = sp.get_piece_size()
+        _SP_SPECIALS[sp] = {sp.id_to_piece(i): i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
+    return _with_specials(text, _SP_SPECIALS[sp], sp.encode)
+
+
+_SP_SPECIALS: dict[Any, dict[str, int]] = {}  # per sentencepiece processor: its control and unknown pieces
 
 
 _LLAMA3_SPECIALS: dict[str, dict[str, int]] = {}
@@ -125,8 +131,8 @@ def _llama3_specials(name: str) -> dict[str, int]:
     3.1 / 3.2's as Meta's tokenizer in llama-models names them."""
     if name not in _LLAMA3_SPECIALS:
         if name == "llama3":
-            fields = gguf_reader(llama_cpp_dir() / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
-            tokens = fields["tokenizer.ggml.tokens"].contents()
+            tokens = llama_cpp_vocab("llama-bpe")["tokenizer.ggml.tokens"]
+            assert isinstance(tokens, list)
             _LLAMA3_SPECIALS[name] = {t: i for i, t in enumerate(tokens) if i >= 128000}
         else:
             _LLAMA3_SPECIALS[name] = dict(_meta_llama3().special_tokens)
@@ -228,12 +234,12 @@ def test_mistral_v3_user_defined_pieces_are_isolated_as_sentencepiece_does(autot
 
 def test_llama3_tokens_and_merges_equal_llama_cpp_vocabulary(real_hf: dict[str, Path]) -> None:
     """Token list and the 280147 merges, in order, as in llama.cpp's ggml-vocab-llama-bpe.gguf."""
-    fields = gguf_reader(llama_cpp_dir() / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
+    fields = llama_cpp_vocab("llama-bpe")
     doc = json.loads((real_hf["llama3"] / "tokenizer.json").read_text(encoding="utf-8"))
     tokens = {**doc["model"]["vocab"], **{t["content"]: t["id"] for t in doc["added_tokens"]}}
-    assert sorted(tokens, key=tokens.__getitem__) == fields["tokenizer.ggml.tokens"].contents()
+    assert sorted(tokens, key=tokens.__getitem__) == fields["tokenizer.ggml.tokens"]
     merges = [" ".join(m) if isinstance(m, list) else m for m in doc["model"]["merges"]]
-    assert merges == fields["tokenizer.ggml.merges"].contents()
+    assert merges == fields["tokenizer.ggml.merges"]
 
 
 @pytest.mark.parametrize("name", SPM_VOCABS)
@@ -308,11 +314,10 @@ def test_llama3_hf_folder_gives_llama_cpp_the_official_vocabulary(tmp_path: Path
         assert res.returncode == 0, res.stderr[-3000:]
 
     cached_outputs([tmp_path / "hf"], [cmd[1], cmd[3]], [out], run)  # llama.cpp's run for these inputs, made once
-    ours = gguf_reader(out).fields  # type: ignore[attr-defined]
-    official = gguf_reader(llama_cpp / "models" / "ggml-vocab-llama-bpe.gguf").fields  # type: ignore[attr-defined]
-    assert ours["tokenizer.ggml.pre"].contents() == "llama-bpe"
+    ours, official = kv_values(out), llama_cpp_vocab("llama-bpe")
+    assert ours["tokenizer.ggml.pre"] == "llama-bpe"
     for key in ("model", "tokens", "merges", "token_type", "bos_token_id"):
-        assert ours[f"tokenizer.ggml.{key}"].contents() == official[f"tokenizer.ggml.{key}"].contents(), key
+        assert ours[f"tokenizer.ggml.{key}"] == official[f"tokenizer.ggml.{key}"], key
 
 
 @pytest.mark.parametrize("name", SPM_VOCABS)
