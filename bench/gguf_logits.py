@@ -46,7 +46,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixtures", nargs="*", default=["llama2", "mistral"])
-    parser.add_argument("--types", nargs="*", default=["Q8_0", *FILE_TYPES])
+    parser.add_argument("--types", nargs="*", default=list(dict.fromkeys(["Q8_0", *FILE_TYPES])))
     args = parser.parse_args()
     print("| fixture | --dtype | 2-D tensors written as | KL mean (nats) | KL max | top-1 agreement |")
     print("|---|---|---|---:|---:|---:|")

@@ -253,23 +253,24 @@ def check_gguf_pre(fmt: CheckpointFormat, name: str | None) -> None:
         raise FlagError(f"--gguf-pre (a llama.cpp pre-tokenizer) applies to {takers}, not --to {fmt.name}")
 
 
-def check_lossy(ckpt: Checkpoint, dtype: str | None) -> None:
-    """Tensors the source holds only approximately (quantized) are read with an explicit
-    --dtype, and the conversion says it is lossy."""
+DEQUANTIZED_DTYPE = "bfloat16"  # what a quantized GGUF's tensors are read at without --dtype
+
+
+def check_lossy(ckpt: Checkpoint, dtype: str | None) -> str | None:
+    """The ``--dtype`` a source's tensors are read at: tensors it holds only approximately
+    (quantized, a GGUF's blocks) are dequantized to ``dtype``, bfloat16 when none is given,
+    and the conversion says so in one note."""
     lossy = ckpt.raw.lossy
     if not lossy:
-        return
+        return dtype
     kinds = ", ".join(sorted(set(lossy.values())))
-    if dtype is None:
-        raise CkptkitError(
-            f"{ckpt.path}: {len(lossy)} tensors are quantized ({kinds}); dequantizing them is lossy: "
-            "pass --dtype float32, bfloat16 or float16 to convert them anyway"
-        )
+    how = dtype if dtype is not None else f"{DEQUANTIZED_DTYPE} (the default for quantized sources; --dtype TYPE)"
     fact = (
-        f"lossy: {len(lossy)} quantized tensors ({kinds}) dequantized to {dtype}, llama.cpp's approximations "
+        f"lossy: {len(lossy)} quantized tensors ({kinds}) dequantized to {how}, llama.cpp's approximations "
         "of the original weights, not the weights themselves"
     )
     ckpt.notes.append(note(fact))
+    return dtype if dtype is not None else DEQUANTIZED_DTYPE
 
 
 def check_quant_options(quant: QuantOptions, dtype: str | None) -> None:
@@ -397,7 +398,7 @@ def _convert_local(src: Path, dst: Path, fmt: CheckpointFormat, o: ConvertOption
         raise CkptkitError(f"--base applies to a LoRA adapter SRC (a folder with {ADAPTER_CONFIG}); {src} is not one")
     opened = open_checkpoint(src, o.from_format, o.model_type, o.config, check_model_type=not o.force_model_type)
     with opened, tokenizer_from(opened, o.tokenizer) as ckpt:
-        check_lossy(ckpt, o.dtype)
+        o = replace(o, dtype=check_lossy(ckpt, o.dtype))
         check_experts_choice(ckpt, fmt, o.experts)
         check_destination(src, dst, o.force, fmt)
         return write_checkpoint(ckpt, dst, o.plan_options(), o.verify, o.quiet, o.on_verify, o.copy_method, o.force)

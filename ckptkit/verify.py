@@ -12,6 +12,8 @@ tensor that is not bitwise equal is one of:
   every quantized byte;
 - ``quantized``: one side is the other quantized with the scales it holds (``--dtype fp8``),
   lossy: the error figure says how far;
+- ``ggml``: one side is a GGUF holding the weight in a llama.cpp quantized type (Q4_K...),
+  the other not: lossy, the error figure says how far (``--logits``: how far the outputs);
 - ``values``: the bytes differ otherwise;
 - ``shape``: the shapes differ.
 
@@ -50,6 +52,7 @@ class Difference:
     name_a: str = ""  # the tensor's name in A (native)
     name_b: str = ""  # in B
     rounded_to: str = ""  # kind "rounded": the dtype the other tensor equals once rounded to
+    ggml_type: str = ""  # kind "ggml": the GGML type the GGUF side holds the weight in
 
     def label(self) -> str:
         a, b = self.name_a or self.name, self.name_b or self.name
@@ -67,6 +70,11 @@ class Difference:
             return (
                 f"{where}: {self.dtype_a} vs {self.dtype_b}, quantized with the scales it holds "
                 f"(max abs diff {self.max_abs_diff:.6g})"
+            )
+        if self.kind == "ggml":
+            return (
+                f"{where}: {self.dtype_a} vs {self.dtype_b}, held as llama.cpp's {self.ggml_type} "
+                f"(lossy: max abs diff {self.max_abs_diff:.6g})"
             )
         if self.kind == "rounded":
             return (
@@ -144,6 +152,16 @@ class Report:
             cast_parts.append(f"{same} hold the same values in another dtype")
         if rounded:
             cast_parts.append(f"{rounded} equal the other's values rounded to their dtype")
+        ggml = [d for d in self.differences if d.kind == "ggml"]
+        if ggml and self.of_kind("ggml", *CAST_KINDS):
+            types = ", ".join(sorted({d.ggml_type for d in ggml}))
+            worst = max(d.max_abs_diff or 0.0 for d in ggml)
+            return (
+                f"GGML-QUANTIZED: {self.identical} of {n} tensors bitwise equal, {len(ggml)} held in llama.cpp's "
+                f"quantized types ({types}; lossy: max abs diff {worst:.6g})"
+                + "".join(f", {p}" for p in cast_parts)
+                + ("" if self.logits is not None else "; --logits measures KL divergence and top-1 agreement")
+            )
         if self.cast_only:
             head = "CAST (accepted: --allow-cast)" if allow_cast else "CAST"
             hint = "" if allow_cast else "; pass --allow-cast to accept casts"
@@ -321,7 +339,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
             if _bitwise_equal(ta, tb):
                 report.identical += 1
             else:
-                diff, kind, rounded_to = None, "shape", ""
+                diff, kind, rounded_to, held = None, "shape", "", None
                 if side is not None:
                     q, plain = (ta, tb) if side is a else (tb, ta)
                     kind, diff = _quantization_kind(side, renamed.get(name, name), q, plain)
@@ -332,6 +350,8 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
                         else 0.0
                     )
                     kind, rounded_to = _classify(ta, tb)
+                    held = a.raw.lossy.get(names_a.get(name, name)) or b.raw.lossy.get(names_b.get(name, name))
+                    kind = "ggml" if held and kind == "values" else kind
                 report.differences.append(
                     Difference(
                         name,
@@ -344,6 +364,7 @@ def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet
                         names_a.get(name, name),
                         names_b.get(name, name),
                         rounded_to,
+                        (held or "") if kind == "ggml" else "",
                     )
                 )
             del ta, tb

@@ -157,6 +157,12 @@ def test_logits_of_a_quantized_gguf_are_those_transformers_gives(
     assert got["top1_agreement"] == (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
     assert got["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-12, abs=0)
     assert got["kl_max"] == pytest.approx(kl.max().item(), rel=1e-12, abs=0)
+    # its own verdict: the weights held in llama.cpp's types, lossy; the F32 norms the same values
+    assert (out["verdict"], out["exit_code"], result.exit_code) == ("ggml-quantized", 1, 1)
+    assert {d["kind"] for d in out["differences"]} == {"ggml", "cast"}
+    line = CliRunner().invoke(app, ["verify", str(a), str(tmp_path / "q.gguf")]).stdout.splitlines()[0]
+    assert line.startswith("GGML-QUANTIZED: 0 of 21 tensors bitwise equal, 16 held in llama.cpp's quantized types")
+    assert line.endswith("5 hold the same values in another dtype; --logits measures KL divergence and top-1 agreement")
 
 
 @pytest.mark.parametrize("fixture", ["hf/llama2", "meta/llama2"])

@@ -38,7 +38,8 @@ void ggml_abort(const char * file, int line, const char * fmt, ...) { abort(); }
 size_t ggml_row_size(int type, int64_t ne) {  /* the types whose quantize_<type> is called */
     switch (type) {
         case 2: return ne / 32 * 18; case 3: return ne / 32 * 20; case 6: return ne / 32 * 22;
-        case 7: return ne / 32 * 24; case 12: return ne / 256 * 144; case 13: return ne / 256 * 176;
+        case 7: return ne / 32 * 24; case 10: return ne / 256 * 84; case 11: return ne / 256 * 110;
+        case 12: return ne / 256 * 144; case 13: return ne / 256 * 176;
         case 14: return ne / 256 * 210; default: abort();
     }
 }
@@ -59,7 +60,7 @@ ENTRY_POINT = ("IQ4_NL",)
 def ggml_quants_lib() -> ctypes.CDLL:
     """The compiled reference (built once into the cache)."""
     root = cache_dir() / f"llama-cpp-{LLAMA_CPP_PYTHON}" / "ggml-quants"
-    lib = root / "libggml-quants-ref-2.so"  # -2: ggml_row_size for the weighted quantize_<type>
+    lib = root / "libggml-quants-ref-3.so"  # -3: ggml_row_size for every weighted quantize_<type>
     with _cache_lock():
         if not lib.is_file():
             _build(root, lib)

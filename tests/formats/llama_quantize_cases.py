@@ -46,7 +46,11 @@ OPTION_RUNS: list[tuple[str, str, tuple[str, ...]]] = [
     ("moe8", "Q4_K_M", ("--pure",)),
     *[("wide", t, ("--imatrix", "IMATRIX.dat")) for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_S", "Q6_K")],
     *[("wide", t, ("--imatrix", "IMATRIX.gguf")) for t in ("Q4_K_M", "Q5_K_S", "Q5_K_M", "IQ4_XS", "Q3_K_M")],
+    *[("wide", t, ("--imatrix", "IMATRIX.dat")) for t in ("Q2_K", "Q3_K_S", "IQ4_NL", "IQ4_XS")],
+    *[("wide", t, ("--imatrix", "IMATRIX.gguf")) for t in ("Q2_K", "Q3_K_L", "IQ4_NL", "TQ2_0")],
     ("moe8", "Q4_K_M", ("--imatrix", "IMATRIX.gguf")),
+    ("moe8", "Q3_K_M", ("--imatrix", "IMATRIX.gguf")),
+    ("moe8", "IQ4_XS", ("--imatrix", "IMATRIX.dat")),
     ("moe8", "Q4_0", ("--imatrix", "IMATRIX.dat")),
     ("llama3", "Q4_0", ("--imatrix", "IMATRIX.dat")),
 ]

@@ -63,3 +63,23 @@ def test_q8_0_gives_llama_cpp_reference_bytes(case: str) -> None:
     with np.errstate(all="ignore"):
         got = quantize_q8_0(x.reshape(-1, 32))
     assert np.array_equal(got, reference("Q8_0", x))
+
+
+def _non_finite() -> np.ndarray:
+    rng = np.random.default_rng(2)
+    n = 256 * N
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.random(n) < 0.01] = np.inf
+    x[rng.random(n) < 0.01] = -np.inf
+    x[rng.random(n) < 0.01] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+def test_infinities_and_nans_give_the_reference_bytes(kind: str) -> None:
+    """The encoders whose searches take ggml's integer rounding where a value is not finite
+    (``qx.make_qx_quants``'s slow path, the IQ4 searches) give ggml's bytes for such values too."""
+    x = _non_finite()
+    with np.errstate(all="ignore"):
+        got = ENCODERS[kind].encode(x)
+    assert np.array_equal(got, reference(kind, x))

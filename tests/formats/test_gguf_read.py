@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,6 @@ from typer.testing import CliRunner
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.cli import app
 from ckptkit.convert import ConvertOptions, convert
-from ckptkit.errors import CkptkitError
 from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES
@@ -280,14 +280,17 @@ def test_tokenizer_rebuilt_from_gguf_metadata_gives_the_official_ids(vocab: str,
 
 
 @pytest.mark.slow
-def test_q8_0_gguf_is_dequantized_only_with_an_explicit_dtype(llama_cpp: Path, tmp_path: Path) -> None:
-    """The values are the gguf package's dequantization of llama.cpp's Q8_0, rows permuted back."""
+def test_q8_0_gguf_is_dequantized_to_bfloat16_or_the_dtype_given(llama_cpp: Path, tmp_path: Path) -> None:
+    """The values are the gguf package's dequantization of llama.cpp's Q8_0, rows permuted back;
+    without ``--dtype`` they are rounded to bfloat16, and the note says so."""
     from gguf import GGMLQuantizationType, GGUFReader, quants
+    from safetensors.torch import load_file as load_torch
 
     gguf = llama_cpp_gguf(llama_cpp, FIXTURES / "hf" / "llama2", tmp_path / "m.gguf", "q8_0")
-    code, _, err = cli("convert", gguf, tmp_path / "no", "--to", "hf")
-    assert code == 1 and "quantized (Q8_0); dequantizing them is lossy: pass --dtype" in err
-    assert not (tmp_path / "no").exists()
+    code, _, err = cli("convert", gguf, tmp_path / "bf16", "--to", "hf")
+    assert code == 0 and "(Q8_0) dequantized to bfloat16 (the default for quantized sources; --dtype" in err
+    bf16 = load_torch(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
     code, _, err = cli("convert", gguf, tmp_path / "hf", "--to", "hf", "--dtype", "float32")
     assert code == 0 and "lossy: 16 quantized tensors (Q8_0) dequantized to float32, llama.cpp" in err
     from safetensors.numpy import load_file
@@ -308,6 +311,8 @@ def test_q8_0_gguf_is_dequantized_only_with_an_explicit_dtype(llama_cpp: Path, t
             rows = ref.shape[0]
             ref = ref.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
         assert np.array_equal(got[hf_name].view(np.uint32), ref.astype(np.float32).view(np.uint32))
+        rounded = torch.from_numpy(ref.astype(np.float32)).to(torch.bfloat16)
+        assert torch.equal(bf16[hf_name].view(torch.int16), rounded.view(torch.int16))
 
 
 def _random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -339,10 +344,13 @@ def test_dequantization_is_the_gguf_package_reference_bit_for_bit(kind: str, mon
     assert np.array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))
 
 
-def write_llama_gguf(path: Path, kinds: dict[str, str], rng: np.random.Generator) -> dict[str, np.ndarray]:
+def write_llama_gguf(
+    path: Path, kinds: dict[str, str], rng: np.random.Generator, blocks: Callable[..., np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF by the gguf package's writer (dims 256, 4 heads, 2 kv heads); the
-    2-D tensors named in ``kinds`` random blocks of that type, the rest float32. Returns the
-    stored tensors as the gguf package dequantizes them, by GGUF name."""
+    2-D tensors named in ``kinds`` blocks of that type (``blocks(kind, rows, columns, rng)``,
+    random by default), the rest float32. Returns the stored tensors as the gguf package
+    dequantizes them, by GGUF name."""
     import gguf
 
     dim, ffn, vocab, heads, kv = 256, 512, 256, 4, 2
@@ -374,9 +382,9 @@ def write_llama_gguf(path: Path, kinds: dict[str, str], rng: np.random.Generator
             w.add_tensor(name, data)
             values[name] = data
         else:
-            blocks = _random_blocks(kind, shape[0], shape[1], rng)
-            w.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
-            values[name] = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+            raw = (blocks or _random_blocks)(kind, shape[0], shape[1], rng)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+            values[name] = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -388,8 +396,9 @@ def test_k_quant_gguf_converts_with_dtype_to_the_reference_values(tmp_path: Path
     kinds = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q5_K", "blk.0.ffn_down.weight": "Q6_K",
              "token_embd.weight": "Q8_0"}  # fmt: skip
     values = write_llama_gguf(tmp_path / "k.gguf", kinds, np.random.default_rng(3))
-    with pytest.raises(CkptkitError, match=r"4 tensors are quantized \(Q4_K, Q5_K, Q6_K, Q8_0\)"):
-        convert(tmp_path / "k.gguf", tmp_path / "no", ConvertOptions("hf"))
+    result = convert(tmp_path / "k.gguf", tmp_path / "bf16", ConvertOptions("hf"))
+    said = "lossy: 4 quantized tensors (Q4_K, Q5_K, Q6_K, Q8_0) dequantized to bfloat16 (the default"
+    assert any(n.startswith(said) for n in result.notes)
     result = convert(tmp_path / "k.gguf", tmp_path / "hf", ConvertOptions("hf", dtype="float32"))
     assert any(n.startswith("lossy: 4 quantized tensors") for n in result.notes)
     assert any("holds no tokenizer" in n for n in result.notes)

@@ -24,7 +24,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, writable
 from ckptkit.formats.gguf.tensors import hf_hparams, mixed_types, model_tensors, spec_of
-from ckptkit.formats.gguf.weighted import WEIGHTED
+from ckptkit.formats.gguf.weighted import UNWEIGHTED, WEIGHTED
 from ckptkit.models.moe import experts
 
 GOLDEN_FILE = Path(__file__).parent / "llama_quantize_golden.json"
@@ -32,8 +32,10 @@ if not GOLDEN_FILE.exists():  # until make_llama_quantize_golden.py has run once
     pytest.skip("llama_quantize_golden.json not recorded yet", allow_module_level=True)
 GOLDEN: dict[str, Any] = json.loads(GOLDEN_FILE.read_text())
 RUNS = list(GOLDEN["runs"])
-# whole files compared by default: the bundled fixtures' runs, one imatrix run of each wide model
-FAST = ("llama3 ", "qwen2 ", "mixtral ", "wide Q4_K_M --imatrix", "moe8 Q4_K_M --imatrix")
+# whole files compared by default: the bundled fixtures' runs and three imatrix runs (with llama3's
+# Q4_0 one, every weighted type but Q4_1 / Q5_0 / Q5_1 / IQ4_XS, which the slow runs check)
+FAST = ("llama3 ", "qwen2 ", "mixtral ", "wide Q2_K --imatrix IMATRIX.gguf", "wide IQ4_NL --imatrix IMATRIX.dat")
+FAST += ("moe8 Q4_K_M --imatrix",)
 
 
 def _marks(rid: str) -> tuple[pytest.MarkDecorator, ...]:
@@ -108,7 +110,7 @@ def _writes(model: str, rid: str, quant: QuantOptions, work: Path) -> bool:
     base = {name: kind for name, kind, _ in GOLDEN["models"][model]["tensors"]}
     order, types = GOLDEN["models"][model]["order"], GOLDEN["runs"][rid]["types"]
     retyped = {k for n, k in zip(order, types, strict=True) if base[n] != k}
-    return retyped <= set(WEIGHTED) | {"Q8_0", "F16", "BF16", "F32"}
+    return retyped <= set(WEIGHTED) | set(UNWEIGHTED)
 
 
 @pytest.mark.parametrize("rid", [pytest.param(r, marks=_marks(r)) for r in RUNS if r.split()[1:] != ["Q8_0"]])

@@ -485,14 +485,14 @@ def requantized(
 
 def _weigh(out: list[GGUFTensor], base: dict[str, GGUFTensor], imatrix: Imatrix) -> None:
     """Give the quantized tensors of ``out`` their ``imatrix`` weights (checked to be this model's)."""
-    from ckptkit.formats.gguf.weighted import WEIGHTED
+    from ckptkit.formats.gguf.weighted import UNWEIGHTED, WEIGHTED
 
     retyped = [t for t in out if t.qtype != base[t.name].qtype]
     imatrix.check({t.name: t.shape for t in retyped})
     for t in retyped:
         t.weights = imatrix.weights(t.name, t.shape)
         kind = type(t.qtype)(t.qtype).name
-        if t.weights is not None and kind not in WEIGHTED and kind not in ("Q8_0", "F16", "BF16", "F32"):
+        if t.weights is not None and kind not in WEIGHTED and kind not in UNWEIGHTED:
             raise CkptkitError(f"--imatrix: ckptkit does not write {kind} weighted by an imatrix yet ({t.name})")
 
 

@@ -27,6 +27,10 @@ from ckptkit.formats.gguf.encoders.common import (
     nibbles,
     running_sum,
 )
+from ckptkit.formats.gguf.encoders.iq4_nl import encode as iq4_nl_encode
+from ckptkit.formats.gguf.encoders.iq4_xs import encode as iq4_xs_encode
+from ckptkit.formats.gguf.encoders.q2_k import pack as q2_k_pack
+from ckptkit.formats.gguf.encoders.q3_k import pack as q3_k_pack
 from ckptkit.formats.gguf.encoders.q4_k import pack as q4_k_pack
 from ckptkit.formats.gguf.encoders.q5_k import pack as q5_k_pack
 from ckptkit.formats.gguf.encoders.q6_k import encode as q6_k_encode
@@ -87,17 +91,19 @@ def make_qp_quants(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray,
     return np.where(zero, f32(0), scale), np.where(zero, 0, stored)
 
 
-def _k_weights(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The K types' element-major sub-blocks of 32 of ``x`` (32, n * 8 per super-block), their
-    weights ``qw * sqrt(sigma2 + x * x)`` (``sigma2``: twice the super-block's mean square) and
-    the weights' sum per sub-block ``(8, blocks)``."""
-    blocks = x.reshape(-1, 256)
+def _k_weights(
+    x: np.ndarray, qw: np.ndarray, size: int = 32, block: int = 256, factor: int = 2
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The element-major sub-blocks of ``size`` of ``x`` (size, n * blocks), their weights
+    ``qw * sqrt(sigma2 + x * x)`` (``sigma2``: ``factor`` times the ``block``'s mean square)
+    and the weights' sum per sub-block ``(block / size, blocks)``."""
+    blocks = x.reshape(-1, block)
     with np.errstate(all="ignore"):
-        sigma2 = f32(2) * running_sum(np.ascontiguousarray((blocks * blocks).T)) / f32(256)
-        weight = qw.reshape(-1, 256).astype(np.float32) * np.sqrt(sigma2[:, None] + blocks * blocks)
-    sub = np.ascontiguousarray(blocks.reshape(-1, 32).T)
-    wsub = np.ascontiguousarray(weight.reshape(-1, 32).T)
-    sw = running_sum(wsub).reshape(-1, 8).T
+        sigma2 = f32(factor) * running_sum(np.ascontiguousarray((blocks * blocks).T)) / f32(block)
+        weight = qw.reshape(-1, block).astype(np.float32) * np.sqrt(sigma2[:, None] + blocks * blocks)
+    sub = np.ascontiguousarray(blocks.reshape(-1, size).T)
+    wsub = np.ascontiguousarray(weight.reshape(-1, size).T)
+    sw = running_sum(wsub).reshape(-1, block // size).T
     return sub, wsub, np.ascontiguousarray(sw)
 
 
@@ -129,6 +135,37 @@ def q5_k(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
 def q6_k(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
     """``quantize_row_q6_K_impl``: Q6_K blocks ``(n, 210)`` (the raw imatrix weights)."""
     return q6_k_encode(x, qw)
+
+
+def q2_k(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``quantize_row_q2_K_impl``: Q2_K blocks ``(n, 84)`` (``sigma2`` the super-block's mean
+    square, ``make_qkx3_quants`` per 16, ``make_qp_quants`` of the scales and minimums to 15)."""
+    sub, wsub, sw = _k_weights(x, qw, size=16, factor=1)
+    scales, mins, quants = make_qkx2_quants(sub, wsub, 3, -0.9, 0.05, 36)
+    d_block, ls = make_qp_quants(np.ascontiguousarray(scales.reshape(-1, 16).T), sw, 15)
+    m_block, lm = make_qp_quants(np.ascontiguousarray(mins.reshape(-1, 16).T), sw, 15)
+    return q2_k_pack(sub, quants, low_byte(ls.T | (lm.T << 4)), fp16(d_block), fp16(m_block))
+
+
+def q3_k(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``quantize_row_q3_K_impl``: Q3_K blocks ``(n, 110)`` (``make_qx_quants`` per 16, then of
+    the 16 scales to 6 bits, weighted by the sub-blocks' weight sums)."""
+    sub, wsub, sw = _k_weights(x, qw, size=16)
+    scales, quants = make_qx_quants(sub, wsub, 4)
+    d_block, ls = make_qx_quants(np.ascontiguousarray(scales.reshape(-1, 16).T), sw, 32)
+    return q3_k_pack(sub, quants, ls.T, fp16(d_block))
+
+
+def iq4_nl(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``quantize_iq4_nl`` with weights: IQ4_NL blocks ``(n, 18)`` (``sigma2`` per block of 32)."""
+    _, wsub, _ = _k_weights(x, qw, block=32)
+    return iq4_nl_encode(x, wsub)
+
+
+def iq4_xs(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``quantize_iq4_xs`` with weights: IQ4_XS blocks ``(n, 136)``."""
+    _, wsub, _ = _k_weights(x, qw)
+    return iq4_xs_encode(x, wsub)
 
 
 def q4_0(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
@@ -171,4 +208,11 @@ WEIGHTED: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "Q4_K": q4_k,
     "Q5_K": q5_k,
     "Q6_K": q6_k,
+    "Q2_K": q2_k,
+    "Q3_K": q3_k,
+    "IQ4_NL": iq4_nl,
+    "IQ4_XS": iq4_xs,
 }
+UNWEIGHTED = ("F32", "F16", "BF16", "Q8_0", "TQ1_0", "TQ2_0")
+"""The types ggml quantizes the same with or without imatrix weights (``quantize_q8_0`` and
+``quantize_tq{1,2}_0`` ignore them)."""

@@ -23,13 +23,13 @@ VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 
 NTRY = 7
 
 
-def sub_block_scales(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The scale search of ggml's ``quantize_row_iq4_nl_impl`` (``ntry`` 7, no weights given)
-    for every column of ``x`` (32, m): the scales (m,), 0 where the column is all (near) zero,
-    and which columns those are."""
+def sub_block_scales(x: np.ndarray, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The scale search of ggml's ``quantize_row_iq4_nl_impl`` (``ntry`` 7) for every column
+    of ``x`` (32, m), weighted by ``w`` (as ``x``; ``x * x`` when not given): the scales (m,),
+    0 where the column is all (near) zero, and which columns those are."""
     vmax = first_abs_max(x.T)
     zero = np.abs(vmax) < GROUP_MAX_EPS
-    w = x * x
+    w = x * x if w is None else w
 
     def fit(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         wq = w * q
@@ -48,10 +48,11 @@ def sub_block_scales(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(zero, f32(0), d), zero
 
 
-def encode(x: np.ndarray) -> np.ndarray:
-    """The IQ4_NL bytes ``(n, 18)`` of float32 ``x`` (``n * 32`` values)."""
+def encode(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """The IQ4_NL bytes ``(n, 18)`` of float32 ``x`` (``n * 32`` values); with ``w`` (the
+    element-major weights ``(32, n)`` of an imatrix), the scale search weighted by them."""
     sub = np.ascontiguousarray(x.reshape(-1, BLOCK).T)  # (32, n): element-major blocks
-    d, _ = sub_block_scales(sub)
+    d, _ = sub_block_scales(sub, w)
     with np.errstate(all="ignore"):
         q = best_index(VALUES, safe_inverse(d) * sub).T
     return blocks_out(fp16(d), nibbles(q[:, :16], q[:, 16:]))

@@ -22,11 +22,12 @@ from ckptkit.formats.gguf.encoders.iq4_nl import VALUES, sub_block_scales
 BLOCK, SIZE = 256, 136
 
 
-def encode(x: np.ndarray) -> np.ndarray:
-    """The IQ4_XS bytes ``(n, 136)`` of float32 ``x`` (``n * 256`` values)."""
+def encode(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """The IQ4_XS bytes ``(n, 136)`` of float32 ``x`` (``n * 256`` values); with ``w`` (the
+    element-major weights ``(32, n * 8)`` of an imatrix), the scale search weighted by them."""
     n = x.size // BLOCK
     sub = np.ascontiguousarray(x.reshape(n * 8, 32).T)  # (32, n * 8): element-major sub-blocks
-    scales, _ = sub_block_scales(sub)
+    scales, _ = sub_block_scales(sub, w)
     # ggml's maximum passes over the all-zero sub-blocks, whose 0 can never be larger anyway
     max_scale = first_abs_max(scales.reshape(n, 8))
     with np.errstate(all="ignore"):

@@ -25,9 +25,17 @@ def encode(x: np.ndarray) -> np.ndarray:
         inv_min = (f32(15) / max_min)[:, None]
         ls = np.where(max_scale[:, None] > 0, low_byte(nearest_int(inv_scale * scales)), 0)
         lm = np.where(max_min[:, None] > 0, low_byte(nearest_int(inv_min * mins) << 4), 0)
-        packed = ls | lm
         d = fp16(np.where(max_scale > 0, max_scale / f32(15), f32(0)))
         dmin = fp16(np.where(max_min > 0, max_min / f32(15), f32(0)))
+    return pack(sub, quants, ls | lm, d, dmin)
+
+
+def pack(sub: np.ndarray, quants: np.ndarray, packed: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    """The last Q2_K steps: each value of the sub-blocks ``sub`` (16, n * 16) quantized again
+    against its packed 4-bit scale and minimum ``packed`` (n, 16) under the float16 ``d`` and
+    ``dmin`` (n,) (a sub-block of scale 0 keeps the search's ``quants``), then the blocks."""
+    n = d.shape[0]
+    with np.errstate(all="ignore"):
         sub_d = (d.astype(np.float32)[:, None] * (packed & 0x0F).astype(np.float32)).reshape(-1)
         sub_m = (dmin.astype(np.float32)[:, None] * (packed >> 4).astype(np.float32)).reshape(-1)
         again = np.clip(nearest_int((sub + sub_m) / sub_d), 0, 3)

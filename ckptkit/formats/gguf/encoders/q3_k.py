@@ -65,6 +65,15 @@ def encode(x: np.ndarray) -> np.ndarray:
         iscale = f32(-32) / max_scale
         ls = np.where(some[:, None], np.clip(as_int8(nearest_int(iscale[:, None] * scales)), -32, 31) + 32, 0)
         d = fp16(np.where(some, f32(1) / iscale, f32(0)))
+    return pack(sub, quants, ls, d)
+
+
+def pack(sub: np.ndarray, quants: np.ndarray, ls: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The last Q3_K steps: each value of the sub-blocks ``sub`` (16, n * 16) quantized again
+    against its 6-bit scale ``ls`` (n, 16), 0..63 for -32..31, under the float16 ``d`` (n,)
+    (a sub-block of scale 0 keeps the search's ``quants``, 0..7), then the blocks."""
+    n = d.shape[0]
+    with np.errstate(all="ignore"):
         sub_d = (d.astype(np.float32)[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
         again = np.clip(nearest_int(sub / sub_d), -4, 3) + 4
     q = np.where(sub_d != 0, again, quants).T.reshape(n, 256)
