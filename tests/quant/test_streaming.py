@@ -103,4 +103,6 @@ def test_dequantizing_holds_one_tensor_not_the_model(to: str, source: Path, tmp_
     assert written > 50 * MiB  # the model, dequantized to bf16
     print(f"--to {to}: peak grew {grown / MiB:.1f} MiB writing {written / MiB:.0f} MiB; largest tensor "
           f"{LARGEST * 4 / MiB:.0f} MiB in float32")  # fmt: skip
-    assert grown < 4 * LARGEST * 4  # a few copies of one tensor in float32 (16 MiB), not the model
+    # measured 6-12 MiB alone and up to 21.8 MiB in a loaded -n 2 worker; the model is 59 MiB in
+    # bf16 and 118 MiB in float32 (a dequantizer keeping its outputs grew by 108 MiB)
+    assert grown < 6 * LARGEST * 4  # a few copies of one tensor in float32 (24 MiB), not the model
