@@ -444,7 +444,7 @@ def write_checkpoint(
         if verify:
             from ckptkit.verify import verify_against
 
-            report = verify_against(ckpt, tmp, plan.format, plan.verify_cast, quiet=quiet)
+            report = verify_against(ckpt, tmp, plan.format, plan.verify_cast, quiet=quiet, left_out=plan.left_out)
             if on_verify:
                 on_verify(report)
             if not _as_planned(plan, report):

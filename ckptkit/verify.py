@@ -316,17 +316,25 @@ def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torc
     return ("dequantized" if exact else "quantized") if back else "values", diff
 
 
-def compare(a: Checkpoint, b: Checkpoint, cast: torch.dtype | None = None, quiet: bool = True) -> Report:
+def compare(
+    a: Checkpoint,
+    b: Checkpoint,
+    cast: torch.dtype | None = None,
+    quiet: bool = True,
+    left_out: frozenset[str] = frozenset(),
+) -> Report:
     """Compare canonical tensors one at a time; ``cast`` applies to A's floating tensors.
     A weight one side holds quantized and the other not is checked by re-quantizing the
-    other with the quantized side's own scales (kinds ``dequantized`` / ``quantized``)."""
+    other with the quantized side's own scales (kinds ``dequantized`` / ``quantized``).
+    ``left_out``: A's canonical names B's format does not hold by design (ignored, not missing)."""
     names_a, names_b = native_names(a), native_names(b)
     tensors_a, tensors_b = _with_scales(a, names_a, b), _with_scales(b, names_b, a)
     renamed = _renamed(a, tensors_a, tensors_b, names_a) | _renamed(b, tensors_b, tensors_a, names_b)
     report = Report()
-    report.only_in_a = [names_a.get(k, k) for k in tensors_a if k not in tensors_b]
+    report.only_in_a = [names_a.get(k, k) for k in tensors_a if k not in tensors_b and k not in left_out]
     report.only_in_b = [names_b.get(k, k) for k in tensors_b if k not in tensors_a]
-    report.ignored = sorted(set(a.unused) | set(b.unused))
+    unwritten = {names_a.get(k, k) for k in tensors_a if k not in tensors_b and k in left_out}
+    report.ignored = sorted(set(a.unused) | set(b.unused) | unwritten)
     common = [k for k in tensors_a if k in tensors_b]
     total = sum(tensors_a[k].nbytes for k in common)
     with byte_progress("verifying", total, quiet) as bar:
@@ -379,9 +387,11 @@ def verify_paths(a: str | Path, b: str | Path, quiet: bool = True) -> Report:
     return report
 
 
-def verify_against(src: Checkpoint, out: Path, fmt: str, dtype: str | None, quiet: bool = True) -> Report:
+def verify_against(
+    src: Checkpoint, out: Path, fmt: str, dtype: str | None, quiet: bool = True, left_out: frozenset[str] = frozenset()
+) -> Report:
     """Check a freshly written output ``out`` (a folder, or the one file of a one-file
     format), of format ``fmt``, against its (still open) source; ``dtype``: the source's
-    floating tensors cast to it first."""
+    floating tensors cast to it first; ``left_out``: the source's tensors the plan does not write."""
     with open_checkpoint(out, fmt, model_type=src.family.name) as written:
-        return compare(src, written, to_torch(dtype) if dtype else None, quiet=quiet)
+        return compare(src, written, to_torch(dtype) if dtype else None, quiet=quiet, left_out=left_out)

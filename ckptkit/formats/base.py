@@ -113,6 +113,7 @@ class Plan:
     verify_cast: str | None = None  # --verify compares the output with the source cast to this dtype
     writes: WriterFactory | None = None  # the writer of each weight file, as the format planned it
     quant_config: dict[str, Any] | None = None  # the quantization_config of the quantized weights written
+    left_out: frozenset[str] = frozenset()  # canonical names the format does not hold (noted); verify ignores them
 
     def writer(self, path: Path, file: FilePlan, direct: bool) -> TensorWriter:
         """The writer of weight file ``file`` at ``path`` (``direct``: whole pages past the

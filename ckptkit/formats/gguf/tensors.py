@@ -315,18 +315,13 @@ def model_tensors(
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         factors: torch.Tensor = freqs
         out.append(GGUFTensor(name, tuple(factors.shape), gguf.GGMLQuantizationType.F32, lambda: factors))
-    mtp = [n for n in order if spec.latent_attention and _past_blocks(n, hparams["num_hidden_layers"])]
+    mtp, skipped = left_out(spec, hparams, order)
     if mtp:  # llama.cpp's deepseek2 skips the multi-token-prediction layers
         fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
         ckpt.notes.append(note(fact))
     hybrid_experts = hybrid.Experts(int(hparams.get("num_experts") or 0))
     if spec.linear_attention and hybrid_experts.n:
         refuse_dense_layers(ckpt, spec)
-    skipped = [
-        n
-        for n in order
-        if (spec.linear_attention and hybrid.is_vision(n)) or n.removeprefix("model.").startswith(spec.skipped)
-    ]
     if skipped:
         towers = "tensor(s) of the vision (or audio) tower not written"
         fact = f"{len(skipped)} {towers}: llama.cpp writes them with --mmproj"
@@ -413,6 +408,18 @@ def _named(tmap: Any, made: list[hybrid.Made]) -> list[hybrid.Made]:
 
 def _qkvz(i: int, hparams: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: hybrid.split_qkvz(t, hparams)[i]
+
+
+def left_out(spec: GGUFSpec, hparams: dict[str, Any], names: list[str]) -> tuple[list[str], list[str]]:
+    """The tensors among ``names`` (HF names) llama.cpp does not write: (the MTP layers past
+    ``num_hidden_layers`` of deepseek2, the towers of a multimodal release)."""
+    mtp = [n for n in names if spec.latent_attention and _past_blocks(n, hparams["num_hidden_layers"])]
+    towers = [
+        n
+        for n in names
+        if (spec.linear_attention and hybrid.is_vision(n)) or n.removeprefix("model.").startswith(spec.skipped)
+    ]
+    return mtp, towers
 
 
 def _past_blocks(hf_name: str, blocks: int) -> bool:

@@ -30,7 +30,16 @@ from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
 from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
-from ckptkit.formats.gguf.tensors import GGUFTensor, hf_hparams, keep_types, kept_dtype, model_tensors, spec_of
+from ckptkit.formats.gguf.tensors import (
+    GGUFTensor,
+    hf_hparams,
+    hf_targets,
+    keep_types,
+    kept_dtype,
+    left_out,
+    model_tensors,
+    spec_of,
+)
 from ckptkit.formats.gguf.vocab import ASKED, PRE_NAMES, RECORDED, add_vocab, no_tokenizer
 from ckptkit.formats.registry import transformers_format
 from ckptkit.formats.writers import FileWriter, Job
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
     import gguf
     import torch
 
+    from ckptkit.models.gguf_spec import GGUFSpec
     from ckptkit.tensors.lazy import Lazy
 
 
@@ -233,7 +243,7 @@ class GGUFPlan(Plan):
             return True
         if kind == "rounded":
             return PLAIN.get(stored) == rounded_to
-        return kind == "values" and stored not in PLAIN
+        return kind in ("values", "ggml") and stored not in PLAIN  # "ggml": verify saw the GGML type
 
 
 def gguf_plan(fmt: str, w: gguf.GGUFWriter, tensors: list[GGUFTensor], file_name: str, checked: bool) -> GGUFPlan:
@@ -402,4 +412,15 @@ def plan_model(fmt: str, ckpt: OpenedCheckpoint, opts: Options) -> GGUFPlan:
     if quantize_type(dtype) is not None:
         last_keys(w, ftype, imatrix.metadata() if imatrix is not None else [])
     checked = dtype in NARROWING and not opts.allow_lossy_cast
-    return gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)
+    plan = gguf_plan(fmt, w, tensors, model_name(ckpt.path) + ".gguf", checked)
+    plan.left_out = _left_out(ckpt, spec, hparams)
+    return plan
+
+
+def _left_out(ckpt: OpenedCheckpoint, spec: GGUFSpec, hparams: dict[str, Any]) -> frozenset[str]:
+    """The canonical names of the source's tensors llama.cpp does not write (MTP layers,
+    a multimodal release's towers: noted when written, ignored by verify)."""
+    hf = transformers_format()
+    canonical = {native: c[0] for native, c, _ in hf.planner(hf).rules(ckpt) if len(c) == 1}
+    mtp, towers = left_out(spec, hparams, list(hf_targets(ckpt)))
+    return frozenset(canonical.get(n, n) for n in mtp + towers)
