@@ -83,3 +83,15 @@ def test_infinities_and_nans_give_the_reference_bytes(kind: str) -> None:
     with np.errstate(all="ignore"):
         got = ENCODERS[kind].encode(x)
     assert np.array_equal(got, reference(kind, x))
+
+
+@pytest.mark.parametrize("kind", ["Q2_K", "Q4_K", "Q5_K"])
+def test_every_case_in_one_tensor_gives_the_reference_bytes(kind: str) -> None:
+    """Every case's blocks shuffled into one tensor, one of them infinite: more columns
+    than ``make_qkx2_quants`` searches at a time, finite chunks and one that is not."""
+    blocks = np.concatenate(list(CASES.values())).reshape(-1, 256)
+    x = blocks[np.random.default_rng(3).permutation(len(blocks))].reshape(-1)
+    x[-1000] = np.inf
+    with np.errstate(all="ignore"):
+        got = ENCODERS[kind].encode(x)
+    assert np.array_equal(got, reference(kind, x))

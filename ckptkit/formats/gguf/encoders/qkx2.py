@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ckptkit.formats.gguf.encoders.common import f32, first_extreme, fp16, low_byte, nearest_int, running_sum
+from ckptkit.formats.gguf.encoders.common import ZERO, f32, first_extreme, fp16, low_byte, nearest_int, running_sum
 
 SUB = 32
+
+
+CHUNK = 8192  # columns searched at a time: the trial arrays (32 x CHUNK float32) stay in cache
+EXACT = f32(2.0**22)  # below this magnitude ggml's nearest_int is round-half-even, as np.rint
 
 
 def make_qkx2_quants(
@@ -16,7 +20,24 @@ def make_qkx2_quants(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad)`` for
     every column of ``x`` and weights ``w`` (n, m): the scales and minimums (m,) and the
-    quants ``L`` (n, m)."""
+    quants ``L`` (n, m).
+
+    Columns are independent, so they are searched ``CHUNK`` at a time (each chunk's arrays
+    stay in cache); a chunk with a NaN or an infinity takes :func:`_make_qkx2_quants_int`."""
+    m = x.shape[1]
+    scales, mins = np.empty(m, np.float32), np.empty(m, np.float32)
+    quants = np.empty(x.shape, np.int32)
+    for i in range(0, m, CHUNK):
+        cols = slice(i, i + CHUNK)
+        xc, wc = x[:, cols], w[:, cols]
+        search = _make_qkx2_quants_rint if np.isfinite(xc).all() else _make_qkx2_quants_int
+        scales[cols], mins[cols], quants[:, cols] = search(xc, wc, nmax, rmin, rdelta, nstep, use_mad)
+    return scales, mins, quants
+
+
+def _start(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The first loop of ``make_qkx2_quants``: per column ``min`` and ``max`` of ``x`` (the
+    minimum before ``if (min > 0) min = 0``), ``sum_w`` and ``sum_x``."""
     lo = first_extreme(x.T, largest=False)
     hi = first_extreme(x.T, largest=True)
     sum_w = w[0].copy()
@@ -24,6 +45,81 @@ def make_qkx2_quants(
     for i in range(1, x.shape[0]):
         sum_w += w[i]
         sum_x += w[i] * x[i]
+    return lo, hi, sum_w, sum_x
+
+
+def _make_qkx2_quants_rint(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`make_qkx2_quants` of finite ``x``, the trial levels a float32 ``rint`` of
+    ``iscale * (x - min)`` clipped in one scratch array: every column where that can reach
+    ``2**22`` in magnitude (bounded from its ``min`` and ``max``: float32 rounding is
+    monotonic) is made again with ggml's ``nearest_int``. ``-0.0`` levels change no sum."""
+    xmin, hi, sum_w, sum_x = _start(x, w)
+    lo = np.where(xmin > 0, f32(0), xmin)
+    flat, flat_min = hi == lo, -lo
+    s, t, wl = (np.empty(x.shape, np.float32) for _ in range(3))
+    top = f32(nmax)
+
+    def levels(iscale: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        np.subtract(x, lo, out=s)
+        np.multiply(s, iscale, out=s)
+        np.rint(s, out=s)
+        np.clip(s, ZERO, top, out=s)
+        bound = np.maximum(np.abs(iscale * (xmin - lo)), np.abs(iscale * (hi - lo)))
+        far = np.flatnonzero(~(bound < EXACT) & ~flat)  # NaN included; flat columns are dropped
+        if far.size:
+            s[:, far] = np.clip(nearest_int(iscale[far] * (x[:, far] - lo[far])), 0, nmax)
+        return s
+
+    def error(scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+        np.multiply(scale, s, out=t)
+        np.add(t, mn, out=t)
+        np.subtract(t, x, out=t)
+        if use_mad:
+            np.abs(t, out=t)
+        else:
+            np.multiply(t, t, out=t)
+        np.multiply(t, w, out=t)
+        return running_sum(t)
+
+    with np.errstate(all="ignore"):
+        iscale = top / (hi - lo)
+        scale = f32(1) / iscale
+        best_iscale, best_lo = iscale, lo
+        levels(iscale, lo)
+        best = error(scale, lo)
+        for step in range(nstep + 1):
+            iscale = (f32(rmin) + f32(rdelta) * f32(step) + top) / (hi - lo)
+            levels(iscale, lo)
+            np.multiply(w, s, out=wl)
+            sum_l = running_sum(wl)
+            np.multiply(wl, s, out=t)
+            sum_l2 = running_sum(t)
+            np.multiply(wl, x, out=t)
+            sum_xl = running_sum(t)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            clipped = this_min > 0
+            this_min = np.where(clipped, f32(0), this_min)
+            this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
+            cur = error(this_scale, this_min)
+            better = (det > 0) & (cur < best)
+            best_iscale = np.where(better, iscale, best_iscale)
+            best_lo = np.where(better, lo, best_lo)
+            best = np.where(better, cur, best)
+            scale = np.where(better, this_scale, scale)
+            lo = np.where(better, this_min, lo)
+        quants = levels(best_iscale, best_lo).astype(np.int32)
+    return np.where(flat, f32(0), scale), np.where(flat, flat_min, -lo), np.where(flat, 0, quants)
+
+
+def _make_qkx2_quants_int(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`make_qkx2_quants` with ggml's integer ``nearest_int`` (any values, NaN included)."""
+    lo, hi, sum_w, sum_x = _start(x, w)
     lo = np.where(lo > 0, f32(0), lo)
     flat, flat_min = hi == lo, -lo
 
