@@ -22,8 +22,8 @@ from ckptkit.checkpoint import open_checkpoint
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import QuantOptions
-from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, writable
-from ckptkit.formats.gguf.tensors import hf_hparams, mixed_types, model_tensors, spec_of
+from ckptkit.formats.gguf.mix import FILE_TYPES, mixed_types, model_facts, writable
+from ckptkit.formats.gguf.tensors import hf_hparams, model_tensors, spec_of
 from ckptkit.formats.gguf.weighted import UNWEIGHTED, WEIGHTED
 from ckptkit.models.moe import experts
 

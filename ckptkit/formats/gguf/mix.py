@@ -18,10 +18,18 @@ block, names sorted inside a block.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptkit.formats.base import QuantOptions
+    from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
+    from ckptkit.formats.gguf.imatrix import Imatrix
 
 # llama-quantize's name -> (general.file_type, the type most tensors get)
 FILE_TYPES: dict[str, tuple[int, str]] = {
@@ -287,3 +295,69 @@ def is_70b(arch: str, hparams: dict[str, Any]) -> bool:
     if arch == "llama":
         return layers == 80 and (hparams.get("num_key_value_heads") or heads) != heads
     return (arch, layers) in (("qwen2", 80), ("olmo", 80), ("deci", 80), ("jais2", 68))
+
+
+def mixed_types(
+    base: list[GGUFTensor], ftype: str, facts: Any, opts: QuantOptions, has_imatrix: bool
+) -> list[tuple[GGUFTensor, str]]:
+    """``base`` (the 16-bit GGUF's tensors) in llama-quantize's order, each with the GGML type
+    (by name) it gives them for ``ftype`` and ``opts``, whether ckptkit writes it or not."""
+    import gguf
+
+    by_name = {t.name: t for t in base}
+    order = file_order(list(by_name))
+    out_type = opts.output_tensor_type and ggml_type(opts.output_tensor_type, "--output-tensor-type")
+    embd_type = opts.token_embedding_type and ggml_type(opts.token_embedding_type, "--token-embedding-type")
+    mixer = Mixer(ftype, order, facts, out_type, embd_type, opts.pure, opts.leave_output_tensor, has_imatrix)
+    kind = gguf.GGMLQuantizationType
+    return [(by_name[n], mixer.choose(n, by_name[n].shape, kind(by_name[n].qtype).name)) for n in order]
+
+
+def requantized(
+    base: list[GGUFTensor], ftype: str, facts: Any, opts: QuantOptions, imatrix: Imatrix | None
+) -> list[GGUFTensor]:
+    """``base`` as llama-quantize writes it (:func:`mixed_types`); a retyped tensor is
+    quantized from its 16-bit values, weighted by ``imatrix`` where it has the tensor's entry."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    out: list[GGUFTensor] = []
+    for t, chosen in mixed_types(base, ftype, facts, opts, imatrix is not None):
+        if chosen not in writable():
+            made = f"llama-quantize makes {t.name} {chosen}"
+            raise CkptkitError(f"--dtype {ftype}: {made}, which ckptkit does not write yet")
+        kind = q[chosen]
+        if kind == t.qtype:
+            out.append(t)
+        else:
+            stored = _stored_as(t.make, q(t.qtype).name)
+            out.append(replace(t, qtype=kind, make=stored, source=None, heads=None, weights=None))
+    if imatrix is not None:
+        _weigh(out, {t.name: t for t in base}, imatrix)
+    return out
+
+
+def _weigh(out: list[GGUFTensor], base: dict[str, GGUFTensor], imatrix: Imatrix) -> None:
+    """Give the quantized tensors of ``out`` their ``imatrix`` weights (checked to be this model's)."""
+    from ckptkit.formats.gguf.weighted import UNWEIGHTED, WEIGHTED
+
+    retyped = [t for t in out if t.qtype != base[t.name].qtype]
+    imatrix.check({t.name: t.shape for t in retyped})
+    for t in retyped:
+        t.weights = imatrix.weights(t.name, t.shape)
+        kind = type(t.qtype)(t.qtype).name
+        if t.weights is not None and kind not in WEIGHTED and kind not in UNWEIGHTED:
+            raise CkptkitError(f"--imatrix: ckptkit does not write {kind} weighted by an imatrix yet ({t.name})")
+
+
+def _stored_as(make: Callable[[], torch.Tensor], kind: str) -> Callable[[], torch.Tensor]:
+    """``make``'s tensor with the values of its 16-bit GGML type ``kind`` (F16 / BF16)."""
+
+    def made() -> torch.Tensor:
+        import torch
+
+        t = make()
+        dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(kind)
+        return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+
+    return made

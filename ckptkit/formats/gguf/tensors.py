@@ -14,15 +14,15 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf import hybrid, mxfp4
 from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view, refuse_dense_layers
+from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
 from ckptkit.formats.gguf.imatrix import Imatrix
-from ckptkit.formats.gguf.mix import FILE_TYPES, Mixer, file_order, ggml_type, model_facts, quantize_type, writable
+from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, quantize_type, requantized
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.gguf.per_layer import proportional_rope_freqs
 from ckptkit.formats.registry import find_format, transformers_format
@@ -30,7 +30,6 @@ from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import experts
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from ckptkit.formats.base import OpenedCheckpoint
@@ -40,26 +39,6 @@ if TYPE_CHECKING:
 GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 # llama.cpp keeps MoE routers and the linear attention's conv kernels in float32 whatever the file type
 ALWAYS_F32 = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
-
-
-@dataclass
-class GGUFTensor:
-    """One tensor of the output: its name, llama.cpp's type for it, and how to make it."""
-
-    name: str
-    shape: tuple[int, ...]
-    qtype: Any  # gguf.GGMLQuantizationType
-    make: Callable[[], torch.Tensor]  # transformed, in the stored dtype (or float32), not yet quantized
-    source: Lazy | None = None  # the source tensor, when the transform is at most a Q/K permutation
-    heads: int | None = None  # the heads of that permutation
-    weights: np.ndarray | None = None  # imatrix weights (experts, columns) of a weighted quantization
-
-    @property
-    def nbytes(self) -> int:
-        import gguf
-
-        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
-        return math.prod(self.shape[:-1]) * (self.shape[-1] // block) * size
 
 
 def spec_of(family: Family, where: object) -> GGUFSpec:
@@ -449,71 +428,6 @@ def _kv_b_split(tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], ft
             raise CkptkitError(f"llama.cpp has no GGUF name for {proj}")
         out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), part(key)))
     return out
-
-
-def mixed_types(
-    base: list[GGUFTensor], ftype: str, facts: Any, opts: QuantOptions, has_imatrix: bool
-) -> list[tuple[GGUFTensor, str]]:
-    """``base`` (the 16-bit GGUF's tensors) in llama-quantize's order, each with the GGML type
-    (by name) it gives them for ``ftype`` and ``opts``, whether ckptkit writes it or not."""
-    import gguf
-
-    by_name = {t.name: t for t in base}
-    order = file_order(list(by_name))
-    out_type = opts.output_tensor_type and ggml_type(opts.output_tensor_type, "--output-tensor-type")
-    embd_type = opts.token_embedding_type and ggml_type(opts.token_embedding_type, "--token-embedding-type")
-    mixer = Mixer(ftype, order, facts, out_type, embd_type, opts.pure, opts.leave_output_tensor, has_imatrix)
-    kind = gguf.GGMLQuantizationType
-    return [(by_name[n], mixer.choose(n, by_name[n].shape, kind(by_name[n].qtype).name)) for n in order]
-
-
-def requantized(
-    base: list[GGUFTensor], ftype: str, facts: Any, opts: QuantOptions, imatrix: Imatrix | None
-) -> list[GGUFTensor]:
-    """``base`` as llama-quantize writes it (:func:`mixed_types`); a retyped tensor is
-    quantized from its 16-bit values, weighted by ``imatrix`` where it has the tensor's entry."""
-    import gguf
-
-    q = gguf.GGMLQuantizationType
-    out: list[GGUFTensor] = []
-    for t, chosen in mixed_types(base, ftype, facts, opts, imatrix is not None):
-        if chosen not in writable():
-            made = f"llama-quantize makes {t.name} {chosen}"
-            raise CkptkitError(f"--dtype {ftype}: {made}, which ckptkit does not write yet")
-        kind = q[chosen]
-        if kind == t.qtype:
-            out.append(t)
-        else:
-            out.append(GGUFTensor(t.name, t.shape, kind, _stored_as(t.make, q(t.qtype).name)))
-    if imatrix is not None:
-        _weigh(out, {t.name: t for t in base}, imatrix)
-    return out
-
-
-def _weigh(out: list[GGUFTensor], base: dict[str, GGUFTensor], imatrix: Imatrix) -> None:
-    """Give the quantized tensors of ``out`` their ``imatrix`` weights (checked to be this model's)."""
-    from ckptkit.formats.gguf.weighted import UNWEIGHTED, WEIGHTED
-
-    retyped = [t for t in out if t.qtype != base[t.name].qtype]
-    imatrix.check({t.name: t.shape for t in retyped})
-    for t in retyped:
-        t.weights = imatrix.weights(t.name, t.shape)
-        kind = type(t.qtype)(t.qtype).name
-        if t.weights is not None and kind not in WEIGHTED and kind not in UNWEIGHTED:
-            raise CkptkitError(f"--imatrix: ckptkit does not write {kind} weighted by an imatrix yet ({t.name})")
-
-
-def _stored_as(make: Callable[[], torch.Tensor], kind: str) -> Callable[[], torch.Tensor]:
-    """``make``'s tensor with the values of its 16-bit GGML type ``kind`` (F16 / BF16)."""
-
-    def made() -> torch.Tensor:
-        import torch
-
-        t = make()
-        dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(kind)
-        return t.to(dtype) if dtype is not None and t.dtype != dtype else t
-
-    return made
 
 
 def _maker(
