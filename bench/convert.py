@@ -196,6 +196,22 @@ def run_child(argv: list[str], log: Path) -> tuple[Run, int]:
     return run, proc.returncode
 
 
+def timed(argv: list[str], log: Path, cwd: Path | None = None) -> Run:
+    """``argv`` (run in ``cwd``) under GNU time, then a timed ``sync``: until on disk."""
+    here = Path.cwd()
+    os.chdir(cwd or here)
+    try:
+        run, rc = run_child(argv, log)
+    finally:
+        os.chdir(here)
+    if rc != 0:
+        raise SystemExit(f"{' '.join(argv[:4])} failed: see {log}")
+    start = time.perf_counter()
+    os.sync()
+    run.sync_s = time.perf_counter() - start
+    return run
+
+
 class Bench:
     def __init__(
         self,

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from convert import Run, durable_copy, evict, remove, run_child, warm  # noqa: E402
+from convert import Run, durable_copy, evict, remove, timed, warm  # noqa: E402
 from report import reporting  # noqa: E402
 
 # This script is bench/gguf.py: without its folder on the path, ``import gguf`` is the package.
@@ -70,22 +70,6 @@ def build(work: Path, layers: int) -> Path:
     build_hf(hf, layers, seed=0)
     shutil.copy(llama2_tokenizer_model(), hf / "tokenizer.model")
     return hf
-
-
-def timed(argv: list[str], log: Path, cwd: Path | None = None) -> Run:
-    here = Path.cwd()
-    if cwd is not None:
-        os.chdir(cwd)
-    try:
-        run, rc = run_child(argv, log)
-    finally:
-        os.chdir(here)
-    if rc != 0:
-        raise SystemExit(f"{' '.join(argv[:4])} failed: see {log}")
-    start = time.perf_counter()
-    os.sync()
-    run.sync_s = time.perf_counter() - start
-    return run
 
 
 def tensor_digest(path: Path) -> list[tuple[str, int, list[int], str]]:

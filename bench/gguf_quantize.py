@@ -32,14 +32,13 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from convert import Run, remove, run_child, warm  # noqa: E402
+from convert import Run, remove, timed, warm  # noqa: E402
 from report import reporting  # noqa: E402
 
 # This script's folder holds bench/gguf.py: without it on the path, ``import gguf`` is the package.
@@ -97,22 +96,6 @@ def build(root: Path, layers: int, vocab: int) -> Path:
     for f in fixture.glob("tokenizer*"):
         shutil.copy(f, out / f.name)
     return out
-
-
-def timed(argv: list[str], log: Path, cwd: Path | None = None) -> Run:
-    """``argv`` (run in ``cwd``) under GNU time, then a timed ``sync``."""
-    here = Path.cwd()
-    os.chdir(cwd or here)
-    try:
-        run, rc = run_child(argv, log)
-    finally:
-        os.chdir(here)
-    if rc != 0:
-        raise SystemExit(f"{' '.join(argv[:4])} failed: see {log}")
-    start = time.perf_counter()
-    os.sync()
-    run.sync_s = time.perf_counter() - start
-    return run
 
 
 def digest(path: Path) -> list[tuple[str, str, str]]:
