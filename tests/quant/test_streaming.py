@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from ckptkit.convert import ConvertOptions, convert
 
 from conftest import FIXTURES
 
@@ -68,37 +68,16 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(key)
-
-
-def peak_growth(run: object) -> int:
-    """How far the process's resident memory rose above where it stood while ``run()`` ran.
-    glibc first hands its free heap pages back (``malloc_trim``) and maps every allocation of
-    64 KiB or more on its own (``M_MMAP_THRESHOLD`` fixed), so that memory freed earlier, or
-    by one tensor for the next, is not resident already where the peak could not see it."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 << 10)
-    libc.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status("VmRSS")
-    run()  # type: ignore[operator]
-    return _status("VmHWM") - before
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
 @pytest.mark.parametrize("to", ["hf", "gguf"])
 def test_dequantizing_holds_one_tensor_not_the_model(to: str, source: Path, tmp_path: Path) -> None:
     out = tmp_path / ("out.gguf" if to == "gguf" else "out")
-    opts = ConvertOptions(to, dtype="bfloat16", gguf_pre="llama-bpe" if to == "gguf" else None)
-    warm = FIXTURES / "fp8" / "llama-overhang"  # the same code on a tiny source: imports, pools, caches
-    convert(warm, tmp_path / "warm" if to == "hf" else tmp_path / "warm.gguf", opts)
-    grown = peak_growth(lambda: convert(source, out, opts))
+    warm = FIXTURES / "fp8" / "llama-overhang"
+    args = [source, out, to, warm, tmp_path / "warm" if to == "hf" else tmp_path / "warm.gguf"]
+    script = Path(__file__).parents[1] / "peak_rss.py"  # a fresh process: no earlier test's heap
+    done = subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    grown = int(done.stdout.split()[-1])
     written = sum(p.stat().st_size for p in ([out] if to == "gguf" else out.glob("*.safetensors")))
     assert written > 50 * MiB  # the model, dequantized to bf16
     print(f"--to {to}: peak grew {grown / MiB:.1f} MiB writing {written / MiB:.0f} MiB; largest tensor "
