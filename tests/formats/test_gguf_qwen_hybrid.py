@@ -160,3 +160,34 @@ def test_gguf_reads_back_bitwise(tmp_path: Path) -> None:
     convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
     convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
     assert verify_paths(src, tmp_path / "back").identical == verify_paths(src, src).identical
+
+
+def test_multimodal_gguf_reads_back_as_the_text_model(tmp_path: Path) -> None:
+    """The Qwen3.5 multimodal release's GGUF (ckptkit's: llama.cpp's byte for byte, the slow
+    test above) holds the text model only, its vision tower being llama.cpp's --mmproj file
+    (not written: a note says so): read back, it is the causal LM with the release's text
+    tensors bit for bit (MTP layer included), which transformers runs with the release's
+    text-only logits exactly."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from ckptkit.checkpoint import open_checkpoint
+
+    src = FIXTURES / "hf" / "qwen3_5-vl"
+    result = convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    assert [n for n in result.notes if "--mmproj" in n] == [
+        "21 tensor(s) of the vision (or audio) tower not written: llama.cpp writes them with --mmproj; "
+        "ckptkit does not write the vision part (--mmproj) as GGUF"
+    ]
+    result = convert(tmp_path / "m.gguf", tmp_path / "hf", ConvertOptions("hf"))
+    assert result.notes == []
+    with open_checkpoint(src) as a, open_checkpoint(tmp_path / "hf") as b:
+        text = sorted(k for k in a.tensors if not k.startswith("visual."))
+        assert len(text) == 57 and sorted(b.tensors) == text
+        for k in text:
+            theirs, ours = a.tensors[k].get(), b.tensors[k].get()
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), k
+    ids = torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        release = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()(input_ids=ids)
+        back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(ids)
+    assert release.logits.abs().max() > 0 and torch.equal(back.logits, release.logits)

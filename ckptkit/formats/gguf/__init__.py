@@ -272,7 +272,7 @@ class GGUFFormat(CheckpointFormat):
         if spec is None:
             return Support(False, False, "-")
         from ckptkit.formats.gguf.experts import EXPERTS_EVERYWHERE, takes_dense_layers
-        from ckptkit.formats.gguf.vocab import NOT_REBUILT, VOCAB_NEEDS, VOCAB_ROWS
+        from ckptkit.formats.gguf.vocab import VOCAB_NEEDS, VOCAB_ROWS
 
         needs = {"tokenizer": f"{VOCAB_NEEDS[spec.vocab]} (the source's, or --tokenizer PATH)"}
         if spec.embeddings_to_vocab:
@@ -282,8 +282,6 @@ class GGUFFormat(CheckpointFormat):
         tokenizer = "tokenizer.ggml.* (from the source's tokenizer; rebuilt as tokenizer files when read)"
         if not spec.reads_back:
             tokenizer = "tokenizer.ggml.* (from the source's tokenizer)"
-        elif spec.vocab in NOT_REBUILT:
-            tokenizer = "tokenizer.ggml.* (from the source's tokenizer; not rebuilt as tokenizer files when read)"
         return Support(spec.reads_back, True, tokenizer, needs)
 
     def describe(self, raw: RawCheckpoint, info: dict[str, Any]) -> dict[str, Any]:

@@ -4,8 +4,9 @@ A sentencepiece vocabulary (``tokenizer.ggml.model = llama``) becomes a ``tokeni
 (pieces, scores and types as stored; BPE with byte fallback and sentencepiece's dummy
 prefix as ``add_space_prefix`` says) and the ``tokenizer.json`` ckptkit's converters make
 from it; a byte-level BPE one (``gpt2``) becomes a ``tokenizer.json`` with the stored
-vocabulary and merges, split by the pre-tokenizer ``tokenizer.ggml.pre`` names (only the
-ones whose regex is known here: Llama 3's and Qwen2's; for another, none, with a note). ``tokenizer_config.json``,
+vocabulary and merges, split by the pre-tokenizer ``tokenizer.ggml.pre`` names (the ones in
+:data:`PRE_TOKENIZER_RULES`; for another, none, with a note); Gemma 4's (``gemma4``) becomes
+the ``tokenizer.json`` of its character BPE. ``tokenizer_config.json``,
 ``special_tokens_map.json`` and ``generation_config.json`` carry the special tokens,
 ``add_bos``/``add_eos``, the chat template and llama.cpp's sampling keys.
 """
@@ -25,8 +26,23 @@ from ckptkit.tokenization.tiktoken_bpe import LLAMA3_PATTERN
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> (split regex, ignore_merges) of the official tokenizer.json
-PRE_TOKENIZER_RULES = {"llama-bpe": (LLAMA3_PATTERN, True), "qwen2": (QWEN2_PATTERN, False)}
+_CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_SUFFIX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+# OpenAI's o200k split (gpt-oss's tokenizer, Llama 4's), as llama.cpp's gpt-4o and llama4 pre-tokenizers split
+O200K_PATTERN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_LOWER}+{_SUFFIX}|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_LOWER}*{_SUFFIX}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (split regex, ignore_merges) as llama.cpp's vocabulary loader takes them (GLM-4.5's
+# glm4 is Llama 3's split with the merges applied)
+PRE_TOKENIZER_RULES = {
+    "llama-bpe": (LLAMA3_PATTERN, True),
+    "qwen2": (QWEN2_PATTERN, False),
+    "glm4": (LLAMA3_PATTERN, False),
+    "gpt-4o": (O200K_PATTERN, False),
+    "llama4": (O200K_PATTERN, False),
+}
 # general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
 SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
 _PAD = re.compile(r"\[PAD\d+\]")
@@ -76,7 +92,7 @@ def sentencepiece_model(h: GGUFHeader) -> spm.SpmModel:
 
 
 def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | None) -> Any:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     tokens, types = _tokens(h)
     pre = meta_str(h, "tokenizer.ggml.pre", "default")
@@ -84,10 +100,7 @@ def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | 
         known = ", ".join(PRE_TOKENIZER_RULES)
         raise CkptkitError(f"{h.path}: byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known})")
     pattern, ignore_merges = PRE_TOKENIZER_RULES[pre or ""]
-    merges = [tuple(m.split(" ", 1)) for m in meta_list(h, "tokenizer.ggml.merges", str) or []]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens) or any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):
-        raise h.error("tokenizer.ggml.tokens repeats a token, or tokenizer.ggml.merges names a token it lacks")
+    vocab, merges = _vocab_and_merges(h, tokens)
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -96,14 +109,48 @@ def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | 
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    kinds = list(zip(tokens, types, strict=True))
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in kinds if k == spm.CONTROL])
-    tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == spm.USER_DEFINED])
+    _add_tokens(tok, tokens, types)
     steps = [processors.ByteLevel(trim_offsets=False)]
     if add_bos and bos is not None and bos_id is not None:
         steps.append(bos_template(bos, bos_id))
     tok.post_processor = processors.Sequence(steps)
     return tok
+
+
+def _gemma4_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | None, unk: str | None) -> Any:
+    """llama.cpp's ``gemma4`` vocabulary as a ``tokenizer.json``: spaces as ``\u2581``, text split
+    into runs of newlines and of anything else, then BPE over characters by the stored merges
+    with byte fallback (no byte-level mapping, no space prefix)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens, types = _tokens(h)
+    vocab, merges = _vocab_and_merges(h, tokens)
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_tokens(tok, tokens, types)
+    if add_bos and bos is not None and bos_id is not None:
+        tok.post_processor = bos_template(bos, bos_id)
+    return tok
+
+
+def _vocab_and_merges(h: GGUFHeader, tokens: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """token -> id, and ``tokenizer.ggml.merges`` as pairs; a one-line error when they disagree."""
+    merges = [tuple(m.split(" ", 1)) for m in meta_list(h, "tokenizer.ggml.merges", str) or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens) or any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):
+        raise h.error("tokenizer.ggml.tokens repeats a token, or tokenizer.ggml.merges names a token it lacks")
+    return vocab, merges
+
+
+def _add_tokens(tok: Any, tokens: list[str], types: list[int]) -> None:
+    """Control tokens as special added tokens, user-defined ones as added tokens, as llama.cpp matches them."""
+    from tokenizers import AddedToken
+
+    kinds = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, k in kinds if k == spm.CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == spm.USER_DEFINED])
 
 
 def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str, bytes], list[str]]:
@@ -113,8 +160,8 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
     kind = meta_str(h, "tokenizer.ggml.model")
     if kind is None or kind == "none":
         return {}, [note("the GGUF holds no tokenizer: the output has none", NO_TOKENIZER)]
-    if kind not in ("llama", "gpt2"):
-        fact = f"tokenizer.ggml.model {kind!r} is not one ckptkit rebuilds (llama, gpt2): the output has none"
+    if kind not in ("llama", "gpt2", "gemma4"):
+        fact = f"tokenizer.ggml.model {kind!r} is not one ckptkit rebuilds (llama, gpt2, gemma4): the output has none"
         return {}, [note(fact, NO_TOKENIZER)]
     tokens, _ = _tokens(h)
     ids = {what: _special(h, tokens, what) for what in ("bos", "eos", "unknown", "padding")}
@@ -132,6 +179,11 @@ def tokenizer_files(h: GGUFHeader, max_positions: int | None) -> tuple[dict[str,
             fact = f"the GGUF's sentencepiece vocabulary cannot be written as tokenizer.json ({e.why})"
             return {}, [note(fact, NO_TOKENIZER)]
         files["tokenizer.model"] = spm.write_spm_model(model)
+    elif kind == "gemma4":
+        add_bos = add_bos is not False
+        bos_id, unk_id = ids["bos"], ids["unknown"]
+        bos, unk = (tokens[i] if i is not None else None for i in (bos_id, unk_id))
+        tok = _gemma4_tokenizer(h, add_bos, bos, bos_id, unk)
     elif (pre := meta_str(h, "tokenizer.ggml.pre", "default")) not in PRE_TOKENIZER_RULES:
         known = ", ".join(PRE_TOKENIZER_RULES)
         fact = f"byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known}): the output has none"

@@ -37,7 +37,6 @@ VOCAB_NEEDS = {
     "spm_unprefixed_or_bpe": f"{SPM} or {BPE}",
     "gemma4": "tokenizer.json (sentencepiece-style BPE)",
 }
-NOT_REBUILT = ("gemma4",)  # vocabularies whose tokenizer files are not rebuilt when a GGUF is read
 # Gemma 4's chat-format tokens that llama.cpp's gemma4 vocabulary always renders (user-defined)
 GEMMA4_VISIBLE = frozenset(
     ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>')

@@ -1,0 +1,106 @@
+"""The tokenizer rebuilt when a GGUF of the newer families is read: GLM-4.5's ``glm4``,
+gpt-oss's ``gpt-4o`` (and Llama 4's ``llama4``, the same o200k split), Gemma 4's ``gemma4``
+vocabulary. Each gives the ids of the tokenizer the GGUF was written from, on
+``fixtures/corpus.txt``, the tokenizer tests' corpus and llama.cpp's vocabulary test texts."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckptkit.convert import ConvertOptions, convert
+
+from conftest import FIXTURES
+
+
+@functools.cache
+def texts() -> list[str]:
+    """corpus.txt (by line and whole), the tokenizer tests' corpus, llama.cpp's test texts."""
+    from tokenizer_helpers import CORPUS, llama_cpp_dir
+
+    inp = llama_cpp_dir() / "models" / "ggml-vocab-llama-bpe.gguf.inp"
+    tests = inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
+    corpus = (FIXTURES / "corpus.txt").read_text(encoding="utf-8")
+    return [*CORPUS, *tests, *corpus.split("\n"), corpus]
+
+
+def read_back(src: Path, tmp_path: Path, pre: str | None) -> tuple[Path, list[str]]:
+    """``src`` to GGUF (with ``--gguf-pre pre``) and back to HF: the folder and the notes."""
+    convert(src, tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=pre))
+    result = convert(tmp_path / "m.gguf", tmp_path / "back", ConvertOptions("hf"))
+    return tmp_path / "back", result.notes
+
+
+def assert_same_ids(original: Path, rebuilt: Path, cases: list[str], decoded: bool = True, split: bool = True) -> None:
+    """Both ``tokenizer.json`` give the same ids for every text, with and without special tokens,
+    (``decoded``) decode them to the same text and (``split``) split it into the same pieces (which
+    a tiny vocabulary alone would not tell apart)."""
+    from tokenizers import Tokenizer
+
+    a, b = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (original, rebuilt))
+    if split:
+        assert [b.pre_tokenizer.pre_tokenize_str(t) for t in cases] == [
+            a.pre_tokenizer.pre_tokenize_str(t) for t in cases
+        ]
+    for special in (False, True):
+        want = [a.encode(t, add_special_tokens=special).ids for t in cases]
+        assert [b.encode(t, add_special_tokens=special).ids for t in cases] == want
+    if decoded:
+        assert [b.decode(b.encode(t).ids) for t in cases] == [a.decode(a.encode(t).ids) for t in cases]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "pre"), [("glm4_moe", "glm4"), ("gpt_oss", "gpt-4o"), ("gpt_oss", "llama4")], ids=lambda v: v
+)
+def test_byte_level_bpe_rebuilt_gives_the_source_ids(fixture: str, pre: str, tmp_path: Path) -> None:
+    src = FIXTURES / "hf" / fixture
+    back, notes = read_back(src, tmp_path, pre)
+    assert notes == []
+    assert_same_ids(src, back, texts())
+
+
+def gemma_structured(src: Path, out: Path) -> Path:
+    """``src`` with transformers' ``GemmaTokenizer`` pipeline (spaces as ``▁``, no prefix, byte
+    fallback) around the fixture's vocabulary and merges, as Gemma's releases have it."""
+    from transformers import GemmaTokenizer
+
+    shutil.copytree(src, out)
+    doc = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    gemma = json.loads(GemmaTokenizer().backend_tokenizer.to_str())
+    for key in ("normalizer", "pre_tokenizer", "decoder"):
+        doc[key] = gemma[key]
+    (out / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    return out
+
+
+def test_gemma4_vocabulary_rebuilt_gives_the_source_ids(tmp_path: Path) -> None:
+    """A Gemma-style tokenizer: every text's ids. The fixture's own (a ``Metaspace`` that
+    prefixes ``▁``, which llama.cpp's gemma4 vocabulary never does, and strips it when decoding):
+    the ids of texts that start with a space."""
+    src = gemma_structured(FIXTURES / "hf" / "gemma4-text", tmp_path / "src")
+    back, notes = read_back(src, tmp_path, None)
+    assert notes == []
+    cases = texts()
+    assert_same_ids(src, back, cases, split=False)  # Gemma splits at spaces it has made ▁: no split
+    fixture = FIXTURES / "hf" / "gemma4-text"
+    assert_same_ids(fixture, back, [" " + t for t in cases], decoded=False, split=False)
+
+
+def test_a_pre_tokenizer_not_rebuilt_still_converts_with_one_note(tmp_path: Path) -> None:
+    """DeepSeek V3's split (several regexes) is not one ckptkit rebuilds: the weights still come
+    back, one note says the tokenizer files are missing."""
+    from ckptkit.verify import verify_paths
+
+    src = FIXTURES / "hf" / "gpt_oss"
+    back, notes = read_back(src, tmp_path, "deepseek-v3")
+    assert verify_paths(src, back).identical == verify_paths(src, src).identical
+    assert notes == [
+        "byte-level BPE pre-tokenizer 'deepseek-v3' is not one ckptkit rebuilds "
+        "(llama-bpe, qwen2, glm4, gpt-4o, llama4): the output has none; "
+        "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
+    ]
+    assert not (back / "tokenizer.json").exists()
