@@ -19,13 +19,15 @@ from conftest import FIXTURES
 
 @functools.cache
 def texts() -> list[str]:
-    """corpus.txt (by line and whole), the tokenizer tests' corpus, llama.cpp's test texts."""
+    """corpus.txt (by line and whole), the tokenizer tests' corpus, llama.cpp's test texts, a
+    decomposed accent."""
     from tokenizer_helpers import CORPUS, llama_cpp_dir
 
     inp = llama_cpp_dir() / "models" / "ggml-vocab-llama-bpe.gguf.inp"
     tests = inp.read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
     corpus = (FIXTURES / "corpus.txt").read_text(encoding="utf-8")
-    return [*CORPUS, *tests, *corpus.split("\n"), corpus]
+    decomposed = "cafe\u0301 na\u0308ive"  # NFC composes it (Qwen's tokenizers), llama.cpp does not
+    return [*CORPUS, *tests, *corpus.split("\n"), corpus, decomposed]
 
 
 def read_back(src: Path, tmp_path: Path, pre: str | None) -> tuple[Path, list[str]]:
@@ -90,17 +92,61 @@ def test_gemma4_vocabulary_rebuilt_gives_the_source_ids(tmp_path: Path) -> None:
     assert_same_ids(fixture, back, [" " + t for t in cases], decoded=False, split=False)
 
 
+# the release tokenizers' splits, as llama.cpp's source quotes them from their tokenizer.json
+QWEN35_SPLIT = [
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+]
+DEEPSEEK_V3_SPLIT = [
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+# a text each split cuts otherwise than the others, and into how many pieces
+TELLING = {"qwen35": ("x\u0301y\u0301", 1), "deepseek-v3": ("12345中文abc", 4)}
+
+
+def with_split(src: Path, out: Path, regexes: list[str]) -> Path:
+    """``src`` with its tokenizer.json splitting by ``regexes`` in turn, then byte-level."""
+    shutil.copytree(src, out)
+    doc = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    split = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in regexes]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    doc["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [*split, byte_level]}
+    (out / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fixture", "pre", "regexes"),
+    [("qwen3_5", "qwen35", QWEN35_SPLIT), ("deepseek_v3", "deepseek-v3", DEEPSEEK_V3_SPLIT)],
+    ids=["qwen35", "deepseek-v3"],
+)
+def test_split_of_the_release_tokenizers_rebuilt(fixture: str, pre: str, regexes: list[str], tmp_path: Path) -> None:
+    """Qwen3.5's (marks join letters) and DeepSeek V3's (three splits in turn) pre-tokenizers,
+    around the fixture's vocabulary: the source's splits and ids."""
+    from tokenizers import Tokenizer
+
+    src = with_split(FIXTURES / "hf" / fixture, tmp_path / "src", regexes)
+    back, notes = read_back(src, tmp_path, pre)
+    assert [n for n in notes if "tokenizer" in n and "refuse" not in n] == []
+    text, pieces = TELLING[pre]
+    assert_same_ids(src, back, [*texts(), text])
+    assert len(Tokenizer.from_file(str(back / "tokenizer.json")).pre_tokenizer.pre_tokenize_str(text)) == pieces
+
+
 def test_a_pre_tokenizer_not_rebuilt_still_converts_with_one_note(tmp_path: Path) -> None:
-    """DeepSeek V3's split (several regexes) is not one ckptkit rebuilds: the weights still come
-    back, one note says the tokenizer files are missing."""
+    """Kimi K2's split is not one ckptkit rebuilds: the weights still come back, one note says
+    the tokenizer files are missing."""
     from ckptkit.verify import verify_paths
 
     src = FIXTURES / "hf" / "gpt_oss"
-    back, notes = read_back(src, tmp_path, "deepseek-v3")
+    back, notes = read_back(src, tmp_path, "kimi-k2")
     assert verify_paths(src, back).identical == verify_paths(src, src).identical
     assert notes == [
-        "byte-level BPE pre-tokenizer 'deepseek-v3' is not one ckptkit rebuilds "
-        "(llama-bpe, qwen2, glm4, gpt-4o, llama4): the output has none; "
+        "byte-level BPE pre-tokenizer 'kimi-k2' is not one ckptkit rebuilds "
+        "(llama-bpe, qwen2, qwen35, glm4, gpt-4o, llama4, deepseek-v3): the output has none; "
         "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
     ]
     assert not (back / "tokenizer.json").exists()

@@ -34,14 +34,28 @@ O200K_PATTERN = (
     rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_LOWER}+{_SUFFIX}|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_LOWER}*{_SUFFIX}"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> (split regex, ignore_merges) as llama.cpp's vocabulary loader takes them (GLM-4.5's
-# glm4 is Llama 3's split with the merges applied)
-PRE_TOKENIZER_RULES = {
-    "llama-bpe": (LLAMA3_PATTERN, True),
-    "qwen2": (QWEN2_PATTERN, False),
-    "glm4": (LLAMA3_PATTERN, False),
-    "gpt-4o": (O200K_PATTERN, False),
-    "llama4": (O200K_PATTERN, False),
+QWEN35_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek V3's three splits in turn: digits by three, CJK runs, then words and punctuation
+DEEPSEEK_V3_PATTERNS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# tokenizer.ggml.pre -> (split regexes applied in turn, ignore_merges as llama.cpp's vocabulary loader
+# takes them, NFC as the release tokenizers normalize text: Qwen's; llama.cpp does not). GLM-4.5's
+# glm4 is Llama 3's split with the merges applied.
+PRE_TOKENIZER_RULES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
+    "llama-bpe": ((LLAMA3_PATTERN,), True, False),
+    "qwen2": ((QWEN2_PATTERN,), False, True),
+    "qwen35": ((QWEN35_PATTERN,), False, True),
+    "glm4": ((LLAMA3_PATTERN,), False, False),
+    "gpt-4o": ((O200K_PATTERN,), False, False),
+    "llama4": ((O200K_PATTERN,), False, False),
+    "deepseek-v3": (DEEPSEEK_V3_PATTERNS, False, False),
 }
 # general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
 SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
@@ -92,19 +106,21 @@ def sentencepiece_model(h: GGUFHeader) -> spm.SpmModel:
 
 
 def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | None) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     tokens, types = _tokens(h)
     pre = meta_str(h, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_RULES:
         known = ", ".join(PRE_TOKENIZER_RULES)
         raise CkptkitError(f"{h.path}: byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known})")
-    pattern, ignore_merges = PRE_TOKENIZER_RULES[pre or ""]
+    patterns, ignore_merges, nfc = PRE_TOKENIZER_RULES[pre or ""]
     vocab, merges = _vocab_and_merges(h, tokens)
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

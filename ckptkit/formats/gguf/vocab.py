@@ -174,13 +174,13 @@ def pre_tokenizer(path: Path, ids: list[int], given: str | None, notes: list[str
 
 
 def same_split(path: Path, pre: str) -> bool:
-    """Whether ``tokenizer.json`` at ``path`` splits text by the one regex that llama.cpp's
+    """Whether ``tokenizer.json`` at ``path`` splits text by the regexes that llama.cpp's
     ``pre`` pre-tokenizer uses (for the pre-tokenizers whose regex ckptkit knows)."""
     from ckptkit.formats.gguf.tokenizer import PRE_TOKENIZER_RULES
     from ckptkit.tokenization.tiktoken_bpe import split_patterns
 
     rule = PRE_TOKENIZER_RULES.get(pre)
-    return rule is not None and split_patterns(_read_json(path).get("pre_tokenizer")) == [rule[0]]
+    return rule is not None and split_patterns(_read_json(path).get("pre_tokenizer")) == list(rule[0])
 
 
 def bpe_vocab(
