@@ -56,10 +56,11 @@ CHAT = [
 
 LLAMA_CPP_PYTHON = "0.3.36"
 # What tests take from llama.cpp (vendor/llama.cpp in the sdist): the converters and gguf-py
-# (test_llama_cpp.py), and the Llama vocabularies with their test texts and official ids.
+# (test_llama_cpp.py), and the Llama, Qwen3.5 and Gemma 4 vocabularies with their test texts and official ids.
 LLAMA_CPP_FILES = (
     "convert_hf_to_gguf.py", "conversion/", "gguf-py/", "convert_lora_to_gguf.py", "examples/convert_legacy_llama.py",
-    "models/ggml-vocab-llama-spm.gguf", "models/ggml-vocab-llama-bpe.gguf",
+    "models/ggml-vocab-llama-spm.gguf", "models/ggml-vocab-llama-bpe.gguf", "models/ggml-vocab-qwen35.gguf",
+    "models/ggml-vocab-gemma-4.gguf",
 )  # fmt: skip
 LLAMA_CPP_SHA256 = {
     "models/ggml-vocab-llama-spm.gguf": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
@@ -68,6 +69,12 @@ LLAMA_CPP_SHA256 = {
     "models/ggml-vocab-llama-bpe.gguf": "97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e",
     "models/ggml-vocab-llama-bpe.gguf.inp": "be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0",
     "models/ggml-vocab-llama-bpe.gguf.out": "118abf2034a197fc5c9dec5204dfdeee7004c7c70952ae577f66b99e212fab9b",
+    "models/ggml-vocab-qwen35.gguf": "63ed952ff338996cf0bdf24a7b10015124273f75c6dc9bb427356aa3f67ec62c",
+    "models/ggml-vocab-qwen35.gguf.inp": "0fc6547e7876cd5b2ef64a9d319c6e39040eb53986660bd4227ed7ddef017a94",
+    "models/ggml-vocab-qwen35.gguf.out": "5efe225820325303857d0a087a8d59216f0d1e9a9e31133e7a5b44c3c4e1e9ca",
+    "models/ggml-vocab-gemma-4.gguf": "58b1ba0b57f3b4d7c468ba4ffd91ad85190346a3d7ad7e71d1cabaae8a14bb65",
+    "models/ggml-vocab-gemma-4.gguf.inp": "0528aa007b06965f980181d252b5dff7bb170a77af6157bd48bba56885374448",
+    "models/ggml-vocab-gemma-4.gguf.out": "ba8c596bcd05e97e62566fa994b42eeaeffd6a4e4b4a4abe7b5b689aa6b43bf3",
 }
 MISTRAL_COMMON = "1.13.1"
 # Mistral's sentencepiece models: v1 (Mistral 7B v0.1, 32000 pieces) and v3 (v0.3, 32768
@@ -270,8 +277,9 @@ def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
     models = llama_cpp_dir() / "models"
     texts = (models / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     lines = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
-    assert texts[-1] == "" and lines[-1] == "" and len(texts) == len(lines)
-    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts[:-1], lines[:-1], strict=True)]
+    texts = texts[:-1] if texts[-1] == "" else texts  # (Gemma 4's lacks the last separator)
+    lines = lines[:-1] if lines[-1] == "" else lines
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, lines, strict=True)]
 
 
 LLAMA3_MODEL_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"  # Meta's file

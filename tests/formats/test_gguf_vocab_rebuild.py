@@ -114,6 +114,7 @@ def with_split(src: Path, out: Path, regexes: list[str]) -> Path:
     split = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in regexes]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
     doc["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [*split, byte_level]}
+    doc["normalizer"] = None  # the releases' (the fixture's Qwen2-style NFC is not Qwen3.5's)
     (out / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
     return out
 
@@ -150,3 +151,23 @@ def test_a_pre_tokenizer_not_rebuilt_still_converts_with_one_note(tmp_path: Path
         "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
     ]
     assert not (back / "tokenizer.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", ["qwen35", "gemma-4"])
+def test_real_vocabulary_rebuilt_gives_the_official_ids(vocab: str) -> None:
+    """llama.cpp's vocabulary GGUFs of Qwen3.5's split (248k-token files, tens of seconds to
+    read: slow) and of Gemma 4's real vocabulary, with its test texts and the ids the original
+    tokenizers give them."""
+    from tokenizers import Tokenizer
+
+    from ckptkit.formats.gguf.reader import read_header
+    from ckptkit.formats.gguf.tokenizer import tokenizer_files
+
+    from tokenizer_helpers import llama_cpp_dir, vocab_tests
+
+    files, notes = tokenizer_files(read_header(llama_cpp_dir() / "models" / f"ggml-vocab-{vocab}.gguf"), 4096)
+    assert notes == []
+    tok = Tokenizer.from_str(files["tokenizer.json"].decode())
+    cases = vocab_tests(vocab)
+    assert [tok.encode(text, add_special_tokens=False).ids for text, _ in cases] == [ids for _, ids in cases]

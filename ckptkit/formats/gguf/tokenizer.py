@@ -46,12 +46,13 @@ DEEPSEEK_V3_PATTERNS = (
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 # tokenizer.ggml.pre -> (split regexes applied in turn, ignore_merges as llama.cpp's vocabulary loader
-# takes them, NFC as the release tokenizers normalize text: Qwen's; llama.cpp does not). GLM-4.5's
-# glm4 is Llama 3's split with the merges applied.
+# takes them, NFC as the release tokenizers normalize text: Qwen2's; llama.cpp does not, nor does
+# Qwen3.5's, whose split lets marks join letters instead). GLM-4.5's glm4 is Llama 3's split with the
+# merges applied.
 PRE_TOKENIZER_RULES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "llama-bpe": ((LLAMA3_PATTERN,), True, False),
     "qwen2": ((QWEN2_PATTERN,), False, True),
-    "qwen35": ((QWEN35_PATTERN,), False, True),
+    "qwen35": ((QWEN35_PATTERN,), False, False),
     "glm4": ((LLAMA3_PATTERN,), False, False),
     "gpt-4o": ((O200K_PATTERN,), False, False),
     "llama4": ((O200K_PATTERN,), False, False),
