@@ -126,7 +126,7 @@ def llama_cpp_runs(h: dict[str, Any]) -> dict[str, Any]:
     if types is not None and all(t == FULL for t in types):
         return out | {"no_rope_layers": [1] * n, "layer_types": [FULL] * n}
     rope = [int((i + 1) % 4 != 0) for i in range(n)]
-    out |= {"no_rope_layers": rope, "layer_types": [CHUNKED if r else FULL for r in rope]}
+    out |= {"no_rope_layers": rope, "no_rope_layer_interval": 4, "layer_types": [CHUNKED if r else FULL for r in rope]}
     return out | {"attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
 
 

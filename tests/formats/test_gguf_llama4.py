@@ -131,6 +131,17 @@ def test_llama_cpp_gguf_reads_back_to_the_model_it_runs(
     assert_reads_back(reference(src, dtype), runs, tmp_path / "hf", ignored=TEXT_ONLY)
 
 
+def test_a_release_s_config_with_llama_cpp_s_settings_gets_no_note(tmp_path: Path) -> None:
+    """Meta's releases leave ``no_rope_layers`` empty (transformers' default: every 4th layer
+    NoPE) and have no ``layer_types``: nothing llama.cpp runs otherwise."""
+    runs = {"no_rope_layers": [], "layer_types": None, "attention_chunk_size": 8192, "floor_scale": 8192}
+    result = convert(edited(TEXT, tmp_path, **runs), tmp_path / "m.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    assert not [n for n in result.notes if "GGUF has no key" in n]
+    src = edited(TEXT, tmp_path / "interval", **runs, no_rope_layer_interval=2)
+    result = convert(src, tmp_path / "i.gguf", ConvertOptions("gguf", gguf_pre=PRE))
+    assert [n for n in result.notes if "no_rope_layer_interval 2 (llama.cpp assumes 4)" in n]
+
+
 def test_all_full_attention_is_sliding_window_0_and_rope_in_every_layer(tmp_path: Path) -> None:
     """llama.cpp's converter writes ``sliding_window`` 0 where every layer is full attention
     (MobileLLM); llama.cpp then ropes every layer, which the read-back config says."""
