@@ -9,6 +9,7 @@ subclass Llama and Qwen2 but are other llama.cpp models): :meth:`Family.gguf_spe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,9 @@ class GGUFSpec:
         interleaved_experts: gpt-oss's: the stacked ``experts.gate_up_proj`` [E, cols, 2 *
             rows] / ``down_proj`` [E, cols, rows] written transposed, the interleaved gate and
             up rows (and biases) split, the attention ``sinks`` named ``attn_sinks.weight``.
+        halved_experts: Llama 4's: the stacked ``feed_forward.experts.gate_up_proj`` [E,
+            cols, 2 * rows] / ``down_proj`` [E, rows, cols] written transposed, the gate
+            (first) and up (second) halves split.
         renames: (HF name past ``model.layers.{i}.``, GGUF name past ``blk.{i}.``) for layer
             tensors its ``modify_tensors`` names itself (the ``gguf`` package's map lacks them);
             such a tensor is written as stored (Gemma 4's stacked experts not split).
@@ -56,6 +60,9 @@ class GGUFSpec:
         proportional_rope: Gemma 4's: ``rope_freqs.weight`` leaves the full-attention heads'
             dimensions past ``partial_rotary_factor`` unrotated
             (:func:`ckptkit.formats.gguf.per_layer.proportional_rope_freqs`).
+        assumed: config.json fields its llama.cpp architecture fixes without a key, as it
+            runs the model, from a config.json (or the metadata read as one): set when a GGUF
+            is read back, noted on writing where the source's differ.
     """
 
     arch: str
@@ -78,6 +85,8 @@ class GGUFSpec:
     renames: tuple[tuple[str, str], ...] = ()
     skipped: tuple[str, ...] = ()
     proportional_rope: bool = False
+    halved_experts: bool = False
+    assumed: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@ Meta's release is ``Llama4ForConditionalGeneration``: the text model under
 (``multi_modal_projector.*``) beside it. Those are carried as tensors the text model does
 not use (``internal`` and DCP hold them under their HF names), with the vision config kept
 in the written config.json. DCP holds the canonical names.
+
+GGUF is llama.cpp's ``llama4`` (its ``Llama4Model``, for either release): the dense layers'
+width as ``feed_forward_length``, the experts' as ``expert_feed_forward_length``, the stacked
+experts transposed with ``gate_up_proj`` split in halves, the towers left to ``--mmproj``.
+It has no key for the NoPE layers, the chunk size or the attention temperature: llama.cpp
+fixes them (:func:`llama_cpp_runs`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import Part
 from ckptkit.models.family import Family
 from ckptkit.models.fields import boolean, positive_int
+from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import MoEFields
 from ckptkit.models.registry import register
 from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
@@ -30,6 +37,7 @@ from ckptkit.models.spec import Layout, Rule, hf_common_config, hf_common_fields
 # the vision tower and projector of the multimodal release: carried, unused by the text model
 VISION = (r"vision_model\..+", r"multi_modal_projector\..+")
 _WRAPPER = ("boi_token_index", "eoi_token_index", "image_token_index")
+FULL, CHUNKED = "full_attention", "chunked_attention"
 
 
 @dataclass
@@ -102,12 +110,52 @@ def layer_parts(cfg: ModelConfig, moe: bool) -> list[Part]:
     return parts
 
 
+def llama_cpp_runs(h: dict[str, Any]) -> dict[str, Any]:
+    """The config.json fields llama.cpp's ``llama4`` fixes, no GGUF key holding them, for the
+    model of config.json ``h``: experts on every ``interleave_moe_layer_step``-th layer, q/k
+    L2 norms unless it has 128 experts (Maverick); where every layer is full attention (its
+    converter's ``sliding_window`` 0) rope in all of them, else every 4th layer NoPE with full
+    attention and an attention temperature (floor 8192, scale 0.1), the others chunked (8192)."""
+    n, experts = int(h["num_hidden_layers"]), int(h.get("num_local_experts") or 0)
+    step = int(h.get("interleave_moe_layer_step") or 1)
+    out: dict[str, Any] = {
+        "moe_layers": [i for i in range(n) if experts and (i + 1) % step == 0],
+        "use_qk_norm": experts != 128,
+    }
+    types = h.get("layer_types")
+    if types is not None and all(t == FULL for t in types):
+        return out | {"no_rope_layers": [1] * n, "layer_types": [FULL] * n}
+    rope = [int((i + 1) % 4 != 0) for i in range(n)]
+    out |= {"no_rope_layers": rope, "no_rope_layer_interval": 4, "layer_types": [CHUNKED if r else FULL for r in rope]}
+    return out | {"attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}
+
+
+# llama.cpp's Llama4Model: LlamaModel's keys with intermediate_size_mlp as TextModel's
+# feed-forward length, then its own
+_LLAMA4 = (
+    "block_count", "context_length?", "embedding_length", "feed_forward_length_mlp", "head_count", "head_count_kv?",
+    "rope_scaling", "rope_freq_base?", "layer_norm_rms_eps?", "expert_count", "expert_used_count", "head_dim?",
+    "file_type", "vocab_size", "rope_dimension_count", "interleave_moe_layer_step", "expert_feed_forward_length_moe",
+    "sliding_window_off?",
+)  # fmt: skip
+LLAMA4_GGUF = GGUFSpec(
+    "llama4",
+    ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+    _LLAMA4,
+    "bpe",
+    rope_freqs=True,
+    skipped=("vision_model.", "multi_modal_projector."),
+    halved_experts=True,
+    assumed=llama_cpp_runs,
+)
+
+
 class Llama4(Family):
     name = "llama4"
     hf_model_types = ("llama4_text", "llama4")
-    gguf_not_yet = "llama4"  # llama.cpp's Llama4Model (its gate_up_proj split, intermediate_size_mlp)
     hf_architecture = "Llama4ForCausalLM"
     fields: ClassVar[type[Llama4Fields]] = Llama4Fields
+    gguf = LLAMA4_GGUF
 
     def _layers(self, cfg: ModelConfig) -> list[list[Part]]:
         moe = cfg.fields(Llama4Fields)

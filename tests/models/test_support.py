@@ -74,6 +74,7 @@ FIXTURE_PRE |= {
     "qwen3_next": "qwen2",
 }
 FIXTURE_PRE |= {"gpt_oss": "gpt-4o", "glm4_moe": "glm4"}  # gpt-oss's o200k split; GLM's special tokens
+FIXTURE_PRE["llama4"] = "llama-bpe"  # its fixtures have the Llama 3 tokenizer
 
 # the quantized sources have tests of their own in every format (tests/quant, test_gguf_fp8.py)
 QUANTIZED = ("fp8", "mxfp4", "ct", "modelopt")

@@ -1,10 +1,11 @@
 """The config.json fields of the llama.cpp architectures whose own keys
 :func:`~ckptkit.formats.gguf.params.hparams_from_metadata` does not read: DeepSeek's latent
 attention and grouped experts (``deepseek2``), GLM-4.5's NextN layers counted as blocks
-(``glm4moe``), gpt-oss's experts and yarn (``gpt-oss``), and the hybrid Qwen stacks'
-linear attention (``qwen3next``, ``qwen35``, ``qwen35moe``). Each reads the header's keys
-(and what its tensor names say: biases, q/k norms), as llama.cpp's converter wrote them
-from config.json (:mod:`.params`)."""
+(``glm4moe``), gpt-oss's experts and yarn (``gpt-oss``), Llama 4's two feed-forward widths
+and experts' interleave (``llama4``), and the hybrid Qwen stacks' linear attention
+(``qwen3next``, ``qwen35``, ``qwen35moe``). Each reads the header's keys (and what its tensor
+names say: biases, q/k norms), as llama.cpp's converter wrote them from config.json
+(:mod:`.params`)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,21 @@ def _gpt_oss(kv: dict[str, Any], arch: str, out: dict[str, Any], names: set[str]
         out["intermediate_size"] = width
 
 
-ARCH_READERS: dict[str, Reader] = {"deepseek2": _deepseek2, "glm4moe": _glm4moe, "gpt-oss": _gpt_oss}
+def _llama4(kv: dict[str, Any], arch: str, out: dict[str, Any], names: set[str]) -> None:
+    """Llama 4: the feed-forward length is the dense layers' (``intermediate_size_mlp``), the
+    experts' their own; a ``sliding_window`` of 0 says every layer is full attention."""
+    width, step = out.pop("moe_intermediate_size", None), _get(kv, f"{arch}.interleave_moe_layer_step")
+    if width is None or step is None or "intermediate_size" not in out:
+        raise CkptkitError(
+            f"metadata lacks {arch}.feed_forward_length, {arch}.expert_feed_forward_length "
+            f"or {arch}.interleave_moe_layer_step"
+        )
+    out.update(intermediate_size_mlp=out["intermediate_size"], intermediate_size=width, interleave_moe_layer_step=step)
+    if out.pop("sliding_window", 0) is None:  # the key, 0: no chunked layers
+        out["layer_types"] = ["full_attention"] * out["num_hidden_layers"]
+
+
+ARCH_READERS: dict[str, Reader] = {"deepseek2": _deepseek2, "glm4moe": _glm4moe, "gpt-oss": _gpt_oss, "llama4": _llama4}
 
 
 def arch_fields(kv: dict[str, Any], arch: str, out: dict[str, Any], names: set[str]) -> None:

@@ -178,37 +178,47 @@ def merged_rules(rules: tuple[Rule, ...], rename: Callable[[Rule], Rule | None])
     return tuple(Rule(merged_name(*r), tuple(groups[r]), STACKED) if isinstance(r, tuple) else r for r in out)
 
 
-# --- gpt-oss: transformers' stacked experts, gate and up interleaved -------------------------------
+# --- gpt-oss and Llama 4: transformers' stacked experts, written transposed ---------------------
 
-_GPT_OSS_EXPERTS = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
+STACKED_EXPERTS = re.compile(r"(.*\.(?:mlp|feed_forward)\.experts\.)(gate_up_proj|down_proj)(_bias)?")
 
 
-def interleaved_experts(hf_name: str, lazy: Lazy, tmap: Any) -> list[Merged] | None:
-    """llama.cpp's ``gpt-oss`` tensors of ``hf_name`` when it is a stacked expert tensor (else
-    None): ``down_proj`` [E, rows, cols] transposed; ``gate_up_proj`` transposed and split into
-    its even (gate) and odd (up) rows, its bias split the same way; biases kept as they are."""
-    found = _GPT_OSS_EXPERTS.fullmatch(hf_name)
+def interleaved_experts(hf_name: str, lazy: Lazy, tmap: Any, halves: bool = False) -> list[Merged] | None:
+    """llama.cpp's tensors of ``hf_name`` when it is a stacked expert tensor (else None):
+    ``down_proj`` [E, rows, cols] transposed; ``gate_up_proj`` transposed and split into its
+    gate and up rows: gpt-oss's even and odd ones (its bias split the same way), or with
+    ``halves`` Llama 4's first and second halves; biases kept as they are."""
+    found = STACKED_EXPERTS.fullmatch(hf_name)
     if found is None:
         return None
-    prefix, proj, bias = found.group(1), found.group(2), found.group(3) is not None
+    prefix, proj, bias = found.group(1).replace("language_model.", ""), found.group(2), found.group(3) is not None
     suffix = ".bias" if bias else ".weight"
     shape = lazy.shape if bias else (lazy.shape[0], lazy.shape[2], lazy.shape[1])
+    half = (*shape[:-1], shape[-1] // 2) if bias else (shape[0], shape[1] // 2, shape[2])
 
-    def part(start: int, step: int) -> Callable[[], torch.Tensor]:
+    def part(i: int, whole: bool = False) -> Callable[[], torch.Tensor]:
+        """Part ``i`` (0 gate, 1 up) of the transposed tensor (``whole``: all of it)."""
+        rows = slice(None) if whole else slice(i * half[1], (i + 1) * half[1]) if halves else slice(i, None, 2)
+
         def make() -> torch.Tensor:
             t = lazy.get()
-            t = t if bias else t.transpose(-1, -2)
-            return t[..., start::step] if bias else t[:, start::step, :]
+            return t[..., rows] if bias else t.transpose(-1, -2)[:, rows, :]
 
         return make
 
     def named(hf: str) -> str:
         name: str | None = tmap.get_name(prefix + hf + suffix, try_suffixes=(".weight", ".bias"))
-        if name is None:  # pragma: no cover - the gguf package names each for gpt-oss
+        if name is None:  # pragma: no cover - the gguf package names each for gpt-oss and llama4
             raise CkptkitError(f"llama.cpp has no GGUF name for {prefix + hf + suffix}")
         return name
 
     if proj == "down_proj":
-        return [(named("down_proj"), shape, part(0, 1))]
-    half = (*shape[:-1], shape[-1] // 2) if bias else (shape[0], shape[1] // 2, shape[2])
-    return [(named("gate_proj"), half, part(0, 2)), (named("up_proj"), half, part(1, 2))]
+        return [(named("down_proj"), shape, part(0, whole=True))]
+    return [(named("gate_proj"), half, part(0)), (named("up_proj"), half, part(1))]
+
+
+def stacked_experts(spec: GGUFSpec, hf_name: str, lazy: Lazy, tmap: Any) -> list[Merged] | None:
+    """:func:`interleaved_experts` for the specs that write stacked experts transposed (else None)."""
+    if not (spec.interleaved_experts or spec.halved_experts):
+        return None
+    return interleaved_experts(hf_name, lazy, tmap, spec.halved_experts)

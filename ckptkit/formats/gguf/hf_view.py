@@ -5,7 +5,8 @@ Each HF tensor of the family's layout (one tensor per expert where llama.cpp mer
 is made from the GGUF tensors it was written as: an expert from its slice of the merged
 ``ffn_*_exps`` tensor (bytes copied where they lie), DeepSeek's ``kv_b_proj`` from its
 per-head ``attn_k_b`` (transposed back) and ``attn_v_b``, gpt-oss's stacked experts
-transposed back with the gate and up rows interleaved again, the hybrid Qwen stacks' tensors
+transposed back with the gate and up rows interleaved again (Llama 4's with the gate and up
+halves joined again), the hybrid Qwen stacks' tensors
 through :mod:`.hybrid_read`, any other renamed. Every GGUF tensor must be used, or the read
 is refused, as for the formats read through a layout.
 """
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from ckptkit.models.spec import Layout
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_STACKED = re.compile(r"(model\.layers\.(\d+)\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?")
+_STACKED = re.compile(r"(model\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.)(gate_up_proj|down_proj)(_bias)?")
 
 
 class HFView:
@@ -64,7 +65,8 @@ def needs_view(spec: GGUFSpec) -> bool:
     """Whether llama.cpp writes the family otherwise than one renamed HF tensor per GGUF tensor
     (or its experts merged): split, fused, transposed or computed tensors, or MTP layers as blocks."""
     nextn = "block_count_nextn" in spec.parameters
-    return spec.latent_attention or spec.linear_attention is not None or spec.interleaved_experts or nextn
+    stacked = spec.interleaved_experts or spec.halved_experts
+    return spec.latent_attention or spec.linear_attention is not None or stacked or nextn
 
 
 def hf_layout(family: Family, cfg: ModelConfig, spec: GGUFSpec) -> Layout:
@@ -126,8 +128,8 @@ def _made(reader: Reader, tmap: Any, name: str, shape: tuple[int, ...], spec: GG
         return expert(reader, f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight", int(m.group(2)))
     if spec.latent_attention and name.endswith("kv_b_proj.weight"):
         return _kv_b(reader, tmap, name, shape)
-    if spec.interleaved_experts and (m := _STACKED.fullmatch(name)):
-        return _interleaved(reader, tmap, m, shape)
+    if (spec.interleaved_experts or spec.halved_experts) and (m := _STACKED.fullmatch(name)):
+        return _interleaved(reader, tmap, m, shape, spec.halved_experts)
     suffix = ".weight" if spec.interleaved_experts and name.endswith(".sinks") else ""
     new = gguf_name(tmap, name + suffix)
     if new is None or not reader.has(new):
@@ -155,15 +157,16 @@ def _kv_b(reader: Reader, tmap: Any, name: str, shape: tuple[int, ...]) -> Made:
     return Made(shape, k.dtype, get)
 
 
-def _interleaved(reader: Reader, tmap: Any, m: re.Match[str], shape: tuple[int, ...]) -> Made:
-    """gpt-oss's stacked ``gate_up_proj`` [E, cols, 2 * rows] (gate and up rows interleaved)
-    and ``down_proj`` [E, cols, rows], transposed back, and their biases."""
+def _interleaved(reader: Reader, tmap: Any, m: re.Match[str], shape: tuple[int, ...], halves: bool) -> Made:
+    """The stacked ``gate_up_proj`` [E, cols, 2 * rows] and ``down_proj`` [E, rows, cols]
+    transposed back, the gate and up rows interleaved again (gpt-oss's) or joined as halves
+    (``halves``: Llama 4's), and gpt-oss's biases."""
     prefix, proj, bias = m.group(1), m.group(3), m.group(4) is not None
     suffix = ".bias" if bias else ".weight"
 
     def named(hf: str) -> str:
         found: str | None = tmap.get_name(prefix + hf + suffix, try_suffixes=(".weight", ".bias"))
-        if found is None:  # pragma: no cover - the gguf package names each for gpt-oss
+        if found is None:  # pragma: no cover - the gguf package names each for gpt-oss and llama4
             raise CkptkitError(f"llama.cpp has no GGUF name for {prefix + hf + suffix}")
         return found
 
@@ -177,7 +180,10 @@ def _interleaved(reader: Reader, tmap: Any, m: re.Match[str], shape: tuple[int, 
     def get() -> torch.Tensor:
         import torch
 
-        both = torch.stack([reader.raw.read(gate.name), reader.raw.read(up.name)], dim=2 if not bias else -1)
+        parts = [reader.raw.read(gate.name), reader.raw.read(up.name)]
+        if halves:  # gate rows then up rows, back to [E, cols, 2 * rows] (a bias: [E, 2 * rows])
+            return torch.cat(parts, dim=-1) if bias else torch.cat(parts, dim=1).transpose(1, 2).contiguous()
+        both = torch.stack(parts, dim=2 if not bias else -1)
         if bias:
             return both.reshape(shape)
         e, rows, _, cols = both.shape

@@ -106,7 +106,7 @@ def _has_experts(spec: GGUFSpec) -> bool:
 
 def assumed_fields(spec: GGUFSpec, hparams: dict[str, Any]) -> dict[str, Any]:
     """config.json fields the GGUF has no key for, as llama.cpp runs the model: its fixed
-    interleave of sliding and global layers, and its query scale."""
+    interleave of sliding and global layers, its query scale, and the spec's own (``assumed``)."""
     out: dict[str, Any] = {}
     layers, heads, hidden = hparams["num_hidden_layers"], hparams["num_attention_heads"], hparams["hidden_size"]
     if spec.sliding_pattern is not None:
@@ -115,23 +115,27 @@ def assumed_fields(spec: GGUFSpec, hparams: dict[str, Any]) -> dict[str, Any]:
     if spec.query_scale_layers is not None:
         by_hidden = layers in spec.query_scale_layers
         out["query_pre_attn_scalar"] = hidden // heads if by_hidden else hparams.get("head_dim", hidden // heads)
+    if spec.assumed is not None:
+        out.update(spec.assumed(hparams))
     return out
 
 
 def _llama3_scaling(h: GGUFHeader, hparams: dict[str, Any], stored: torch.Tensor) -> dict[str, Any]:
-    """Llama 3 rope scaling whose factors llama.cpp computes as exactly ``stored``."""
+    """Llama 3 rope scaling whose factors llama.cpp computes as exactly ``stored``: low and
+    high frequency factors 1 and 4 (Llama 3.1 to 3.3), else 1 and 1 (Llama 4 Scout)."""
     import torch
 
     factor = float(stored.max()) if stored.numel() else 0.0
-    settings = {**hparams.get("rope_parameters", {}), **LLAMA3_SCALING, "factor": factor}
-    settings["original_max_position_embeddings"] = 8192
-    made = rope_freqs({**hparams, "rope_parameters": settings})
-    if made is None or made.shape != stored.shape or not torch.equal(made, stored.to(torch.float32)):
-        raise h.error(
-            f"{ROPE_FREQS} holds rope factors that Llama 3 scaling (factor {factor:g}, low/high frequency "
-            "factors 1/4, original context 8192) does not give; config.json cannot state them"
-        )
-    return settings
+    for high in (4.0, 1.0):
+        settings = {**hparams.get("rope_parameters", {}), **LLAMA3_SCALING, "high_freq_factor": high, "factor": factor}
+        settings["original_max_position_embeddings"] = 8192
+        made = rope_freqs({**hparams, "rope_parameters": settings})
+        if made is not None and made.shape == stored.shape and torch.equal(made, stored.to(torch.float32)):
+            return settings
+    raise h.error(
+        f"{ROPE_FREQS} holds rope factors that Llama 3 scaling (factor {factor:g}, low/high frequency "
+        "factors 1/4 or 1/1, original context 8192) does not give; config.json cannot state them"
+    )
 
 
 def family_of(h: GGUFHeader, config: dict[str, Any]) -> Family:

@@ -259,6 +259,22 @@ WRITERS |= {
 }
 
 
+# --- Llama4Model (llama4): the dense layers' width as TextModel's, the experts' its own -----------
+
+WRITERS |= {
+    "feed_forward_length_mlp": (lambda w, h, t: w.add_feed_forward_length(h["intermediate_size_mlp"]), None),
+    "interleave_moe_layer_step": (
+        lambda w, h, t: w.add_interleave_moe_layer_step(h["interleave_moe_layer_step"]),
+        None,
+    ),
+    "expert_feed_forward_length_moe": (lambda w, h, t: w.add_expert_feed_forward_length(h["intermediate_size"]), None),
+    "sliding_window_off": (lambda w, h, t: w.add_sliding_window(0), "all_full_attention"),
+}
+_PRESENT["all_full_attention"] = lambda h: (
+    True if h.get("layer_types") is not None and all(t == "full_attention" for t in h["layer_types"]) else None
+)
+
+
 # --- the hybrid Qwen stacks (Qwen3NextModel and its Qwen3.5 subclasses) ----------------------------
 
 

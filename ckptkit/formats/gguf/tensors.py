@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf import hybrid, mxfp4
-from ckptkit.formats.gguf.experts import ExpertMerger, interleaved_experts, llama_cpp_view, refuse_dense_layers
+from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view, refuse_dense_layers, stacked_experts
 from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, quantize_type, requantized
@@ -294,7 +294,7 @@ def model_tensors(
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         factors: torch.Tensor = freqs
         out.append(GGUFTensor(name, tuple(factors.shape), gguf.GGMLQuantizationType.F32, lambda: factors))
-    mtp, skipped = left_out(spec, hparams, order)
+    mtp, skipped = left_out(spec, hparams, list(dict.fromkeys([*order, *ckpt.unused])))  # towers unused too
     if mtp:  # llama.cpp's deepseek2 skips the multi-token-prediction layers
         fact = f"{len(mtp)} tensor(s) of the MTP layer(s) past num_hidden_layers not written, as llama.cpp skips them"
         ckpt.notes.append(note(fact))
@@ -326,7 +326,7 @@ def model_tensors(
         if merger is not None and (merged := merger.take(hf_name)) is not None:
             out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in merged]
             continue
-        if spec.interleaved_experts and (split := interleaved_experts(hf_name, targets[hf_name], tmap)):
+        if split := stacked_experts(spec, hf_name, targets[hf_name], tmap):
             out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in split]
             continue
         sinks = spec.interleaved_experts and hf_name.endswith("sinks")

@@ -121,11 +121,12 @@ def model_name(path: Path) -> str:
 
 def _not_kept(hparams: dict[str, Any], spec: Any) -> list[str]:
     """Notes on config.json fields the GGUF has no key for whose values are not the ones
-    llama.cpp assumes: it will not run the source's model."""
+    llama.cpp assumes: it will not run the source's model. (A field left empty is
+    transformers' default, as one left out.)"""
     lost = [
         f"{field} {hparams[field]} (llama.cpp assumes {value})"
         for field, value in assumed_fields(spec, hparams).items()
-        if hparams.get(field) is not None and hparams[field] != value
+        if hparams.get(field) not in (None, []) and hparams[field] != value
     ]
     if not lost:
         return []
