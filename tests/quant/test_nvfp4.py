@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from nvfp4_helpers import llama_cpp_pack, modelopt_dequantized
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
@@ -138,3 +138,24 @@ def test_hf_quant_config_json_of_another_producer_is_refused(tmp_path: Path) -> 
     with pytest.raises(CkptkitError, match=r"hf_quant_config.json: not a modelopt export's quantization"):
         convert(src, tmp_path / "out", ConvertOptions("hf"))
     assert not (tmp_path / "out").exists()
+
+
+def test_zero_block_scales_cannot_give_their_codes_back(tmp_path: Path) -> None:
+    """A block whose e4m3 scale is 0 dequantizes to zeros whatever its codes: re-quantizing
+    cannot give them back, so verify names that weight (DIFFERENT, exit 1), the others still
+    proven; its values are the dequantization all the same."""
+    src = shutil.copytree(NV, tmp_path / "src")
+    stored = load_file(src / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    scale = stored[name + "_scale"].view(torch.uint8).clone()
+    scale[0, 0] = scale[3, 1] = 0
+    stored[name + "_scale"] = scale.view(torch.float8_e4m3fn)
+    save_file(stored, src / "model.safetensors", metadata={"format": "pt"})
+    convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    report = verify_paths(src, tmp_path / "out")
+    assert report.verdict().startswith("DIFFERENT: 9 of 21 tensors bitwise equal, 1 differ in value or shape, 11 ")
+    assert [d.name_a for d in report.differences if d.kind == "values"] == [name]
+    ours = load_file(tmp_path / "out" / "model.safetensors")[name]
+    assert not ours[0, :16].any() and not ours[3, 16:32].any()
+    ref = modelopt_dequantized(stored[name], stored[name + "_scale"], stored[name + "_scale_2"])
+    assert torch.equal(ours.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
