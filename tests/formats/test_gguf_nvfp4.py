@@ -180,3 +180,16 @@ def test_nvfp4_release_to_gguf_equals_llama_cpp(
 def test_llama_cpps_gguf_reads_back_dequantized(reference: Callable[[Path, str | None], Path], tmp_path: Path) -> None:
     convert(reference(NV, "bfloat16"), tmp_path / "hf", ConvertOptions("hf"))
     assert verify_paths(NV, tmp_path / "hf").verdict().startswith("DEQUANTIZED: 9 of 21 tensors bitwise equal")
+
+
+def test_a_scale_that_is_not_a_number_is_refused(ours: Path, tmp_path: Path) -> None:
+    import gguf
+
+    bad = shutil.copy(ours, tmp_path / "bad.gguf")
+    found = next(t for t in gguf.GGUFReader(bad).tensors if t.name.endswith(".scale"))
+    with open(bad, "r+b") as f:
+        f.seek(found.data_offset)
+        f.write(np.float32("nan").tobytes())
+    with pytest.raises(CkptkitError, match=r"the scale of NVFP4 weight '.*' is nan, not a finite number"):
+        convert(bad, tmp_path / "hf", ConvertOptions("hf"))
+    assert not (tmp_path / "hf").exists()
