@@ -66,7 +66,7 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
         rules = []  # the format does not hold this family: its own plan says so
     if opts.dtype is None and rules and keeps_in(quant, rules, ckpt.config.head_dim, ckpt.tensors):
         return ckpt, opts
-    if fmt.info.takes_pre_tokenizer and quant.method.name == "mxfp4":  # GGUF: kept as llama.cpp keeps them
+    if fmt.info.takes_pre_tokenizer and quant.method.ggml_type is not None:  # GGUF: kept as llama.cpp keeps them
         return ckpt, opts
     dtype = opts.dtype or DEFAULT_DEQUANTIZED
     if dtype not in FLOATING:  # a GGML type (q8_0, Q4_K_M): quantized from the float32 product, as llama.cpp does

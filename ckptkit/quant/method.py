@@ -46,6 +46,7 @@ class QuantMethod:
     stored: str  # a class attribute, or set per config
     skip_key = "modules_to_not_convert"  # the config's list of modules left unquantized
     keepable = True  # whether formats that hold quantized weights may carry it as stored
+    ggml_type: ClassVar[str | None] = None  # the GGML type llama.cpp's converter keeps it in (repacked)
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         self.config = dict(config)

@@ -55,6 +55,7 @@ class MXFP4(QuantMethod):
 
     name = "mxfp4"
     stored = "uint8"
+    ggml_type = "MXFP4"
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         super().__init__(config, where)

@@ -32,6 +32,7 @@ class ModelOptNVFP4(ModelOptFP8):
     """``quant_algo: "NVFP4"``: e2m1 pairs, e4m3 scales per 16 values, a float32 global scale."""
 
     stored = "uint8"
+    ggml_type = "NVFP4"
 
     def __init__(self, config: Mapping[str, Any], where: Path) -> None:
         super().__init__(config, where)

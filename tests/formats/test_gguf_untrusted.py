@@ -23,7 +23,7 @@ from ckptkit.cli import app
 from ckptkit.formats import detect_format, get_format
 
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)
-GGML_F32, GGML_F16, GGML_Q8_0, GGML_Q4_K = 0, 1, 8, 12
+GGML_F32, GGML_F16, GGML_Q8_0, GGML_Q4_K, GGML_NVFP4 = 0, 1, 8, 12, 40
 DIM, FFN, VOCAB, HEADS = 32, 64, 32, 2
 
 
@@ -219,6 +219,7 @@ LIES = {
     "a zero dimension": (lambda: build(tensors={"x": ((0, 32), GGML_F32)}), "cannot hold"),
     "rows not whole blocks": (lambda: build(tensors={"x": ((2, 30), GGML_Q8_0)}), "cannot hold"),
     "rows not whole K blocks": (lambda: build(tensors={"x": ((2, 128), GGML_Q4_K)}), "Q4_K blocks of 256 cannot"),
+    "rows not whole NVFP4 blocks": (lambda: build(tensors={"x": ((2, 48), GGML_NVFP4)}), "NVFP4 blocks of 64 cannot"),
     "a retired type id": (lambda: build(tensors={**TENSORS, "output.weight": ((VOCAB, DIM), 4)}), "GGML type 4"),
     "misaligned offset": (lambda: build(offsets={"output.weight": 4}), "not a multiple of the alignment"),
     "offset past the end": (lambda: build(offsets={"output.weight": 1 << 40}), "runs past the end"),

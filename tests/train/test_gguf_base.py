@@ -156,7 +156,8 @@ def test_tensor_types_ckptkit_does_not_write_are_noted() -> None:
     type's, and a note says so."""
     import gguf
 
-    from ckptkit.formats.gguf.tensors import GGUFTensor, keep_types
+    from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
+    from ckptkit.formats.gguf.mix import keep_types
 
     q = gguf.GGMLQuantizationType
     planned = [GGUFTensor(f"blk.0.{w}.weight", (64, 64), q.BF16, torch.zeros) for w in ("attn_q", "attn_k", "attn_v")]

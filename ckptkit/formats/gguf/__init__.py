@@ -18,10 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError, UnknownModel
+from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
-from ckptkit.formats.gguf import model
+from ckptkit.formats.gguf import model, nvfp4
 from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, quantize_type
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_int, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
@@ -48,8 +48,12 @@ class GGUFTensors:
         self.header = header
         self.path = header.path
         self.stored = {t.name: t for t in header.tensors}
+        self.scales, self.input_scales = nvfp4.read_companions(header)  # NVFP4 weights' scales: not model tensors
+        hidden = {*self.scales.values(), *self.input_scales}
         self.infos = {
-            t.name: TensorInfo(t.name, t.shape, PLAIN.get(t.kind, "float32"), header.path.name) for t in header.tensors
+            t.name: TensorInfo(t.name, t.shape, PLAIN.get(t.kind, "float32"), header.path.name)
+            for t in header.tensors
+            if t.name not in hidden
         }
         self.narrow: dict[str, str] = {}  # F32 tensors read back as this dtype (:mod:`.widened`)
         self._kept: dict[str, torch.Tensor] = {}  # 1-D tensors as read() gives them, from that decision's read
@@ -108,7 +112,9 @@ class GGUFTensors:
                 "dequantizes (they read F32, F16, BF16 and the quantized types llama.cpp's gguf-py implements)"
             )
         out = torch.empty(info.shape, dtype=torch.float32)
-        return dequantize_into(out, t.kind, lambda start, n: self._pread(t.offset + start, n))
+        out = dequantize_into(out, t.kind, lambda start, n: self._pread(t.offset + start, n))
+        scale = self.scales.get(name)
+        return out if scale is None else nvfp4.scaled(out, self._as_stored(scale), name, self.path)
 
     def span(self, name: str) -> Span | None:
         t = self.stored[name]
@@ -207,17 +213,21 @@ class GGUFFormat(CheckpointFormat):
         except BaseException:
             tensors.close()
             raise
+        kept = [t for t in header.tensors if t.name in tensors.infos]
         raw = GGUFCheckpoint(
             format=self.name,
             root=root.parent,
-            files={root.name: [t.name for t in header.tensors]},
+            files={root.name: [t.name for t in kept]},
             infos=dict(tensors.infos),
             readers={root.name: tensors},
             config_name=root.name,
             config_text="",
             config=hf_config,
-            lossy={t.name: t.kind for t in header.tensors if t.kind not in PLAIN},
+            lossy={t.name: t.kind for t in kept if t.kind not in PLAIN},
         )
+        if tensors.input_scales:
+            fact = f"{len(tensors.input_scales)} NVFP4 input_scale tensor(s) not read: they scale activations"
+            raw.notes.append(note(fact))
         raw.header, raw.unsure = header, unsure
         return raw
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, note
 
 if TYPE_CHECKING:
     import torch
@@ -361,3 +361,42 @@ def _stored_as(make: Callable[[], torch.Tensor], kind: str) -> Callable[[], torc
         return t.to(dtype) if dtype is not None and t.dtype != dtype else t
 
     return made
+
+
+def kept_dtype(ftype: int | None) -> str | None:
+    """The ``--dtype`` of a ``general.file_type`` ckptkit writes (None: another, or none)."""
+    import gguf
+
+    t = gguf.LlamaFileType
+    kept = {t.ALL_F32: "float32", t.MOSTLY_F16: "float16", t.MOSTLY_BF16: "bfloat16", t.MOSTLY_Q8_0: "q8_0"}
+    return next((dtype for kind, dtype in kept.items() if int(kind) == ftype), None)
+
+
+def keep_types(tensors: list[GGUFTensor], types: dict[str, str], where: object) -> list[str]:
+    """Give each tensor the GGML type it has in the GGUF ``types`` (name -> type) was read
+    from, where ckptkit writes that type; notes on the others (left as the file type says)."""
+    import gguf
+
+    from ckptkit.formats.gguf.encoders import ENCODERS
+
+    q = gguf.GGMLQuantizationType
+    writable = {"F32", "F16", "BF16", "Q8_0", *ENCODERS}
+    others: dict[str, str] = {}
+    for t in tensors:
+        kind = types.get(t.name)
+        if kind is None or kind == q(t.qtype).name:
+            continue
+        plain = kind in ("F32", "F16", "BF16")
+        if kind in writable and (plain or t.shape[-1] % gguf.GGML_QUANT_SIZES[q[kind]][0] == 0):
+            t.qtype = q[kind]
+        else:
+            others.setdefault(kind, q(t.qtype).name)
+    if not others:
+        return []
+    written = ", ".join(f"{kind} as {now}" for kind, now in sorted(others.items()))
+    kinds = ", ".join(sorted(writable))
+    fact = (
+        f"{where}: ckptkit writes GGUF tensors as {kinds}, in rows of whole blocks; "
+        f"tensors of other types or rows written {written}"
+    )
+    return [note(fact, "to quantize them as before, run llama.cpp's llama-quantize on the output")]

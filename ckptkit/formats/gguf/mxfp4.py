@@ -33,25 +33,38 @@ def is_mxfp4(ckpt: OpenedCheckpoint) -> bool:
     return ckpt.quant is not None and ckpt.quant.method.name == "mxfp4"
 
 
+def ggml_nibbles(pairs: torch.Tensor) -> torch.Tensor:
+    """GGML's nibble order of a block of e2m1 codes stored as releases store them: uint8
+    [..., k] of pairs (code 2j in the low nibble of byte j, 2j + 1 in the high one) ->
+    uint8 [..., k] with codes 0..k-1 in the low nibbles and k..2k-1 in the high ones
+    (MXFP4's 32-code blocks, NVFP4's 16-code sub-blocks alike)."""
+    import torch
+
+    codes = torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(-2)  # [..., 2k] in value order
+    k = pairs.shape[-1]
+    return codes[..., :k] | (codes[..., k:] << 4)
+
+
+def release_pairs(nibbles: torch.Tensor) -> torch.Tensor:
+    """:func:`ggml_nibbles` undone."""
+    import torch
+
+    codes = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # [..., 2k] in value order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 def ggml_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """GGML's MXFP4 bytes of release ``blocks`` uint8 [..., n, 16] with e8m0 ``scales``
     [..., n]: uint8 [..., n * 17], each block its scale then its 16 repacked bytes."""
     import torch
 
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., n, 32] in value order
-    half = BLOCK // 2
-    packed = codes[..., :half] | (codes[..., half:] << 4)
-    return torch.cat((scales.unsqueeze(-1), packed), dim=-1).flatten(-2)
+    return torch.cat((scales.unsqueeze(-1), ggml_nibbles(blocks)), dim=-1).flatten(-2)
 
 
 def release_blocks(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ggml_blocks` undone: (blocks [..., n, 16], scales [..., n]) of GGML bytes [..., n * 17]."""
-    import torch
-
     per = data.unflatten(-1, (-1, 1 + BLOCK // 2))
-    scales, packed = per[..., 0], per[..., 1:]
-    codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1)  # [..., n, 32] in value order
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales.contiguous()
+    return release_pairs(per[..., 1:]), per[..., 0].contiguous()
 
 
 def expert_tensors(ckpt: OpenedCheckpoint, order: list[str], targets: dict[str, Lazy], tmap: Any) -> list[Made]:
@@ -87,11 +100,3 @@ def _maker(blocks: Lazy, scales: Lazy, start: int, step: int) -> Callable[[], to
         return ggml_blocks(blocks.get()[:, start::step], scales.get()[:, start::step])
 
     return make
-
-
-def file_type(ftype: Any) -> Any:
-    """llama.cpp's ``general.file_type`` of an MXFP4 source written with file type ``ftype``."""
-    import gguf
-
-    t = gguf.LlamaFileType
-    return t.MOSTLY_MXFP4_MOE if ftype in (t.ALL_F32, t.MOSTLY_F16, t.MOSTLY_BF16) else ftype

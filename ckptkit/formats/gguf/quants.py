@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.formats.gguf import nvfp4
 from ckptkit.tensors.casting import checked_cast
 
 if TYPE_CHECKING:
@@ -297,6 +298,7 @@ DEQUANTIZE: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] =
     "Q4_K": (QK_K, 144, _q4_k),
     "Q5_K": (QK_K, 176, _q5_k),
     "Q6_K": (QK_K, 210, _q6_k),
+    "NVFP4": (nvfp4.SUPER, 36, nvfp4.ggml_values),  # the package's values, the sign of -0 kept
 }
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
-from ckptkit.formats.gguf import hybrid, mxfp4
+from ckptkit.formats.gguf import hybrid, mxfp4, nvfp4
 from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view, refuse_dense_layers, stacked_experts
 from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
 from ckptkit.formats.gguf.imatrix import Imatrix
@@ -152,45 +152,6 @@ def file_type(dtype: str | None, first_dtype: str) -> Any:
     return {"float32": t.ALL_F32, "float16": t.MOSTLY_F16, "bfloat16": t.MOSTLY_BF16, "q8_0": t.MOSTLY_Q8_0}[dtype]
 
 
-def kept_dtype(ftype: int | None) -> str | None:
-    """The ``--dtype`` of a ``general.file_type`` ckptkit writes (None: another, or none)."""
-    import gguf
-
-    t = gguf.LlamaFileType
-    kept = {t.ALL_F32: "float32", t.MOSTLY_F16: "float16", t.MOSTLY_BF16: "bfloat16", t.MOSTLY_Q8_0: "q8_0"}
-    return next((dtype for kind, dtype in kept.items() if int(kind) == ftype), None)
-
-
-def keep_types(tensors: list[GGUFTensor], types: dict[str, str], where: object) -> list[str]:
-    """Give each tensor the GGML type it has in the GGUF ``types`` (name -> type) was read
-    from, where ckptkit writes that type; notes on the others (left as the file type says)."""
-    import gguf
-
-    from ckptkit.formats.gguf.encoders import ENCODERS
-
-    q = gguf.GGMLQuantizationType
-    writable = {"F32", "F16", "BF16", "Q8_0", *ENCODERS}
-    others: dict[str, str] = {}
-    for t in tensors:
-        kind = types.get(t.name)
-        if kind is None or kind == q(t.qtype).name:
-            continue
-        plain = kind in ("F32", "F16", "BF16")
-        if kind in writable and (plain or t.shape[-1] % gguf.GGML_QUANT_SIZES[q[kind]][0] == 0):
-            t.qtype = q[kind]
-        else:
-            others.setdefault(kind, q(t.qtype).name)
-    if not others:
-        return []
-    written = ", ".join(f"{kind} as {now}" for kind, now in sorted(others.items()))
-    kinds = ", ".join(sorted(writable))
-    fact = (
-        f"{where}: ckptkit writes GGUF tensors as {kinds}, in rows of whole blocks; "
-        f"tensors of other types or rows written {written}"
-    )
-    return [note(fact, "to quantize them as before, run llama.cpp's llama-quantize on the output")]
-
-
 def qtype(name: str, shape: tuple[int, ...], ftype: Any) -> Any:
     """The GGML type llama.cpp gives a tensor: 1-D, norms and non-weights F32, else the file type."""
     import gguf
@@ -252,10 +213,12 @@ def model_tensors(
 
     quantized = quantize_type(dtype)
     if quantized is not None:
-        if mxfp4.is_mxfp4(ckpt):
+        kept = ckpt.quant.method.ggml_type if ckpt.quant is not None else None
+        if kept is not None:
+            what = "MXFP4 experts" if kept == "MXFP4" else f"{kept} weights"
             raise CkptkitError(
-                f"{ckpt.path}: --dtype {dtype}: ckptkit does not re-quantize MXFP4 experts as llama-quantize does; "
-                "write --to gguf without --dtype (experts kept MXFP4) and run llama-quantize on that"
+                f"{ckpt.path}: --dtype {dtype}: ckptkit does not re-quantize {what} as llama-quantize does; "
+                f"write --to gguf without --dtype ({kept} kept) and run llama-quantize on that"
             )
         base, _ = model_tensors(ckpt, hparams, None)
         spec = spec_of(ckpt.family, ckpt.path)
@@ -280,13 +243,17 @@ def model_tensors(
     )
     tmap = name_map(spec, blocks)
     out: list[GGUFTensor] = []
+    n_head = hparams["num_attention_heads"]
+    n_kv = hparams.get("num_key_value_heads") or n_head
     if mxfp4.is_mxfp4(ckpt):  # kept as llama.cpp keeps them, written first
         mx = gguf.GGMLQuantizationType.MXFP4
         out += [GGUFTensor(n, shape, mx, make) for n, shape, make in mxfp4.expert_tensors(ckpt, order, targets, tmap)]
         order = [n for n in order if not n.endswith(mxfp4.BLOCKS)]
+    if nvfp4.is_nvfp4(ckpt):  # the same, with their scales
+        nvfp4.check_layout(ckpt, spec, experts(ckpt.config) is not None)
+        out += nvfp4.tensors(ckpt, order, targets, tmap, lambda n: _qk_permute(spec, n, n_head, n_kv))
+        order = [n for n in order if targets[n].dtype != "uint8"]
     ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
-    n_head = hparams["num_attention_heads"]
-    n_kv = hparams.get("num_key_value_heads") or n_head
     freqs = rope_freqs(hparams) if spec.rope_freqs else None
     if spec.proportional_rope:
         freqs = proportional_rope_freqs(hparams)
@@ -334,14 +301,8 @@ def model_tensors(
         if new is None:
             raise CkptkitError(f"{ckpt.path}: llama.cpp has no GGUF name for tensor {hf_name!r}")
         lazy = targets[source_name]
-        transform: Callable[[torch.Tensor], torch.Tensor] | None = None
-        heads: int | None = None
-        if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            heads = n_head
-        elif spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            heads = n_kv  # permute(w, n_head, n_kv) permutes over the KV heads
-        if heads is not None:
-            transform = functools.partial(permute, n_head=heads, n_head_kv=None)
+        heads = _qk_heads(spec, hf_name, n_head, n_kv)
+        transform = _qk_permute(spec, hf_name, n_head, n_kv)
         plus_one = spec.norm_plus_one and hf_name.endswith("norm.weight")
         if plus_one:
             transform = lambda w: w + 1  # noqa: E731
@@ -350,7 +311,33 @@ def model_tensors(
         out.append(GGUFTensor(new, lazy.shape, kind, made, None if plus_one else lazy, heads))
     if merger is not None:
         merger.check_done()
-    return out, mxfp4.file_type(ftype) if mxfp4.is_mxfp4(ckpt) else ftype
+    return out, _with_kept(ckpt, ftype)
+
+
+def _qk_heads(spec: GGUFSpec, hf_name: str, n_head: int, n_kv: int) -> int | None:
+    """The heads llama.cpp's ``permute`` takes ``hf_name``'s rows over (None: not permuted)."""
+    if spec.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return n_head
+    if spec.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return n_kv  # permute(w, n_head, n_kv) permutes over the KV heads
+    return None
+
+
+def _qk_permute(spec: GGUFSpec, hf_name: str, n_head: int, n_kv: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    heads = _qk_heads(spec, hf_name, n_head, n_kv)
+    return None if heads is None else functools.partial(permute, n_head=heads, n_head_kv=None)
+
+
+def _with_kept(ckpt: OpenedCheckpoint, ftype: Any) -> Any:
+    """llama.cpp's ``general.file_type`` where it keeps a source's MXFP4 or NVFP4 weights:
+    theirs where the other tensors are F32, F16 or BF16."""
+    import gguf
+
+    t = gguf.LlamaFileType
+    kept = ckpt.quant.method.ggml_type if ckpt.quant is not None else None
+    if kept is None or ftype not in (t.ALL_F32, t.MOSTLY_F16, t.MOSTLY_BF16):
+        return ftype
+    return {"MXFP4": t.MOSTLY_MXFP4_MOE, "NVFP4": t.MOSTLY_NVFP4}[kept]
 
 
 def _linear_attention(

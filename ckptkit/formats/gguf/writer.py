@@ -24,7 +24,7 @@ from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
 from ckptkit.formats.gguf.hybrid import hybrid_hparams
 from ckptkit.formats.gguf.imatrix import load_imatrix
-from ckptkit.formats.gguf.mix import quantize_type
+from ckptkit.formats.gguf.mix import keep_types, kept_dtype, quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
@@ -34,8 +34,6 @@ from ckptkit.formats.gguf.tensors import (
     GGUFTensor,
     hf_hparams,
     hf_targets,
-    keep_types,
-    kept_dtype,
     left_out,
     model_tensors,
     spec_of,
