@@ -167,3 +167,24 @@ def test_stacked_weights_equal_compressed_tensors(bits: int) -> None:
     assert _bytes_equal(ours, theirs)
     exact = method.dequantize(state["weight_packed"], scales, torch.float32)  # bf16 rounds 8-bit x bf16 products
     assert torch.equal(method.requantize(exact, scales), state["weight_packed"])
+
+
+def test_per_channel_row_with_padding_is_one_line(tmp_path: Path) -> None:
+    """Per channel, the shapes do not say how many values a padded last word holds: the
+    columns are taken as all it holds, and a ``weight_shape`` saying fewer is refused in one
+    line, nothing written (here int8 rows of 40 stated as 37 columns)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ckptkit.errors import CkptkitError
+
+    src = shutil.copytree(W8, tmp_path / "src")
+    t = load_file(src / "model.safetensors")
+    k = "model.layers.0.self_attn.k_proj.weight_shape"
+    t[k] = torch.tensor([20, 37])
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CkptkitError, match=rf"{k} is \[20, 37\], but the packed weight holds \[20, 40\]") as err:
+        convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
