@@ -1,17 +1,23 @@
 """compressed-tensors, the reference implementation of its releases' quantization, for the
 fixture script and the tests: its wheel (pure Python) and loguru's, unpacked once into the
-test cache (the way :mod:`tokenizer_helpers` fetches packages), put on ``sys.path``."""
+test cache (the way :mod:`tokenizer_helpers` fetches packages), put on ``sys.path``; and
+transformers' dequantizing MXFP4 load, made once per process."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from tokenizer_helpers import _cache_lock, _pip_download, cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 COMPRESSED_TENSORS = "0.20.0"
 LOGURU = "0.7.3"  # what compressed-tensors imports besides torch, transformers and pydantic
@@ -36,3 +42,16 @@ def compressed_tensors() -> ModuleType:
 
     assert ct.__version__ == COMPRESSED_TENSORS, ct.__version__
     return ct
+
+
+@functools.cache
+def mxfp4_dequantized(src: Path) -> dict[str, torch.Tensor]:
+    """transformers' ``Mxfp4Config(dequantize=True)`` load of the MXFP4 release ``src``, as
+    bfloat16 (its state dict; callers do not modify it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=Mxfp4Config(dequantize=True))
+    return model.to(torch.bfloat16).state_dict()

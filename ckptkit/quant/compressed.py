@@ -26,7 +26,7 @@ PACKED_DTYPE = "int32"
 ACTIVATION: tuple[str, ...] = (".input_scale", ".input_zero_point", ".input_global_scale", ".k_scale", ".v_scale")
 ACTIVATION += (".output_scale", ".output_zero_point")
 NAIVE_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
-PACKED = "pack-quantized"  # int4 packed eight to an int32 word (packed.py)
+PACKED = "pack-quantized"  # 1- to 8-bit ints packed densely into int32 words (packed.py)
 STRATEGIES = ("tensor", "channel", "group", "block")
 
 
@@ -45,9 +45,12 @@ class Scheme:
             )
         kind, bits = w.get("type"), w.get("num_bits")
         self.symmetric = w.get("symmetric", True) is not False
+        self.bits = bits if type(bits) is int else 0
         if self.format == PACKED:
-            if (kind, bits) != ("int", 4):
-                raise CkptkitError(f"{where}: {name}: {PACKED} {bits}-bit {kind} weights: ckptkit reads 4-bit int")
+            if kind != "int" or not 1 <= self.bits <= 8:
+                raise CkptkitError(
+                    f"{where}: {name}: {PACKED} {bits}-bit {kind} weights: compressed-tensors packs 1- to 8-bit int"
+                )
         elif (kind, bits) not in (("float", 8), ("int", 8)):
             raise CkptkitError(f"{where}: {name}: {bits}-bit {kind} weights: ckptkit reads 8-bit float or int")
         elif not self.symmetric:

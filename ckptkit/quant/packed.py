@@ -1,14 +1,17 @@
-"""compressed-tensors ``pack-quantized`` weights (W4A16 releases): int4 values in groups of
-``group_size`` columns (or one group a row), each group times its ``weight_scale``, less its
-zero point where the scheme is asymmetric.
+"""compressed-tensors ``pack-quantized`` weights (W4A16 releases, and any width from 1 to 8
+bits): ints in groups of ``group_size`` columns (or one group a row), each group times its
+``weight_scale``, less its zero point where the scheme is asymmetric.
 
-A weight ``X.weight`` is stored as ``X.weight_packed``, int32 [rows, cols / 8]: value ``i``
-of a row in bits ``4 (i mod 8)`` of word ``i // 8``, plus 8 (so unsigned); ``X.weight_shape``
-holds [rows, cols]; ``X.weight_scale`` is [rows, groups]; an asymmetric scheme's
-``X.weight_zero_point`` int32 [ceil(rows / 8), groups] packs its int4 zero points the same
-way down the rows. Dequantized as compressed-tensors' ``PackedQuantizationCompressor``
-does: (value - zero point) x scale, computed in the scale's dtype, which for a bf16 / f16 /
-f32 scale is one rounding of the exact float32 product: widened to float32, one cast.
+A weight ``X.weight`` [..., rows, cols] (matrices; stacked experts [E, rows, cols] packed
+one matrix at a time) is stored as ``X.weight_packed``, int32 [..., rows, ceil(cols x bits /
+32)]: the row's values, each plus ``2 ** (bits - 1)`` (so unsigned), as one little-endian
+bit stream, value ``i`` in bits ``i x bits ..`` (a value may straddle two words; the last
+word of a row padded with zero bits); ``X.weight_shape`` holds [..., rows, cols];
+``X.weight_scale`` is [..., rows, groups]; an asymmetric scheme's ``X.weight_zero_point``
+int32 [..., ceil(rows x bits / 32), groups] packs its zero points the same way down the rows.
+Dequantized as compressed-tensors' ``PackedQuantizationCompressor`` does: (value - zero
+point) x scale, computed in the scale's dtype, which for a bf16 / f16 / f32 scale is one
+rounding of the exact float32 product: widened to float32, one cast.
 """
 
 from __future__ import annotations
@@ -25,38 +28,57 @@ from ckptkit.quant.method import Stored
 if TYPE_CHECKING:
     import torch
 
-PER_WORD = 8  # int4 values in one int32
-OFFSET = 8
+WORD = 32
 PACKED_SUFFIX = "_packed"
 SHAPE_SUFFIX = "_shape"
 ZERO_SUFFIX = "_zero_point"
 SHAPE_DTYPES = ("int64", "int32")
 
 
-def unpacked(words: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """The int4 values (int32, -8..7) of packed ``words`` along ``dim``, 8 a word."""
+def words_for(count: int, bits: int) -> int:
+    """The int32 words ``count`` values of ``bits`` bits take."""
+    return math.ceil(count * bits / WORD)
+
+
+def _positions(count: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    w = words.to(torch.int32) if dim == 1 else words.to(torch.int32).t()
-    nibbles = (w.unsqueeze(-1) >> shifts) & 0xF
-    out = nibbles.reshape(w.shape[0], -1) - OFFSET
-    return out if dim == 1 else out.t()
+    starts = torch.arange(count, dtype=torch.int64) * bits
+    return starts // WORD, starts % WORD
 
 
-def packed(values: torch.Tensor) -> torch.Tensor:
-    """int4 ``values`` (-8..7) packed 8 to an int32 along the rows (columns padded to a word)."""
+def unpacked(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The ``count`` signed values (int32, ``-2 ** (bits - 1)`` ..) of the packed rows
+    ``words`` [..., n], ``bits`` each, as one little-endian bit stream a row."""
     import torch
 
-    rows, cols = values.shape
-    v = (values.to(torch.int64) + OFFSET) & 0xF
-    v = torch.nn.functional.pad(v, (0, -cols % PER_WORD)).reshape(rows, -1, PER_WORD)
-    words = (v << torch.arange(0, 32, 4, dtype=torch.int64)).sum(-1)
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # the unsigned word's int32 bits
+    w = torch.nn.functional.pad(words.to(torch.int64) & 0xFFFFFFFF, (0, 1))  # a zero word past the last
+    index, offset = _positions(count, bits)
+    stream = (w[..., index] >> offset) | (w[..., index + 1] << (WORD - offset))
+    return ((stream & ((1 << bits) - 1)) - (1 << (bits - 1))).to(torch.int32)
+
+
+def packed(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed ``bits``-bit ``values`` [..., count] packed as :func:`unpacked` reads them
+    (int32 [..., ceil(count x bits / 32)], the last word's unused bits 0)."""
+    import torch
+
+    count = values.shape[-1]
+    v = ((values.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)) << _positions(count, bits)[1]
+    index = _positions(count, bits)[0].expand(*values.shape)
+    out = torch.zeros(*values.shape[:-1], words_for(count, bits) + 1, dtype=torch.int64)
+    out.scatter_add_(-1, index, v & 0xFFFFFFFF)  # the bits of one word never overlap: a sum is an or
+    out.scatter_add_(-1, index + 1, v >> WORD)  # the part that straddles into the next word
+    out = out[..., :-1]
+    return (out - ((out >> 31) << 32)).to(torch.int32)  # the unsigned word's int32 bits
+
+
+def _down_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2)
 
 
 class PackedCompressedTensors(CompressedTensors):
-    """compressed-tensors with ``format: "pack-quantized"`` int4 weights."""
+    """compressed-tensors with ``format: "pack-quantized"`` int weights of 1 to 8 bits."""
 
     def __init__(self, config: Any, where: Path) -> None:
         super().__init__(config, where)
@@ -64,9 +86,14 @@ class PackedCompressedTensors(CompressedTensors):
             if s.stored != PACKED_DTYPE or s.strategy not in ("group", "channel"):
                 raise CkptkitError(
                     f"{where}: compressed-tensors pack-quantized with {s.describe()}: ckptkit reads "
-                    "pack-quantized int4 weights in groups or channels, not mixed with other formats"
+                    "pack-quantized int weights in groups or channels, not mixed with other formats"
                 )
+        widths = sorted({s.bits for s in self.schemes})
+        if len(widths) > 1:
+            raise CkptkitError(f"{where}: pack-quantized groups of {' and '.join(map(str, widths))} bits: not read")
+        self.bits = widths[0]
         self._shapes: dict[str, list[int]] = {}  # weight_shape tensor -> the shape its packed weight holds
+        self._model: dict[tuple[tuple[int, ...], int], int] = {}  # (packed shape, groups) -> columns
 
     def _scheme(self, weight: str) -> Scheme:
         return self.scheme_named(weight)
@@ -88,29 +115,44 @@ class PackedCompressedTensors(CompressedTensors):
         return None
 
     def model_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (*shape[:-1], shape[-1] * PER_WORD)
+        cols = {c for (packed_shape, _), c in self._model.items() if packed_shape == tuple(shape)}
+        return (*shape[:-1], cols.pop() if len(cols) == 1 else shape[-1] * WORD // self.bits)
 
     def dequantized_as(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         return name, self.model_shape(shape)
 
     def check_pair(self, weight: Stored, scale: Stored) -> None:
         where = f"{self.where.parent / (scale.file or '')}: {scale.name}"
-        if len(weight.shape) != 2:
-            raise CkptkitError(f"{where}: {weight.name} is {list(weight.shape)}; packed weights are matrices")
-        rows, cols = weight.shape[0], weight.shape[1] * PER_WORD
+        if len(weight.shape) not in (2, 3):
+            raise CkptkitError(
+                f"{where}: {weight.name} is {list(weight.shape)}; packed weights are matrices or stacks of them"
+            )
+        lead, rows, words = tuple(weight.shape[:-2]), weight.shape[-2], weight.shape[-1]
         scheme = self.scheme_of(weight)
-        group = cols if scheme.strategy == "channel" else scheme.block[1]
-        if cols % group:
-            raise CkptkitError(f"{where}: {weight.name} holds {cols} columns, not whole groups of {group}; not read")
+        lo, hi = (words - 1) * WORD // self.bits + 1, words * WORD // self.bits  # the columns the words may hold
+        group = scheme.block[1] if scheme.strategy == "group" else hi
+        whole = [c for c in range(lo, hi + 1) if c % group == 0]
+        if not whole:
+            raise CkptkitError(
+                f"{where}: {weight.name} holds {words} words of int{self.bits} a row ({lo} to {hi} columns), "
+                f"not whole groups of {group}; not read"
+            )
+        groups = scale.shape[-1] if scale.name.endswith((SCALE_SUFFIX, ZERO_SUFFIX)) and scale.shape else 0
+        cols = groups * group if groups * group in whole else whole[-1]  # several: the scale says which
         if scale.name.endswith(SHAPE_SUFFIX):
-            if scale.dtype not in SHAPE_DTYPES or tuple(scale.shape) != (2,):
-                raise CkptkitError(f"{where} is {scale.dtype} {list(scale.shape)}; a weight_shape is two integers")
-            self._shapes[scale.name] = [rows, cols]
+            if scale.dtype not in SHAPE_DTYPES or tuple(scale.shape) != (len(weight.shape),):
+                raise CkptkitError(
+                    f"{where} is {scale.dtype} {list(scale.shape)}; a weight_shape is {len(weight.shape)} integers"
+                )
             return
-        want = (rows, cols // group)
+        key = (tuple(weight.shape), cols // group)
+        if self._model.setdefault(key, cols) != cols:
+            raise CkptkitError(f"{where}: packed weights of shape {list(weight.shape)} hold different column counts")
+        self._shapes[weight.name.removesuffix(PACKED_SUFFIX) + SHAPE_SUFFIX] = [*lead, rows, cols]
+        want = (*lead, rows, cols // group)
         dtypes: tuple[str, ...]
         if scale.name.endswith(ZERO_SUFFIX):
-            want, dtypes = (math.ceil(rows / PER_WORD), cols // group), (PACKED_DTYPE,)
+            want, dtypes = (*lead, words_for(rows, self.bits), cols // group), (PACKED_DTYPE,)
         else:
             dtypes = self.scale_dtypes
         if scale.dtype not in dtypes:
@@ -120,7 +162,7 @@ class PackedCompressedTensors(CompressedTensors):
         if tuple(scale.shape) != want:
             raise CkptkitError(
                 f"{where} is {list(scale.shape)}, but {weight.name} {list(weight.shape)} "
-                f"({rows} x {cols} int4, groups of {group}) needs {list(want)}"
+                f"({rows} x {cols} int{self.bits}, groups of {group}) needs {list(want)}"
             )
 
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
@@ -136,50 +178,61 @@ class PackedCompressedTensors(CompressedTensors):
         super().check_scale_values(scale, name)
 
     def combined(self, scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """[2, rows, groups] float32: each group's scale, and its zero point (0: symmetric)."""
+        """[2, ..., rows, groups] float32: each group's scale, and its zero point (0: symmetric)."""
         import torch
 
         s = scales[0].to(torch.float32)
-        zero = unpacked(scales[2], dim=0)[: s.shape[0]].float() if len(scales) > 2 else torch.zeros_like(s)
+        if len(scales) > 2:  # packed down the rows
+            zero = _down_rows(unpacked(_down_rows(scales[2]), self.bits, s.shape[-2])).float()
+        else:
+            zero = torch.zeros_like(s)
         return torch.stack([s, zero])
 
     def _parts(self, rows: int, cols: int) -> range:
         return range(0, rows, max(1, CHUNK_ELEMENTS // max(cols, 1)))
 
+    def _cols(self, weight_shape: tuple[int, ...], groups: int) -> int:
+        return self._model.get((weight_shape, groups), weight_shape[-1] * WORD // self.bits)
+
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, cols] in ``dtype``: (value - zero point) x the group's scale, one cast."""
+        """[..., rows, cols] in ``dtype``: (value - zero point) x the group's scale, one cast."""
         import torch
 
-        rows, cols = weight.shape[0], weight.shape[1] * PER_WORD
-        group = cols // scale.shape[-1]
+        cols = self._cols(tuple(weight.shape), scale.shape[-1])
+        lead = weight.shape[:-1]
+        words, parts = weight.reshape(-1, weight.shape[-1]), scale.reshape(2, -1, scale.shape[-1])
+        rows, group = words.shape[0], cols // scale.shape[-1]
         out = torch.empty(rows, cols, dtype=dtype)
         step = self._parts(rows, cols).step
         for r in self._parts(rows, cols):
-            s, z = (p[r : r + step].repeat_interleave(group, 1) for p in scale)
-            out[r : r + step] = ((unpacked(weight[r : r + step]).float() - z) * s).to(dtype)
-        return out
+            s, z = (p[r : r + step].repeat_interleave(group, 1) for p in parts)
+            out[r : r + step] = ((unpacked(words[r : r + step], self.bits, cols).float() - z) * s).to(dtype)
+        return out.reshape(*lead, cols)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The packed words whose :meth:`dequantize` with ``scale`` is ``values``."""
         import torch
 
-        rows, cols = values.shape
-        group = cols // scale.shape[-1]
-        out = torch.empty(rows, math.ceil(cols / PER_WORD), dtype=torch.int32)
+        cols, lead = values.shape[-1], values.shape[:-1]
+        flat, parts = values.reshape(-1, cols), scale.reshape(2, -1, scale.shape[-1])
+        rows, group, half = flat.shape[0], cols // scale.shape[-1], 1 << (self.bits - 1)
+        out = torch.empty(rows, words_for(cols, self.bits), dtype=torch.int32)
         step = self._parts(rows, cols).step
         for r in self._parts(rows, cols):
-            s, z = (p[r : r + step].repeat_interleave(group, 1) for p in scale)
-            q = (values[r : r + step].float() / s).round() + z
-            out[r : r + step] = packed(q.clamp(-OFFSET, OFFSET - 1))
-        return out
+            s, z = (p[r : r + step].repeat_interleave(group, 1) for p in parts)
+            q = (flat[r : r + step].float() / s).round() + z
+            out[r : r + step] = packed(q.clamp(-half, half - 1), self.bits)
+        return out.reshape(*lead, -1)
 
     def block_rows(self) -> int:
         return 1
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
-        info["packing"] = "8 int4 a word (value + 8, low bits first)"
-        info["zero_points"] = "none" if all(s.symmetric for s in self.schemes) else "int4 (asymmetric)"
+        bits = self.bits
+        per = f"{WORD // bits} int{bits} a word" if WORD % bits == 0 else f"int{bits} straddling words"
+        info["packing"] = f"{per} (value + {1 << (self.bits - 1)}, low bits first)"
+        info["zero_points"] = "none" if all(s.symmetric for s in self.schemes) else f"int{self.bits} (asymmetric)"
         return info
 
 

@@ -1,10 +1,13 @@
-"""compressed-tensors ``pack-quantized`` int4 sources (W4A16): inspected, dequantized
-byte-equal to compressed-tensors' own ``PackedQuantizationCompressor.decompress`` and to
-transformers' dequantizing loader, proven lossless by ``verify``, kept as stored
-(``X.weight_packed`` and its scales) where the target holds them.
+"""compressed-tensors ``pack-quantized`` sources (W4A16, and 3- and 8-bit): inspected,
+dequantized byte-equal to compressed-tensors' own ``PackedQuantizationCompressor.decompress``
+and to transformers' dequantizing loader, proven lossless by ``verify``, kept as stored
+(``X.weight_packed`` and its scales) where the target holds them; stacked [E, rows, cols]
+weights as compressed-tensors packs them.
 
 Fixtures: ``fixtures/ct/w4a16`` (symmetric) and ``fixtures/ct/w4a16-asym`` (zero points
-packed along rows; K/V have 20 rows), made by ``fixtures/make_ct_fixtures.py``."""
+packed along rows; K/V have 20 rows), ``fixtures/ct/w3a16-asym`` (values straddling words,
+rows and zero points padded), ``fixtures/ct/w8a16`` (per channel), made by
+``fixtures/make_ct_fixtures.py``."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from conftest import FIXTURES
 
 SYM = FIXTURES / "ct" / "w4a16"
 ASYM = FIXTURES / "ct" / "w4a16-asym"
+W3 = FIXTURES / "ct" / "w3a16-asym"
+W8 = FIXTURES / "ct" / "w8a16"
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
 
@@ -58,14 +63,18 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_inspect_shows_packed_groups() -> None:
-    for folder, zero in ((SYM, "none"), (ASYM, "int4 (asymmetric)")):
+    for folder, zero, packing in (
+        (SYM, "none", "8 int4 a word"),
+        (ASYM, "int4 (asymmetric)", "8 int4 a word"),
+        (W3, "int3 (asymmetric)", "int3 straddling words (value + 4"),
+    ):
         q = inspect_path(folder)["quantization"]
         assert (q["method"], q["block"], q["stored"]) == ("compressed-tensors", [1, 8], "int32")
         assert (q["quantized_tensors"], q["zero_points"], q["dequantized"]) == (14, zero, "bfloat16")
-        assert q["packing"].startswith("8 int4 a word")
+        assert q["packing"].startswith(packing)
 
 
-@pytest.mark.parametrize("folder", [SYM, ASYM], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("folder", [SYM, ASYM, W3, W8], ids=["symmetric", "asymmetric", "3-bit", "8-bit"])
 def test_dequantized_equals_compressed_tensors_and_verified(reference: Any, folder: Path, tmp_path: Path) -> None:
     convert(folder, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     ours, ref = load_file(tmp_path / "out" / "model.safetensors"), reference(folder)
@@ -78,35 +87,104 @@ def test_dequantized_equals_compressed_tensors_and_verified(reference: Any, fold
     assert report.exit_code() == 0
 
 
-def test_dequantized_equals_transformers_loader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", [ASYM, W3, W8], ids=["4-bit", "3-bit", "8-bit"])
+def test_dequantized_equals_transformers_loader(folder: Path, tmp_path: Path) -> None:
     from quant_helpers import compressed_tensors
 
     compressed_tensors()
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        ASYM, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.bfloat16
+        folder, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.bfloat16
     )
-    convert(ASYM, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    convert(folder, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     ours, theirs = load_file(tmp_path / "out" / "model.safetensors"), model.state_dict()
     weights = [k for k in theirs if k.endswith("_proj.weight")]
     assert len(weights) == 14
     assert [k for k in weights if not _bytes_equal(ours[k], theirs[k])] == []
 
 
-def test_kept_through_hf_bin_and_internal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("folder", [ASYM, W3], ids=["4-bit", "3-bit"])
+def test_kept_through_hf_bin_and_internal(folder: Path, tmp_path: Path) -> None:
     """Without --dtype: weight_packed, its scales, shape and zero points travel unchanged."""
-    path = ASYM
+    path = folder
     for i, to in enumerate(["hf-bin", "internal", "hf"]):
         out = tmp_path / f"{i}-{to}"
         convert(path, out, ConvertOptions(to))
-        assert verify_paths(ASYM, out).verdict().startswith("IDENTICAL: all 63 tensors")
+        assert verify_paths(folder, out).verdict().startswith("IDENTICAL: all 63 tensors")
         path = out
-    assert (path / "model.safetensors").read_bytes() == (ASYM / "model.safetensors").read_bytes()
-    assert (path / "config.json").read_text() == (ASYM / "config.json").read_text()
+    assert (path / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert (path / "config.json").read_text() == (folder / "config.json").read_text()
 
 
 def test_dcp_gets_the_reference_dequantization(tmp_path: Path) -> None:
     result = convert(SYM, tmp_path / "dcp", ConvertOptions("dcp"))
     assert any("14 compressed-tensors weights dequantized to bfloat16 (--to dcp" in n for n in result.notes)
     assert verify_paths(SYM, tmp_path / "dcp").verdict().startswith("DEQUANTIZED: 7 of 21 tensors")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_stacked_weights_equal_compressed_tensors(bits: int) -> None:
+    """[E, rows, cols] weights (MoE experts), compressed by compressed-tensors (each matrix packed
+    on its own; 20 rows and 36 columns: padded words for every width but 8), asymmetric groups
+    of 12: the reference dequantization byte for byte, and (from float32) re-packed to every word."""
+    from quant_helpers import compressed_tensors
+
+    compressed_tensors()
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from ckptkit.formats.tensor_info import TensorInfo
+    from ckptkit.quant.packed import PackedCompressedTensors
+
+    args = {"num_bits": bits, "type": "int", "strategy": "group", "group_size": 12, "symmetric": False}
+    config = {
+        "format": "pack-quantized",
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args}},
+    }
+    gen = torch.Generator().manual_seed(bits)
+    w = (torch.randn(3, 20, 36, generator=gen) * 0.05).to(torch.bfloat16)
+    groups = w.float().reshape(3, 20, 3, 12)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    levels = 2**bits - 1
+    scale = ((hi - lo) / levels).to(torch.bfloat16)
+    zero = (-(2 ** (bits - 1)) - (lo / scale.float()).round()).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    state = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero.to(torch.int8)}, scheme)
+    theirs = compressor.decompress(state, scheme)["weight"]
+
+    method = PackedCompressedTensors(config, Path("config.json"))
+    parts = [f"x.{p}" for p in ("weight_scale", "weight_shape", "weight_zero_point")]
+    packed = TensorInfo("x.weight_packed", tuple(state["weight_packed"].shape), "int32", "m.safetensors")
+    for name in parts:
+        t = state[name.removeprefix("x.")]
+        method.check_pair(packed, TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), "m"))
+    assert method.model_shape(packed.shape) == (3, 20, 36)
+    scales = method.combined(tuple(state[n.removeprefix("x.")] for n in parts))
+    ours = method.dequantize(state["weight_packed"], scales, torch.bfloat16)
+    assert _bytes_equal(ours, theirs)
+    exact = method.dequantize(state["weight_packed"], scales, torch.float32)  # bf16 rounds 8-bit x bf16 products
+    assert torch.equal(method.requantize(exact, scales), state["weight_packed"])
+
+
+def test_per_channel_row_with_padding_is_one_line(tmp_path: Path) -> None:
+    """Per channel, the shapes do not say how many values a padded last word holds: the
+    columns are taken as all it holds, and a ``weight_shape`` saying fewer is refused in one
+    line, nothing written (here int8 rows of 40 stated as 37 columns)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ckptkit.errors import CkptkitError
+
+    src = shutil.copytree(W8, tmp_path / "src")
+    t = load_file(src / "model.safetensors")
+    k = "model.layers.0.self_attn.k_proj.weight_shape"
+    t[k] = torch.tensor([20, 37])
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CkptkitError, match=rf"{k} is \[20, 37\], but the packed weight holds \[20, 40\]") as err:
+        convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()

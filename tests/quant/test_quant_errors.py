@@ -105,11 +105,11 @@ BROKEN: dict[str, tuple[Path, dict[str, torch.Tensor | None], dict[str, Any], st
         {"config_groups": json.loads((CT / "config.json").read_text())["quantization_config"]["config_groups"]},
         r"is int8 but has a scale .*weight_scale; compressed-tensors weights are float8_e4m3fn",
     ),
-    "ct pack-quantized 8-bit": (
-        INT8,
+    "ct pack-quantized 9-bit": (
+        W4,
         {},
-        {"format": "pack-quantized"},
-        r"group_0: pack-quantized 8-bit int weights: ckptkit reads 4-bit int",
+        {"config_groups": _w4_groups(num_bits=9)},
+        r"group_0: pack-quantized 9-bit int weights: compressed-tensors packs 1- to 8-bit int",
     ),
     "ct bitmask format": (
         INT8,
@@ -160,7 +160,7 @@ BROKEN: dict[str, tuple[Path, dict[str, torch.Tensor | None], dict[str, Any], st
         W4,
         {},
         {"config_groups": _w4_groups(group_size=16)},
-        r"down_proj.weight_packed holds 56 columns, not whole groups of 16; not read",
+        r"down_proj.weight_packed holds 7 words of int4 a row \(49 to 56 columns\), not whole groups of 16; not read",
     ),
     "ct frozen": (INT8, {}, {"quantization_status": "frozen"}, r"quantization_status 'frozen': the weights are not"),
     "ct no target": (

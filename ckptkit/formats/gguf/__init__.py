@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import OpenedCheckpoint, Options, Plan, RawCheckpoint
 from ckptkit.formats.format import CheckpointFormat, FormatInfo, Support
-from ckptkit.formats.gguf import model, nvfp4
+from ckptkit.formats.gguf import model, mxfp4_read, nvfp4
 from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, quantize_type
 from ckptkit.formats.gguf.reader import PLAIN, GGUFHeader, meta_int, meta_str, read_header, summary
 from ckptkit.formats.gguf.tensors import GGUF_DTYPES
@@ -91,6 +91,15 @@ class GGUFTensors:
         data = self._pread(t.offset, t.nbytes)
         return torch.frombuffer(data, dtype=torch.uint8).view(to_torch(PLAIN[t.kind])).reshape(t.shape)
 
+    def stored_bytes(self, name: str) -> torch.Tensor:
+        """Tensor ``name``'s bytes as stored, uint8 [..., rows, bytes of a row] (its type's blocks)."""
+        import torch
+
+        t = self.stored[name]
+        rows = t.shape[:-1]
+        data = torch.frombuffer(self._pread(t.offset, t.nbytes), dtype=torch.uint8)
+        return data.reshape(*rows, -1) if t.nbytes else data.reshape(*rows, 0)
+
     def read(self, name: str) -> torch.Tensor:
         import torch
 
@@ -136,6 +145,7 @@ class GGUFCheckpoint(RawCheckpoint):
 
     header: GGUFHeader
     unsure: str | None = None  # why the metadata gives no config.json
+    release: bool = False  # shown as the MXFP4 release llama.cpp converted (:mod:`.mxfp4_read`)
     _side: Path | None = None
 
     def files_folder(self) -> Path | None:
@@ -229,6 +239,14 @@ class GGUFFormat(CheckpointFormat):
             fact = f"{len(tensors.input_scales)} NVFP4 input_scale tensor(s) not read: they scale activations"
             raw.notes.append(note(fact))
         raw.header, raw.unsure = header, unsure
+        if hf_config and mxfp4_read.holds_release(header):
+            from ckptkit.formats.gguf.hf_view import as_release
+
+            try:
+                raw.release = as_release(raw, header)
+            except BaseException:
+                raw.close()
+                raise
         return raw
 
     def model(self, raw: RawCheckpoint, family: Family | None = None) -> tuple[Family, ModelConfig]:
@@ -245,6 +263,14 @@ class GGUFFormat(CheckpointFormat):
             raise CkptkitError(f"{raw.root / raw.config_name}: metadata lacks or misstates {e}") from None
 
     def layout(self, family: Family, cfg: ModelConfig) -> Layout:
+        """The GGUF names of the family's HF tensors; the release's own names where the GGUF
+        is read as an MXFP4 release (:mod:`.mxfp4_read`: ``cfg`` holds its blocks)."""
+        from ckptkit.formats.gguf.hf_view import hf_layout
+
+        spec = model.spec_for(family, family.name)
+        release = hf_layout(family, cfg, spec)
+        if any(r.native.endswith(mxfp4_read.BLOCKS) for r in release.layer):
+            return release
         return model.layout(family, cfg)
 
     def canonical_view(
@@ -258,6 +284,8 @@ class GGUFFormat(CheckpointFormat):
         from ckptkit.tensors.lazy import Lazy
 
         spec = model.spec_for(family, family.name)
+        if _opened(raw).release:  # already the release's tensors
+            return canonical_view(raw, hf_layout(family, cfg, spec), cfg)
         if needs_view(spec):  # llama.cpp's splits, merges and arithmetic undone (hf_view)
             return canonical_view(hf_view(raw, family, cfg, spec), hf_layout(family, cfg, spec), cfg)
         tensors, unused = super().canonical_view(raw, family, cfg)

@@ -13,11 +13,13 @@ is refused, as for the formats read through a layout.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
+from ckptkit.formats.gguf import mxfp4_read
 from ckptkit.formats.gguf.experts import per_expert
 from ckptkit.formats.gguf.made import Made, Reader, expert
 from ckptkit.formats.gguf.tensors import gguf_name, name_map
@@ -25,10 +27,12 @@ from ckptkit.formats.tensor_info import TensorInfo
 from ckptkit.io import Span
 from ckptkit.models import canonical_shapes
 from ckptkit.models.moe import experts
+from ckptkit.quant.mxfp4 import BLOCKS
 
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.formats.gguf.reader import GGUFHeader
     from ckptkit.models import Family, ModelConfig
     from ckptkit.models.gguf_spec import GGUFSpec
     from ckptkit.models.spec import Layout
@@ -40,9 +44,10 @@ _STACKED = re.compile(r"(model\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.)(
 class HFView:
     """A :class:`~ckptkit.formats.base.TensorReader` of the made HF tensors."""
 
-    def __init__(self, made: dict[str, Made], file: str) -> None:
+    def __init__(self, made: dict[str, Made], file: str, inner: Any = None) -> None:
         self.made = made
         self.infos = {n: TensorInfo(n, m.shape, m.dtype, file) for n, m in made.items()}
+        self.inner = inner  # the GGUF's reader, closed with the view
 
     def read(self, name: str) -> torch.Tensor:
         return self.made[name].get()
@@ -58,7 +63,8 @@ class HFView:
         return bytes(t.view(torch.uint8).numpy()[:nbytes].tobytes())
 
     def close(self) -> None:
-        return None
+        if self.inner is not None:
+            self.inner.close()
 
 
 def needs_view(spec: GGUFSpec) -> bool:
@@ -88,6 +94,9 @@ def hf_view(raw: RawCheckpoint, family: Family, cfg: ModelConfig, spec: GGUFSpec
     for rule in hf_layout(family, cfg, spec).expand(layers):
         shape = rule.kind.native_shape([expected[c] for c in rule.canonical])
         name = rule.native
+        if spec.interleaved_experts and name.endswith(BLOCKS):  # MXFP4 experts: the release's bytes
+            made[name], made[mxfp4_read.scales_name(name)] = mxfp4_read.experts(reader, tmap, name, shape)
+            continue
         if spec.linear_attention:
             got = hybrid_read.made(reader, tmap, name, shape, raw.config, spec, layers)
         else:
@@ -103,7 +112,7 @@ def hf_view(raw: RawCheckpoint, family: Family, cfg: ModelConfig, spec: GGUFSpec
             f"{raw.root / raw.config_name}: unknown tensor name(s) for {cfg.model_type}: {', '.join(unknown[:3])}"
             + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         )
-    view = HFView(made, raw.config_name)
+    view = HFView(made, raw.config_name, raw.readers.get(raw.config_name))
     return RawCheckpoint(
         format=raw.format,
         root=raw.root,
@@ -115,6 +124,29 @@ def hf_view(raw: RawCheckpoint, family: Family, cfg: ModelConfig, spec: GGUFSpec
         config=raw.config,
         lossy=dict(raw.lossy),
     )
+
+
+def as_release(raw: RawCheckpoint, h: GGUFHeader) -> bool:
+    """Show ``raw`` (a GGUF holding MXFP4 experts) as the release it was written from, in place
+    (:mod:`.mxfp4_read`): its tensors the release's (:func:`hf_view`), its config with the release's
+    ``quantization_config``. False (``raw`` unchanged) where the family is not gpt-oss's."""
+    from ckptkit.formats.gguf import model
+    from ckptkit.quant import QUANT_KEY
+
+    family = model.family_of(h, raw.config)
+    spec = family.gguf_spec()
+    if spec is None or not spec.interleaved_experts:
+        return False
+    try:
+        cfg = family.refine_config(family.config_from_hf(raw.config), [mxfp4_read.GATE_UP])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CkptkitError(f"{h.path}: metadata lacks or misstates {e}") from None
+    inner = dataclasses.replace(raw)  # the GGUF's own tensors, which the view reads
+    view = hf_view(inner, family, cfg, spec)
+    raw.files, raw.infos, raw.readers = view.files, view.infos, view.readers
+    raw.config = {**raw.config, QUANT_KEY: dict(mxfp4_read.RELEASE_CONFIG)}
+    raw.lossy = {n: k for n, k in raw.lossy.items() if k != mxfp4_read.MXFP4}
+    return True
 
 
 def _mtp_blocks(raw: RawCheckpoint, layers: int) -> int:

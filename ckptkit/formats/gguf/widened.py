@@ -2,7 +2,8 @@
 
 llama.cpp's converter writes 1-D tensors, norms and MoE routers as F32 whatever the file
 type (:func:`~ckptkit.formats.gguf.tensors.qtype`): a bf16 model's norms come out F32, with
-the same values. Where ``general.file_type`` says bf16 or f16 and such a tensor's values
+the same values. Where ``general.file_type`` says bf16 or f16 (or ``MOSTLY_MXFP4_MOE``, a
+gpt-oss release whose other weights are all BF16 or all F16) and such a tensor's values
 (bits included) are all exact in that dtype, it is read back in it, as the HF model held
 it; otherwise it stays float32. The decision reads the tensor's values once, when the file
 is opened; 1-D tensors (small) are kept from that read, so their bytes are read once.
@@ -10,7 +11,7 @@ is opened; 1-D tensors (small) are kept from that read, so their bytes are read 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.gguf.reader import GGUFHeader, GGUFTensorInfo, meta_int
 from ckptkit.formats.gguf.tensors import qtype
@@ -23,10 +24,21 @@ GENERATED = ("rope_freqs.weight",)  # computed by llama.cpp, not the model's: ne
 
 def file_dtype(h: GGUFHeader) -> str | None:
     """The dtype ``general.file_type`` says the model was written in: bfloat16, float16 or None."""
+    ftype = _model_ftype(h)
+    return None if ftype is None else {"MOSTLY_BF16": "bfloat16", "MOSTLY_F16": "float16"}[ftype.name]
+
+
+def _model_ftype(h: GGUFHeader) -> Any:
+    """``general.file_type`` when bf16 or f16; for ``MOSTLY_MXFP4_MOE`` (llama.cpp's file type
+    of an MXFP4 source at f32, f16 or bf16) the one its other weights were written in."""
     import gguf
 
     t = gguf.LlamaFileType
-    return {int(t.MOSTLY_BF16): "bfloat16", int(t.MOSTLY_F16): "float16"}.get(meta_int(h, "general.file_type") or -1)
+    found = meta_int(h, "general.file_type")
+    if found == t.MOSTLY_MXFP4_MOE:
+        kinds = {x.kind for x in h.tensors if len(x.shape) >= 2 and x.kind not in ("MXFP4", "F32")}
+        return {frozenset({"BF16"}): t.MOSTLY_BF16, frozenset({"F16"}): t.MOSTLY_F16}.get(frozenset(kinds))
+    return t(found) if found in (t.MOSTLY_BF16, t.MOSTLY_F16) else None
 
 
 def widened(h: GGUFHeader) -> list[GGUFTensorInfo]:
@@ -34,9 +46,10 @@ def widened(h: GGUFHeader) -> list[GGUFTensorInfo]:
     (bf16 or f16; none for another)."""
     import gguf
 
-    if file_dtype(h) is None:
+    ftype = _model_ftype(h)
+    if ftype is None:
         return []
-    ftype, f32 = gguf.LlamaFileType(h.metadata["general.file_type"]), gguf.GGMLQuantizationType.F32
+    f32 = gguf.GGMLQuantizationType.F32
     return [
         t for t in h.tensors if t.kind == "F32" and t.name not in GENERATED and qtype(t.name, t.shape, ftype) == f32
     ]
