@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ckptkit.train import load_model
-from ckptkit.train.transformer import KVCache, rope_inv_freq
+from ckptkit.train.attention import KVCache
+from ckptkit.train.rope import rope_inv_freq
 
 from train_helpers import FAMILIES, FIXTURES, TOL, fixture_config, hf_dir, hf_model, native_model, padded_batch
 
