@@ -97,6 +97,7 @@ class Transformer(nn.Module):
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
         carried = {k[len(MTP_PREFIX) :]: v for k, v in canonical_shapes(cfg).items() if k.startswith(MTP_PREFIX)}
         self.mtp = Carried(carried) if carried else None
+        _check_supported(self, cfg)
 
     def forward(
         self,
@@ -202,6 +203,19 @@ def load_model(
     _check_keys(model, state_dict)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
     return model.to(device).eval()
+
+
+def _check_supported(model: nn.Module, cfg: ModelConfig) -> None:
+    """A family whose tensors the decoder lacks a module for (or holds in other shapes): one line."""
+    want, have = canonical_shapes(cfg), {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    odd = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    if odd:
+        why = "holds in another shape" if odd[0] in want and odd[0] in have else "has no module for"
+        why = why if odd[0] in want else "would make"
+        raise CkptkitError(
+            f"model type {cfg.model_type}: the native decoder (training, generate, verify --logits) does not run "
+            f"it yet: it {why} {odd[0]}{f' ({len(odd)} tensors differ)' if len(odd) > 1 else ''}"
+        )
 
 
 def _check_keys(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -61,7 +61,7 @@ def float32(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return Bases()
 
 
-@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("name", [n for n in NEW if n != "deepseek_v3-qproj"])  # its q_proj: LoRA below
 def test_full_fine_tuning_writes_the_input_layout(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -97,3 +97,28 @@ def test_deepseek_yarn_rope_and_attention_scale_match_transformers(tmp_path: Pat
     ids = _ids(1, 24)
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max().item() <= PARITY
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("gpt_oss", "has no module for layers.0.attn.output_proj.bias (22 tensors differ)"),
+        ("llama4-text", "holds in another shape layers.0.mlp.w1.weight (40 tensors differ)"),
+        ("qwen3_next", "would make layers.0.attn.k_norm.scale (35 tensors differ)"),
+    ],
+)
+def test_families_the_decoder_does_not_run_yet_fail_in_one_line(name: str, why: str, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ckptkit.cli import app
+
+    args = ["run", "full_finetune", "--config", "tiny_full", "epochs=1", "max_steps_per_epoch=1", "quiet=true"]
+    args += [f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / name}", f"checkpointer.output_dir={tmp_path / 'out'}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1
+    model_type = name.removesuffix("-text")
+    decoder = "the native decoder (training, generate, verify --logits)"
+    assert result.output.strip().splitlines() == [
+        f"error: model type {model_type}: {decoder} does not run it yet: it {why}"
+    ]
+    assert not (tmp_path / "out" / "epoch_0").exists()
