@@ -44,10 +44,14 @@ __all__ = [
 
 
 def _one_to_one(model_type: str) -> dict[str, str]:
+    """HF name -> canonical name of every 1:1-mapped tensor, layer indices as ``layers.0.``."""
     family = get_family(model_type)
-    cfg = ModelConfig(model_type, 2, 2, 1, 1, 1, 2, 2, attention_bias=True, extra=family.fields())
-    rules = family.hf_layout(cfg).expand(1)
-    return {r.native: r.canonical[0] for r in rules if len(r.canonical) == 1}
+    out: dict[str, str] = {}
+    for cfg in family.sample_configs():
+        for r in family.hf_layout(cfg).expand(cfg.num_layers):
+            if len(r.canonical) == 1:
+                out.setdefault(_generic(r.native)[1], _generic(r.canonical[0])[1])
+    return out
 
 
 def hf_key(model_type: str, canonical: str) -> str:

@@ -54,6 +54,11 @@ class FamilyFields:
             out.update(vars(base).get("checks", {}))
         return out
 
+    def decoder_features(self) -> Decoder:
+        """The decoder features of this config: the family's ``decoder``, unless a field of
+        its own switches one (GLM-4.5's ``use_qk_norm``)."""
+        return self.decoder
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -112,7 +117,7 @@ class ModelConfig:
     @property
     def decoder(self) -> Decoder:
         """The decoder features of the family."""
-        return self.extra.decoder
+        return self.extra.decoder_features()
 
     def fields(self, kind: type[F]) -> F:
         """``extra`` as the family's own ``kind`` of fields; an error when it holds another's."""

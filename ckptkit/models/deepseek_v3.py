@@ -13,6 +13,7 @@ stacked, ``moe.expert_bias``), the MTP layers under their canonical names.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -234,6 +235,13 @@ class DeepseekV3(Family):
     hf_architecture = "DeepseekV3ForCausalLM"
     fields: ClassVar[type[DeepseekV3Fields]] = DeepseekV3Fields
     gguf = DEEPSEEK2_GGUF
+
+    def sample_configs(self) -> list[ModelConfig]:
+        """A dense layer, then one with two experts and a shared expert; queries through one
+        ``q_proj`` or (DeepSeek) a low-rank pair."""
+        cfg = super().sample_configs()[0].replace_fields(num_experts=2, num_experts_per_tok=1, dense_layers=[0])
+        cfg = dataclasses.replace(cfg, num_layers=2)
+        return [cfg, cfg.replace_fields(q_lora_rank=2)] if cfg.feature(DeepseekV3Fields) else [cfg]
 
     def layer_parts(self, cfg: ModelConfig, moe: bool) -> list[Part]:
         """The tensors of one layer, dense or with experts."""

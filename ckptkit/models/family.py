@@ -122,6 +122,11 @@ class Family:
         checkpoint's layer count is checked on them): all by default."""
         return list(names)
 
+    def sample_configs(self) -> list[ModelConfig]:
+        """Tiny configs whose layers hold, together, every kind of tensor the family names (for
+        maps of names, not shapes): one layer, biases on, the family's default fields."""
+        return [ModelConfig(self.name, 2, 2, 1, 1, 1, 2, 2, attention_bias=True, extra=self.fields())]
+
     def canonical_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]] | None:
         """Every canonical tensor with its shape where the family's differ from the shared
         decoder's (:func:`ckptkit.models.shapes.canonical_shapes`); None: the shared ones."""

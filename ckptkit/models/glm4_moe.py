@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 from ckptkit.models.config import Decoder, ModelConfig
 from ckptkit.models.deepseek_v3 import DeepseekV3, Part, SharedExpertsFields, mlp_parts
-from ckptkit.models.fields import boolean, positive_float
+from ckptkit.models.features import PartialRotary
+from ckptkit.models.fields import boolean
 from ckptkit.models.gguf_spec import GGUFExperts, GGUFSpec
 from ckptkit.models.moe import expert_size
 from ckptkit.models.registry import register
@@ -21,14 +22,17 @@ from ckptkit.models.spec import hf_common_config, hf_common_fields
 
 
 @dataclass
-class Glm4MoeFields(SharedExpertsFields):
+class Glm4MoeFields(SharedExpertsFields, PartialRotary):
     """The experts and MTP layers, the rotated part of each head, whether q/k are normed."""
 
-    checks = {"partial_rotary_factor": positive_float, "use_qk_norm": boolean}
+    checks = {"use_qk_norm": boolean}
 
     decoder = Decoder(qk_norm="head")
     partial_rotary_factor: float = 0.5
     use_qk_norm: bool = False
+
+    def decoder_features(self) -> Decoder:
+        return self.decoder if self.use_qk_norm else Decoder()
 
 
 def glm_layer_parts(cfg: ModelConfig, moe: bool) -> list[Part]:

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from ckptkit.errors import CkptkitError, note
+from ckptkit.train.attention import KVCache
 from ckptkit.train.tokenizer import Tokenizer, load_tokenizer, tokenizer_folder
-from ckptkit.train.transformer import KVCache, Transformer, load_model
+from ckptkit.train.transformer import Transformer, load_model
 
 
 def sample_next(

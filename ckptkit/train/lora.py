@@ -22,7 +22,8 @@ from ckptkit.models import ModelConfig
 
 # Short target names -> canonical module leaf names (ckptkit.models.config docstring).
 # gate/up/down are the dense MLPs' projections; ``experts`` every expert's three (a
-# mixture-of-experts layer's ``mlp.experts.E.w1/w3/w2``), ``router`` the experts' router.
+# mixture-of-experts layer's ``mlp.experts.E.w1/w3/w2``), ``router`` the experts' router;
+# q_a/q_b/kv_a/kv_b the projections of latent attention.
 TARGETS: dict[str, str] = {
     "q": "q_proj",
     "k": "k_proj",
@@ -34,6 +35,10 @@ TARGETS: dict[str, str] = {
     "output": "output",
     "experts": "experts",
     "router": "router",
+    "q_a": "q_a_proj",  # latent attention (DeepSeek V3): the queries' low-rank pair
+    "q_b": "q_b_proj",
+    "kv_a": "kv_a_proj",  # and the keys' and values' latent (HF kv_a_proj_with_mqa)
+    "kv_b": "kv_b_proj",
 }
 EXPERTS = "experts"
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b", ".lora_magnitude")
@@ -117,6 +122,8 @@ class LoRALinear(nn.Linear):
         if linear.bias is not None:
             lora.bias = nn.Parameter(linear.bias.data, requires_grad=False)
         lora.reset_lora(w.device, lora_dtype)
+        for name, buffer in linear.named_buffers(recurse=False):  # a router's expert_bias
+            lora.register_buffer(name, buffer)
         return lora
 
     def delta_weight(self) -> torch.Tensor:

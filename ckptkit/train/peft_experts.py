@@ -13,10 +13,11 @@ so PEFT adapts them through ``target_parameters`` (its ``ParamWrapper``), not
 - parameters of one module nest, the first in the module's order innermost: with both
   stacked tensors adapted, ``experts.base_layer.lora_A.weight`` is ``gate_up_proj``'s and
   ``experts.lora_A.weight`` ``down_proj``'s;
-- the dense MLPs of a model with experts (Qwen3-MoE's ``mlp_only_layers``) are 2-D
-  parameters too: PEFT takes ``target_modules`` ``gate_proj``/``up_proj``/``down_proj`` (and
-  Mixtral's ``w1``...) of such a model for transformers 4's per-expert modules and rewrites
-  them into the stacked experts, so they cannot be named there.
+- the dense MLPs of a model with experts (Qwen3-MoE's ``mlp_only_layers``, DeepSeek's
+  ``first_k_dense_replace``) and its shared experts are 2-D parameters too: PEFT takes
+  ``target_modules`` ``gate_proj``/``up_proj``/``down_proj`` (and Mixtral's ``w1``...) of
+  such a model, even by full name, for transformers 4's per-expert modules and rewrites them
+  into the stacked experts, so they cannot be named there.
 
 ckptkit's native model has one LoRA module per expert projection and on the router; this
 module converts between the two. Which HF tensor holds which canonical ones comes from the
@@ -69,7 +70,7 @@ def moe_params(cfg: ModelConfig) -> list[MoeParam]:
         modules = tuple(c.removesuffix(".weight") for c in rule.canonical)
         if isinstance(rule.kind, Stacked):
             out.append(MoeParam(rule.native, modules, rule.kind.k))
-        elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.(router|w1|w2|w3)", modules[0]):
+        elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.(shared\.)?(router|w1|w2|w3)", modules[0]):
             out.append(MoeParam(rule.native, modules, 0))
     return out
 

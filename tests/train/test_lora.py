@@ -191,7 +191,8 @@ def test_lora_mistakes_are_one_line_errors_naming_the_module() -> None:
 
     with pytest.raises(
         CkptkitError,
-        match=r"^unknown LoRA target 'qkv'; choose from q, k, v, o, gate, up, down, output, experts, router$",
+        match=r"^unknown LoRA target 'qkv'; choose from q, k, v, o, gate, up, down, output, experts, router, "
+        r"q_a, q_b, kv_a, kv_b$",
     ):
         apply_lora(native_model("llama3"), ["qkv"])
     with pytest.raises(CkptkitError, match=r"^LoRA on the output projection is not supported for tied embeddings$"):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ckptkit.train import load_model
-from ckptkit.train.transformer import KVCache, rope_inv_freq
+from ckptkit.train.attention import KVCache
+from ckptkit.train.rope import rope_inv_freq
 
 from train_helpers import FAMILIES, FIXTURES, TOL, fixture_config, hf_dir, hf_model, native_model, padded_batch
 
@@ -104,7 +105,7 @@ def test_sliding_window_matches_transformers(family: str, ours: dict, theirs: di
     assert full <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma"])
+@pytest.mark.parametrize("family", ["llama3", "gemma", "deepseek_v3"])  # deepseek_v3: latents cached
 def test_kv_cache_matches_full_forward(family: str) -> None:
     model = native_model(family)
     ids, mask = padded_batch(model.config.vocab_size, seed=7)

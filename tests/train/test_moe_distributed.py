@@ -28,7 +28,7 @@ from test_distributed import (
 )
 
 from ckptkit.convert import ConvertOptions, convert
-from ckptkit.train.transformer import SparseMoE
+from ckptkit.train.experts import SparseMoE
 
 from conftest import FIXTURES, raw_layout
 from train_helpers import TOL

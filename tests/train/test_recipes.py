@@ -247,16 +247,16 @@ def test_a_copied_distributed_recipe_runs_under_torchrun(tmp_path: Path) -> None
 
 
 def test_activation_checkpointing_bf16_and_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptkit.train import transformer
+    from ckptkit.train import layers
 
     calls = {"mlp": 0}
-    forward = transformer.GatedMLP.forward
+    forward = layers.GatedMLP.forward
 
     def counted(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         calls["mlp"] += 1
         return forward(self, x)
 
-    monkeypatch.setattr(transformer.GatedMLP, "forward", counted)
+    monkeypatch.setattr(layers.GatedMLP, "forward", counted)
     one = ["epochs=1", "max_steps_per_epoch=2"]
     run("full_finetune", "tiny_full", *one, f"checkpointer.output_dir={tmp_path / 'plain'}")
     plain, calls["mlp"] = calls["mlp"], 0

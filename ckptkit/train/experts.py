@@ -1,0 +1,49 @@
+"""The mixture-of-experts MLP of the native decoder: a router (a linear layer, LoRA-adaptable,
+with its choice bias as a buffer where the family has one), the routing rule of
+:mod:`ckptkit.train.routers`, experts summed in index order as transformers sums them, and
+the shared experts every token goes through (DeepSeek V3, GLM-4.5)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ckptkit.models.config import ModelConfig
+from ckptkit.models.deepseek_v3 import SharedExpertsFields
+from ckptkit.models.moe import MoEFields, expert_size
+from ckptkit.train.layers import GatedMLP
+from ckptkit.train.routers import has_expert_bias, routing
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (and shared ones). The router logits of the last forward are kept
+    in ``router_logits`` (the aux loss), the experts chosen in ``chosen``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.fields(MoEFields)
+        self.top_k = moe.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        if has_expert_bias(cfg):  # not trained (DeepSeek balances it by a rule of its own)
+            self.router.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+        self.route = routing(cfg)
+        self.experts = nn.ModuleList(GatedMLP(cfg, expert_size(cfg)) for _ in range(moe.num_experts))
+        shared = cfg.feature(SharedExpertsFields)
+        n_shared = shared.n_shared_experts if shared is not None else 0
+        self.shared = GatedMLP(cfg, expert_size(cfg) * n_shared) if n_shared else None
+        self.router_logits: torch.Tensor | None = None
+        self.chosen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.router(flat)
+        weights, chosen = self.route(logits, getattr(self.router, "expert_bias", None))
+        self.router_logits, self.chosen = logits, chosen
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):  # also on no tokens: every expert gets a
+            slot, token = torch.where((chosen == e).T)  # gradient (zero), as FSDP reduces them together
+            y = expert(flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        out = out.reshape(shape)
+        return out if self.shared is None else out + self.shared(x)

@@ -1,0 +1,53 @@
+"""The native decoder's small building blocks: RMSNorm, the gated MLP and its activations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckptkit.errors import CkptkitError
+from ckptkit.models.config import ModelConfig
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; Gemma's variant scales by ``1 + scale``."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.plus_one = plus_one
+        self.scale = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.plus_one:  # Gemma: (x * (1 + w)) in float32, then cast
+            return (normed * (1.0 + self.scale.float())).type_as(x)
+        return self.scale * normed.type_as(x)  # Llama: cast, then x * w
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU / GeGLU feed-forward: ``w2(act(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: ModelConfig, size: int | None = None) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise CkptkitError(f"activation {cfg.hidden_act!r} is not supported by the native model")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        size = size or cfg.intermediate_size
+        self.w1 = nn.Linear(cfg.hidden_size, size, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.hidden_size, size, bias=False)  # up
+        self.w2 = nn.Linear(size, cfg.hidden_size, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
