@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             with blob.open("wb") as f:
                 f.truncate(size)
         o = {t: work / f"out-{model}-{t}" for t in (*TARGETS, "llama.cpp", "cp", "dd")}
+        o |= {t: work / f"out-{model}-{t}.gguf" for t in ("gguf", "llama.cpp")}
         ckptkit = [sys.executable, "-m", "ckptkit", "convert", str(src)]
         cmds = {t: [*ckptkit, str(o[t]), "--to", t, "--quiet"] for t in TARGETS}
         cmds["gguf"] += ["--dtype", "bfloat16", "--gguf-pre", pre]
