@@ -485,3 +485,18 @@ def test_inspect_shows_gguf_metadata_and_stored_types(tmp_path: Path) -> None:
     from gguf import GGUFReader
 
     assert info["total_bytes"] == sum(int(t.n_bytes) for t in GGUFReader(tmp_path / "k.gguf").tensors)
+
+
+def test_gguf_to_gguf_keeps_llama_cpp_pad_fillers_unused(tmp_path: Path) -> None:
+    """The ``[PAD{i}]`` fillers llama.cpp writes for ids the tokenizer lacks (fixture: 4 of 384)
+    stay holes in the rebuilt tokenizer.json, so GGUF -> GGUF writes them UNUSED again and the
+    vocabulary metadata comes back byte for byte."""
+    import gguf
+
+    convert(FIXTURES / "hf" / "llama3", tmp_path / "a.gguf", ConvertOptions("gguf", gguf_pre="llama-bpe"))
+    convert(tmp_path / "a.gguf", tmp_path / "b.gguf", ConvertOptions("gguf"))
+    a, b = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "b.gguf")
+    types = a.fields["tokenizer.ggml.token_type"]
+    assert [int(types.parts[i][0]) for i in types.data].count(gguf.TokenType.UNUSED) == 4
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+        assert [bytes(p) for p in a.fields[key].parts] == [bytes(p) for p in b.fields[key].parts], key

@@ -115,7 +115,7 @@ def _bpe_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int | 
         known = ", ".join(PRE_TOKENIZER_RULES)
         raise CkptkitError(f"{h.path}: byte-level BPE pre-tokenizer {pre!r} is not one ckptkit rebuilds ({known})")
     patterns, ignore_merges, nfc = PRE_TOKENIZER_RULES[pre or ""]
-    vocab, merges = _vocab_and_merges(h, tokens)
+    vocab, merges = _vocab_and_merges(h, tokens, types)
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     if nfc:
         tok.normalizer = normalizers.NFC()
@@ -141,7 +141,7 @@ def _gemma4_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     tokens, types = _tokens(h)
-    vocab, merges = _vocab_and_merges(h, tokens)
+    vocab, merges = _vocab_and_merges(h, tokens, types)
     tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
@@ -152,11 +152,16 @@ def _gemma4_tokenizer(h: GGUFHeader, add_bos: bool, bos: str | None, bos_id: int
     return tok
 
 
-def _vocab_and_merges(h: GGUFHeader, tokens: list[str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """token -> id, and ``tokenizer.ggml.merges`` as pairs; a one-line error when they disagree."""
+def _vocab_and_merges(
+    h: GGUFHeader, tokens: list[str], types: list[int]
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """token -> id, and ``tokenizer.ggml.merges`` as pairs; a one-line error when they disagree.
+    llama.cpp's ``[PAD{i}]`` fillers (ids the source tokenizer did not have) stay holes."""
     merges = [tuple(m.split(" ", 1)) for m in meta_list(h, "tokenizer.ggml.merges", str) or []]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens) or any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges):
+    filler = [k == spm.UNUSED and _PAD.fullmatch(t) is not None for t, k in zip(tokens, types, strict=True)]
+    vocab = {t: i for i, t in enumerate(tokens) if not filler[i]}
+    named = any(len(m) != 2 or m[0] not in vocab or m[1] not in vocab for m in merges)
+    if len(vocab) + sum(filler) != len(tokens) or named:
         raise h.error("tokenizer.ggml.tokens repeats a token, or tokenizer.ggml.merges names a token it lacks")
     return vocab, merges
 
