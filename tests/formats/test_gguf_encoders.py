@@ -75,10 +75,10 @@ def _non_finite() -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_infinities_and_nans_give_the_reference_bytes(kind: str) -> None:
-    """The encoders whose searches take ggml's integer rounding where a value is not finite
-    (``qx.make_qx_quants``'s slow path, the IQ4 searches) give ggml's bytes for such values too."""
+    """Values that are not finite go through ggml's integer ``nearest_int`` (the compiled
+    searches, the IQ4 searches) and give ggml's bytes too."""
     x = _non_finite()
     with np.errstate(all="ignore"):
         got = ENCODERS[kind].encode(x)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptkit.formats.gguf import nvfp4
 from ckptkit.tensors.casting import checked_cast
@@ -27,6 +27,8 @@ from ckptkit.tensors.casting import checked_cast
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+T = TypeVar("T")
 
 CHUNK_BYTES = 16 << 20  # float32 bytes quantized, or stored bytes dequantized, at a time
 QK_K = 256
@@ -74,7 +76,7 @@ def quantized_chunks(
         if weights is not None and (weighted := WEIGHTED.get(gguf.GGMLQuantizationType(qtype).name)) is not None:
             per = rows.shape[0] // weights.shape[0]
             row_weights = weights[np.arange(start, start + len(chunk)) // per]
-            yield weighted(chunk.numpy().astype(np.float32), row_weights).tobytes()
+            yield encode_weighted(weighted, chunk.numpy().astype(np.float32), row_weights).tobytes()
         elif qtype == gguf.GGMLQuantizationType.Q8_0:
             yield quantize_q8_0(chunk.numpy().reshape(-1, 32)).tobytes()
         elif gguf.GGMLQuantizationType(qtype).name in ENCODERS:
@@ -84,8 +86,8 @@ def quantized_chunks(
 
 
 class _Workers:
-    """Threads beside the caller's for Q8_0 quantization: one fewer than the CPUs this process
-    may run on (at most 7), started on first use."""
+    """Threads beside the caller's for quantization (Q8_0, the encoders, imatrix-weighted): one
+    fewer than the CPUs this process may run on (at most 7), started on first use."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
@@ -154,14 +156,26 @@ def encode_blocks(kind: str, x: np.ndarray) -> np.ndarray:
         with np.errstate(all="ignore"):
             out[first // enc.BLOCK : (first + piece.size) // enc.BLOCK] = enc.encode(piece)
 
-    starts = range(0, flat.size, step)
-    if len(starts) < 2 or not len(_WORKERS):
-        for first in starts:
-            part(first)
-        return out
-    for done in [_WORKERS.pool().submit(part, first) for first in starts]:
-        done.result()
+    _spread(part, range(0, flat.size, step))
     return out
+
+
+def encode_weighted(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """``fn`` (of :data:`~ckptkit.formats.gguf.weighted.WEIGHTED`) of float32 rows ``x`` and
+    their imatrix weights ``qw`` (as ``x``): parts of whole rows, about :data:`ENCODE_BLOCKS`
+    values each, quantized on this process's CPUs (every row is quantized on its own)."""
+    import numpy as np
+
+    step = max(1, ENCODE_BLOCKS // max(1, x.shape[1]))
+    parts = _spread(lambda first: fn(x[first : first + step], qw[first : first + step]), range(0, x.shape[0], step))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _spread(part: Callable[[int], T], starts: range) -> list[T]:
+    """``part`` of each of ``starts``, in order, on the worker threads when there are two or more."""
+    if len(starts) < 2 or not len(_WORKERS):
+        return [part(first) for first in starts]
+    return [done.result() for done in [_WORKERS.pool().submit(part, first) for first in starts]]
 
 
 def _quantize_q8_0_into(blocks: np.ndarray, bf16: bool, out: np.ndarray) -> np.ndarray:

@@ -1,11 +1,13 @@
-"""GGML block encoders in numpy, each the same bytes as ggml's ``quantize_row_<type>_ref``
-(what ``llama-quantize`` runs when it is given no imatrix; for IQ4_NL its
-``quantize_iq4_nl`` with no weights), one module per type.
+"""GGML block encoders, each the same bytes as ggml's ``quantize_row_<type>_ref`` (what
+``llama-quantize`` runs when it is given no imatrix; for IQ4_NL its ``quantize_iq4_nl`` with
+no weights), one module per type.
 
 Every encoder does, over arrays of blocks, the float32 operations of the C reference in its
-order (:mod:`~ckptkit.formats.gguf.encoders.common`): sums run element by element over
-element-major arrays, searches keep every trial's result and pick with masks. Each takes
-float32 values (a multiple of its block) and returns the blocks ``(n, SIZE)`` as uint8.
+order (:mod:`~ckptkit.formats.gguf.encoders.common`): numpy, sums element by element over
+element-major arrays; the scale searches (``make_qkx2_quants``, ``make_qx_quants``) are
+ggml's loops compiled with numba (:mod:`~ckptkit.formats.gguf.encoders.jit`), many blocks
+side by side. Each takes float32 values (a multiple of its block) and returns the blocks
+``(n, SIZE)`` as uint8.
 """
 
 from __future__ import annotations

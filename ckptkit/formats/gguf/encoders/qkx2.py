@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ckptkit.formats.gguf.encoders.common import ZERO, f32, first_extreme, fp16, low_byte, nearest_int, running_sum
+from ckptkit.formats.gguf.encoders.common import f32, fp16, low_byte, nearest_int, running_sum
+from ckptkit.formats.gguf.encoders.jit import LANES, kernel, level
+from ckptkit.formats.gguf.encoders.jit import nearest_int as nearest_int_1
 
 SUB = 32
-
-
-CHUNK = 8192  # columns searched at a time: the trial arrays (32 x CHUNK float32) stay in cache
-EXACT = f32(2.0**22)  # below this magnitude ggml's nearest_int is round-half-even, as np.rint
 
 
 def make_qkx2_quants(
@@ -20,142 +18,115 @@ def make_qkx2_quants(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad)`` for
     every column of ``x`` and weights ``w`` (n, m): the scales and minimums (m,) and the
-    quants ``L`` (n, m).
-
-    Columns are independent, so they are searched ``CHUNK`` at a time (each chunk's arrays
-    stay in cache); a chunk with a NaN or an infinity takes :func:`_make_qkx2_quants_int`."""
+    quants ``L`` (n, m), compiled (:func:`_make_qkx2_quants`)."""
     m = x.shape[1]
     scales, mins = np.empty(m, np.float32), np.empty(m, np.float32)
     quants = np.empty(x.shape, np.int32)
-    for i in range(0, m, CHUNK):
-        cols = slice(i, i + CHUNK)
-        xc, wc = x[:, cols], w[:, cols]
-        search = _make_qkx2_quants_rint if np.isfinite(xc).all() else _make_qkx2_quants_int
-        scales[cols], mins[cols], quants[:, cols] = search(xc, wc, nmax, rmin, rdelta, nstep, use_mad)
+    xc, wc = (np.ascontiguousarray(a, dtype=np.float32) for a in (x, w))
+    _make_qkx2_quants(xc, wc, nmax, f32(rmin), f32(rdelta), nstep, use_mad, scales, mins, quants)
     return scales, mins, quants
 
 
-def _start(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The first loop of ``make_qkx2_quants``: per column ``min`` and ``max`` of ``x`` (the
-    minimum before ``if (min > 0) min = 0``), ``sum_w`` and ``sum_x``."""
-    lo = first_extreme(x.T, largest=False)
-    hi = first_extreme(x.T, largest=True)
-    sum_w = w[0].copy()
-    sum_x = sum_w * x[0]
-    for i in range(1, x.shape[0]):
-        sum_w += w[i]
-        sum_x += w[i] * x[i]
-    return lo, hi, sum_w, sum_x
-
-
-def _make_qkx2_quants_rint(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`make_qkx2_quants` of finite ``x``, the trial levels a float32 ``rint`` of
-    ``iscale * (x - min)`` clipped in one scratch array: every column where that can reach
-    ``2**22`` in magnitude (bounded from its ``min`` and ``max``: float32 rounding is
-    monotonic) is made again with ggml's ``nearest_int``. ``-0.0`` levels change no sum."""
-    xmin, hi, sum_w, sum_x = _start(x, w)
-    lo = np.where(xmin > 0, f32(0), xmin)
-    flat, flat_min = hi == lo, -lo
-    s, t, wl = (np.empty(x.shape, np.float32) for _ in range(3))
-    top = f32(nmax)
-
-    def levels(iscale: np.ndarray, lo: np.ndarray) -> np.ndarray:
-        np.subtract(x, lo, out=s)
-        np.multiply(s, iscale, out=s)
-        np.rint(s, out=s)
-        np.clip(s, ZERO, top, out=s)
-        bound = np.maximum(np.abs(iscale * (xmin - lo)), np.abs(iscale * (hi - lo)))
-        far = np.flatnonzero(~(bound < EXACT) & ~flat)  # NaN included; flat columns are dropped
-        if far.size:
-            s[:, far] = np.clip(nearest_int(iscale[far] * (x[:, far] - lo[far])), 0, nmax)
-        return s
-
-    def error(scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
-        np.multiply(scale, s, out=t)
-        np.add(t, mn, out=t)
-        np.subtract(t, x, out=t)
-        if use_mad:
-            np.abs(t, out=t)
-        else:
-            np.multiply(t, t, out=t)
-        np.multiply(t, w, out=t)
-        return running_sum(t)
-
-    with np.errstate(all="ignore"):
-        iscale = top / (hi - lo)
-        scale = f32(1) / iscale
-        best_iscale, best_lo = iscale, lo
-        levels(iscale, lo)
-        best = error(scale, lo)
-        for step in range(nstep + 1):
-            iscale = (f32(rmin) + f32(rdelta) * f32(step) + top) / (hi - lo)
-            levels(iscale, lo)
-            np.multiply(w, s, out=wl)
-            sum_l = running_sum(wl)
-            np.multiply(wl, s, out=t)
-            sum_l2 = running_sum(t)
-            np.multiply(wl, x, out=t)
-            sum_xl = running_sum(t)
-            det = sum_w * sum_l2 - sum_l * sum_l
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-            clipped = this_min > 0
-            this_min = np.where(clipped, f32(0), this_min)
-            this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
-            cur = error(this_scale, this_min)
-            better = (det > 0) & (cur < best)
-            best_iscale = np.where(better, iscale, best_iscale)
-            best_lo = np.where(better, lo, best_lo)
-            best = np.where(better, cur, best)
-            scale = np.where(better, this_scale, scale)
-            lo = np.where(better, this_min, lo)
-        quants = levels(best_iscale, best_lo).astype(np.int32)
-    return np.where(flat, f32(0), scale), np.where(flat, flat_min, -lo), np.where(flat, 0, quants)
-
-
-def _make_qkx2_quants_int(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`make_qkx2_quants` with ggml's integer ``nearest_int`` (any values, NaN included)."""
-    lo, hi, sum_w, sum_x = _start(x, w)
-    lo = np.where(lo > 0, f32(0), lo)
-    flat, flat_min = hi == lo, -lo
-
-    def error(diff: np.ndarray) -> np.ndarray:
-        return running_sum(w * (np.abs(diff) if use_mad else diff * diff))
-
-    def levels(iscale: np.ndarray, lo: np.ndarray) -> np.ndarray:
-        out: np.ndarray = np.clip(nearest_int(iscale * (x - lo)), 0, nmax)
-        return out
-
-    # each column's quants are those of its best trial's (iscale, lo), made again at the end
-    with np.errstate(all="ignore"):
-        iscale = f32(nmax) / (hi - lo)
-        scale = f32(1) / iscale
-        best_iscale, best_lo = iscale, lo
-        best = error(scale * levels(iscale, lo).astype(np.float32) + lo - x)
-        for step in range(nstep + 1):
-            iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (hi - lo)
-            lf = levels(iscale, lo).astype(np.float32)
-            wl = w * lf
-            sum_l, sum_l2, sum_xl = running_sum(wl), running_sum(wl * lf), running_sum(wl * x)
-            det = sum_w * sum_l2 - sum_l * sum_l
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-            clipped = this_min > 0
-            this_min = np.where(clipped, f32(0), this_min)
-            this_scale = np.where(clipped, sum_xl / sum_l2, this_scale)
-            cur = error(this_scale * lf + this_min - x)
-            better = (det > 0) & (cur < best)
-            best_iscale = np.where(better, iscale, best_iscale)
-            best_lo = np.where(better, lo, best_lo)
-            best = np.where(better, cur, best)
-            scale = np.where(better, this_scale, scale)
-            lo = np.where(better, this_min, lo)
-        quants = levels(best_iscale, best_lo)
-    return np.where(flat, f32(0), scale), np.where(flat, flat_min, -lo), np.where(flat, 0, quants)
+@kernel
+def _make_qkx2_quants(
+    x: np.ndarray,
+    w: np.ndarray,
+    nmax: int,
+    rmin: np.float32,
+    rdelta: np.float32,
+    nstep: int,
+    use_mad: bool,
+    scales: np.ndarray,
+    mins: np.ndarray,
+    quants: np.ndarray,
+) -> None:  # pragma: no cover (compiled)
+    """ggml's loops for the columns (blocks) of ``x`` and ``w``, ``LANES`` at a time, each
+    column's sums in its C order, into ``scales``, ``mins`` and the columns of ``quants``.
+    Each column's quants are those of its best trial's ``(iscale, min)``, made again at the
+    end; a column where ``max == min`` takes ggml's early return."""
+    n, m = x.shape
+    top, zero = np.float32(nmax), np.float32(0)
+    st = np.empty((12, LANES), np.float32)
+    lo, hi, sum_w, sum_x, scale, best, iscale, best_iscale, best_lo, s_l, s_l2, s_xl = st
+    tr = np.empty((4, LANES), np.float32)
+    this_scale, this_min, cur, det = tr
+    aux, xs, ws = np.empty((n, LANES), np.float32), np.empty((n, LANES), np.float32), np.empty((n, LANES), np.float32)
+    for b0 in range(0, m, LANES):
+        c = min(LANES, m - b0)
+        for i in range(n):  # the chunk copied: indices from 0 compile to vector loads
+            for j in range(c):
+                xs[i, j] = x[i, b0 + j]
+                ws[i, j] = w[i, b0 + j]
+        for j in range(c):
+            lo[j] = xs[0, j]
+            hi[j] = xs[0, j]
+            sum_w[j] = ws[0, j]
+            sum_x[j] = ws[0, j] * xs[0, j]
+        for i in range(1, n):
+            for j in range(c):
+                v = xs[i, j]
+                lo[j] = v if v < lo[j] else lo[j]
+                hi[j] = v if v > hi[j] else hi[j]
+                sum_w[j] += ws[i, j]
+                sum_x[j] += ws[i, j] * v
+        for j in range(c):
+            lo[j] = np.float32(0) if lo[j] > 0 else lo[j]
+            iscale[j] = top / (hi[j] - lo[j])
+            scale[j] = np.float32(1) / iscale[j]
+            best_iscale[j] = iscale[j]
+            best_lo[j] = lo[j]
+            best[j] = 0
+        for i in range(n):
+            for j in range(c):
+                q = level(iscale[j] * (xs[i, j] - lo[j]), zero, top)
+                diff = scale[j] * q + lo[j] - xs[i, j]
+                best[j] += ws[i, j] * (abs(diff) if use_mad else diff * diff)
+        for step in range(nstep + 1 if nstep >= 1 else 0):
+            for j in range(c):
+                iscale[j] = (rmin + rdelta * np.float32(step) + top) / (hi[j] - lo[j])
+                s_l[j] = 0
+                s_l2[j] = 0
+                s_xl[j] = 0
+            for i in range(n):
+                for j in range(c):
+                    q = level(iscale[j] * (xs[i, j] - lo[j]), zero, top)
+                    aux[i, j] = q
+                    wl = ws[i, j] * q
+                    s_l[j] += wl
+                    s_l2[j] += wl * q
+                    s_xl[j] += wl * xs[i, j]
+            for j in range(c):
+                det[j] = sum_w[j] * s_l2[j] - s_l[j] * s_l[j]
+                clipped = (s_l2[j] * sum_x[j] - s_l[j] * s_xl[j]) / det[j] > 0
+                this_scale[j] = s_xl[j] / s_l2[j] if clipped else (sum_w[j] * s_xl[j] - sum_x[j] * s_l[j]) / det[j]
+                this_min[j] = 0 if clipped else (s_l2[j] * sum_x[j] - s_l[j] * s_xl[j]) / det[j]
+                cur[j] = 0
+            for i in range(n):
+                for j in range(c):
+                    diff = this_scale[j] * aux[i, j] + this_min[j] - xs[i, j]
+                    cur[j] += ws[i, j] * (abs(diff) if use_mad else diff * diff)
+            for j in range(c):
+                if det[j] > 0 and cur[j] < best[j]:
+                    best[j] = cur[j]
+                    scale[j] = this_scale[j]
+                    best_iscale[j] = iscale[j]
+                    best_lo[j] = lo[j]
+                    lo[j] = this_min[j]
+        for i in range(n):
+            for j in range(c):
+                quants[i, b0 + j] = max(0, min(nmax, nearest_int_1(best_iscale[j] * (x[i, b0 + j] - best_lo[j]))))
+        for j in range(c):
+            flat_min = x[0, b0 + j]
+            for i in range(1, n):
+                flat_min = x[i, b0 + j] if x[i, b0 + j] < flat_min else flat_min
+            flat_min = np.float32(0) if flat_min > 0 else flat_min
+            if hi[j] == flat_min:
+                scale[j] = 0
+                lo[j] = flat_min
+                for i in range(n):
+                    quants[i, b0 + j] = 0
+            scales[b0 + j] = scale[j]
+            mins[b0 + j] = -lo[j]
 
 
 def super_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, ...]:
