@@ -94,6 +94,15 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(FUZZ_SEED, str(random.SystemRandom().randrange(2**32)))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the modules with slow tests first, each module's tests in their order: pyproject's
+    ``--dist loadscope`` hands each module to one xdist worker whole (a module-scoped run or
+    conversion is made once, not once on each worker), and the modules of quick tests then fill
+    the end of the run on both workers."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # a stable sort
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The seed, at the end of any session that ran the fuzz tests (shown with ``-q`` too)."""
     reports = [r for group in terminalreporter.stats.values() for r in group]
