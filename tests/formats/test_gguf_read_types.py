@@ -53,6 +53,33 @@ def test_a_quantized_gguf_reads_back_as_the_gguf_package_dequantizes_it(
     assert kinds - {"Q8_0", "Q4_K", "Q5_K", "Q6_K"}  # at least one type only the gguf package dequantizes
 
 
+@pytest.mark.parametrize(
+    ("family", "ftype", "pre"),
+    [("wide", "Q4_K_M", "llama-bpe"), ("wide", "Q6_K", "llama-bpe"), ("mistral", "Q5_1", None)],
+)
+def test_a_quantized_gguf_read_back_runs_as_transformers_gguf_loader_runs_it(
+    family: str, ftype: str, pre: str | None, tmp_path: Path
+) -> None:
+    """For families transformers' GGUF loader maps, the HF folder ckptkit reads a quantized GGUF
+    back into gives the logits ``from_pretrained(..., gguf_file=...)`` gives on the same file
+    (``wide``: rows of 256, so the K types are written, not their fallbacks). Not qwen3 here:
+    transformers' loader ignores ``key_length`` and builds head_dim 128."""
+    import gguf
+    from llama_quantize_cases import source
+    from transformers import AutoModelForCausalLM
+
+    src = source(family, tmp_path)
+    convert(src, tmp_path / "q.gguf", ConvertOptions("gguf", dtype=ftype, gguf_pre=pre))
+    convert(tmp_path / "q.gguf", tmp_path / "hf", ConvertOptions("hf", dtype="float32"))
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors}
+    assert kinds >= {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q6_K": {"Q6_K"}}.get(ftype, {ftype}), kinds
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q.gguf", dtype=torch.float32)(ids).logits
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(ids).logits
+    assert (ours - theirs).abs().max().item() == 0.0
+
+
 def test_a_q4_0_gguf_is_a_training_and_merge_base(tmp_path: Path) -> None:
     """A GGUF written in Q4_0 (a type only the gguf package dequantizes) opens, and every tensor
     comes out as floats, as training and merging read a base."""
