@@ -11,6 +11,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.features import SoftCapping
+from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.train.layers import RMSNorm
 from ckptkit.train.rope import apply_rope
 
@@ -79,25 +80,34 @@ def attend(
     mask: torch.Tensor | None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for (B, H, T, D) queries and (B, H_kv, S, D) keys/values
     (grouped heads), causal when ``mask`` is None: SDPA, or transformers' eager arithmetic
-    where scores are soft-capped (SDPA cannot cap)."""
+    where scores are soft-capped or ``sinks`` (H,) add one learned logit per head to the
+    softmax's denominator (gpt-oss; SDPA can do neither)."""
     T = q.shape[2]
-    if softcap is None:
+    if softcap is None and sinks is None:
         gqa = k.shape[1] != q.shape[1]
         is_causal = mask is None and T > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, scale=scale)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     S = k.shape[2]
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+    # the sink joins each row's logits, the row max is subtracted, and the sink's share is dropped
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class Attention(nn.Module):
@@ -111,7 +121,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.output_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        sinks = cfg.feature(GptOssFields) is not None  # gpt-oss: sinks, and a bias on the output too
+        self.output_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=sinks)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if sinks else None
         decoder = cfg.decoder
         self.qk_norm = decoder.qk_norm
         if decoder.qk_norm:
@@ -146,5 +158,5 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        y = attend(q, k, v, mask, self.scale, self.softcap)
+        y = attend(q, k, v, mask, self.scale, self.softcap, self.sinks)
         return self.output_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

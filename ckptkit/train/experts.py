@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP of the native decoder: a router (a linear layer, LoRA-adaptable,
 with its choice bias as a buffer where the family has one), the routing rule of
 :mod:`ckptkit.train.routers`, experts summed in index order as transformers sums them, and
-the shared experts every token goes through (DeepSeek V3, GLM-4.5)."""
+the shared experts every token goes through (DeepSeek V3, GLM-4.5); and gpt-oss's experts,
+stacked tensors with biases and a clamped SwiGLU (:class:`StackedMoE`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from torch import nn
 
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import SharedExpertsFields
+from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import MoEFields, expert_size
-from ckptkit.train.layers import GatedMLP
-from ckptkit.train.routers import has_expert_bias, routing
+from ckptkit.train.layers import GatedMLP, clamped_swiglu
+from ckptkit.train.routers import TopKSoftmax, has_expert_bias, routing
 
 
 class SparseMoE(nn.Module):
@@ -47,3 +49,47 @@ class SparseMoE(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         out = out.reshape(shape)
         return out if self.shared is None else out + self.shared(x)
+
+
+class StackedExperts(nn.Module):
+    """gpt-oss's experts as stored: ``gate_up_proj`` [E, hidden, 2I] (gate and up columns
+    interleaved), ``down_proj`` [E, I, hidden], each with a bias; ``x @ W + b`` per expert."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        f = cfg.fields(GptOssFields)
+        e, h, inter = f.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.alpha, self.limit = f.swiglu_alpha, f.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(e, inter, h))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``x`` (N, hidden) through each token's ``chosen`` experts (N, k), summed by ``weights``."""
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):  # every expert, in index order as transformers sums
+            slot, token = torch.where((chosen == e).T)
+            gated = clamped_swiglu(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], self.alpha, self.limit)
+            y = (gated @ self.down_proj[e] + self.down_proj_bias[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class StackedMoE(nn.Module):
+    """gpt-oss's MoE MLP: a router with a bias (top k, softmax over them) and
+    :class:`StackedExperts`; the experts chosen in the last forward are kept in ``chosen``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        f = cfg.fields(GptOssFields)
+        self.router = nn.Linear(cfg.hidden_size, f.num_local_experts, bias=True)
+        self.route = TopKSoftmax(f.num_experts_per_tok)
+        self.experts = StackedExperts(cfg)
+        self.chosen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(self.router(flat), None)
+        self.chosen = chosen
+        return self.experts(flat, weights, chosen).reshape(x.shape)

@@ -6,7 +6,9 @@ as transformers routes them (ties broken as ``torch.topk`` breaks them):
 - :class:`GroupedSigmoidTopK` (DeepSeek V3, GLM-4.5): sigmoid scores, plus the router's
   ``expert_bias`` (``e_score_correction_bias``) for the choice only; experts in groups, of
   which the ``topk_group`` with the best two-expert sums compete; the weights are the chosen
-  unbiased scores, optionally renormalised, times ``routed_scaling_factor``, in float32.
+  unbiased scores, optionally renormalised, times ``routed_scaling_factor``, in float32;
+- :class:`TopKSoftmax` (gpt-oss): the top k logits, then a softmax over those k alone, in the
+  logits' dtype.
 """
 
 from __future__ import annotations
@@ -57,6 +59,17 @@ class GroupedSigmoidTopK:
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, chosen
+
+
+class TopKSoftmax:
+    """The top ``k`` experts by logit, weighted by a softmax over the chosen logits."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+
+    def __call__(self, logits: torch.Tensor, expert_bias: torch.Tensor | None) -> Routed:
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), chosen
 
 
 def routing(cfg: ModelConfig) -> SoftmaxTopK | GroupedSigmoidTopK:

@@ -29,9 +29,10 @@ from ckptkit.models import canonical_shapes, get_family
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import MTP_PREFIX, DeepseekV3Fields
 from ckptkit.models.features import SoftCapping
+from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.train.attention import Attention, KVCache, causal_mask
-from ckptkit.train.experts import SparseMoE
+from ckptkit.train.experts import SparseMoE, StackedMoE
 from ckptkit.train.layers import GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
 from ckptkit.train.moe_loss import load_balancing_loss
@@ -69,6 +70,8 @@ class Block(nn.Module):
         if decoder.input_norms:
             self.mlp_norm = RMSNorm(h, eps, plus)
         self.mlp: nn.Module = SparseMoE(cfg) if is_moe_layer(cfg, layer_idx) else GatedMLP(cfg)
+        if cfg.feature(GptOssFields) is not None:  # stacked experts in every layer
+            self.mlp = StackedMoE(cfg)
         if decoder.post_norms:  # Gemma 2/3, OLMo 2: norms on the sublayers' outputs
             self.attn_post_norm = RMSNorm(h, eps, plus)
             self.mlp_post_norm = RMSNorm(h, eps, plus)
@@ -163,7 +166,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(".scale"):
                 nn.init.zeros_(p) if self.config.decoder.norm_plus_one else nn.init.ones_(p)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss: experts.gate_up_proj_bias...
                 nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, std=std)

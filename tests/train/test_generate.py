@@ -58,7 +58,7 @@ def _greedy_with_logits(
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["one", "left-padded"])
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "mistral", "gpt_oss"])
 def test_sliding_window_holds_while_decoding_from_the_cache(family: str, padded: bool) -> None:
     """A window of 4 tokens, prompts of 8 (one row; or two, one left-padded by 3) and 20 new
     tokens: each cached decode step sees only the window, as in transformers' generate. Measured:
