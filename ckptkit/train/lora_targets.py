@@ -14,6 +14,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
+from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
@@ -52,6 +53,12 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
     short = {leaf: name for name, leaf in TARGETS.items()}
     moe = sorted(leaves & {EXPERTS, "router"})
     has_experts = experts(cfg)
+    if cfg.feature(GptOssFields) is not None and (moe or leaves & {"w1", "w2", "w3"}):
+        names = " ".join(short.get(leaf, leaf) for leaf in sorted(leaves & {EXPERTS, "router", "w1", "w2", "w3"}))
+        raise CkptkitError(
+            f"lora.targets: {names}: LoRA on {cfg.model_type}'s stacked experts and router is not supported yet "
+            "(every layer has them instead of a dense MLP); adapt attention (q k v o)"
+        )
     if moe and has_experts is None:
         raise CkptkitError(
             f"lora.targets: {cfg.model_type} has no experts; remove {' and '.join(moe)} from lora.targets"
