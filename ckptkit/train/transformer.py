@@ -210,6 +210,12 @@ def load_model(
 
 def _check_supported(model: nn.Module, cfg: ModelConfig) -> None:
     """A family whose tensors the decoder lacks a module for (or holds in other shapes): one line."""
+    oss = cfg.feature(GptOssFields)
+    if oss is not None and oss.mxfp4_experts:
+        raise CkptkitError(
+            f"model type {cfg.model_type}: its experts are MXFP4 (*_blocks, *_scales), which the native decoder "
+            "does not run; dequantize them first: ckptkit convert SRC DST --to hf --dtype bfloat16"
+        )
     want, have = canonical_shapes(cfg), {k: tuple(v.shape) for k, v in model.state_dict().items()}
     odd = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
     if odd:
