@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.quant.grid import CHUNK_ELEMENTS, E4M3, SCALE_SUFFIX
+from ckptkit.quant.grid import E4M3, SCALE_SUFFIX
 from ckptkit.quant.method import Stored
 from ckptkit.quant.modelopt import ModelOptFP8, fields
 from ckptkit.quant.mxfp4 import e2m1_packed, e2m1_values
+from ckptkit.quant.scaled import CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
     import torch
