@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-CHUNK_ELEMENTS = 1 << 22  # elements a chunk of rows holds, about (16 MiB of float32)
+CHUNK_ELEMENTS = 1 << 20  # elements a chunk of rows holds, about (4 MiB of float32)
 TABLE_MIN_BLOCK = 1024  # elements a block needs for a table of its 256 results to pay
 CODES = 256
 
