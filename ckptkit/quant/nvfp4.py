@@ -103,7 +103,7 @@ class ModelOptNVFP4(ModelOptFP8):
         step = self._rows(rows, cols).step
         for r in self._rows(rows, cols):
             part = e2m1_values(weight[r : r + step]).reshape(-1, cols // BLOCK, BLOCK)
-            out[r : r + step] = (part * scale[r : r + step].unsqueeze(-1)).reshape(-1, cols).to(dtype)
+            out[r : r + step] = part.mul_(scale[r : r + step].unsqueeze(-1)).reshape(-1, cols).to(dtype)
         return out
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
