@@ -55,3 +55,16 @@ def test_stacked_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
     for e in range(3):
         want = (w[e].float() * _expanded(s[e], (300, 260), (128, 128))).to(torch.bfloat16)
         assert torch.equal(got[e].view(torch.int16), want.view(torch.int16))
+
+
+def test_verify_max_difference_by_chunks() -> None:
+    from ckptkit.verify import _max_difference
+
+    a = torch.zeros(3, 5)
+    b = torch.zeros(3, 5, dtype=torch.bfloat16)
+    a[2, 4] = 0.75  # the last chunk of four elements
+    b[1, 0] = -0.5
+    assert _max_difference(a, b, chunk=4) == 0.75
+    a[0, 1] = float("nan")
+    assert _max_difference(a, b, chunk=4) == float("inf")
+    assert _max_difference(torch.zeros(0), torch.zeros(0)) == 0.0
