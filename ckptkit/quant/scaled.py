@@ -92,6 +92,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     import torch
 
     rows, cols = weight.shape[-2:]
+    if weight.numel() == 0:
+        return torch.empty(weight.shape, dtype=dtype)
     br, bc = min(block[0], rows), min(block[1], cols)
     sr, sc = math.ceil(rows / br), math.ceil(cols / bc)
     w = weight.reshape(-1, rows, cols)
@@ -149,6 +151,8 @@ def requantize(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     import torch
 
     rows, cols = values.shape[-2:]
+    if values.numel() == 0:
+        return torch.empty(values.shape, dtype=stored)
     br, bc = min(block[0], rows), min(block[1], cols)
     v = values.reshape(-1, rows, cols)
     s = scale.to(torch.float32).reshape(-1, math.ceil(rows / br), math.ceil(cols / bc))

@@ -57,6 +57,14 @@ def test_stacked_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(got[e].view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 3)])
+def test_empty_matrices(shape: tuple[int, ...]) -> None:
+    s = torch.ones(*shape[:-2], math.ceil(shape[-2] / 128), math.ceil(shape[-1] / 128))
+    w = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+    assert scaled.dequantize(w, s, (128, 128), torch.bfloat16).shape == shape
+    assert scaled.requantize(w.float(), s, (128, 128), torch.float8_e4m3fn).shape == shape
+
+
 def test_verify_max_difference_by_chunks() -> None:
     from ckptkit.verify import _max_difference
 
