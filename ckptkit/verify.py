@@ -312,8 +312,18 @@ def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torc
     back = _bitwise_equal(method.requantize(plain, scale), q)
     exact = _bitwise_equal(method.dequantize(q, scale, plain.dtype), plain)
     wide = method.dequantize(q, scale, torch.float32)
-    diff = float((wide.double() - plain.double()).abs().nan_to_num(nan=float("inf")).max()) if q.numel() else 0.0
-    return ("dequantized" if exact else "quantized") if back else "values", diff
+    return ("dequantized" if exact else "quantized") if back else "values", _max_difference(wide, plain)
+
+
+def _max_difference(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """The largest ``|a - b|`` in float64 (NaN: inf), a chunk of elements at a time (no
+    float64 copy of a whole tensor); 0 for empty tensors."""
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    worst = 0.0
+    for i in range(0, flat_a.numel(), chunk):
+        d = (flat_a[i : i + chunk].double() - flat_b[i : i + chunk].double()).abs().nan_to_num(nan=float("inf"))
+        worst = max(worst, float(d.max()))
+    return worst
 
 
 def compare(

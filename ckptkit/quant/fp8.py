@@ -10,11 +10,12 @@ block's float32 scale, one round-to-nearest-even cast to the output dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.quant import scaled
 from ckptkit.quant.method import QuantMethod, Stored, register_method
 
 if TYPE_CHECKING:
@@ -110,32 +111,13 @@ class BlockFP8(QuantMethod):
     def block_rows(self) -> int:
         return self.block[0]
 
-    def _blocks(self, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[int, slice, torch.Tensor]]:
-        """(matrix index, rows, the scales of those rows repeated along the columns) per block row."""
-        rows, cols = weight.shape[-2:]
-        s = scale.float().reshape(-1, *scale.shape[-2:])
-        br, bc = self.block
-        for e in range(s.shape[0]):
-            for i in range(s.shape[1]):
-                yield e, slice(i * br, min(rows, (i + 1) * br)), s[e, i].repeat_interleave(bc)[:cols]
-
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        import torch
-
-        w = weight.reshape(-1, *weight.shape[-2:])
-        out = torch.empty(w.shape, dtype=dtype)
-        for e, rows, s in self._blocks(weight, scale):
-            out[e, rows] = (w[e, rows].float() * s).to(dtype)
-        return out.reshape(weight.shape)
+        return scaled.dequantize(weight, scale, self.block, dtype)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         import torch
 
-        v = values.reshape(-1, *values.shape[-2:])
-        out = torch.empty(v.shape, dtype=torch.float8_e4m3fn)
-        for e, rows, s in self._blocks(values, scale):
-            out[e, rows] = (v[e, rows].float() / s).to(torch.float8_e4m3fn)
-        return out.reshape(values.shape)
+        return scaled.requantize(values, scale, self.block, torch.float8_e4m3fn)
 
     def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's and transformers' formula: ``scale_inv = amax / 448`` per block (1 for

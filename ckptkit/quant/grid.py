@@ -14,10 +14,10 @@ scale is exact in float32, so that one rounding gives the same bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
+from ckptkit.quant import scaled
 from ckptkit.quant.method import QuantMethod, Stored
 
 if TYPE_CHECKING:
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 E4M3 = "float8_e4m3fn"
 INT8 = "int8"
-CHUNK_ELEMENTS = 1 << 22  # rows dequantized at a time: about this many elements (16 MiB of float32 scales)
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -116,34 +115,13 @@ class GridScaled(QuantMethod):
         if bool((scale < 0).any()):
             raise CkptkitError(f"{name}: negative scales; not a {self.name} weight scale")
 
-    def _chunks(self, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
-        """(rows, their float32 scales expanded to the rows' shape), a few MiB at a time."""
-        rows, cols = weight.shape
-        br, bc = self._block(weight, scale)
-        s = scale.float().reshape(math.ceil(rows / br), math.ceil(cols / bc))
-        step = max(1, CHUNK_ELEMENTS // max(cols, 1) // br) * br
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            part = s[r0 // br : math.ceil(r1 / br)].repeat_interleave(br, 0)[: r1 - r0]
-            yield slice(r0, r1), part.repeat_interleave(bc, 1)[:, :cols]
-
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        import torch
-
-        out = torch.empty(weight.shape, dtype=dtype)
-        for rows, s in self._chunks(weight, scale):
-            out[rows] = (weight[rows].float() * s).to(dtype)
-        return out
+        return scaled.dequantize(weight, scale, self._block(weight, scale), dtype)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         import torch
 
-        stored = getattr(torch, self.stored)
-        out = torch.empty(values.shape, dtype=stored)
-        for rows, s in self._chunks(values, scale):
-            v = values[rows].float() / s
-            out[rows] = v.round().clamp(-128, 127).to(stored) if self.stored == INT8 else v.to(stored)
-        return out
+        return scaled.requantize(values, scale, self._block(values, scale), getattr(torch, self.stored))
 
     def block_rows(self) -> int:
         return 1  # overridden where a method's blocks are known to span rows

@@ -30,11 +30,13 @@ E8M0_NAN = 0xFF
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
     """float32 [..., 2n] of uint8 [..., n] e2m1 pairs: the even element in the low nibble
-    (bit 3 the sign), as OpenAI's and NVIDIA's releases pack them."""
+    (bit 3 the sign), as OpenAI's and NVIDIA's releases pack them (one lookup of each byte's pair)."""
+    import numpy as np
     import torch
 
-    lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
-    return torch.stack((lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]), dim=-1).flatten(-2)
+    signed = [*E2M1, *(-v for v in E2M1)]
+    pairs = np.array([[signed[b & 0x0F], signed[b >> 4]] for b in range(256)], dtype=np.float32)
+    return torch.from_numpy(np.take(pairs, packed.numpy(), axis=0)).flatten(-2)
 
 
 def e2m1_packed(scaled: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,7 @@ class MXFP4(QuantMethod):
         import torch
 
         factor = torch.exp2(scale.to(torch.float32) - 127).unsqueeze(-1)
-        out = (e2m1_values(weight) * factor).to(dtype)
+        out = e2m1_values(weight).mul_(factor).to(dtype)
         return out.reshape(*weight.shape[:-2], weight.shape[-2] * BLOCK)
 
     def dequantized_as(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:

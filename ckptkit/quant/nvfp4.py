@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.quant.grid import CHUNK_ELEMENTS, E4M3, SCALE_SUFFIX
+from ckptkit.quant.grid import E4M3, SCALE_SUFFIX
 from ckptkit.quant.method import Stored
 from ckptkit.quant.modelopt import ModelOptFP8, fields
 from ckptkit.quant.mxfp4 import e2m1_packed, e2m1_values
+from ckptkit.quant.scaled import CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +103,7 @@ class ModelOptNVFP4(ModelOptFP8):
         step = self._rows(rows, cols).step
         for r in self._rows(rows, cols):
             part = e2m1_values(weight[r : r + step]).reshape(-1, cols // BLOCK, BLOCK)
-            out[r : r + step] = (part * scale[r : r + step].unsqueeze(-1)).reshape(-1, cols).to(dtype)
+            out[r : r + step] = part.mul_(scale[r : r + step].unsqueeze(-1)).reshape(-1, cols).to(dtype)
         return out
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.quant.compressed import PACKED_DTYPE, CompressedTensors, Scheme
-from ckptkit.quant.grid import CHUNK_ELEMENTS, SCALE_SUFFIX
+from ckptkit.quant.grid import SCALE_SUFFIX
 from ckptkit.quant.method import Stored
+from ckptkit.quant.scaled import CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
     import torch

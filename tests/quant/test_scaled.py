@@ -1,0 +1,78 @@
+"""The table gather and the in-place block arithmetic give the reference recipe's bytes:
+float32 element x the block's float32 scale, one round-to-nearest-even cast, blocks cropped
+at the edges, across chunk boundaries (small chunks), for every byte code (NaN included)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ckptkit.quant import scaled
+
+CASES = [
+    (300, 520, (128, 128)),  # cropped blocks both ways: the table gather
+    (200, 40, (32, 40)),  # chunks of several block rows: the table gather
+    (9, 2050, (1, 2048)),  # per channel (cropped), chunks of two rows: the table gather
+    (130, 260, (1, 128)),  # small blocks: widened, multiplied in place
+    (77, 300, (1, 32)),
+    (700, 90, (700, 90)),  # one scale for the whole matrix, chunks inside its block row
+    (3, 2, (128, 128)),  # a matrix smaller than one block
+]
+
+
+def _expanded(s: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = shape
+    return s.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+@pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize(("rows", "cols", "block"), CASES)
+def test_reference_bytes(
+    monkeypatch: pytest.MonkeyPatch, stored: torch.dtype, rows: int, cols: int, block: tuple[int, int]
+) -> None:
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
+    g = torch.Generator().manual_seed(rows * cols)
+    w = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g).view(stored)
+    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    s = torch.rand(grid, generator=g) * 2.0 ** torch.randint(-20, 6, grid, generator=g)
+    s_full = _expanded(s, (rows, cols), block)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = (w.float() * s_full).to(dtype)
+        got = scaled.dequantize(w, s, block, dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+        q = want.float() / s_full
+        back = q.round().clamp(-128, 127).to(stored) if stored == torch.int8 else q.to(stored)
+        assert torch.equal(scaled.requantize(want, s, block, stored).view(torch.uint8), back.view(torch.uint8))
+
+
+def test_stacked_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
+    w = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(3, 3, 3)
+    got = scaled.dequantize(w, s, (128, 128), torch.bfloat16)
+    for e in range(3):
+        want = (w[e].float() * _expanded(s[e], (300, 260), (128, 128))).to(torch.bfloat16)
+        assert torch.equal(got[e].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 3)])
+def test_empty_matrices(shape: tuple[int, ...]) -> None:
+    s = torch.ones(*shape[:-2], math.ceil(shape[-2] / 128), math.ceil(shape[-1] / 128))
+    w = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+    assert scaled.dequantize(w, s, (128, 128), torch.bfloat16).shape == shape
+    assert scaled.requantize(w.float(), s, (128, 128), torch.float8_e4m3fn).shape == shape
+
+
+def test_verify_max_difference_by_chunks() -> None:
+    from ckptkit.verify import _max_difference
+
+    a = torch.zeros(3, 5)
+    b = torch.zeros(3, 5, dtype=torch.bfloat16)
+    a[2, 4] = 0.75  # the last chunk of four elements
+    b[1, 0] = -0.5
+    assert _max_difference(a, b, chunk=4) == 0.75
+    a[0, 1] = float("nan")
+    assert _max_difference(a, b, chunk=4) == float("inf")
+    assert _max_difference(torch.zeros(0), torch.zeros(0)) == 0.0
