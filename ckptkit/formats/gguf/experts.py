@@ -26,13 +26,15 @@ if TYPE_CHECKING:
     import torch
 
     from ckptkit.formats.base import OpenedCheckpoint
+    from ckptkit.io import Span
     from ckptkit.models import ModelConfig
     from ckptkit.models.gguf_spec import GGUFExperts, GGUFSpec
     from ckptkit.tensors.lazy import Lazy
 
 EXPERT = re.compile(r"layers\.(\d+|\{i\})\.mlp\.experts\.(\d+)\.(w[123])\.weight")
 PROJECTION = {"w1": "FFN_GATE_EXP", "w3": "FFN_UP_EXP", "w2": "FFN_DOWN_EXP"}  # gguf.MODEL_TENSOR names
-Merged = tuple[str, tuple[int, ...], Callable[[], "torch.Tensor"]]  # GGUF name, shape, make
+Maker = Callable[[], "torch.Tensor"]
+Merged = tuple[str, tuple[int, ...], Maker]  # GGUF name, shape, make
 
 
 # an expert of an MTP layer past num_hidden_layers (canonical ``mtp.{j}.`` + its HF name)
@@ -135,11 +137,50 @@ class ExpertMerger:
 
     def _merged(self, layer: int, w: str) -> Merged:
         lazies = [self.tensors[c] for c in self.experts[(layer, w)]]
-        return merged_name(layer, w), (self.n, *lazies[0].shape), lambda: stack(lazies)
+        return merged_name(layer, w), (self.n, *lazies[0].shape), stacked(lazies)
 
     def check_done(self) -> None:
         if self.pending:  # pragma: no cover - the layout names every expert of a layer
             raise CkptkitError(f"experts of layer(s) {sorted(self.pending)} are incomplete")
+
+
+class MergedMaker:
+    """Makes a merged [E, ...] tensor (``make()``) and says where its bytes lie in the source
+    files: ``source`` is the same tensor as [E * rows, ...] (the bytes in the same order),
+    whose spans (None where a part is not stored as it is) let the GGUF writer copy it a
+    chunk at a time, never the whole tensor in memory (as it writes a dense one)."""
+
+    def __init__(self, make: Maker, shape: tuple[int, ...], dtype: str, spans: Callable[[], list[Span] | None]) -> None:
+        from ckptkit.tensors.lazy import Lazy
+
+        self.make = make
+        flat = (shape[0] * shape[1], *shape[2:])
+        self.source = Lazy(flat, dtype, lambda: make().reshape(flat), spans=spans)
+
+    def __call__(self) -> torch.Tensor:
+        return self.make()
+
+
+def source_of(make: Maker) -> Lazy | None:
+    """Where the bytes of a merged expert tensor that ``make`` makes lie (None: made by torch)."""
+    return make.source if isinstance(make, MergedMaker) else None
+
+
+def stacked(lazies: list[Lazy]) -> MergedMaker:
+    """The maker of the experts' tensors ``lazies`` stacked as one [E, ...] tensor: their spans
+    end to end (where each has them, all of one dtype), else :func:`stack`."""
+
+    def spans() -> list[Span] | None:
+        if any(lazy.dtype != lazies[0].dtype for lazy in lazies):
+            return None
+        out: list[Span] = []
+        for lazy in lazies:
+            if (part := lazy.spans()) is None:
+                return None
+            out += part
+        return out
+
+    return MergedMaker(lambda: stack(lazies), (len(lazies), *lazies[0].shape), lazies[0].dtype, spans)
 
 
 def stack(lazies: list[Lazy]) -> torch.Tensor:

@@ -12,9 +12,14 @@ import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.formats.gguf.experts import MergedMaker
+from ckptkit.io import take_ranges
+from ckptkit.tensors.dtypes import ITEMSIZE
+
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.io import Span
     from ckptkit.tensors.lazy import Lazy
 
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
@@ -164,11 +169,11 @@ class Experts:
             e, rows, cols = lazy.shape
             half = rows // 2
             return [
-                (p + "gate_proj.weight", (e, half, cols), lambda: lazy.get()[:, :half].contiguous()),
-                (p + "up_proj.weight", (e, half, cols), lambda: lazy.get()[:, half:].contiguous()),
+                (p + "gate_proj.weight", (e, half, cols), _half(lazy, 0)),
+                (p + "up_proj.weight", (e, half, cols), _half(lazy, 1)),
             ]
         if expert is None:
-            return [(p + proj + ".weight", lazy.shape, lazy.get)]
+            return [(p + proj + ".weight", lazy.shape, MergedMaker(lazy.get, lazy.shape, lazy.dtype, lazy.spans))]
         held = self.held.setdefault(bid, {})
         held[f"{expert}.{proj}"] = lazy
         if len(held) < 3 * self.n:
@@ -181,6 +186,20 @@ class Experts:
 
 
 def _stacked(lazies: list[Lazy]) -> Callable[[], torch.Tensor]:
-    from ckptkit.formats.gguf.experts import stack
+    from ckptkit.formats.gguf.experts import stacked
 
-    return lambda: stack(lazies)
+    return stacked(lazies)
+
+
+def _half(lazy: Lazy, i: int) -> MergedMaker:
+    """Half ``i`` (0: gate, 1: up) of each expert's rows of a stacked [E, 2 * I, H] ``gate_up_proj``."""
+    e, rows, cols = lazy.shape
+    half = rows // 2
+    nbytes = half * cols * ITEMSIZE[lazy.dtype]
+
+    def spans() -> list[Span] | None:
+        whole = lazy.spans()
+        return None if whole is None else take_ranges(whole, [((2 * x + i) * nbytes, nbytes) for x in range(e)])
+
+    part = slice(i * half, (i + 1) * half)
+    return MergedMaker(lambda: lazy.get()[:, part].contiguous(), (e, half, cols), lazy.dtype, spans)

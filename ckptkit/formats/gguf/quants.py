@@ -52,9 +52,6 @@ def quantized_chunks(
     import numpy as np
     import torch
 
-    from ckptkit.formats.gguf.encoders import ENCODERS
-    from ckptkit.formats.gguf.weighted import WEIGHTED
-
     if t.dim() == 0:
         t = t.reshape(1)
     rows = t.reshape(-1, t.shape[-1])
@@ -73,16 +70,40 @@ def quantized_chunks(
             checked_cast(chunk, target, checked_as, "", allow_lossy=False)
         if chunk.dtype not in (torch.float16, torch.float32):
             chunk = chunk.to(torch.float32)
-        if weights is not None and (weighted := WEIGHTED.get(gguf.GGMLQuantizationType(qtype).name)) is not None:
+        if weights is not None and (weighted := _weighted(qtype)) is not None:
             per = rows.shape[0] // weights.shape[0]
             row_weights = weights[np.arange(start, start + len(chunk)) // per]
             yield encode_weighted(weighted, chunk.numpy().astype(np.float32), row_weights).tobytes()
         elif qtype == gguf.GGMLQuantizationType.Q8_0:
             yield quantize_q8_0(chunk.numpy().reshape(-1, 32)).tobytes()
-        elif gguf.GGMLQuantizationType(qtype).name in ENCODERS:
+        elif _encoder_of(qtype):
             yield encode_blocks(gguf.GGMLQuantizationType(qtype).name, chunk.numpy()).tobytes()
         else:
             yield gguf.quants.quantize(chunk.numpy(), qtype).tobytes()
+
+
+FLOATS = ("F32", "F16", "BF16")  # GGML types with no block encoder (what imports numba is not needed)
+
+
+def _weighted(qtype: Any) -> Any:
+    """The imatrix-weighted quantizer of ``qtype`` (None: none), imported only when asked."""
+    import gguf
+
+    from ckptkit.formats.gguf.weighted import WEIGHTED
+
+    return WEIGHTED.get(gguf.GGMLQuantizationType(qtype).name)
+
+
+def _encoder_of(qtype: Any) -> bool:
+    """Whether ``qtype`` has one of ckptkit's block encoders; a float type never imports them."""
+    import gguf
+
+    name = gguf.GGMLQuantizationType(qtype).name
+    if name in FLOATS:
+        return False
+    from ckptkit.formats.gguf.encoders import ENCODERS
+
+    return name in ENCODERS
 
 
 class _Workers:

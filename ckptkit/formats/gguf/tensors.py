@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf import hybrid, mxfp4, nvfp4
-from ckptkit.formats.gguf.experts import ExpertMerger, llama_cpp_view, refuse_dense_layers, stacked_experts
+from ckptkit.formats.gguf.experts import (
+    ExpertMerger,
+    llama_cpp_view,
+    refuse_dense_layers,
+    source_of,
+    stacked_experts,
+)
 from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, quantize_type, requantized
@@ -282,7 +288,7 @@ def model_tensors(
             out.append(GGUFTensor(out_name, lazy.shape, kind, _maker(lazy, None, False), lazy))
             continue
         if spec.linear_attention and (merged := hybrid_experts.take(hf_name, targets[source_name])) is not None:
-            out += [GGUFTensor(n, shape, qtype(n, shape, ftype), make) for n, shape, make in _named(tmap, merged)]
+            out += [_merged(n, shape, make, ftype) for n, shape, make in _named(tmap, merged)]
             continue
         if spec.linear_attention:
             out += _linear_attention(tmap, hf_name, targets[source_name], hparams, spec, ftype)
@@ -291,7 +297,7 @@ def model_tensors(
             out += _kv_b_split(tmap, hf_name, targets[hf_name], hparams, ftype)
             continue
         if merger is not None and (merged := merger.take(hf_name)) is not None:
-            out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in merged]
+            out += [_merged(name, shape, make, ftype) for name, shape, make in merged]
             continue
         if split := stacked_experts(spec, hf_name, targets[hf_name], tmap):
             out += [GGUFTensor(name, shape, qtype(name, shape, ftype), make) for name, shape, make in split]
@@ -312,6 +318,11 @@ def model_tensors(
     if merger is not None:
         merger.check_done()
     return out, _with_kept(ckpt, ftype)
+
+
+def _merged(name: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor], ftype: Any) -> GGUFTensor:
+    """A merged expert tensor, copied a chunk at a time from its source's bytes where they lie there."""
+    return GGUFTensor(name, shape, qtype(name, shape, ftype), make, source_of(make))
 
 
 def _qk_heads(spec: GGUFSpec, hf_name: str, n_head: int, n_kv: int) -> int | None:
