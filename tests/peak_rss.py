@@ -1,5 +1,5 @@
 """How far a conversion raises the peak resident memory of a fresh process (run as a script:
-``peak_rss.py SRC DST TO WARM WARM_DST``, prints the growth in bytes), so that what earlier
+``peak_rss.py SRC DST TO WARM WARM_DST [DTYPE]``, prints the growth in bytes), so that what earlier
 tests left in a test worker's heap cannot count (tests/quant/test_streaming.py)."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def peak_growth(run: object) -> int:
     return _status("VmHWM") - before
 
 
-def main(src: str, dst: str, to: str, warm: str, warm_dst: str) -> None:
+def main(src: str, dst: str, to: str, warm: str, warm_dst: str, dtype: str = "bfloat16") -> None:
     from ckptkit.convert import ConvertOptions, convert
 
-    opts = ConvertOptions(to, dtype="bfloat16", gguf_pre="llama-bpe" if to == "gguf" else None)
+    opts = ConvertOptions(to, dtype=dtype, gguf_pre="llama-bpe" if to == "gguf" else None)
     convert(Path(warm), Path(warm_dst), opts)  # the same code on a tiny source: imports, pools, caches
     print(peak_growth(lambda: convert(Path(src), Path(dst), opts)))
 
