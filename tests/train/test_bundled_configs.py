@@ -28,6 +28,8 @@ NEW = {  # config -> recipe
     "mixtral_8x7B_lora_distributed": "lora_finetune_distributed",
     "gemma2_9B_lora": "lora_finetune",
     "olmo2_7B_full": "full_finetune",
+    "moonlight_16B_A3B_lora_distributed": "lora_finetune_distributed",
+    "glm4_5_air_lora_distributed": "lora_finetune_distributed",
 }
 ON_THE_FIXTURE = [  # what a CPU test must change: device, dtype, paths, sizes
     "device=cpu",

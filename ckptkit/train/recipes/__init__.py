@@ -43,6 +43,8 @@ RECIPES: dict[str, list[str]] = {
         "llama2_7B_lora_distributed",
         "llama3_1_8B_lora_distributed",
         "mixtral_8x7B_lora_distributed",
+        "moonlight_16B_A3B_lora_distributed",
+        "glm4_5_air_lora_distributed",
     ],
 }
 
