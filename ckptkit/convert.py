@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -131,6 +132,10 @@ def _write_tensors(
                 for write, nbytes in chunks:
                     copies.submit(functools.partial(_computed, write), nbytes)
                 continue
+            if lazy.pieces is not None and len(files) == 1 and (ranks == 1 or dim is None):  # a piece at a time
+                submit = functools.partial(_submit_computed, copies)
+                writers[files[0].name].write_pieces(key, lazy.pieces(), submit)
+                continue
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
                 raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
@@ -149,6 +154,10 @@ def _write_tensors(
 def _computed(write: Job) -> str:
     write()
     return COMPUTED
+
+
+def _submit_computed(copies: Overlap, write: Job, nbytes: int) -> Future[str]:
+    return copies.submit(functools.partial(_computed, write), nbytes)
 
 
 @contextmanager

@@ -157,7 +157,8 @@ def native_targets(tensors: dict[str, Lazy], layout: Layout, cfg: ModelConfig, w
         getter, spans = _inverse_getter(rule, parts, cfg), _inverse_spans(rule, parts, cfg)
         same = rule.kind.is_identity() and not rule.kind.duplicate
         rows = parts[0].rows if same else None  # the same tensor: its rows lie where the canonical one's do
-        out[rule.native] = Lazy(shape, parts[0].dtype, getter, spans=spans, rows=rows)
+        pieces = parts[0].pieces if same else None  # and its bytes are the same pieces
+        out[rule.native] = Lazy(shape, parts[0].dtype, getter, spans=spans, rows=rows, pieces=pieces)
     return out
 
 

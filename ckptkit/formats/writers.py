@@ -4,15 +4,19 @@ drives, and the base class the built-in writers share.
 Every output file (a safetensors file, a torch pickle, a DCP rank file, a GGUF) is laid out
 when its writer is made, so each tensor has a fixed place and can be written in any order,
 from any thread, by whichever way its bytes travel: a tensor in memory (``write``), bytes in
-memory (``write_bytes``), byte ranges of the source files (``write_spans``), or chunks the
-writer makes itself (``chunks``: GGUF's conversions, a chunk of rows at a time).
+memory (``write_bytes``), byte ranges of the source files (``write_spans``), a tensor made
+a piece at a time (``write_pieces``: a dequantized weight), or chunks the writer makes
+itself (``chunks``: GGUF's conversions, a chunk of rows at a time).
 """
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ckptkit.io import AUTO, OutputFile, Span, crc32, total_bytes
 from ckptkit.tensors.dtypes import tensor_bytes
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from ckptkit.tensors.lazy import Lazy
 
 Job = Callable[[], object]  # one chunk's write, run on a worker thread
+Submit = Callable[[Job, int], "Future[Any]"]  # runs a job of so many bytes on a worker thread
 
 
 class TensorWriter(Protocol):
@@ -41,6 +46,12 @@ class TensorWriter(Protocol):
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         """Copy tensor ``name``'s bytes file to file from ``spans`` (concatenated); returns
         the copy method used. Thread-safe for distinct names."""
+        ...
+
+    def write_pieces(self, name: str, pieces: Iterator[torch.Tensor], submit: Submit) -> None:
+        """Write tensor ``name`` from ``pieces`` (its bytes in order, each valid until the one
+        after the next is made: :attr:`Lazy.pieces <ckptkit.tensors.lazy.Lazy>`), each piece's
+        write given to ``submit`` (run on a worker) while the next is made."""
         ...
 
     def chunks(self, name: str, lazy: Lazy) -> Iterator[tuple[Job, int]] | None:
@@ -93,6 +104,27 @@ class FileWriter:
             raise ValueError(f"{name}: {memoryview(data).nbytes} bytes for a {nbytes}-byte {self.unit}")
         self._out.write(data, offset)
         self._done(name, crc32(data) if self.want_crc else None)
+
+    def write_pieces(self, name: str, pieces: Iterator[torch.Tensor], submit: Submit) -> None:
+        offset, nbytes = self._place(name)
+        at, crc = 0, 0
+        pending: deque[Future[Any]] = deque()
+        for piece in pieces:
+            data = tensor_bytes(piece)
+            size = memoryview(data).nbytes
+            if at + size > nbytes:
+                raise ValueError(f"{name}: more than the {nbytes} bytes of the {self.unit}")
+            if self.want_crc:
+                crc = crc32(data, crc)
+            pending.append(submit(functools.partial(self._out.write, data, offset + at), size))
+            at += size
+            if len(pending) == 2:  # the piece before this one is written: its buffer is free
+                pending.popleft().result()
+        for future in pending:
+            future.result()
+        if at != nbytes:
+            raise ValueError(f"{name}: {at} bytes for a {nbytes}-byte {self.unit}")
+        self._done(name, crc if self.want_crc else None)
 
     def write_spans(self, name: str, spans: list[Span], method: str = AUTO) -> str:
         offset, nbytes = self._place(name)

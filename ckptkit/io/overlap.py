@@ -34,11 +34,13 @@ class Overlap:
         self._on_done = on_done
         self.bytes_by_label: Counter[str] = Counter()
 
-    def submit(self, job: Callable[[], str], nbytes: int) -> None:
+    def submit(self, job: Callable[[], str], nbytes: int) -> Future[str]:
         """Queue ``job``; when ``depth`` are pending, first waits until one of them is done."""
         while len(self._pending) >= self._depth:
             self._collect()
-        self._pending[self._pool.submit(job)] = nbytes
+        future = self._pool.submit(job)
+        self._pending[future] = nbytes
+        return future
 
     def finish(self) -> None:
         """Wait for every queued job; re-raises the first failure."""

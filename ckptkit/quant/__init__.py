@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -260,8 +260,11 @@ def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> di
         def get(w: Lazy = w, name: str = name) -> torch.Tensor:
             return quant.method.loaded(w.get(), quant.scale(name), to_torch(dtype))
 
+        def pieces(w: Lazy = w, name: str = name) -> Iterator[torch.Tensor]:
+            return quant.method.loaded_pieces(w.get(), quant.scale(name), to_torch(dtype))
+
         new, shape = quant.method.dequantized_as(name, w.shape)
-        out[new] = Lazy(shape, dtype, get, w.file)
+        out[new] = Lazy(shape, dtype, get, w.file, pieces=pieces)
     return out
 
 

@@ -10,7 +10,7 @@ block's float32 scale, one round-to-nearest-even cast to the output dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +113,9 @@ class BlockFP8(QuantMethod):
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self.block, dtype)
+
+    def loaded_pieces(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        return scaled.dequantized_pieces(weight, scale, self.block, dtype)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         import torch

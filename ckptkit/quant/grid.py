@@ -14,6 +14,7 @@ scale is exact in float32, so that one rounding gives the same bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
@@ -117,6 +118,11 @@ class GridScaled(QuantMethod):
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self._block(weight, scale), dtype)
+
+    def loaded_pieces(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        if type(self).dequantize is not GridScaled.dequantize or type(self).loaded is not QuantMethod.loaded:
+            return super().loaded_pieces(weight, scale, dtype)  # a subclass's own arithmetic or layout
+        return scaled.dequantized_pieces(weight, scale, self._block(weight, scale), dtype)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         import torch

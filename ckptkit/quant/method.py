@@ -8,7 +8,7 @@ A method is one module (``fp8.py``; compressed-tensors, MXFP4, NVFP4 and Mistral
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ckptkit.errors import CkptkitError
@@ -129,6 +129,11 @@ class QuantMethod:
     def loaded(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight as the model holds it (:meth:`dequantize`'s by default)."""
         return self.dequantize(weight, scale, dtype)
+
+    def loaded_pieces(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """:meth:`loaded`'s result flat, in order, a piece at a time, each valid until the one
+        after the next is asked for (written while the next is made); by default one piece."""
+        yield self.loaded(weight, scale, dtype).reshape(-1)
 
     def unloaded(self, values: torch.Tensor) -> torch.Tensor:
         """:meth:`loaded`'s layout back to :meth:`dequantize`'s (the same by default)."""

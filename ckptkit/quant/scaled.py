@@ -5,10 +5,11 @@ overhang the matrix cropped (block FP8, compressed-tensors, modelopt FP8, Mistra
 Dequantizing is the reference recipe: the element widened to float32, times the block's
 float32 scale (one rounding), one round-to-nearest-even cast to the output dtype. A stored
 byte has 256 values, so where a block holds more elements than that, each block's 256 possible
-results are computed by that recipe into a table and the matrix is one gather from the tables
-(the same bytes, a pass over the output instead of three); smaller blocks are widened by a
-lookup and multiplied in place by the scales broadcast over their blocks. The work goes a few
-MiB of rows at a time, the chunks on torch's threads (numpy's gathers release the GIL).
+results are computed by that recipe (torch's multiply and cast) into a table and the matrix is
+one compiled gather from the tables (:mod:`ckptkit.quant.kernels`: a read of each code and a
+write of each element); smaller blocks are widened and multiplied by their scale in one
+compiled pass, then cast by torch. The work goes a few MiB of rows at a time, the chunks on
+torch's threads (the compiled loops release the GIL).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 CHUNK_ELEMENTS = 1 << 20  # elements a chunk of rows holds, about (4 MiB of float32)
 TABLE_MIN_BLOCK = 1024  # elements a block needs for a table of its 256 results to pay
 CODES = 256
+PIECE_ELEMENTS = 4 * CHUNK_ELEMENTS  # elements of a piece :func:`dequantized_pieces` yields, about
 
 
 def _row_chunks(rows: int, cols: int, br: int) -> Iterator[tuple[int, int]]:
@@ -91,58 +93,80 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     ceil(rows / br), ceil(cols / bc)] of its ``block``, in ``dtype`` (the reference recipe)."""
     import torch
 
-    rows, cols = weight.shape[-2:]
-    if weight.numel() == 0:
-        return torch.empty(weight.shape, dtype=dtype)
-    br, bc = min(block[0], rows), min(block[1], cols)
-    sr, sc = math.ceil(rows / br), math.ceil(cols / bc)
-    w = weight.reshape(-1, rows, cols)
-    s = scale.to(torch.float32).reshape(-1, sr, sc)
-    out = torch.empty(w.shape, dtype=dtype)
-    lut = widened(weight.dtype)
-    codes, into = _bits(w), _bits(out)
-    parts = [(e, r0, r1) for e in range(w.shape[0]) for r0, r1 in _row_chunks(rows, cols, br)]
-    if br * bc >= TABLE_MIN_BLOCK:
-        tables = _bits((lut * s.unsqueeze(-1)).to(dtype)).reshape(s.shape[0], -1)  # [E, sr * sc * 256]
-        col_at = _col_offsets(cols, bc)
-        _each([partial(_gather, codes[e, r0:r1], tables[e], col_at, br, sc, r0, into[e, r0:r1]) for e, r0, r1 in parts])
-    else:
-        wide = lut.numpy()
-        _each([partial(_widen_scale, codes[e, r0:r1], wide, s[e], (br, bc), r0, out[e, r0:r1]) for e, r0, r1 in parts])
-    return out.reshape(weight.shape)
+    out = torch.empty(weight.shape, dtype=dtype)
+    if weight.numel():
+        fill, parts = _prepared(weight, scale, block, dtype)
+        rows, cols = weight.shape[-2:]
+        flat = out.view(-1, rows, cols)
+        _each([partial(fill, e, r0, r1, flat[e, r0:r1]) for e, r0, r1 in parts])
+    return out
 
 
-def _col_offsets(cols: int, bc: int) -> np.ndarray:
-    import numpy as np
-
-    return (np.arange(cols, dtype=np.int32) // bc) * np.int32(CODES)
-
-
-def _gather(
-    codes: np.ndarray, tables: np.ndarray, col_at: np.ndarray, br: int, sc: int, r0: int, into: np.ndarray
-) -> None:
-    """``into`` = each code's entry in its block's table (rows ``r0``.. of the matrix)."""
-    import numpy as np
-
-    r1 = r0 + codes.shape[0]
-    first = r0 // br
-    table = tables[first * sc * CODES : math.ceil(r1 / br) * sc * CODES]
-    index = np.add(codes, col_at, dtype=np.int32)
-    if (r1 - 1) // br > first:  # the chunk spans block rows
-        index += ((np.arange(r0, r1, dtype=np.int32) // br - first) * np.int32(sc * CODES))[:, None]
-    np.take(table, index, out=into, mode="clip")  # every index is in range: clip checks nothing
-
-
-def _widen_scale(
-    codes: np.ndarray, lut: np.ndarray, s: torch.Tensor, block: tuple[int, int], r0: int, out: torch.Tensor
-) -> None:
-    import numpy as np
+def dequantized_pieces(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
+    """:func:`dequantize`'s result flat, in order, :data:`PIECE_ELEMENTS` or so at a time,
+    made in two buffers in turn: a piece is valid until the one after the next is asked for
+    (so that one is written while the next is made, and the whole result is never held)."""
     import torch
 
-    wide = torch.from_numpy(np.take(lut, codes))
-    r1 = r0 + codes.shape[0]
-    _blockwise(wide, s[r0 // block[0] : math.ceil(r1 / block[0])], (min(block[0], r1 - r0), block[1]), "mul_")
-    out.copy_(wide)
+    if not weight.numel():
+        return
+    fill, parts = _prepared(weight, scale, block, dtype)
+    cols = weight.shape[-1]
+    pieces: list[list[tuple[int, int, int]]] = [[]]
+    for part in parts:
+        if sum(r1 - r0 for _, r0, r1 in pieces[-1]) * cols >= PIECE_ELEMENTS:
+            pieces.append([])
+        pieces[-1].append(part)
+    size = max(sum(r1 - r0 for _, r0, r1 in piece) for piece in pieces) * cols
+    buffers = [torch.empty(size, dtype=dtype) for _ in range(min(2, len(pieces)))]
+    for n, piece in enumerate(pieces):
+        buf, at = buffers[n % 2], 0
+        jobs: list[Callable[[], None]] = []
+        for e, r0, r1 in piece:
+            jobs.append(partial(fill, e, r0, r1, buf[at : at + (r1 - r0) * cols].view(r1 - r0, cols)))
+            at += (r1 - r0) * cols
+        _each(jobs)
+        yield buf[:at]
+
+
+Fill = Callable[[int, int, int, "torch.Tensor"], None]
+
+
+def _prepared(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> tuple[Fill, list[tuple[int, int, int]]]:
+    """(``fill(e, r0, r1, into)``: rows ``r0:r1`` of matrix ``e`` of ``weight``
+    dequantized into ``into``, the (e, r0, r1) chunks that make the whole)."""
+    import torch
+
+    from ckptkit.quant import kernels
+
+    rows, cols = weight.shape[-2:]
+    br, bc = min(block[0], rows), min(block[1], cols)
+    sr, sc = math.ceil(rows / br), math.ceil(cols / bc)
+    codes = _bits(weight.reshape(-1, rows, cols))
+    s = scale.to(torch.float32).reshape(-1, sr, sc)
+    lut = widened(weight.dtype)
+    parts = [(e, r0, r1) for e in range(codes.shape[0]) for r0, r1 in _row_chunks(rows, cols, br)]
+    if br * bc >= TABLE_MIN_BLOCK:  # each block's 256 results cast by torch, then one gather
+        tables = _bits((lut * s.unsqueeze(-1)).to(dtype)).reshape(s.shape[0], sr * sc, CODES)
+
+        def gather(e: int, r0: int, r1: int, into: torch.Tensor) -> None:
+            kernels.gather(codes[e, r0:r1], tables[e], br, bc, r0, _bits(into))
+
+        return gather, parts
+    wide, scales = lut.numpy(), s.numpy()
+
+    def widen_scale(e: int, r0: int, r1: int, into: torch.Tensor) -> None:
+        """Each code widened times its block's scale in float32, then torch's one cast."""
+        product = into if into.dtype == torch.float32 else torch.empty(into.shape, dtype=torch.float32)
+        kernels.widen_scale(codes[e, r0:r1], wide, scales[e], br, bc, r0, product.numpy())
+        if product is not into:
+            into.copy_(product)
+
+    return widen_scale, parts
 
 
 def requantize(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], stored: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,9 @@ class Lazy:
     composed before any span is made, not one span per row; None when its bytes do not
     lie in the source as stored (as ``spans()`` would say). Unset: ask ``spans()``.
     ``raw``, where set, returns those bytes from memory without torch (generated or
-    recorded tensors).
+    recorded tensors). ``pieces``, where set, returns ``get()``'s result flat, in order, a
+    piece at a time, each valid until the one after the next is asked for (a dequantized
+    weight: written while the next piece is made, never held whole).
     """
 
     shape: tuple[int, ...]
@@ -43,6 +45,7 @@ class Lazy:
     spans: Callable[[], list[Span] | None] = no_spans
     raw: Callable[[], bytes] | None = None
     rows: Callable[[Rows], list[Span] | None] | None = None
+    pieces: Callable[[], Iterator[torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.inspection import inspect_path
+from ckptkit.quant import scaled
 from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES
@@ -55,10 +56,17 @@ def test_inspect_shows_method_blocks_and_dtypes() -> None:
     assert q["quantized_tensors"] == 14  # 7 linear weights in each of 2 layers
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dequantized_equals_transformers_loader(dtype: str, tmp_path: Path) -> None:
-    convert(QWEN3, tmp_path / "out", ConvertOptions("hf", dtype=dtype))
-    ours = tensors(tmp_path / "out")
+@pytest.mark.parametrize(("to", "dtype"), [("hf", "bfloat16"), ("hf", "float32"), ("hf-bin", "bfloat16")])
+def test_dequantized_equals_transformers_loader(
+    to: str, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each weight made and written in pieces of a few rows (hf-bin: its zip CRCs over them)."""
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 512)
+    convert(QWEN3, tmp_path / "out", ConvertOptions(to, dtype=dtype))
+    if to == "hf-bin":  # read back by ckptkit, which checks each record's CRC-32
+        convert(tmp_path / "out", tmp_path / "st", ConvertOptions("hf"))
+    ours = tensors(tmp_path / ("st" if to == "hf-bin" else "out"))
     ref = transformers_dequantized(QWEN3, getattr(torch, dtype))
     assert set(ours) == set(ref)  # the scales are gone, every weight is there
     for name, t in ref.items():

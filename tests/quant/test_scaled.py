@@ -47,6 +47,44 @@ def test_reference_bytes(
         assert torch.equal(scaled.requantize(want, s, block, stored).view(torch.uint8), back.view(torch.uint8))
 
 
+SPECIAL = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0e38, 1.0e-45, 2.0**-133, 1.0, 0.1]
+
+
+@pytest.mark.parametrize("block", [(2, 512), (1, 32)])  # the table gather; widened and multiplied
+@pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.int8])
+def test_every_code_times_special_scales(block: tuple[int, int], stored: torch.dtype) -> None:
+    """Every byte code (e4m3's NaN codes included) in each block of scales that are NaN,
+    infinite, zero, huge (products overflow), subnormal: torch's own multiply and cast
+    (NaN's bits as torch's cast gives them on this machine)."""
+    rows = 2 * len(SPECIAL)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(rows, 2)  # [rows, 512]: each row every code twice
+    w = codes.view(stored)
+    grid = torch.arange(rows // block[0])[:, None] + torch.arange(512 // block[1])
+    s = torch.tensor(SPECIAL)[grid % len(SPECIAL)]  # each code in a block of each scale
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = (w.float() * _expanded(s, (rows, 512), block)).to(dtype)
+        got = scaled.dequantize(w, s, block, dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 32)])
+def test_pieces_are_the_result_in_order(monkeypatch: pytest.MonkeyPatch, block: tuple[int, int]) -> None:
+    """Pieces of a few chunks each, over matrices of a stack, in two buffers used in turn:
+    each piece, copied before the one after the next is made, is the result's next run."""
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 3 * 4096)
+    w = torch.randint(0, 256, (2, 300, 260), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(2, math.ceil(300 / block[0]), math.ceil(260 / block[1]))
+    pieces = scaled.dequantized_pieces(w, s, block, torch.bfloat16)
+    got = [next(pieces).clone()]
+    for piece in pieces:
+        got.append(piece.clone())
+    assert len(got) > 4
+    want = scaled.dequantize(w, s, block, torch.bfloat16).view(-1)
+    assert torch.equal(torch.cat(got).view(torch.int16), want.view(torch.int16))
+    assert list(scaled.dequantized_pieces(w[:, :0], s, block, torch.bfloat16)) == []
+
+
 def test_stacked_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
     w = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8).view(torch.float8_e4m3fn)

@@ -1,5 +1,5 @@
-"""What the compiled (numba) search loops share: the ``njit`` options and ggml's
-``nearest_int`` of one float32.
+"""What the compiled (numba) search loops share: the ``njit`` options
+(:mod:`ckptkit.tensors.compiled`) and ggml's ``nearest_int`` of one float32.
 
 numba compiles a loop as ggml's scalar C runs it: float32 values stay float32 (operands are
 cast with ``np.float32``: an int or a Python float would widen to float64), and without
@@ -20,12 +20,13 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from ckptkit.tensors.compiled import kernel
+
+__all__ = ["LANES", "MAGIC", "kernel", "level", "nearest_int"]
+
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it leaves the rounded integer in the mantissa
 
 LANES = 256  # blocks searched side by side: their independent sums fill the vector registers
-
-kernel = numba.njit(nogil=True, cache=True, error_model="numpy")
-"""The decorator of every compiled loop."""
 
 
 def _bits_of(typingctx: Any, v: Any) -> Any:
