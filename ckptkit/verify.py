@@ -53,6 +53,7 @@ class Difference:
     name_b: str = ""  # in B
     rounded_to: str = ""  # kind "rounded": the dtype the other tensor equals once rounded to
     ggml_type: str = ""  # kind "ggml": the GGML type the GGUF side holds the weight in
+    lost: tuple[int, int] | None = None  # kind "codes": (stored bytes not given back, stored bytes)
 
     def label(self) -> str:
         a, b = self.name_a or self.name, self.name_b or self.name
@@ -70,6 +71,13 @@ class Difference:
             return (
                 f"{where}: {self.dtype_a} vs {self.dtype_b}, quantized with the scales it holds "
                 f"(max abs diff {self.max_abs_diff:.6g})"
+            )
+        if self.kind == "codes":
+            assert self.lost is not None
+            return (
+                f"{where}: {self.dtype_a} vs {self.dtype_b}, dequantized exactly, but {self.lost[0]} of "
+                f"{self.lost[1]} stored bytes do not come back re-quantized with its scales (codes that "
+                "dequantize to the same value, as every code under a block scale of 0 does)"
             )
         if self.kind == "ggml":
             return (
@@ -168,9 +176,12 @@ class Report:
             return f"{head}: {self.identical} of {n} tensors bitwise equal, {', '.join(cast_parts)}{hint}"
         parts = [f"{self.identical} of {n} tensors bitwise equal"]
         exact = sum(d.kind == "dequantized" for d in self.differences)
-        differ = len(self.differences) - same - rounded - exact
+        codes = sum(d.kind == "codes" for d in self.differences)
+        differ = len(self.differences) - same - rounded - exact - codes
         if differ:
             parts.append(f"{differ} differ in value or shape")
+        if codes:
+            parts.append(f"{codes} dequantized exactly from codes that do not all come back")
         if exact:
             parts.append(f"{exact} dequantized exactly")
         parts += cast_parts
@@ -212,6 +223,7 @@ class Report:
                     "dtype_a": d.dtype_a,
                     "dtype_b": d.dtype_b,
                     "max_abs_diff": d.max_abs_diff,
+                    **({"stored_bytes_not_back": d.lost[0]} if d.lost is not None else {}),
                 }
                 for d in self.differences
             ],
@@ -302,17 +314,27 @@ def _quantized_side(
     return side if side.quant.method.dequantized_as(name, tuple(q.shape))[1] == tuple(plain.shape) else None
 
 
-def _quantization_kind(side: Checkpoint, name: str, q: torch.Tensor, plain: torch.Tensor) -> tuple[str, float]:
-    """(kind, max abs difference of ``plain`` and ``q`` dequantized in float32): ``dequantized``
-    when ``plain`` is the reference dequantization of ``q`` and re-quantizing it with
-    ``side``'s scale gives back every byte of ``q``; ``quantized`` when only the latter holds."""
+def _quantization_kind(
+    side: Checkpoint, name: str, q: torch.Tensor, plain: torch.Tensor
+) -> tuple[str, float, tuple[int, int] | None]:
+    """(kind, max abs difference of ``plain`` and ``q`` dequantized in float32, for ``codes``
+    the stored bytes not given back and all of them): ``dequantized`` when ``plain`` is the
+    reference dequantization of ``q`` and re-quantizing it with ``side``'s scale gives back
+    every byte of ``q``; ``quantized`` when only the latter holds; ``codes`` when only the former."""
     assert side.quant is not None
     method, scale = side.quant.method, side.quant.scale(name)
     plain = method.unloaded(plain)
-    back = _bitwise_equal(method.requantize(plain, scale), q)
+    again = method.requantize(plain, scale)
+    back = _bitwise_equal(again, q)
     exact = _bitwise_equal(method.dequantize(q, scale, plain.dtype), plain)
     wide = method.dequantize(q, scale, torch.float32)
-    return ("dequantized" if exact else "quantized") if back else "values", _max_difference(wide, plain)
+    diff = _max_difference(wide, plain)
+    if back:
+        return ("dequantized" if exact else "quantized"), diff, None
+    if exact and again.shape == q.shape and again.dtype == q.dtype:
+        stored, bytes_back = q.reshape(-1).view(torch.uint8), again.reshape(-1).view(torch.uint8)
+        return "codes", diff, (int((stored != bytes_back).sum()), stored.numel())
+    return "values", diff, None
 
 
 def _max_difference(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 20) -> float:
@@ -357,10 +379,10 @@ def compare(
             if _bitwise_equal(ta, tb):
                 report.identical += 1
             else:
-                diff, kind, rounded_to, held = None, "shape", "", None
+                diff, kind, rounded_to, held, lost = None, "shape", "", None, None
                 if side is not None:
                     q, plain = (ta, tb) if side is a else (tb, ta)
-                    kind, diff = _quantization_kind(side, renamed.get(name, name), q, plain)
+                    kind, diff, lost = _quantization_kind(side, renamed.get(name, name), q, plain)
                 elif ta.shape == tb.shape:
                     diff = (
                         float((ta.double() - tb.double()).abs().nan_to_num(nan=float("inf")).max())
@@ -383,6 +405,7 @@ def compare(
                         names_b.get(name, name),
                         rounded_to,
                         (held or "") if kind == "ggml" else "",
+                        lost,
                     )
                 )
             del ta, tb

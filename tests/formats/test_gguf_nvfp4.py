@@ -1,10 +1,11 @@
 """modelopt NVFP4 sources to GGUF as llama.cpp's converter writes them: the weights kept in
 GGML's NVFP4 type (repacked by its ``_nvfp4_pack``, Q/K rows permuted), each followed by its
 ``weight_scale_2`` (``.scale``) and ``input_scale`` (``.input_scale``), F32 [1]; every outtype
-byte for byte its ``convert_hf_to_gguf.py`` output. Read back to HF at bf16 by default: the
-weights are the source's dequantization, bit for bit (``verify``: DEQUANTIZED).
+byte for byte its ``convert_hf_to_gguf.py`` output; a MoE's experts merged per layer and
+projection with per-expert scale vectors. Read back to HF at bf16 by default: the weights are
+the source's dequantization, bit for bit (``verify``: DEQUANTIZED).
 
-Fixture: ``fixtures/modelopt/nvfp4`` (``fixtures/make_nvfp4_fixtures.py``)."""
+Fixtures: ``fixtures/modelopt/nvfp4`` and ``nvfp4-moe`` (``fixtures/make_nvfp4_fixtures.py``)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ckptkit.verify import verify_paths
 from conftest import FIXTURES
 
 NV = FIXTURES / "modelopt" / "nvfp4"
+MOE = FIXTURES / "modelopt" / "nvfp4-moe"
 PRE = "llama-bpe"  # the fixture's tiny byte-level BPE tokenizer, named to both converters
 HEADS = {"q_proj": 4, "k_proj": 2}  # the rows llama.cpp permutes, over these heads
 
@@ -37,6 +39,13 @@ HEADS = {"q_proj": 4, "k_proj": 2}  # the rows llama.cpp permutes, over these he
 def ours(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nv") / "bf16.gguf"
     convert(NV, out, ConvertOptions("gguf", dtype="bfloat16", gguf_pre=PRE))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("nv") / "moe.gguf"
+    convert(MOE, out, ConvertOptions("gguf", dtype="bfloat16", gguf_pre=PRE))
     return out
 
 
@@ -99,35 +108,56 @@ def test_blocks_decode_to_the_gguf_packages_values() -> None:
     assert bool((got[differ] == 0).all() and got[differ].signbit().all())
 
 
-def test_read_back_is_the_sources_dequantization(ours: Path, tmp_path: Path) -> None:
-    """bf16 by default, bit for bit modelopt's dequantization of the source (12/12 weights,
-    signed zeros included); float32: the gguf package's values times ``.scale`` in float32,
-    which differs from modelopt's own float32 order on 3620 of 49152 values."""
+def test_experts_are_merged_as_llama_cpp_merges_them(ours_moe: Path, llama_cpp: Path) -> None:
+    """Each layer's experts of a projection: one NVFP4 tensor [E, rows, cols], llama.cpp's
+    ``_nvfp4_pack`` of each expert stacked in expert order, written once its last expert is
+    read (down, gate, up: the names' sorted order), followed by the experts' ``weight_scale_2``
+    and ``input_scale`` as F32 [E]; the attention weights as for a dense model."""
     import gguf
 
-    convert(ours, tmp_path / "hf", ConvertOptions("hf"))
-    assert verify_paths(NV, tmp_path / "hf").verdict().startswith("DEQUANTIZED: 9 of 21 tensors bitwise equal")
-    stored, back = load_file(NV / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
-    convert(ours, tmp_path / "f32", ConvertOptions("hf", dtype="float32"))
+    pack = llama_cpp_pack(llama_cpp)
+    stored = load_file(MOE / "model.safetensors")
+    reader = gguf.GGUFReader(ours_moe)
+    tensors = {t.name: t for t in reader.tensors}
+    merged = [f"blk.0.ffn_{p}_exps.{s}" for p in ("down", "gate", "up") for s in ("weight", "scale", "input_scale")]
+    assert [t.name for t in reader.tensors][:9] == merged
+    for layer in (0, 1):
+        for proj in ("gate", "up", "down"):
+            experts = [f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj" for e in range(4)]
+            name = f"blk.{layer}.ffn_{proj}_exps"
+            raws = [pack(stored[m + ".weight"], stored[m + ".weight_scale"]) for m in experts]
+            assert tensors[name + ".weight"].data.tobytes() == np.stack([r for r, _ in raws]).tobytes(), name
+            assert [int(d) for d in tensors[name + ".weight"].shape][::-1] == [4, *raws[0][1]]
+            scale_2 = torch.stack([stored[m + ".weight_scale_2"] for m in experts])
+            assert tensors[name + ".scale"].data.tobytes() == scale_2.numpy().tobytes()
+            inputs = [np.float32(0.02 + e / 1000) for e in range(4)]
+            assert tensors[name + ".input_scale"].data.tolist() == inputs
+    nv = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.NVFP4]
+    assert len(nv) == 14 and len(reader.tensors) == 55
+
+
+@pytest.mark.parametrize(("source", "weights", "verdict"), [(NV, 12, "9 of 21"), (MOE, 32, "13 of 45")])
+def test_read_back_is_the_sources_dequantization(
+    source: Path, weights: int, verdict: str, ours: Path, ours_moe: Path, tmp_path: Path
+) -> None:
+    """bf16 by default and float32 alike, bit for bit modelopt's dequantization of the source
+    (signed zeros included): each value times its block's float32 ``e4m3 x .scale``, each
+    expert's of a merged weight its own."""
+    gguf_file = ours if source == NV else ours_moe
+    convert(gguf_file, tmp_path / "hf", ConvertOptions("hf"))
+    assert verify_paths(source, tmp_path / "hf").verdict().startswith(f"DEQUANTIZED: {verdict} tensors bitwise equal")
+    convert(gguf_file, tmp_path / "f32", ConvertOptions("hf", dtype="float32"))
+    stored, back = load_file(source / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     wide = load_file(tmp_path / "f32" / "model.safetensors")
-    tensors = {t.name: t for t in gguf.GGUFReader(ours).tensors}
-    differ = same = 0
-    for name, t in tensors.items():
-        if t.tensor_type != gguf.GGMLQuantizationType.NVFP4:
+    same = 0
+    for name, w in stored.items():
+        if w.dtype != torch.uint8:
             continue
-        module = _hf_name(name)
-        ref = modelopt_dequantized(
-            stored[module + ".weight"], stored[module + ".weight_scale"], stored[module + ".weight_scale_2"]
-        )
-        same += torch.equal(back[module + ".weight"].view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
-        values = torch.from_numpy(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.NVFP4).astype(np.float32))
-        values = values * torch.from_numpy(tensors[name.replace(".weight", ".scale")].data.copy())
-        heads = HEADS.get(module.rsplit(".", 1)[-1])
-        if heads:  # back from Meta's rows to HF's
-            values = values.reshape(heads, -1, 2, values.shape[1]).swapaxes(1, 2).reshape(values.shape)
-        assert torch.equal(wide[module + ".weight"], values), name
-        differ += int((wide[module + ".weight"] != ref).sum())
-    assert (same, differ) == (12, 3620)
+        module = name.removesuffix(".weight")
+        ref = modelopt_dequantized(w, stored[module + ".weight_scale"], stored[module + ".weight_scale_2"])
+        bf16 = torch.equal(back[name].view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+        same += bf16 and torch.equal(wide[name].view(torch.int32), ref.view(torch.int32))
+    assert same == weights
 
 
 def _down_proj_quantized(out: Path) -> Path:
@@ -167,13 +197,16 @@ def reference(llama_cpp: Path, tmp_path_factory: pytest.TempPathFactory) -> Call
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("source", [NV, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("dtype", list(OUTTYPES))
 def test_nvfp4_release_to_gguf_equals_llama_cpp(
-    dtype: str | None, reference: Callable[[Path, str | None], Path], tmp_path: Path
+    source: Path, dtype: str | None, reference: Callable[[Path, str | None], Path], tmp_path: Path
 ) -> None:
-    """Every outtype the converter takes: 45/45 tensors (12 NVFP4, their 24 scales, 9 others)."""
-    convert(NV, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, gguf_pre=PRE))
-    assert_same_gguf(tmp_path / "ours.gguf", reference(NV, dtype))
+    """Every outtype the converter takes: 45/45 tensors of the dense fixture (12 NVFP4, their
+    24 scales, 9 others), 55/55 of the MoE (6 merged experts and 8 attention weights, their 28
+    scales, 13 others)."""
+    convert(source, tmp_path / "ours.gguf", ConvertOptions("gguf", dtype=dtype, gguf_pre=PRE))
+    assert_same_gguf(tmp_path / "ours.gguf", reference(source, dtype))
 
 
 @pytest.mark.slow

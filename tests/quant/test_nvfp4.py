@@ -142,8 +142,9 @@ def test_hf_quant_config_json_of_another_producer_is_refused(tmp_path: Path) -> 
 
 def test_zero_block_scales_cannot_give_their_codes_back(tmp_path: Path) -> None:
     """A block whose e4m3 scale is 0 dequantizes to zeros whatever its codes: re-quantizing
-    cannot give them back, so verify names that weight (DIFFERENT, exit 1), the others still
-    proven; its values are the dequantization all the same."""
+    cannot give them back, so verify names that weight (DIFFERENT, exit 1) and says what
+    differs: the stored bytes of those two blocks (16, every one holding a non-zero code), not
+    the values, which are the dequantization all the same; the others still proven."""
     src = shutil.copytree(NV, tmp_path / "src")
     stored = load_file(src / "model.safetensors")
     name = "model.layers.0.mlp.up_proj.weight"
@@ -153,8 +154,16 @@ def test_zero_block_scales_cannot_give_their_codes_back(tmp_path: Path) -> None:
     save_file(stored, src / "model.safetensors", metadata={"format": "pt"})
     convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     report = verify_paths(src, tmp_path / "out")
-    assert report.verdict().startswith("DIFFERENT: 9 of 21 tensors bitwise equal, 1 differ in value or shape, 11 ")
-    assert [d.name_a for d in report.differences if d.kind == "values"] == [name]
+    verdict = (
+        "DIFFERENT: 9 of 21 tensors bitwise equal, 1 dequantized exactly from codes that do not all come back, 11 "
+    )
+    assert report.verdict().startswith(verdict) and report.exit_code() == 1
+    assert [d.name_a for d in report.differences if d.kind not in ("dequantized",)] == [name]
+    lost = torch.cat([stored[name][0, :8], stored[name][3, 8:16]])
+    assert bool(((lost & 0x77) != 0).all())  # a non-zero code in every byte: none comes back as 0
+    (codes,) = [d.describe() for d in report.differences if d.kind == "codes"]
+    assert f"dequantized exactly, but {lost.numel()} of {stored[name].numel()} stored bytes do not come back" in codes
+    assert "max abs diff" not in codes
     ours = load_file(tmp_path / "out" / "model.safetensors")[name]
     assert not ours[0, :16].any() and not ours[3, 16:32].any()
     ref = modelopt_dequantized(stored[name], stored[name + "_scale"], stored[name + "_scale_2"])

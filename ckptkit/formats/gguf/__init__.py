@@ -121,9 +121,20 @@ class GGUFTensors:
                 "dequantizes (they read F32, F16, BF16 and the quantized types llama.cpp's gguf-py implements)"
             )
         out = torch.empty(info.shape, dtype=torch.float32)
-        out = dequantize_into(out, t.kind, lambda start, n: self._pread(t.offset + start, n))
         scale = self.scales.get(name)
-        return out if scale is None else nvfp4.scaled(out, self._as_stored(scale), name, self.path)
+        if scale is None:
+            return dequantize_into(out, t.kind, lambda start, n: self._pread(t.offset + start, n))
+        factors = nvfp4.factors(self._as_stored(scale), name, self.path)
+        part = t.nbytes // len(factors)  # an expert's bytes, of a merged weight
+        for e, factor in enumerate(factors):  # modelopt's dequantization, one expert at a time
+            decode = functools.partial(nvfp4.ggml_values, factor=factor)
+            dequantize_into(
+                out[e] if len(factors) > 1 else out, t.kind, functools.partial(self._at, t.offset + e * part), decode
+            )
+        return out
+
+    def _at(self, base: int, start: int, n: int) -> bytearray:
+        return self._pread(base + start, n)
 
     def span(self, name: str) -> Span | None:
         t = self.stored[name]

@@ -360,16 +360,21 @@ def dequantizer(kind: str) -> tuple[int, int, Callable[[torch.Tensor], torch.Ten
 
 
 def dequantize_into(
-    out: torch.Tensor, kind: str, read: Callable[[int, int], bytes | bytearray | memoryview]
+    out: torch.Tensor,
+    kind: str,
+    read: Callable[[int, int], bytes | bytearray | memoryview],
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Fill float32 ``out`` from the ``kind`` blocks that ``read(offset, n)`` returns, a chunk
-    of whole blocks at a time (the stored bytes are never all in memory)."""
+    of whole blocks at a time (the stored bytes are never all in memory), decoded by
+    ``decode`` (uint8 (n, block bytes) -> (n, block values)) where given."""
     import torch
 
     found = dequantizer(kind)
     if found is None:  # pragma: no cover - the reader refuses these first
         raise ValueError(f"no dequantizer for {kind}")
     per_block, block_bytes, fn = found
+    fn = decode or fn
     flat = out.reshape(-1)
     blocks = flat.numel() // per_block
     step = max(1, CHUNK_BYTES // block_bytes)

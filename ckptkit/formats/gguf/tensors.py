@@ -256,8 +256,8 @@ def model_tensors(
         out += [GGUFTensor(n, shape, mx, make) for n, shape, make in mxfp4.expert_tensors(ckpt, order, targets, tmap)]
         order = [n for n in order if not n.endswith(mxfp4.BLOCKS)]
     if nvfp4.is_nvfp4(ckpt):  # the same, with their scales
-        nvfp4.check_layout(ckpt, spec, experts(ckpt.config) is not None)
-        out += nvfp4.tensors(ckpt, order, targets, tmap, lambda n: _qk_permute(spec, n, n_head, n_kv))
+        nvfp4.check_layout(ckpt, spec)
+        out += nvfp4.tensors(ckpt, order, targets, tmap, lambda n: _qk_permute(spec, n, n_head, n_kv), hparams)
         order = [n for n in order if targets[n].dtype != "uint8"]
     ftype = file_type(dtype, targets[order[0]].dtype if order else "float32")
     freqs = rope_freqs(hparams) if spec.rope_freqs else None
