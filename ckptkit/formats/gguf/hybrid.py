@@ -4,7 +4,8 @@ its names (``language_model.`` dropped, the vision tower skipped, the MTP layers
 past ``num_hidden_layers``) and its tensor transforms (``A_log`` as ``-exp(A_log)``, the
 conv kernel squeezed, norms as ``1 + w`` but the gated one, Qwen3.5's value heads from
 grouped to tiled order, Qwen3-Next's fused ``in_proj_qkvz`` split into ``attn_qkv`` and
-``attn_gate``)."""
+``attn_gate``). The reorders are row orders (and Qwen3.5's ``out_proj`` a transposition of
+each row's blocks), so that the writer takes them from the stored bytes (:mod:`.rows`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.gguf.experts import MergedMaker
+from ckptkit.formats.gguf.gguf_tensor import Moved
 from ckptkit.io import take_ranges
 from ckptkit.tensors.dtypes import ITEMSIZE
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import torch
 
     from ckptkit.io import Span
@@ -85,34 +89,80 @@ def tiled(t: torch.Tensor, dim: int, k_heads: int, head_dim: int) -> torch.Tenso
     """``t``'s value heads along ``dim`` from grouped by key head (each key head's value heads
     together) to tiled order (the first value head of every key head, then the second...)."""
     shape = list(t.shape)
-    n = shape[dim]
-    per_k = n // head_dim // k_heads
+    per_k = shape[dim] // head_dim // k_heads
     grouped = t.reshape(*shape[:dim], k_heads, per_k, head_dim, *shape[dim + 1 :])
     return grouped.transpose(dim, dim + 1).reshape(shape)
 
 
+def tiled_rows(n: int, k_heads: int, head_dim: int) -> npt.NDArray[np.int64]:
+    """The order (source row of each output row) that takes ``n`` rows of value heads of
+    ``head_dim`` rows from grouped by key head (each key head's value heads together) to
+    tiled order (the first value head of every key head, then the second...)."""
+    import numpy as np
+
+    per_k = n // head_dim // k_heads
+    return np.arange(n).reshape(k_heads, per_k, head_dim).transpose(1, 0, 2).reshape(-1)
+
+
+def _heads(h: dict[str, Any]) -> tuple[int, int, int, int]:
+    k, v = int(h["linear_num_key_heads"]), int(h["linear_num_value_heads"])
+    return k, v, int(h["linear_key_head_dim"]), int(h["linear_value_head_dim"])
+
+
+def row_order(name: str, h: dict[str, Any], reorder: bool, rows: int) -> npt.NDArray[np.int64] | None:
+    """The source rows of the ``rows`` output rows of ``name`` (its conv kernel's channels) as
+    llama.cpp orders Qwen3.5's value heads (None: as stored)."""
+    import numpy as np
+
+    kh, vh, kd, vd = _heads(h)
+    if not (reorder and kh != vh and "linear_attn." in name):
+        return None
+    qk = 2 * kh * kd
+    if ".in_proj_qkv." in name or ".conv1d" in name:
+        return np.concatenate([np.arange(qk), qk + tiled_rows(rows - qk, kh, vd)])
+    if ".in_proj_z." in name:
+        return tiled_rows(rows, kh, vd)
+    if name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return tiled_rows(rows, kh, 1)
+    return None
+
+
+def moved_columns(name: str, h: dict[str, Any], reorder: bool, cols: int) -> Moved | None:
+    """Qwen3.5's ``out_proj`` columns (``cols`` of them), value heads tiled as llama.cpp tiles
+    them: each row's blocks transposed (None: another tensor)."""
+    kh, vh, _, vd = _heads(h)
+    if not (reorder and kh != vh and ".linear_attn.out_proj." in name):
+        return None
+    return Moved(1, (kh, cols // vd // kh, vd), (1, 0, 2))
+
+
+def plus_one(name: str) -> bool:
+    """Whether llama.cpp stores the norm ``name`` as ``1 + w`` (all but the gated one)."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+
+
 def transform(name: str, h: dict[str, Any], reorder: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What llama.cpp does to the tensor HF names ``name`` (None: nothing)."""
+    """What llama.cpp does to the tensor HF names ``name`` (None: nothing), with torch: the
+    row order and column moves of :func:`row_order` and :func:`moved_columns`, then arithmetic."""
     import torch
 
-    kh, vh = int(h["linear_num_key_heads"]), int(h["linear_num_value_heads"])
-    kd, vd = int(h["linear_key_head_dim"]), int(h["linear_value_head_dim"])
     steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
-    if reorder and kh != vh and "linear_attn." in name:
-        qk = 2 * kh * kd
-        if ".in_proj_qkv." in name or ".conv1d" in name:
-            steps.append(lambda t: torch.cat([t[:qk], tiled(t[qk:], 0, kh, vd)]))
-        elif ".in_proj_z." in name:
-            steps.append(lambda t: tiled(t, 0, kh, vd))
-        elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
-            steps.append(lambda t: tiled(t, 0, kh, 1))
-        elif ".out_proj." in name:
-            steps.append(lambda t: tiled(t, 1, kh, vd))
+    if ".conv1d" in name:
+        steps.append(lambda t: t.squeeze())
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        order = row_order(name, h, reorder, t.shape[0])
+        return t if order is None else t[torch.from_numpy(order)]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        moved = moved_columns(name, h, reorder, t.shape[-1])
+        return t if moved is None else moved.apply(t)
+
+    if "linear_attn." in name and reorder:
+        steps += [rows, cols]
     if name.endswith(".A_log"):
         steps.append(lambda t: -torch.exp(t))
-    elif ".conv1d" in name:
-        steps.insert(0, lambda t: t.squeeze())
-    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    elif plus_one(name):
         steps.append(lambda t: t + 1)
     if not steps:
         return None
@@ -127,21 +177,25 @@ def transform(name: str, h: dict[str, Any], reorder: bool) -> Callable[[torch.Te
 
 def arithmetic(name: str) -> bool:
     """Whether the transform computes (in float32, as llama.cpp does) rather than moves values."""
-    return name.endswith(".A_log") or (name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"))
+    return name.endswith(".A_log") or plus_one(name)
 
 
-def split_qkvz(t: torch.Tensor, h: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, its value heads, their gates) as
-    llama.cpp writes it: every q, then every k, then every v (``attn_qkv``), and the gates."""
-    import torch
+def qkvz_rows(h: dict[str, Any], part: int) -> npt.NDArray[np.int64]:
+    """The rows of Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, its value heads, their
+    gates) that llama.cpp writes as part 0 (``attn_qkv``: every q, then every k, then every v)
+    or part 1 (``attn_gate``: the gates), in its order."""
+    import numpy as np
 
-    kh, vh = int(h["linear_num_key_heads"]), int(h["linear_num_value_heads"])
-    kd, vd = int(h["linear_key_head_dim"]), int(h["linear_value_head_dim"])
+    kh, vh, kd, vd = _heads(h)
     per = vh // kh * vd
-    q, k, v, z = t.reshape(kh, 2 * kd + 2 * per, t.shape[-1]).split([kd, kd, per, per], dim=1)
-    cols = t.shape[-1]
-    qkv = torch.cat([q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)])
-    return qkv, z.reshape(-1, cols).contiguous()
+    heads = np.arange(kh)[:, None] * (2 * kd + 2 * per)
+
+    def rows(start: int, n: int) -> npt.NDArray[np.int64]:
+        return (heads + start + np.arange(n)).reshape(-1)
+
+    if part == 1:
+        return rows(2 * kd + per, per)
+    return np.concatenate([rows(0, kd), rows(kd, kd), rows(2 * kd, per)])
 
 
 _EXPERT = re.compile(

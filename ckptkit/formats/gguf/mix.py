@@ -331,7 +331,7 @@ def requantized(
             out.append(t)
         else:
             stored = _stored_as(t.make, q(t.qtype).name)
-            out.append(replace(t, qtype=kind, make=stored, source=None, heads=None, weights=None))
+            out.append(replace(t, qtype=kind, make=stored, source=None, heads=None, moved=None, weights=None))
     if imatrix is not None:
         _weigh(out, {t.name: t for t in base}, imatrix)
     return out

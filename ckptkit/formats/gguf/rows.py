@@ -4,9 +4,12 @@ with numpy, a chunk of rows at a time.
 
 Only what needs no arithmetic beyond llama.cpp's exact casts goes this way: a tensor whose
 bytes lie in the source files as stored (:meth:`~ckptkit.tensors.lazy.Lazy.spans`), of at
-most two dimensions, untransformed or Q/K-permuted, written as its own type, as F32, or as
-Q8_0. Anything else (a cast that may overflow, Gemma's ``norm + 1``, computed tensors) is
-:func:`~ckptkit.formats.gguf.quants.quantized_chunks`' work, with torch.
+most two dimensions, untransformed, Q/K-permuted, its rows taken in another order
+(:func:`reordered`) or blocks of its rows transposed (:class:`Moved`: DeepSeek's
+``attn_k_b``, Qwen3.5's ``ssm_out`` columns), written as its own type, as F32 (a norm's
+``1 + w`` added in float32 as llama.cpp adds it), or as Q8_0. Anything else (a cast that
+may overflow, computed tensors) is :func:`~ckptkit.formats.gguf.quants.quantized_chunks`'
+work, with torch.
 """
 
 from __future__ import annotations
@@ -15,25 +18,52 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ckptkit.formats.gguf.gguf_tensor import Moved
 from ckptkit.formats.gguf.quants import quantize_q8_0
-from ckptkit.io import ALIGN, Span, SpanReader, take
+from ckptkit.io import ALIGN, Span, SpanReader, take, take_rows
+from ckptkit.tensors.lazy import Lazy
 from ckptkit.tensors.transforms import rope_rows
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+    import torch
 
-    from ckptkit.tensors.lazy import Lazy
+    from ckptkit.io import Rows
 
 CHUNK_BYTES = 8 << 20  # source bytes read at a time (whole rows, whole heads)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 SAME = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # stored as is
 
 
-def streamable(lazy: Lazy, kind: str) -> bool:
+def reordered(lazy: Lazy, order: Rows | None, shape: tuple[int, ...] | None = None) -> Lazy:
+    """``lazy`` viewed as ``shape`` (the same bytes; default its own) with the rows ``order``
+    (None: all, as they are): a tensor whose spans are those rows' where ``lazy``'s bytes lie
+    in the source as stored."""
+    view = shape or (lazy.shape[0] if order is None else len(order), *lazy.shape[1:])
+    row_bytes = math.prod(view[1:]) * ITEMSIZE.get(lazy.dtype, 0)
+
+    def spans() -> list[Span] | None:
+        if lazy.rows is not None:
+            return lazy.rows(range(view[0]) if order is None else order)
+        whole = lazy.spans()
+        return whole if whole is None or order is None else take_rows(whole, row_bytes, order)
+
+    def get() -> torch.Tensor:
+        import torch
+
+        t = lazy.get().reshape(-1, *view[1:])
+        return t if order is None else t[torch.as_tensor(order, dtype=torch.long)]
+
+    return Lazy(view, lazy.dtype, get, lazy.file, spans=spans)
+
+
+def streamable(lazy: Lazy, kind: str, moved: Moved | None = None) -> bool:
     """Whether :func:`row_chunks` writes ``lazy`` as GGML type ``kind`` (by name)."""
     if lazy.dtype not in ITEMSIZE or not 1 <= len(lazy.shape) <= 2:
         return False
+    if moved is not None and moved.plus_one:  # llama.cpp adds 1 to a float16 norm in float16
+        return kind == "F32" and lazy.dtype in ("float32", "bfloat16")
     return kind in ("F32", "Q8_0") or SAME[lazy.dtype] == kind
 
 
@@ -78,19 +108,28 @@ class ChunkBuffers:
 
 
 def row_chunks(
-    lazy: Lazy, kind: str, heads: int | None, reader: SpanReader | None = None, buffers: ChunkBuffers | None = None
+    lazy: Lazy,
+    kind: str,
+    heads: int | None,
+    reader: SpanReader | None = None,
+    buffers: ChunkBuffers | None = None,
+    moved: Moved | None = None,
 ) -> Iterator[memoryview] | None:
     """The GGML bytes of ``lazy`` as type ``kind``, Q/K-permuted over ``heads`` heads when
-    given; None when its bytes do not lie in the source as stored. With ``reader`` (shared
+    given, else rearranged as ``moved`` says; None when its bytes do not lie in the source
+    as stored. With ``reader`` (shared
     by a whole file's tensors) the source records' CRC-32s are checked by its ``close()``,
     which the caller must call before publishing; without, before the last chunk is given.
     Chunks are made in ``buffers`` (shared by a whole file's tensors; default: a set of its
     own, each chunk's bytes holding until the next is made)."""
-    if not streamable(lazy, kind):
+    moved = moved or Moved()
+    if not streamable(lazy, kind, moved):
         return None
     rows = lazy.shape[0]
     if heads is not None and rows % (2 * heads):
         return None  # not whole heads: the torch path says so
+    if rows % moved.rows or moved.axes and math.prod(moved.shape) * rows != math.prod(lazy.shape) * moved.rows:
+        return None  # not whole blocks
     row_bytes = math.prod(lazy.shape[1:]) * ITEMSIZE[lazy.dtype]
     if heads is not None and lazy.rows is not None:
         # rows stored permuted (Meta's Q/K): the two permutations composed (back to the stored order)
@@ -99,7 +138,7 @@ def row_chunks(
         spans = lazy.spans()  # permuted in memory, a whole head at a time, if heads are given
     if spans is None:
         return None
-    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader, buffers or ChunkBuffers())
+    return _chunks(spans, lazy.dtype, kind, rows, row_bytes, heads, reader, buffers or ChunkBuffers(), moved)
 
 
 def _chunks(
@@ -111,8 +150,9 @@ def _chunks(
     heads: int | None,
     shared: SpanReader | None,
     buffers: ChunkBuffers,
+    moved: Moved,
 ) -> Iterator[memoryview]:
-    group = rows // heads if heads else 1  # rows moved together
+    group = rows // heads if heads else moved.rows  # rows moved together
     step = max(1, CHUNK_BYTES // max(1, group * row_bytes)) * group
     reader = shared or SpanReader()
     try:
@@ -126,7 +166,13 @@ def _chunks(
                 by_head = raw.reshape(n // group, 2, group // 2, row_bytes)
                 out.reshape(n // group, group // 2, 2, row_bytes)[...] = by_head.swapaxes(1, 2)
                 raw = out
-            encoded = _encoded(raw, dtype, kind)
+            elif moved.axes:
+                out = buffers.get(turn, 1, n * row_bytes)
+                blocks = raw.reshape(n // group, *moved.shape, ITEMSIZE[dtype])
+                axes = (0, *(a + 1 for a in moved.axes), len(moved.shape) + 1)
+                out.reshape([blocks.shape[a] for a in axes])[...] = blocks.transpose(axes)
+                raw = out
+            encoded = _encoded(raw, dtype, kind, moved.plus_one)
             yield encoded.reshape(-1).data
     except BaseException:
         if shared is None:
@@ -136,9 +182,13 @@ def _chunks(
         reader.close()  # the source records' CRC-32s, before the tensor counts as written
 
 
-def _encoded(raw: np.ndarray, dtype: str, kind: str) -> np.ndarray:
-    """``raw`` (stored bytes of ``dtype``) as GGML type ``kind``."""
+def _encoded(raw: np.ndarray, dtype: str, kind: str, plus_one: bool = False) -> np.ndarray:
+    """``raw`` (stored bytes of ``dtype``) as GGML type ``kind`` (``plus_one``: F32, values + 1)."""
     import numpy as np
+
+    if plus_one:  # a float32 addition rounds as llama.cpp's torch addition does (IEEE, to nearest)
+        values = _encoded(raw, dtype, "F32").view(np.float32)
+        return np.add(values, np.float32(1), dtype=np.float32).view(np.uint8)
 
     if kind == "Q8_0":
         if dtype == "bfloat16":

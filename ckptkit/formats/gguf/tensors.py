@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, UnknownModel, note
 from ckptkit.formats.base import QuantOptions
-from ckptkit.formats.gguf import hybrid, mxfp4, nvfp4
+from ckptkit.formats.gguf import hybrid, latent, mxfp4, nvfp4
 from ckptkit.formats.gguf.experts import (
     ExpertMerger,
     llama_cpp_view,
@@ -26,11 +26,12 @@ from ckptkit.formats.gguf.experts import (
     source_of,
     stacked_experts,
 )
-from ckptkit.formats.gguf.gguf_tensor import GGUFTensor
+from ckptkit.formats.gguf.gguf_tensor import PLUS_ONE, GGUFTensor
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, quantize_type, requantized
 from ckptkit.formats.gguf.params import rope
 from ckptkit.formats.gguf.per_layer import proportional_rope_freqs
+from ckptkit.formats.gguf.rows import reordered
 from ckptkit.formats.registry import find_format, transformers_format
 from ckptkit.models.gguf_spec import GGUFSpec
 from ckptkit.models.moe import experts
@@ -314,7 +315,7 @@ def model_tensors(
             transform = lambda w: w + 1  # noqa: E731
         made = _maker(lazy, transform, plus_one)
         kind = qtype(new, lazy.shape, ftype)
-        out.append(GGUFTensor(new, lazy.shape, kind, made, None if plus_one else lazy, heads))
+        out.append(GGUFTensor(new, lazy.shape, kind, made, lazy, heads, PLUS_ONE if plus_one else None))
     if merger is not None:
         merger.check_done()
     return out, _with_kept(ckpt, ftype)
@@ -361,16 +362,22 @@ def _linear_attention(
         for i, (part, rows) in enumerate((("attn_qkv", lazy.shape[0] - gates), ("attn_gate", gates))):
             name = f"blk.{bid}.{part}.weight"
             shape: tuple[int, ...] = (rows, lazy.shape[1])
-            out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), _maker(lazy, _qkvz(i, hparams), False)))
+            source = reordered(lazy, hybrid.qkvz_rows(hparams, i))
+            out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), source.get, source))
         return out
     key = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias" if hf_name.endswith(".dt_bias") else hf_name
     new = gguf_name(tmap, key) or hybrid.nextn_name(hf_name)
     if new is None:
         raise CkptkitError(f"llama.cpp has no GGUF name for tensor {hf_name!r}")
     shape = tuple(d for d in lazy.shape if d != 1) if ".conv1d" in hf_name else lazy.shape
-    change = hybrid.transform(hf_name, hparams, spec.linear_attention == "tiled")
+    tiled = spec.linear_attention == "tiled"
+    change = hybrid.transform(hf_name, hparams, tiled)
     made = _maker(lazy, change, hybrid.arithmetic(hf_name))
-    return [GGUFTensor(new, shape, qtype(new, shape, ftype), made, lazy if change is None else None)]
+    if hf_name.endswith(".A_log"):  # -exp: torch's own exp (not correctly rounded), as llama.cpp computes it
+        return [GGUFTensor(new, shape, qtype(new, shape, ftype), made)]
+    source = reordered(lazy, hybrid.row_order(hf_name, hparams, tiled, shape[0]), shape)
+    moved = PLUS_ONE if hybrid.plus_one(hf_name) else hybrid.moved_columns(hf_name, hparams, tiled, shape[-1])
+    return [GGUFTensor(new, shape, qtype(new, shape, ftype), made, source, moved=moved)]
 
 
 def _named(tmap: Any, made: list[hybrid.Made]) -> list[hybrid.Made]:
@@ -381,10 +388,6 @@ def _named(tmap: Any, made: list[hybrid.Made]) -> list[hybrid.Made]:
             raise CkptkitError(f"llama.cpp has no GGUF name for tensor {hf_name!r}")
         out.append((name, shape, make))
     return out
-
-
-def _qkvz(i: int, hparams: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: hybrid.split_qkvz(t, hparams)[i]
 
 
 def left_out(spec: GGUFSpec, hparams: dict[str, Any], names: list[str]) -> tuple[list[str], list[str]]:
@@ -405,26 +408,14 @@ def _past_blocks(hf_name: str, blocks: int) -> bool:
 
 
 def _kv_b_split(tmap: Any, hf_name: str, lazy: Lazy, hparams: dict[str, Any], ftype: Any) -> list[GGUFTensor]:
-    """llama.cpp's deepseek2 ``kv_b_proj`` [heads * (nope + v), rank]: per head, the key rows
-    transposed (``attn_k_b`` [heads, rank, nope]) and the value rows (``attn_v_b`` [heads, v, rank])."""
-    heads, nope, v = hparams["num_key_value_heads"], hparams["qk_nope_head_dim"], hparams["v_head_dim"]
-    rank = lazy.shape[-1]
-    if lazy.shape[0] != heads * (nope + v):
-        raise CkptkitError(f"{hf_name} has {lazy.shape[0]} rows, not num_key_value_heads * (qk_nope + v) heads")
-
-    def part(key: bool) -> Callable[[], torch.Tensor]:
-        def make() -> torch.Tensor:
-            k, val = lazy.get().view(heads, nope + v, rank).split([nope, v], dim=1)
-            return k.transpose(1, 2).contiguous() if key else val.contiguous()
-
-        return make
-
+    """llama.cpp's deepseek2 ``kv_b_proj`` as ``attn_k_b`` and ``attn_v_b`` (:mod:`.latent`)."""
     out = []
-    for proj, shape, key in (("k_b_proj", (heads, rank, nope), True), ("v_b_proj", (heads, v, rank), False)):
-        name = gguf_name(tmap, hf_name.replace("kv_b_proj", proj))
+    for part, shape, source, moved in latent.kv_b_parts(hf_name, lazy, hparams):
+        name = gguf_name(tmap, part)
         if name is None:  # pragma: no cover - the gguf package names both for deepseek2
-            raise CkptkitError(f"llama.cpp has no GGUF name for {proj}")
-        out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), part(key)))
+            raise CkptkitError(f"llama.cpp has no GGUF name for {part}")
+        make = latent.maker(source, moved, shape)
+        out.append(GGUFTensor(name, shape, qtype(name, shape, ftype), make, source, moved=moved))
     return out
 
 

@@ -163,7 +163,7 @@ def _chunks(t: GGUFTensor, checked: bool, reader: SpanReader, buffers: ChunkBuff
     import gguf
 
     if t.source is not None and t.weights is None:
-        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads, reader, buffers)
+        chunks = row_chunks(t.source, gguf.GGMLQuantizationType(t.qtype).name, t.heads, reader, buffers, t.moved)
         if chunks is not None:
             return chunks
     return quantized_chunks(t.make(), t.qtype, t.name if checked else None, t.weights)
