@@ -1,12 +1,12 @@
 """Publishing survives SIGKILL anywhere; one writer per DST; no leftovers; umask; OS errors.
 
-The kill trials run in one driver process that imports ckptkit once and forks a child per
-trial. A child either installs an audit hook that sends itself SIGKILL at its N-th
-filesystem step (``ckptkit.publish`` steps, renames, unlinks, rmdirs, rmtrees, opens for
-writing: deterministic, covering the replace step), or is killed by the driver after a
-delay spread over the duration of a clean run (real ``kill -9``). After each trial DST
-must be the complete old or the complete new checkpoint, and the next run must succeed
-and leave nothing beside DST.
+The kill trials run in one driver process that imports ckptkit, and every module a clean
+run of the job loads, once and forks a child per trial. A child either installs an audit
+hook that sends itself SIGKILL at its N-th filesystem step (``ckptkit.publish`` steps,
+renames, unlinks, rmdirs, rmtrees, opens for writing: deterministic, covering the replace
+step), or is killed by the driver after a delay spread over the duration of a clean run
+(real ``kill -9``). After each trial DST must be the complete old or the complete new
+checkpoint, and the next run must succeed and leave nothing beside DST.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ckptkit.errors import CkptkitError
 from conftest import FIXTURES, tree_hashes
 
 DRIVER = r"""
-import hashlib, json, os, re, shutil, signal, sys, time
+import hashlib, importlib, json, os, re, shutil, signal, sys, time
 import torch
 from ckptkit.cli import app
 
@@ -66,10 +66,10 @@ def child(job, kill_at, report):
         code = code if isinstance(code, int) else 1
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
     with open(report, "w") as f:
-        json.dump({"code": code, "steps": seen[0]}, f)
+        json.dump({"code": code, "steps": seen[0], "modules": list(sys.modules)}, f)
     os._exit(0)
 
-def run(job, kill_at=None, kill_after=None):
+def run(job, kill_at=None, kill_after=None, modules=None):
     report = os.path.join(spec["work"], "report.json")
     if os.path.exists(report):
         os.remove(report)
@@ -84,7 +84,8 @@ def run(job, kill_at=None, kill_after=None):
         except ProcessLookupError:
             pass
     _, status = os.waitpid(pid, 0)
-    out = json.load(open(report)) if os.path.exists(report) else {"code": None, "steps": None}
+    out = json.load(open(report)) if os.path.exists(report) else {"code": None, "steps": None, "modules": []}
+    (modules if modules is not None else []).extend(out.pop("modules"))
     out["killed"] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     out["seconds"] = time.perf_counter() - start
     return out
@@ -105,7 +106,21 @@ def reset():
     if spec["old"]:
         shutil.copytree(spec["old"], dst)
 
+def preload(job):
+    # Import here, in the order a clean run of job imports them, the modules it loads
+    # lazily: each forked trial then spends its time on the job, not on importing again.
+    reset()
+    modules = []
+    run(job, kill_at=-1, modules=modules)
+    for name in modules:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+
 result = {}
+preload(spec["job"])
 reset()
 result["old"] = tree()
 probe = run(spec["job"], kill_at=-1)
