@@ -76,6 +76,19 @@ class Llama4Fields(MoEFields):
     vision_config: dict[str, Any] | None = None
     wrapper: dict[str, Any] = field(default_factory=dict)
 
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` applies rope: per ``no_rope_layers``, else all but every
+        ``no_rope_layer_interval``-th layer (transformers' default)."""
+        if self.no_rope_layers:
+            return bool(self.no_rope_layers[layer])
+        return (layer + 1) % self.no_rope_layer_interval != 0
+
+    def chunk(self, layer: int) -> int | None:
+        """The attention chunk of layer ``layer`` (None: full causal attention): per
+        ``layer_types``, else the rope layers' when ``attention_chunk_size`` is set."""
+        chunked = self.layer_types[layer] == CHUNKED if self.layer_types else self.uses_rope(layer)
+        return self.attention_chunk_size if chunked else None
+
 
 def layer_parts(cfg: ModelConfig, moe: bool) -> list[Part]:
     """The tensors of one layer in module order (torchtitan's names left empty)."""

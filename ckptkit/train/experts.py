@@ -2,7 +2,8 @@
 with its choice bias as a buffer where the family has one), the routing rule of
 :mod:`ckptkit.train.routers`, experts summed in index order as transformers sums them, and
 the shared experts every token goes through (DeepSeek V3, GLM-4.5); and gpt-oss's experts,
-stacked tensors with biases and a clamped SwiGLU (:class:`StackedMoE`)."""
+stacked tensors with biases and a clamped SwiGLU (:class:`StackedMoE`); and Llama 4's, stacked
+without biases, a shared expert beside them (:class:`Llama4MoE`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import SharedExpertsFields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import MoEFields, expert_size
-from ckptkit.train.layers import GatedMLP, clamped_swiglu
-from ckptkit.train.routers import TopKSoftmax, has_expert_bias, routing
+from ckptkit.train.layers import ACTIVATIONS, GatedMLP, clamped_swiglu
+from ckptkit.train.routers import TopKSigmoid, TopKSoftmax, has_expert_bias, routing
 
 
 class SparseMoE(nn.Module):
@@ -93,3 +94,48 @@ class StackedMoE(nn.Module):
         weights, chosen = self.route(self.router(flat), None)
         self.chosen = chosen
         return self.experts(flat, weights, chosen).reshape(x.shape)
+
+
+class FusedExperts(nn.Module):
+    """Llama 4's experts as stored: ``gate_up_proj`` [E, hidden, 2I] (gate columns, then up),
+    ``down_proj`` [E, I, hidden], no biases; ``x @ W`` per expert, the router's weight applied
+    to each expert's input, not its output."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, inter = cfg.fields(MoEFields).num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(e, inter, h))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``x`` (N, hidden), each token scaled by its ``chosen`` experts' (N, k) ``weights``
+        and through them, summed."""
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):  # every expert, in index order as transformers sums
+            slot, token = torch.where((chosen == e).T)
+            gate, up = ((x[token] * weights[token, slot, None]) @ self.gate_up_proj[e]).chunk(2, dim=-1)
+            out.index_add_(0, token, (up * self.act(gate)) @ self.down_proj[e])
+        return out
+
+
+class Llama4MoE(nn.Module):
+    """Llama 4's MoE MLP: a router (top k, sigmoid weights), :class:`FusedExperts` and a shared
+    expert every token goes through; router logits and choice of the last forward are kept."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.fields(MoEFields)
+        self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.route = TopKSigmoid(moe.num_experts_per_tok)
+        self.experts = FusedExperts(cfg)
+        self.shared = GatedMLP(cfg)
+        self.router_logits: torch.Tensor | None = None
+        self.chosen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        weights, chosen = self.route(logits, None)
+        self.router_logits, self.chosen = logits, chosen
+        return (self.shared(flat) + self.experts(flat, weights, chosen)).reshape(x.shape)

@@ -15,6 +15,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
@@ -58,6 +59,11 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
         raise CkptkitError(
             f"lora.targets: {names}: LoRA on {cfg.model_type}'s stacked experts and router is not supported yet "
             "(every layer has them instead of a dense MLP); adapt attention (q k v o)"
+        )
+    if cfg.feature(Llama4Fields) is not None and EXPERTS in leaves:
+        raise CkptkitError(
+            f"lora.targets: experts: LoRA on {cfg.model_type}'s stacked experts is not supported yet; adapt "
+            "attention (q k v o), the dense and shared MLPs (gate up down) and the router"
         )
     if moe and has_experts is None:
         raise CkptkitError(

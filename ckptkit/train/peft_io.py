@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's on-disk format (``adapter_model.safetensors`` + ``adapter_config.json``).
 
 Keys are ``base_model.model.<HF module>.lora_{A,B}.weight`` with HF module names from
-:func:`ckptkit.models.hf_key`, so adapters round-trip with ``peft.PeftModel`` on the
+:mod:`ckptkit.train.peft_names`, so adapters round-trip with ``peft.PeftModel`` on the
 matching ``transformers`` model. Supported: LoRA (optionally rsLoRA, DoRA's ``lora_magnitude_vector``,
 per-module ranks) on linear layers. Where a family fuses projections into one HF module (Phi-3's
 ``qkv_proj``, ``gate_up_proj``), PEFT adapts the fused module whole: one A, and a B (DoRA magnitude)
@@ -28,10 +28,11 @@ from ckptkit.formats.peft_adapter import (
     read_adapter_tensors,
     write_adapter,
 )
-from ckptkit.models import ModelConfig, canonical_key, canonical_shapes, hf_key
+from ckptkit.models import ModelConfig, canonical_shapes
 from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
+from ckptkit.train.peft_names import NotInBase, canonical_module, hf_module, module_names
 
 _PREFIX = "base_model.model."
 _MAGNITUDE = "lora_magnitude_vector"  # DoRA's, 1-D (out_features)
@@ -88,36 +89,6 @@ def prepare_for_peft(model: nn.Module) -> None:
     _peft_tensors(model)
 
 
-def _hf_module(model_type: str, canonical_module: str) -> str:
-
-    fused = fused_part(model_type, canonical_module)
-    if fused is not None:
-        return fused[0]
-    try:
-        name = hf_key(model_type, f"{canonical_module}.weight")
-    except (CkptkitError, KeyError, ValueError) as exc:
-        raise CkptkitError(
-            f"LoRA on {canonical_module} cannot be written in PEFT format for {model_type} "
-            f"(no 1:1 Hugging Face module, e.g. Phi-3's fused qkv_proj/gate_up_proj): {exc}"
-        ) from None
-    return name.removesuffix(".weight")
-
-
-class NotInBase(CkptkitError):
-    """An adapter names a module that the base model's type does not have."""
-
-
-def _canonical_module(model_type: str, hf_module: str) -> str:
-
-    try:
-        if hf_module.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):  # fused where model_type is not
-            raise KeyError(hf_module)
-        name = canonical_key(model_type, f"{hf_module}.weight")
-    except (CkptkitError, KeyError, ValueError):
-        raise NotInBase(f"the adapter targets {hf_module}, which a {model_type} model does not have") from None
-    return name.removesuffix(".weight")
-
-
 def save_adapter(
     model: nn.Module,
     out_dir: str | Path,
@@ -156,7 +127,10 @@ def save_adapter(
     ]
     if not modules:
         target_modules = None
-    elif len(candidates) == len(modules):
+    elif len(candidates) == len(modules) and all(
+        h.startswith("model.layers.") or "." not in h for h in hf_names.values()
+    ):
+        # (a multimodal release's towers have linears of those leaf names too: full names there)
         target_modules = sorted({hf.rsplit(".", 1)[-1] for hf in hf_names.values()})
     else:
         target_modules = sorted(hf_names.values())
@@ -186,6 +160,7 @@ def _peft_tensors(
     cfg = model_config(model)
     model_type = cfg.model_type
     moe_modules = {m for p in moe_params(cfg) for m in p.modules}
+    own = module_names(cfg)
     tensors: dict[str, torch.Tensor] = {}
     hf_names: dict[str, str] = {}
     moe: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -199,7 +174,7 @@ def _peft_tensors(
         if name in moe_modules:
             moe[name] = (a.detach(), b.detach())
             continue
-        hf = hf_names[name] = _hf_module(model_type, name)
+        hf = hf_names[name] = hf_module(model_type, name, own)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
         part = fused_part(model_type, name)
         if part is not None:
@@ -317,13 +292,13 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
         for mine, theirs, other in zip(got, want, wider[key], strict=False):  # ndims may differ
             if mine != theirs and theirs != other:
                 return f"it was trained on a model with hidden size {mine}; {base} has {theirs}"
-        hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+        hf = hf_module(model.model_type, key.removesuffix(".weight"), module_names(model))
         if len(got) != 2 or len(want) != 2:
             return f"{hf} has shape {list(got)} in the adapter, {list(want)} in {base}"
         return f"{hf} maps {got[1]} -> {got[0]} features in the adapter, {want[1]} -> {want[0]} in {base}"
     for key in weights:
         if key not in shapes:
-            hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+            hf = hf_module(model.model_type, key.removesuffix(".weight"), module_names(model))
             layer = key.split(".")[1] if key.startswith("layers.") else None
             why = (
                 f" ({model.num_layers} layers)" if layer is not None and int(layer) >= model.num_layers
@@ -337,6 +312,7 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
 def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: bool = False) -> Adapter:
     """See :func:`read_lora_weights`; ``merging`` also takes embedding LoRA and ``modules_to_save``."""
     model_type = model.model_type
+    own = {hf: canonical for canonical, hf in module_names(model).items()}
     config, tensors = read_adapter(adapter_dir, merging)
     saved = config.get("modules_to_save") or []
     saved = {saved} if isinstance(saved, str) else set(map(str, saved))
@@ -360,14 +336,15 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
         for suffix, (part, flip) in suffixes.items():
             if body.endswith(suffix):
                 hf_module = body.removesuffix(suffix)
-                module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
+                fused = fused_parts(model_type, hf_module)
+                module = hf_module if fused else canonical_module(model_type, hf_module, own)
                 pairs.setdefault(module, {})[part] = tensor.T if flip else tensor
                 break
         else:
             if not body.endswith(".weight") or ".lora_" in body:
                 raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
             hf_module = body.removesuffix(".weight")
-            name = _canonical_module(model_type, hf_module.removesuffix(".base_layer")) + ".weight"
+            name = canonical_module(model_type, hf_module.removesuffix(".base_layer"), own) + ".weight"
             if not hf_module.endswith(".base_layer") and ({hf_module, hf_module.rsplit(".", 1)[-1]} & saved):
                 replaced[name] = tensor
             else:

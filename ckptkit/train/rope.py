@@ -141,3 +141,13 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos[:, None, :, :half], sin[:, None, :, :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, T, D) whose pairs are interleaved ``(x0, x1), (x2, x3)...`` and keep
+    them so (Llama 4's complex layout), in float32 as transformers multiplies complex numbers."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :, :half].float(), sin[:, None, :, :half].float()
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)

@@ -8,7 +8,9 @@ as transformers routes them (ties broken as ``torch.topk`` breaks them):
   which the ``topk_group`` with the best two-expert sums compete; the weights are the chosen
   unbiased scores, optionally renormalised, times ``routed_scaling_factor``, in float32;
 - :class:`TopKSoftmax` (gpt-oss): the top k logits, then a softmax over those k alone, in the
-  logits' dtype.
+  logits' dtype;
+- :class:`TopKSigmoid` (Llama 4): the top k logits, each weighted by its sigmoid (in float32,
+  cast back to the logits' dtype); Llama 4 scales the experts' inputs by these weights.
 """
 
 from __future__ import annotations
@@ -70,6 +72,17 @@ class TopKSoftmax:
     def __call__(self, logits: torch.Tensor, expert_bias: torch.Tensor | None) -> Routed:
         top, chosen = torch.topk(logits, self.top_k, dim=-1)
         return F.softmax(top, dim=-1, dtype=top.dtype), chosen
+
+
+class TopKSigmoid:
+    """The top ``k`` experts by logit, each weighted by the sigmoid of its logit."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+
+    def __call__(self, logits: torch.Tensor, expert_bias: torch.Tensor | None) -> Routed:
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        return top.float().sigmoid().to(logits.dtype), chosen
 
 
 def routing(cfg: ModelConfig) -> SoftmaxTopK | GroupedSigmoidTopK:

@@ -26,6 +26,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import experts
 from ckptkit.train.data import TokenizedDataset, collate
 from ckptkit.train.lora import decoder_layers
@@ -55,11 +56,13 @@ def router_aux_weight(coef: float | None, model: ModelConfig) -> float:
     """The weight of the router's load-balancing loss: ``coef`` (the recipe's
     ``router_aux_loss_coef``), else the model's own (``config.json``); 0 without experts."""
     moe = experts(model)
-    if moe is None and coef and model.feature(GptOssFields) is not None:
-        raise CkptkitError(
-            f"router_aux_loss_coef: the load-balancing loss of {model.model_type}'s router is not supported yet; "
-            "remove router_aux_loss_coef"
-        )
+    if model.feature(GptOssFields) is not None or model.feature(Llama4Fields) is not None:
+        if coef:  # (transformers' Llama4ForCausalLM adds none: its config's coefficient is unused)
+            raise CkptkitError(
+                f"router_aux_loss_coef: the load-balancing loss of {model.model_type}'s router is not supported yet; "
+                "remove router_aux_loss_coef"
+            )
+        return 0.0
     if moe is None:
         if coef:
             raise CkptkitError(

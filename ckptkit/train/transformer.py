@@ -30,9 +30,11 @@ from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import MTP_PREFIX, DeepseekV3Fields
 from ckptkit.models.features import SoftCapping
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.train.attention import Attention, KVCache, causal_mask
-from ckptkit.train.experts import SparseMoE, StackedMoE
+from ckptkit.train.chunked import ChunkedAttention, chunked_mask
+from ckptkit.train.experts import Llama4MoE, SparseMoE, StackedMoE
 from ckptkit.train.layers import GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
 from ckptkit.train.moe_loss import load_balancing_loss
@@ -65,21 +67,36 @@ class Block(nn.Module):
         self.input_norms, self.post_norms = decoder.input_norms, decoder.post_norms
         if decoder.input_norms:
             self.sa_norm = RMSNorm(h, eps, plus)
-        latent = cfg.feature(DeepseekV3Fields) is not None
+        latent, llama4 = cfg.feature(DeepseekV3Fields) is not None, cfg.feature(Llama4Fields)
         self.attn = LatentAttention(cfg, layer_idx) if latent else Attention(cfg, layer_idx)
+        if llama4 is not None:
+            self.attn = ChunkedAttention(cfg, layer_idx)
         if decoder.input_norms:
             self.mlp_norm = RMSNorm(h, eps, plus)
         self.mlp: nn.Module = SparseMoE(cfg) if is_moe_layer(cfg, layer_idx) else GatedMLP(cfg)
         if cfg.feature(GptOssFields) is not None:  # stacked experts in every layer
             self.mlp = StackedMoE(cfg)
+        if llama4 is not None:  # stacked experts and a shared one, or a dense MLP of its own width
+            moe = is_moe_layer(cfg, layer_idx)
+            self.mlp = Llama4MoE(cfg) if moe else GatedMLP(cfg, llama4.intermediate_size_mlp)
         if decoder.post_norms:  # Gemma 2/3, OLMo 2: norms on the sublayers' outputs
             self.attn_post_norm = RMSNorm(h, eps, plus)
             self.mlp_post_norm = RMSNorm(h, eps, plus)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        a = self.attn(self.sa_norm(x) if self.input_norms else x, cos, sin, mask, cache)
+        h = self.sa_norm(x) if self.input_norms else x
+        if isinstance(self.attn, ChunkedAttention):  # its temperature goes by position
+            a = self.attn(h, cos, sin, mask, cache, positions)
+        else:
+            a = self.attn(h, cos, sin, mask, cache)
         x = x + (self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.mlp_norm(x) if self.input_norms else x)
         return x + (self.mlp_post_norm(m) if self.post_norms else m)
@@ -98,6 +115,9 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg)
         self.local_rope = RotaryEmbedding(cfg, local=True) if local_theta(cfg) else None
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
+        llama4 = cfg.feature(Llama4Fields)
+        self.chunks = [llama4.chunk(i) if llama4 else None for i in range(cfg.num_layers)]
+        self.rope_dtype = torch.float32 if llama4 else None  # its rope multiplies in float32
         carried = {k[len(MTP_PREFIX) :]: v for k, v in canonical_shapes(cfg).items() if k.startswith(MTP_PREFIX)}
         self.mtp = Carried(carried) if carried else None
         _check_supported(self, cfg)
@@ -128,13 +148,17 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(input_ids)
         if self.config.decoder.embed_scale:  # Gemma; the normalizer is rounded to the weight dtype like transformers
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        cos, sin = self.rope(position_ids, x.dtype)
+        cos, sin = self.rope(position_ids, self.rope_dtype or x.dtype)
         # Sliding-window layers with their own rope base (Gemma 3) use the local tables.
         local = self.local_rope(position_ids, x.dtype) if self.local_rope is not None else (cos, sin)
-        masks = {w: causal_mask(attention_mask, past, T, w, x.device) for w in set(self.windows)}
-        for layer, window in zip(self.layers, self.windows, strict=True):
-            c, s = (cos, sin) if window is None else local
-            x = layer(x, c, s, masks[window], cache)
+        kinds = list(zip(self.windows, self.chunks, strict=True))  # (window, Llama 4's chunk) per layer
+        masks = {kind: causal_mask(attention_mask, past, T, kind[0], x.device) for kind in set(kinds)}
+        for kind in masks:
+            if kind[1] is not None:
+                masks[kind] = chunked_mask(masks[kind], attention_mask, past, position_ids, kind[1])
+        for layer, kind in zip(self.layers, kinds, strict=True):
+            c, s = (cos, sin) if kind[0] is None else local
+            x = layer(x, c, s, masks[kind], cache, position_ids)
         if cache is not None:
             cache.length += T
         x = self.norm(x)
