@@ -212,6 +212,8 @@ class LoRAConfig(Section):
     quantize_base: QuantizeBase = None
     # the base a merged save adds the adapter to: nf4 (dequantized, as trained) or original (16-bit)
     merge_base: Literal["nf4", "original"] = "nf4"
+    # a quantized base (block FP8, MXFP4): null writes the merged model quantized as the input is, bf16 dequantized
+    merge_dtype: Literal["bf16"] | None = None
 
     @model_validator(mode="after")
     def _dora_on_full_weights(self) -> LoRAConfig:

@@ -124,6 +124,7 @@ class LoRAAdapters(Trainable):
         prepare_for_peft(model)  # fused modules share one A; PEFT names checked now, not at save
         if checkpointer.resume:
             checkpointer.load_adapter_into(model)
+        checkpointer.merge_dtype = "bfloat16" if cfg.merge_dtype == "bf16" else None
         self.checkpointer = checkpointer
 
     def placed(self, model: nn.Module) -> None:
