@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,42 @@ def test_lora_on_an_mxfp4_gpt_oss_base_keeps_its_experts_bytes(tmp_path: Path) -
     changed = [n for n in names if not torch.equal(merged[n].view(torch.uint8), source[n].view(torch.uint8))]
     assert changed == [n for n in names if n.endswith(("q_proj.weight", "v_proj.weight"))]
     assert math.isfinite(last)
+
+
+def test_a_ue8m0_fp8_base_merges_back_with_power_of_two_e8m0_scales(tmp_path: Path) -> None:
+    """DeepSeek V3.1's ``scale_fmt: ue8m0`` (scales stored F8_E8M0): a changed weight's new
+    scales are ``2 ** ceil(log2(amax / 448))`` per block (cropped 20 x 20 blocks), stored as
+    the input stores them; the weights the merge leaves keep their bytes."""
+    from test_fp8 import LLAMA, _edit_config, _with_tensors
+
+    src = shutil.copytree(LLAMA, tmp_path / "src")
+    _edit_config(src, scale_fmt="ue8m0")
+    scales = {k: v for k, v in load_file(LLAMA / "model.safetensors").items() if k.endswith("_scale_inv")}
+    _with_tensors(
+        src,
+        **{k.replace(".", "__"): torch.exp2(torch.log2(v).round()).to(torch.float8_e8m0fnu) for k, v in scales.items()},
+    )
+    checkpointer = Checkpointer(CheckpointerConfig(checkpoint_dir=str(src), output_dir=str(tmp_path)))
+    with checkpointer.open_base() as base:
+        model = build_model(base.config)
+        model.load_state_dict({k: v.get() for k, v in base.tensors.items()})
+    apply_lora(model, ["down"], rank=2)
+    torch.nn.init.normal_(model.layers[0].mlp.w2.lora_b, std=0.05)
+    state = base_state_dict(model, merged=True)
+    (tmp_path / "out").mkdir()
+    checkpointer.write_model(tmp_path / "out", state)
+    source, merged = stored(src), stored(tmp_path / "out")
+    name = "model.layers.0.mlp.down_proj.weight"
+    want = state["layers.0.mlp.w2.weight"]
+    amax = torch.zeros(math.ceil(want.shape[0] / 20), math.ceil(want.shape[1] / 20))
+    for i in range(amax.shape[0]):
+        for j in range(amax.shape[1]):
+            amax[i, j] = want[i * 20 : (i + 1) * 20, j * 20 : (j + 1) * 20].abs().max()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+    assert merged[name + "_scale_inv"].dtype == torch.float8_e8m0fnu
+    assert torch.equal(merged[name + "_scale_inv"].float(), scale)
+    per_element = scale.repeat_interleave(20, 0).repeat_interleave(20, 1)[: want.shape[0], : want.shape[1]]
+    assert torch.equal(merged[name].view(torch.uint8), (want / per_element).to(torch.float8_e4m3fn).view(torch.uint8))
+    for key, tensor in source.items():
+        if not key.startswith(name):
+            assert torch.equal(merged[key].view(torch.uint8), tensor.view(torch.uint8)), key
