@@ -21,7 +21,10 @@ from ckptkit.quant import DEFAULT_DEQUANTIZED, FP8_DTYPE, dequantized, keeps_in,
 from ckptkit.quant.fp8 import BlockFP8
 from ckptkit.tensors.dtypes import FLOATING
 
-__all__ = ["FilePlan", "Options", "Plan", "check_experts_choice", "plan_conversion", "target_format"]
+__all__ = [
+    "FilePlan", "Options", "Plan", "check_experts_choice", "dequantized_checkpoint", "plan_conversion",
+    "target_format",
+]  # fmt: skip
 
 
 def target_format(name: str) -> CheckpointFormat:
@@ -79,9 +82,18 @@ def quantization_for(ckpt: Checkpoint, fmt: CheckpointFormat, opts: Options) -> 
                 "to choose the dtype, pass --dtype",
             )
         )
-    tensors = dequantized(ckpt.tensors, quant, dtype)
+    return dequantized_checkpoint(ckpt, dtype), opts
+
+
+def dequantized_checkpoint(ckpt: Checkpoint, dtype: str) -> Checkpoint:
+    """``ckpt`` with its quantized weights dequantized to ``dtype`` as they are read, under
+    the names and in the layout the model holds them (no quantization left); as it is when
+    not quantized."""
+    if ckpt.quant is None:
+        return ckpt
+    tensors = dequantized(ckpt.tensors, ckpt.quant, dtype)
     config = ckpt.family.refine_config(ckpt.config, tensors)  # gpt-oss: no MXFP4 blocks left
-    return dataclasses.replace(ckpt, tensors=tensors, config=config, quant=None), opts
+    return dataclasses.replace(ckpt, tensors=tensors, config=config, quant=None)
 
 
 def check_experts_choice(ckpt: Checkpoint, fmt: CheckpointFormat, experts: str | None) -> None:

@@ -124,7 +124,8 @@ class BlockFP8(QuantMethod):
 
     def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's and transformers' formula: ``scale_inv = amax / 448`` per block (1 for
-        an all-zero block), ``e4m3(values / scale_inv)``, in float32."""
+        an all-zero block), ``e4m3(values / scale_inv)``, in float32; with ``scale_fmt:
+        "ue8m0"`` the scale rounded up to a power of two, as DeepSeek V3.1's recipe does."""
         import torch
 
         br, bc = self.block
@@ -135,6 +136,8 @@ class BlockFP8(QuantMethod):
         padded[:, :rows, :cols] = v.abs()
         amax = padded.reshape(v.shape[0], sr, br, sc, bc).amax(dim=(2, 4))
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        if self.scale_fmt == "ue8m0":
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         scale = scale.reshape(*values.shape[:-2], sr, sc)
         return self.requantize(values, scale), scale
 

@@ -30,6 +30,7 @@ from ckptkit.formats.torch_io import save_torch
 from ckptkit.hub import hub_source, parse_ref
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig
+from ckptkit.plan import dequantized_checkpoint
 from ckptkit.save_like import write_like
 from ckptkit.train.config import config_path
 from ckptkit.train.lora import lora_modules, model_config
@@ -49,7 +50,7 @@ class Checkpointer:
     """Configured by the ``checkpointer:`` section (see docs/training.md) plus
     ``resume_from_checkpoint``."""
 
-    def __init__(self, conf: CheckpointerConfig, resume: bool = False):
+    def __init__(self, conf: CheckpointerConfig, resume: bool = False, base_dtype: str = "float32"):
         if conf.output_dir is None:
             raise ConfigError("config is missing required key checkpointer.output_dir")
         self.checkpoint_dir, self.hub_id = self._local(conf.checkpoint_dir, conf.model_type)
@@ -64,6 +65,8 @@ class Checkpointer:
         self.torchtune_checkpointer = conf.torchtune_checkpointer
         self.async_save = conf.async_save
         self.dtypes: dict[str, str] = {}  # canonical name -> stored dtype name
+        self.base_dtype = base_dtype  # what quantized base weights (block FP8, MXFP4) are dequantized to
+        self.merge_dtype: str | None = None  # written dequantized in this dtype (None: quantized as read)
         sweep(self.output_dir)  # what killed runs left half-written
         self.loads_in_transformers = False
         self.quantized = False
@@ -123,7 +126,7 @@ class Checkpointer:
                     "format: drop _component_"
                 )
             plan_conversion(ckpt, Options(ckpt.format))  # the checkpoints' own layout: fails now, not at save
-            return ckpt.config
+            return dequantized_checkpoint(ckpt, self.base_dtype).config  # gpt-oss: MXFP4 experts read dequantized
 
     # --- reading -------------------------------------------------------------------
     def load_base(self) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -153,7 +156,9 @@ class Checkpointer:
         return config_path("checkpointer.checkpoint_dir", str(self.checkpoint_dir))
 
     def open_base(self) -> Checkpoint:
-        """The base checkpoint opened lazily (tensors read by ``get()``), its files checked."""
+        """The base checkpoint opened lazily (tensors read by ``get()``), its files checked;
+        quantized weights (block FP8, MXFP4) dequantized to ``base_dtype`` by the reference
+        recipe as they are read (``dtypes`` keeps their stored dtype)."""
         ckpt = open_checkpoint(self.base_path(), model_type=self.model_type)
         if self.checkpoint_files:
             found = set(ckpt.raw.files)
@@ -166,7 +171,11 @@ class Checkpointer:
                     f"({', '.join(odd[:3])}); leave it unset to use every weight file"
                 )
         self.dtypes = {k: v.dtype for k, v in ckpt.tensors.items()}
-        return ckpt
+        if ckpt.quant is not None:
+            method = ckpt.quant.method
+            for name in ckpt.quant.scales:
+                self.dtypes[method.dequantized_as(name, ckpt.tensors[name].shape)[0]] = self.dtypes.pop(name)
+        return dequantized_checkpoint(ckpt, self.base_dtype)
 
     def load_recipe_state(self) -> RecipeState | None:
         """The state to resume from, or None when not resuming; one-line errors name the key."""
@@ -310,7 +319,7 @@ class Checkpointer:
     def write_model(self, folder: Path, model_state: dict[str, Any]) -> None:
         """The model (canonical names -> tensors or :class:`~ckptkit.tensors.lazy.Lazy`, read one at a
         time) in the input's format, file names and shard partition, into ``folder``."""
-        write_like(self.checkpoint_dir, model_state, self.model_in(folder), model_type=self.model_type)
+        write_like(self.checkpoint_dir, model_state, self.model_in(folder), self.model_type, self.merge_dtype)
 
     def model_in(self, folder: Path) -> Path:
         """Where checkpoint folder ``folder`` holds the model: the folder itself, or, for a base

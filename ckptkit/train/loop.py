@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckptkit.errors import CkptkitError
 from ckptkit.io import signal_of, stopped_by, stopping_on_signals, tmp_beside
+from ckptkit.tensors.dtypes import dtype_name
 from ckptkit.train.checkpointer import Checkpointer, checkpoint_name, rng_state, set_rng_state
 from ckptkit.train.config import config_path, load_config, parse_config
 from ckptkit.train.data import build_datasets, collate, epoch_batches
@@ -73,7 +74,7 @@ class Recipe:
         self.seed = cfg.seed
         self.global_batch = cfg.batch_size * placement.world_size
         self.writer = placement.rank == 0  # logs and writes checkpoints
-        self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint)
+        self.checkpointer = Checkpointer(cfg.checkpointer, cfg.resume_from_checkpoint, dtype_name(self.dtype))
         self.metrics: MetricLogger | None = None
         self.finished = False  # every epoch ran (set by the training loop)
         self.offload: ActivationOffload | None = None

@@ -23,6 +23,7 @@ from torch import nn
 
 from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError
+from ckptkit.plan import dequantized_checkpoint
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train import distributed as D
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
@@ -322,4 +323,5 @@ def open_source(checkpointer: Checkpointer, folder: Path | None) -> Checkpoint:
     """The checkpoint the weights come from: the base, or ``folder`` (one saved by this recipe)."""
     if folder is None:
         return checkpointer.open_base()
-    return open_checkpoint(checkpointer.model_in(folder), model_type=checkpointer.model_type)
+    saved = open_checkpoint(checkpointer.model_in(folder), model_type=checkpointer.model_type)
+    return dequantized_checkpoint(saved, checkpointer.base_dtype)

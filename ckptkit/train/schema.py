@@ -205,20 +205,15 @@ class LoRAConfig(Section):
     alpha: PositiveFloat = 16.0
     dropout: Fraction = 0.0
     targets: Annotated[list[LoRATarget], Field(min_length=1)] = ["q", "v"]
-    use_dora: Bool = False  # DoRA: a trained magnitude per output row (PEFT's use_dora)
+    use_dora: Bool = False  # DoRA: a trained magnitude per output row (PEFT's use_dora); on NF4 too (QDoRA)
     # final: intermediate checkpoints adapter-only, the last one merged too; every: all merged; never: none
     save_merged: Literal["final", "every", "never"] = "final"
     # QLoRA (ckptkit.train.nf4): nf4 (or true) keeps the decoder layers' frozen linears in NF4
     quantize_base: QuantizeBase = None
     # the base a merged save adds the adapter to: nf4 (dequantized, as trained) or original (16-bit)
     merge_base: Literal["nf4", "original"] = "nf4"
-
-    @model_validator(mode="after")
-    def _dora_on_full_weights(self) -> LoRAConfig:
-        """DoRA's magnitudes start from the 16-bit rows; on an NF4 base they would not match PEFT's."""
-        if self.use_dora and self.quantize_base is not None:
-            raise ValueError("use_dora with quantize_base (QDoRA) is not supported yet; drop one of them")
-        return self
+    # a quantized base (block FP8, MXFP4): null writes the merged model quantized as the input is, bf16 dequantized
+    merge_dtype: Literal["bf16"] | None = None
 
 
 class LoRAFinetuneConfig(RecipeConfig):

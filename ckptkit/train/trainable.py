@@ -124,6 +124,7 @@ class LoRAAdapters(Trainable):
         prepare_for_peft(model)  # fused modules share one A; PEFT names checked now, not at save
         if checkpointer.resume:
             checkpointer.load_adapter_into(model)
+        checkpointer.merge_dtype = "bfloat16" if cfg.merge_dtype == "bf16" else None
         self.checkpointer = checkpointer
 
     def placed(self, model: nn.Module) -> None:
@@ -141,7 +142,10 @@ class LoRAAdapters(Trainable):
             if not key.endswith(".lora_magnitude"):
                 return tensor(key)
             weight = key.removesuffix(".lora_magnitude") + ".weight"
-            return dora_magnitude(tensor(weight).to(dtypes[weight]), dtypes[key])
+            base = tensor(weight).to(dtypes[weight])
+            if self.cfg.quantize_base == "nf4":  # QDoRA: of the dequantized NF4 weight it trains on, as PEFT's
+                base = nf4.dequantize(nf4.to_nf4(base))
+            return dora_magnitude(base, dtypes[key])
 
         return read
 

@@ -219,13 +219,18 @@ def load_model(
 ) -> Transformer:
     """Load any checkpoint ckptkit reads (HF dir, Meta dir, ...) into a native model.
 
-    ``dtype`` None keeps the stored dtype of the weights.
+    ``dtype`` None keeps the stored dtype of the weights (the embeddings' for a quantized
+    checkpoint, whose weights are dequantized to it by the reference recipe).
     """
-    from ckptkit.checkpoint import load_checkpoint
+    from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.plan import dequantized_checkpoint
+    from ckptkit.tensors.dtypes import dtype_name, to_torch
 
-    cfg, state_dict = load_checkpoint(path, model_type=model_type)
-    if dtype is None:
-        dtype = state_dict["tok_embeddings.weight"].dtype
+    with open_checkpoint(path, model_type=model_type) as ckpt:
+        if dtype is None:
+            dtype = to_torch(ckpt.tensors["tok_embeddings.weight"].dtype)
+        view = dequantized_checkpoint(ckpt, dtype_name(dtype))
+        cfg, state_dict = view.config, {k: v.get() for k, v in view.tensors.items()}
     model = build_model(cfg, device="meta", dtype=dtype)
     _check_keys(model, state_dict)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
