@@ -10,9 +10,11 @@ fixtures' tiny Llama 3 style tokenizer (384 tokens, so the layers are what is ti
 pre-tokenizer given to both GGUF writers as ``llama-bpe``), one shard per layer and an index,
 as releases ship. Interleaved rounds (``--repeat``, default 3; the order rotates every round)
 warm the source, then time each command as its own process under GNU ``time`` (wall, peak
-RSS) followed by a timed ``sync``:
+RSS) followed by a timed ``sync``; the Python tools run from compiled bytecode (compiled
+first, as an installed package is):
 
-* ``ckptkit convert SRC OUT --to hf --dtype bfloat16`` (one tensor and its scale at a time);
+* ``ckptkit convert SRC OUT --to hf --dtype bfloat16`` (each weight dequantized and written
+  a few MiB at a time, while the next few are made);
 * ``ckptkit convert SRC OUT.gguf --to gguf --dtype bfloat16``;
 * llama.cpp's ``convert_hf_to_gguf.py SRC --outtype bf16`` (llama-cpp-python 0.3.36, the
   tests' copy), which dequantizes FP8 sources itself;
@@ -32,6 +34,7 @@ output, CPU seconds (user + system), peak RSS and the 1-minute load average (the
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -156,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     src, size = build(work, args.layers)
     llama_cpp = llama_cpp_dir()
+    # every Python tool runs from bytecode compiled once, as installed packages do (an
+    # environment that writes none would have each run compile ckptkit's and gguf-py's modules)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    for tree in (ROOT / "ckptkit", llama_cpp / "gguf-py", llama_cpp / "conversion", llama_cpp):
+        if tree.exists():
+            compileall.compile_dir(tree, maxlevels=0 if tree == llama_cpp else 10, quiet=1)
     blob = work / "blob"
     if not blob.exists() or blob.stat().st_size != size:
         with blob.open("wb") as f:
