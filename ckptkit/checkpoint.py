@@ -143,7 +143,7 @@ def open_checkpoint(
     try:
         stored = dict(raw.infos)  # the scales are hidden from the model's view, then put back
         folder = root if root.is_dir() else None
-        found = found_quantization(source_quant_config(raw.config, folder), raw.infos, root / raw.config_name)
+        found = found_quantization(source_quant_config(raw.config, folder), raw.infos, root / raw.config_name, raw.read)
         given = get_family(model_type) if model_type else None
         if model_type and check_model_type:
             _check_model_type(reader, raw, model_type)

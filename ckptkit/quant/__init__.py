@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,11 +103,14 @@ def source_quant_config(config: dict[str, Any], folder: Path | None = None) -> A
     return found
 
 
-def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found | None:
+def found_quantization(
+    config: Any, infos: dict[str, Any], where: Path, read: Callable[[str], torch.Tensor] | None = None
+) -> Found | None:
     """The quantization ``config`` (a ``quantization_config``, None: none) describes in
     ``infos``; its scales and activation-only scales are removed from ``infos`` and packed
     weights shown in the shape the model config implies (:meth:`QuantMethod.model_shape`;
-    the caller puts them back once the model's tensors are named). One line
+    the caller puts them back once the model's tensors are named; ``read``: a stored tensor's
+    values, for what only they settle, :meth:`QuantMethod.settle`). One line
     naming the tensor for a quantized weight without its scale, a scale without its weight
     or of the wrong shape or dtype, a config that contradicts the tensors."""
     if config is None:
@@ -153,6 +156,8 @@ def found_quantization(config: Any, infos: dict[str, Any], where: Path) -> Found
             )
     if not pairs:
         raise CkptkitError(f"{where}: quantization_config says {method.name}, but no tensor has a scale")
+    if read is not None:
+        method.settle(pairs, read)
     for name in [*dropped, *(n for w in pairs for n in method.scale_names(w))]:
         del infos[name]
     renamed = {w: method.stored_name(w) for w in pairs if method.stored_name(w) != w}

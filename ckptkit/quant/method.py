@@ -8,7 +8,7 @@ A method is one module (``fp8.py``; compressed-tensors, MXFP4, NVFP4 and Mistral
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ckptkit.errors import CkptkitError
@@ -107,6 +107,11 @@ class QuantMethod:
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
         """A one-line error naming ``name`` for a scale no dequantization may use (NaN, inf)."""
         raise NotImplementedError
+
+    def settle(self, pairs: Mapping[str, tuple[Stored, ...]], read: Callable[[str], torch.Tensor]) -> None:
+        """Settle what the stored shapes leave open from the values of the weights' small
+        companion tensors ``pairs`` (weight -> its scales' metadata; ``read`` by stored name),
+        before any shape is shown: by default nothing is open."""
 
     def block_rows(self) -> int:
         """How many rows one scale covers (a row permutation within such groups keeps the scales)."""

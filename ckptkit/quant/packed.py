@@ -6,7 +6,9 @@ A weight ``X.weight`` [..., rows, cols] (matrices; stacked experts [E, rows, col
 one matrix at a time) is stored as ``X.weight_packed``, int32 [..., rows, ceil(cols x bits /
 32)]: the row's values, each plus ``2 ** (bits - 1)`` (so unsigned), as one little-endian
 bit stream, value ``i`` in bits ``i x bits ..`` (a value may straddle two words; the last
-word of a row padded with zero bits); ``X.weight_shape`` holds [..., rows, cols];
+word of a row padded with zero bits); ``X.weight_shape`` holds [..., rows, cols] (read
+when the checkpoint is opened where the scales do not say: per channel, a row's words hold
+any of several column counts);
 ``X.weight_scale`` is [..., rows, groups]; an asymmetric scheme's ``X.weight_zero_point``
 int32 [..., ceil(rows x bits / 32), groups] packs its zero points the same way down the rows.
 Dequantized as compressed-tensors' ``PackedQuantizationCompressor`` does: (value - zero
@@ -17,6 +19,7 @@ rounding of the exact float32 product: widened to float32, one cast.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +98,7 @@ class PackedCompressedTensors(CompressedTensors):
         self.bits = widths[0]
         self._shapes: dict[str, list[int]] = {}  # weight_shape tensor -> the shape its packed weight holds
         self._model: dict[tuple[tuple[int, ...], int], int] = {}  # (packed shape, groups) -> columns
+        self._channel: dict[str, tuple[tuple[int, ...], int, int]] = {}  # weight -> (packed shape, columns from, to)
 
     def _scheme(self, weight: str) -> Scheme:
         return self.scheme_named(weight)
@@ -138,6 +142,8 @@ class PackedCompressedTensors(CompressedTensors):
                 f"{where}: {weight.name} holds {words} words of int{self.bits} a row ({lo} to {hi} columns), "
                 f"not whole groups of {group}; not read"
             )
+        if scheme.strategy == "channel":  # the columns: weight_shape's (:meth:`settle`)
+            self._channel[weight.name.removesuffix(PACKED_SUFFIX)] = (tuple(weight.shape), lo, hi)
         groups = scale.shape[-1] if scale.name.endswith((SCALE_SUFFIX, ZERO_SUFFIX)) and scale.shape else 0
         cols = groups * group if groups * group in whole else whole[-1]  # several: the scale says which
         if scale.name.endswith(SHAPE_SUFFIX):
@@ -165,6 +171,28 @@ class PackedCompressedTensors(CompressedTensors):
                 f"{where} is {list(scale.shape)}, but {weight.name} {list(weight.shape)} "
                 f"({rows} x {cols} int{self.bits}, groups of {group}) needs {list(want)}"
             )
+
+    def settle(self, pairs: Mapping[str, tuple[Stored, ...]], read: Callable[[str], torch.Tensor]) -> None:
+        """Per channel, each weight's columns from its ``weight_shape`` (one line for columns
+        its words cannot hold, or two weights of one packed shape holding different counts)."""
+        settled: dict[tuple[tuple[int, ...], int], int] = {}
+        for weight, (shape, lo, hi) in self._channel.items():
+            if weight not in pairs:
+                continue
+            info = next(s for s in pairs[weight] if s.name.endswith(SHAPE_SUFFIX))
+            where = f"{self.where.parent / (info.file or '')}: {info.name}"
+            got = [int(x) for x in read(info.name).reshape(-1).tolist()]
+            if got[:-1] != list(shape[:-1]) or not lo <= got[-1] <= hi:
+                raise CkptkitError(
+                    f"{where} is {got}, but {weight + PACKED_SUFFIX} {list(shape)} holds rows of {lo} to {hi} "
+                    f"int{self.bits}"
+                )
+            key = (shape, 1)
+            if settled.setdefault(key, got[-1]) != got[-1]:
+                held = f"{settled[key]} and {got[-1]} columns"
+                raise CkptkitError(f"{where}: packed weights of shape {list(shape)} hold {held}; not read")
+            self._model[key] = got[-1]
+            self._shapes[info.name] = got
 
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
         tensor = name.rsplit(": ", 1)[-1]

@@ -6,7 +6,8 @@ weights as compressed-tensors packs them.
 
 Fixtures: ``fixtures/ct/w4a16`` (symmetric) and ``fixtures/ct/w4a16-asym`` (zero points
 packed along rows; K/V have 20 rows), ``fixtures/ct/w3a16-asym`` (values straddling words,
-rows and zero points padded), ``fixtures/ct/w8a16`` (per channel), made by
+rows and zero points padded), ``fixtures/ct/w8a16`` (per channel), ``fixtures/ct/w3a16-channel``
+(per channel, every row's last word padded: ``weight_shape`` gives the columns), made by
 ``fixtures/make_ct_fixtures.py``."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SYM = FIXTURES / "ct" / "w4a16"
 ASYM = FIXTURES / "ct" / "w4a16-asym"
 W3 = FIXTURES / "ct" / "w3a16-asym"
 W8 = FIXTURES / "ct" / "w8a16"
+W3C = FIXTURES / "ct" / "w3a16-channel"
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
 
@@ -74,7 +76,9 @@ def test_inspect_shows_packed_groups() -> None:
         assert q["packing"].startswith(packing)
 
 
-@pytest.mark.parametrize("folder", [SYM, ASYM, W3, W8], ids=["symmetric", "asymmetric", "3-bit", "8-bit"])
+@pytest.mark.parametrize(
+    "folder", [SYM, ASYM, W3, W8, W3C], ids=["symmetric", "asymmetric", "3-bit", "8-bit", "3-bit-channel"]
+)
 def test_dequantized_equals_compressed_tensors_and_verified(reference: Any, folder: Path, tmp_path: Path) -> None:
     convert(folder, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     ours, ref = load_file(tmp_path / "out" / "model.safetensors"), reference(folder)
@@ -104,14 +108,14 @@ def test_dequantized_equals_transformers_loader(folder: Path, tmp_path: Path) ->
     assert [k for k in weights if not _bytes_equal(ours[k], theirs[k])] == []
 
 
-@pytest.mark.parametrize("folder", [ASYM, W3], ids=["4-bit", "3-bit"])
-def test_kept_through_hf_bin_and_internal(folder: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("folder", "tensors"), [(ASYM, 63), (W3, 63), (W3C, 49)], ids=["4-bit", "3-bit", "channel"])
+def test_kept_through_hf_bin_and_internal(folder: Path, tensors: int, tmp_path: Path) -> None:
     """Without --dtype: weight_packed, its scales, shape and zero points travel unchanged."""
     path = folder
     for i, to in enumerate(["hf-bin", "internal", "hf"]):
         out = tmp_path / f"{i}-{to}"
         convert(path, out, ConvertOptions(to))
-        assert verify_paths(folder, out).verdict().startswith("IDENTICAL: all 63 tensors")
+        assert verify_paths(folder, out).verdict().startswith(f"IDENTICAL: all {tensors} tensors")
         path = out
     assert (path / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
     assert (path / "config.json").read_text() == (folder / "config.json").read_text()
@@ -169,22 +173,42 @@ def test_stacked_weights_equal_compressed_tensors(bits: int) -> None:
     assert torch.equal(method.requantize(exact, scales), state["weight_packed"])
 
 
-def test_per_channel_row_with_padding_is_one_line(tmp_path: Path) -> None:
-    """Per channel, the shapes do not say how many values a padded last word holds: the
-    columns are taken as all it holds, and a ``weight_shape`` saying fewer is refused in one
-    line, nothing written (here int8 rows of 40 stated as 37 columns)."""
+@pytest.mark.parametrize(
+    ("folder", "module", "shape", "says"),
+    [
+        (
+            W8,
+            "self_attn.k_proj",
+            [20, 36],
+            r"k_proj.weight_shape is \[20, 36\], but .*k_proj.weight_packed \[20, 10\] holds rows of 37 to 40 int8",
+        ),
+        (
+            W3C,
+            "self_attn.o_proj",
+            [40, 39],
+            r"q_proj.weight_shape: packed weights of shape \[40, 4\] hold 39 and 40 columns; not read",
+        ),
+    ],
+    ids=["too-few", "two-counts"],
+)
+def test_per_channel_columns_the_words_do_not_settle_are_one_line(
+    folder: Path, module: str, shape: list[int], says: str, tmp_path: Path
+) -> None:
+    """Per channel, ``weight_shape`` says how many values a row's words hold (the last one
+    padded): one its words cannot hold (int8 rows of 10 words: 37 to 40 values), or two
+    counts for one packed shape, is refused in one line naming it, nothing written."""
     import shutil
 
     from safetensors.torch import save_file
 
     from ckptkit.errors import CkptkitError
 
-    src = shutil.copytree(W8, tmp_path / "src")
+    src = shutil.copytree(folder, tmp_path / "src")
     t = load_file(src / "model.safetensors")
-    k = "model.layers.0.self_attn.k_proj.weight_shape"
-    t[k] = torch.tensor([20, 37])
+    k = f"model.layers.0.{module}.weight_shape"
+    t[k] = torch.tensor(shape)
     save_file(t, src / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CkptkitError, match=rf"{k} is \[20, 37\], but the packed weight holds \[20, 40\]") as err:
+    with pytest.raises(CkptkitError, match=says) as err:
         convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
