@@ -27,9 +27,11 @@ from conftest import raw_layout
 from train_helpers import FIXTURES
 
 NAMES = ["llama4-text", "llama4"]
-# Max |logits difference| measured against transformers' eager attention (float32), 24 tokens:
-# 5.4e-7 (SDPA's sums against eager's matmul-softmax-matmul).
-PARITY = 6e-7
+# Max |logits difference| measured against transformers' eager attention (float32): 5.4e-7 on
+# the 24 tokens below (right-padded: 4.8e-7), 6.2e-7 over 15 inputs of 11 to 40 tokens (SDPA's
+# sums against eager's matmul-softmax-matmul); cached decoding 3.3e-7 from transformers', 5.7e-7
+# from the full forward; a left-padded row 3.6e-7 from the row alone.
+PARITY = 7e-7
 SHORT = ["epochs=1", "max_steps_per_epoch=2", "batch_size=2", "quiet=true"]
 
 
