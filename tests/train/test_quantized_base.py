@@ -214,3 +214,29 @@ def test_a_ue8m0_fp8_base_merges_back_with_power_of_two_e8m0_scales(tmp_path: Pa
     for key, tensor in source.items():
         if not key.startswith(name):
             assert torch.equal(merged[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def test_a_changed_weight_of_a_method_ckptkit_cannot_quantize_is_one_line(tmp_path: Path) -> None:
+    """An NVFP4 base (modelopt) trains dequantized; writing a changed weight back in NVFP4 is
+    refused in one line naming ``lora.merge_dtype: bf16``, which writes it."""
+    from ckptkit.errors import CkptkitError
+
+    nvfp4 = FIXTURES / "modelopt" / "nvfp4"
+    checkpointer = Checkpointer(CheckpointerConfig(checkpoint_dir=str(nvfp4), output_dir=str(tmp_path)))
+    with checkpointer.open_base() as base:
+        model = build_model(base.config)
+        model.load_state_dict({k: v.get() for k, v in base.tensors.items()})
+    apply_lora(model, ["q"], rank=2)
+    torch.nn.init.normal_(model.layers[0].attn.q_proj.lora_b, std=0.05)
+    state = base_state_dict(model, merged=True)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(
+        CkptkitError, match=r"^modelopt weights cannot be quantized again by ckptkit; .*merge_dtype: bf16\)$"
+    ):
+        checkpointer.write_model(tmp_path / "out", state)
+    checkpointer.merge_dtype = "bfloat16"
+    checkpointer.write_model(tmp_path / "out", state)
+    merged = stored(tmp_path / "out")
+    assert torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"], state["layers.0.attn.q_proj.weight"].bfloat16()
+    )
