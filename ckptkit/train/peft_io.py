@@ -30,7 +30,7 @@ from ckptkit.formats.peft_adapter import (
 )
 from ckptkit.models import ModelConfig, canonical_key, canonical_shapes, hf_key
 from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
-from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
+from ckptkit.train.lora_targets import fused_part, fused_parts, in_text_model, out_of_text_model, share_fused_lora
 from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
 
 _PREFIX = "base_model.model."
@@ -88,8 +88,8 @@ def prepare_for_peft(model: nn.Module) -> None:
     _peft_tensors(model)
 
 
-def _hf_module(model_type: str, canonical_module: str) -> str:
-
+def _hf_module(cfg: ModelConfig, canonical_module: str) -> str:
+    model_type = cfg.model_type
     fused = fused_part(model_type, canonical_module)
     if fused is not None:
         return fused[0]
@@ -100,15 +100,15 @@ def _hf_module(model_type: str, canonical_module: str) -> str:
             f"LoRA on {canonical_module} cannot be written in PEFT format for {model_type} "
             f"(no 1:1 Hugging Face module, e.g. Phi-3's fused qkv_proj/gate_up_proj): {exc}"
         ) from None
-    return name.removesuffix(".weight")
+    return in_text_model(cfg, name.removesuffix(".weight"))
 
 
 class NotInBase(CkptkitError):
     """An adapter names a module that the base model's type does not have."""
 
 
-def _canonical_module(model_type: str, hf_module: str) -> str:
-
+def _canonical_module(cfg: ModelConfig, hf_module: str) -> str:
+    model_type, hf_module = cfg.model_type, out_of_text_model(cfg, hf_module)
     try:
         if hf_module.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):  # fused where model_type is not
             raise KeyError(hf_module)
@@ -199,7 +199,7 @@ def _peft_tensors(
         if name in moe_modules:
             moe[name] = (a.detach(), b.detach())
             continue
-        hf = hf_names[name] = _hf_module(model_type, name)
+        hf = hf_names[name] = _hf_module(cfg, name)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
         part = fused_part(model_type, name)
         if part is not None:
@@ -317,13 +317,13 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
         for mine, theirs, other in zip(got, want, wider[key], strict=False):  # ndims may differ
             if mine != theirs and theirs != other:
                 return f"it was trained on a model with hidden size {mine}; {base} has {theirs}"
-        hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+        hf = _hf_module(model, key.removesuffix(".weight"))
         if len(got) != 2 or len(want) != 2:
             return f"{hf} has shape {list(got)} in the adapter, {list(want)} in {base}"
         return f"{hf} maps {got[1]} -> {got[0]} features in the adapter, {want[1]} -> {want[0]} in {base}"
     for key in weights:
         if key not in shapes:
-            hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+            hf = _hf_module(model, key.removesuffix(".weight"))
             layer = key.split(".")[1] if key.startswith("layers.") else None
             why = (
                 f" ({model.num_layers} layers)" if layer is not None and int(layer) >= model.num_layers
@@ -360,14 +360,14 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
         for suffix, (part, flip) in suffixes.items():
             if body.endswith(suffix):
                 hf_module = body.removesuffix(suffix)
-                module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
+                module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model, hf_module)
                 pairs.setdefault(module, {})[part] = tensor.T if flip else tensor
                 break
         else:
             if not body.endswith(".weight") or ".lora_" in body:
                 raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
             hf_module = body.removesuffix(".weight")
-            name = _canonical_module(model_type, hf_module.removesuffix(".base_layer")) + ".weight"
+            name = _canonical_module(model, hf_module.removesuffix(".base_layer")) + ".weight"
             if not hf_module.endswith(".base_layer") and ({hf_module, hf_module.rsplit(".", 1)[-1]} & saved):
                 replaced[name] = tensor
             else:

@@ -7,7 +7,8 @@ embeddings, norm placement, q/k norms) and the groups of fields they carry
 (:mod:`ckptkit.models.features`, experts, DeepSeek's latent attention), so one module tree
 composes them all and never asks which family it runs. Each mechanism is a module of its
 own: :mod:`~ckptkit.train.attention` (grouped-query attention, masks, KV cache),
-:mod:`~ckptkit.train.mla` (latent attention), :mod:`~ckptkit.train.experts` and
+:mod:`~ckptkit.train.mla` (latent attention), :mod:`~ckptkit.train.deltanet` (Gated DeltaNet,
+the linear attention of the hybrid Qwen3-Next and Qwen3.5 layers), :mod:`~ckptkit.train.experts` and
 :mod:`~ckptkit.train.routers` (mixtures of experts), :mod:`~ckptkit.train.rope`,
 :mod:`~ckptkit.train.layers` (norms, MLPs). Module and parameter names are the canonical
 tensor names, so ``Transformer(cfg).load_state_dict(canonical_sd)`` just works.
@@ -30,8 +31,10 @@ from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import MTP_PREFIX, DeepseekV3Fields
 from ckptkit.models.features import SoftCapping
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.hybrid import LINEAR, VISION, HybridFields
 from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.train.attention import Attention, KVCache, causal_mask
+from ckptkit.train.deltanet import GatedDeltaNet
 from ckptkit.train.experts import SparseMoE, StackedMoE
 from ckptkit.train.layers import GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
@@ -40,8 +43,9 @@ from ckptkit.train.rope import RotaryEmbedding, local_theta
 
 
 class Carried(nn.Module):
-    """Tensors a checkpoint holds that the decoder does not run (DeepSeek's and GLM's MTP
-    layers), as buffers under their canonical names: loaded, never trained, saved back as read."""
+    """Tensors a checkpoint holds that the decoder does not run (the MTP layers of DeepSeek,
+    GLM, Qwen3-Next and Qwen3.5; Qwen3.5's vision tower), as buffers under their canonical
+    names: loaded, never trained, saved back as read."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
         super().__init__()
@@ -56,7 +60,8 @@ class Carried(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; in the
+    hybrid families' linear layers ``linear_attn`` (Gated DeltaNet) takes the place of ``attn``."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -66,7 +71,13 @@ class Block(nn.Module):
         if decoder.input_norms:
             self.sa_norm = RMSNorm(h, eps, plus)
         latent = cfg.feature(DeepseekV3Fields) is not None
-        self.attn = LatentAttention(cfg, layer_idx) if latent else Attention(cfg, layer_idx)
+        hybrid = cfg.feature(HybridFields)
+        self.linear = hybrid is not None and hybrid.kind(layer_idx) == LINEAR
+        if self.linear:
+            split = get_family(cfg.model_type).split_in_proj  # type: ignore[attr-defined]
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx, split)
+        else:
+            self.attn = LatentAttention(cfg, layer_idx) if latent else Attention(cfg, layer_idx)
         if decoder.input_norms:
             self.mlp_norm = RMSNorm(h, eps, plus)
         self.mlp: nn.Module = SparseMoE(cfg) if is_moe_layer(cfg, layer_idx) else GatedMLP(cfg)
@@ -79,7 +90,12 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
     ) -> torch.Tensor:
-        a = self.attn(self.sa_norm(x) if self.input_norms else x, cos, sin, mask, cache)
+        """``mask``: the attention mask, or for a linear layer the (B, T) padding mask."""
+        h = self.sa_norm(x) if self.input_norms else x
+        if self.linear:
+            a = self.linear_attn(h, mask, cache.linear if cache is not None else None)
+        else:
+            a = self.attn(h, cos, sin, mask, cache)
         x = x + (self.attn_post_norm(a) if self.post_norms else a)
         m = self.mlp(self.mlp_norm(x) if self.input_norms else x)
         return x + (self.mlp_post_norm(m) if self.post_norms else m)
@@ -98,8 +114,11 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg)
         self.local_rope = RotaryEmbedding(cfg, local=True) if local_theta(cfg) else None
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
-        carried = {k[len(MTP_PREFIX) :]: v for k, v in canonical_shapes(cfg).items() if k.startswith(MTP_PREFIX)}
+        shapes = canonical_shapes(cfg)
+        carried = {k[len(MTP_PREFIX) :]: v for k, v in shapes.items() if k.startswith(MTP_PREFIX)}
         self.mtp = Carried(carried) if carried else None
+        vision = {k[len(VISION) :]: v for k, v in shapes.items() if k.startswith(VISION)}
+        self.visual = Carried(vision) if vision else None
         _check_supported(self, cfg)
 
     def forward(
@@ -132,9 +151,10 @@ class Transformer(nn.Module):
         # Sliding-window layers with their own rope base (Gemma 3) use the local tables.
         local = self.local_rope(position_ids, x.dtype) if self.local_rope is not None else (cos, sin)
         masks = {w: causal_mask(attention_mask, past, T, w, x.device) for w in set(self.windows)}
+        pad = linear_padding(attention_mask, T)
         for layer, window in zip(self.layers, self.windows, strict=True):
             c, s = (cos, sin) if window is None else local
-            x = layer(x, c, s, masks[window], cache)
+            x = layer(x, c, s, pad if layer.linear else masks[window], cache)
         if cache is not None:
             cache.length += T
         x = self.norm(x)
@@ -164,7 +184,13 @@ class Transformer(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random init for training from scratch (normal linears/embeddings, unit norms)."""
         for name, p in self.named_parameters():
-            if name.endswith(".scale"):
+            if name.endswith("linear_attn.norm.scale"):  # the gated norm: x * w (and silu(z))
+                nn.init.ones_(p)
+            elif name.endswith("A_log"):  # Gated DeltaNet's decay rates, log(uniform(0.01, 16)) as transformers
+                p.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
+            elif name.endswith("dt_bias"):
+                nn.init.ones_(p)
+            elif name.endswith(".scale"):
                 nn.init.zeros_(p) if self.config.decoder.norm_plus_one else nn.init.ones_(p)
             elif name.endswith((".bias", "_bias")):  # gpt-oss: experts.gate_up_proj_bias...
                 nn.init.zeros_(p)
@@ -206,6 +232,19 @@ def load_model(
     _check_keys(model, state_dict)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
     return model.to(device).eval()
+
+
+def linear_padding(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """The (B, T) padding mask of the new tokens for linear attention (None: none padded).
+
+    A packed batch's 4-D document mask is refused: the linear layers' state would carry
+    from one document into the next."""
+    if attention_mask is None or T == 1:
+        return None
+    if attention_mask.dim() == 4:
+        return attention_mask
+    mask = attention_mask[:, -T:]
+    return None if bool(mask.all()) else mask
 
 
 def _check_supported(model: nn.Module, cfg: ModelConfig) -> None:

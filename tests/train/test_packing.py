@@ -36,7 +36,9 @@ def _token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
 
 
 # mistral with a 16-token window: the sliding mask is cut by the document mask too
-@pytest.mark.parametrize(("family", "window"), [("llama3", None), ("mistral", 16), ("qwen3_moe", None)])
+@pytest.mark.parametrize(
+    ("family", "window"), [("llama3", None), ("mistral", 16), ("qwen3_moe", None), ("qwen3_next", None)]
+)
 def test_each_packed_document_s_loss_is_its_loss_alone(family: str, window: int | None) -> None:
     """Per document and per token, packed row vs the document as its own batch (float32).
 
