@@ -145,9 +145,11 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
     assert (_logits(merged, ids, hf=True) - want).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next"])
 def test_peft_expert_and_router_adapters_load_in_ckptkit(family: str, tmp_path: Path) -> None:
     # PEFT's own adapters: one stacked tensor, both nested, the router; ckptkit's logits equal.
+    # qwen3_next: also its linear attention's fused projections and out_proj.
+    modules = ["k_proj", *(["in_proj_qkvz", "in_proj_ba", "out_proj"] if family == "qwen3_next" else [])]
     from peft import LoraConfig, get_peft_model
 
     from ckptkit.train.peft_io import load_adapter
@@ -158,7 +160,7 @@ def test_peft_expert_and_router_adapters_load_in_ckptkit(family: str, tmp_path: 
     ):
         torch.manual_seed(i)
         peft = get_peft_model(
-            hf_model(family), LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj"], target_parameters=params)
+            hf_model(family), LoraConfig(r=2, lora_alpha=6, target_modules=modules, target_parameters=params)
         )
         with torch.no_grad():
             for n, p in peft.named_parameters():
