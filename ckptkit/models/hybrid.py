@@ -214,6 +214,12 @@ class Hybrid:
 
     split_in_proj = False
 
+    def sample_configs(self) -> list[ModelConfig]:
+        """A linear and a full layer, the first dense, the second with experts and a shared one."""
+        own = self.fields(layer_types=[LINEAR, FULL], num_experts=2, num_experts_per_tok=1, dense_layers=[0])  # type: ignore[attr-defined]
+        own.shared_expert_intermediate_size = 2
+        return [ModelConfig(self.name, 2, 2, 2, 1, 1, 2, 2, extra=own)]  # type: ignore[attr-defined]
+
     def is_moe(self, cfg: ModelConfig, layer: int | None) -> bool:
         f = cfg.fields(HybridFields)
         return f.num_experts > 0 and (layer is None or f.is_moe_layer(layer))

@@ -12,6 +12,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.features import SoftCapping
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.hybrid import HybridFields
 from ckptkit.train.layers import RMSNorm
 from ckptkit.train.rope import apply_rope
 
@@ -26,6 +27,7 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * cfg.num_layers
         self.values: list[torch.Tensor | None] = [None] * cfg.num_layers
         self.length = 0  # tokens already stored (same for every layer)
+        self.linear: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # linear attention: conv inputs, state
         self.max_len, self.device, self.dtype = max_len, device, dtype
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,14 +113,16 @@ def attend(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary embeddings."""
+    """Grouped-query self-attention with rotary embeddings; Qwen3-Next's and Qwen3.5's
+    ``q_proj`` gives each head's query and then its output gate (``y * sigmoid(gate)``)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.gated = cfg.feature(HybridFields) is not None
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         sinks = cfg.feature(GptOssFields) is not None  # gpt-oss: sinks, and a bias on the output too
@@ -147,6 +151,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, self.num_heads * self.head_dim)
         if self.qk_norm == "proj":  # OLMo 2: over the whole projection
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.num_heads, self.head_dim)
@@ -159,4 +167,5 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         y = attend(q, k, v, mask, self.scale, self.softcap, self.sinks)
-        return self.output_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.output_proj(y if gate is None else y * torch.sigmoid(gate))

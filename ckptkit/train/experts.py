@@ -1,9 +1,10 @@
 """The mixture-of-experts MLP of the native decoder: a router (a linear layer, LoRA-adaptable,
 with its choice bias as a buffer where the family has one), the routing rule of
 :mod:`ckptkit.train.routers`, experts summed in index order as transformers sums them, and
-the shared experts every token goes through (DeepSeek V3, GLM-4.5); and gpt-oss's experts,
-stacked tensors with biases and a clamped SwiGLU (:class:`StackedMoE`); and Llama 4's, stacked
-without biases, a shared expert beside them (:class:`Llama4MoE`)."""
+the shared experts every token goes through (DeepSeek V3, GLM-4.5; Qwen3-Next's and Qwen3.5's
+one behind a sigmoid gate); and gpt-oss's experts, stacked tensors with biases and a clamped
+SwiGLU (:class:`StackedMoE`); and Llama 4's, stacked without biases, a shared expert beside them
+(:class:`Llama4MoE`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import SharedExpertsFields
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.hybrid import HybridFields
 from ckptkit.models.moe import MoEFields, expert_size
 from ckptkit.train.layers import ACTIVATIONS, GatedMLP, clamped_swiglu
 from ckptkit.train.routers import TopKSigmoid, TopKSoftmax, has_expert_bias, routing
@@ -34,6 +36,11 @@ class SparseMoE(nn.Module):
         shared = cfg.feature(SharedExpertsFields)
         n_shared = shared.n_shared_experts if shared is not None else 0
         self.shared = GatedMLP(cfg, expert_size(cfg) * n_shared) if n_shared else None
+        hybrid = cfg.feature(HybridFields)  # Qwen3-Next, Qwen3.5: one shared expert, scaled by a sigmoid gate
+        self.shared_gate = None
+        if hybrid is not None and hybrid.shared_expert_intermediate_size:
+            self.shared = GatedMLP(cfg, hybrid.shared_expert_intermediate_size)
+            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.router_logits: torch.Tensor | None = None
         self.chosen: torch.Tensor | None = None
 
@@ -49,7 +56,10 @@ class SparseMoE(nn.Module):
             y = expert(flat[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         out = out.reshape(shape)
-        return out if self.shared is None else out + self.shared(x)
+        if self.shared is None:
+            return out
+        shared = self.shared(x)
+        return out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
 
 
 class StackedExperts(nn.Module):

@@ -23,7 +23,7 @@ from ckptkit.models import ModelConfig
 # Short target names -> canonical module leaf names (ckptkit.models.config docstring).
 # gate/up/down are the dense MLPs' projections; ``experts`` every expert's three (a
 # mixture-of-experts layer's ``mlp.experts.E.w1/w3/w2``), ``router`` the experts' router;
-# q_a/q_b/kv_a/kv_b the projections of latent attention.
+# q_a/q_b/kv_a/kv_b the projections of latent attention; in_proj_*/out_proj those of linear attention.
 TARGETS: dict[str, str] = {
     "q": "q_proj",
     "k": "k_proj",
@@ -39,6 +39,14 @@ TARGETS: dict[str, str] = {
     "q_b": "q_b_proj",
     "kv_a": "kv_a_proj",  # and the keys' and values' latent (HF kv_a_proj_with_mqa)
     "kv_b": "kv_b_proj",
+    # Gated DeltaNet (Qwen3-Next: in_proj_qkvz, in_proj_ba; Qwen3.5: in_proj_qkv/z/b/a), its out_proj
+    "in_proj_qkvz": "in_proj_qkvz",
+    "in_proj_ba": "in_proj_ba",
+    "in_proj_qkv": "in_proj_qkv",
+    "in_proj_z": "in_proj_z",
+    "in_proj_b": "in_proj_b",
+    "in_proj_a": "in_proj_a",
+    "out_proj": "out_proj",
 }
 EXPERTS = "experts"
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b", ".lora_magnitude")

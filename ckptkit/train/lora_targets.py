@@ -15,6 +15,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.hybrid import HybridFields
 from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
@@ -70,7 +71,9 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
             f"lora.targets: {cfg.model_type} has no experts; remove {' and '.join(moe)} from lora.targets"
         )
     dense_mlp = sorted(leaves & {"w1", "w2", "w3"})
-    if dense_mlp and has_experts is not None and not has_experts.dense_layers:
+    hybrid = cfg.feature(HybridFields)
+    shared = hybrid is not None and hybrid.shared_expert_intermediate_size > 0  # gate/up/down adapt the shared expert
+    if dense_mlp and has_experts is not None and not has_experts.dense_layers and not shared:
         names = " ".join(short.get(leaf, leaf) for leaf in dense_mlp)
         raise CkptkitError(
             f"lora.targets: {names} adapt dense MLPs and every {cfg.model_type} layer has experts instead: "
@@ -127,3 +130,24 @@ def fused_parts(model_type: str, hf_module: str) -> tuple[str, ...] | None:
     generic = hf_module[: match.start()] + "layers.0." + hf_module[match.end() :]
     members = fused_modules(model_type).get(generic)
     return None if members is None else tuple(m.replace("layers.0.", match.group(0), 1) for m in members)
+
+
+def in_text_model(cfg: ModelConfig, hf_module: str) -> str:
+    """``hf_module`` (``model.layers...``, as :func:`~ckptkit.models.hf_key` names it) where the
+    checkpoint of ``cfg`` keeps its decoder: a multimodal release's ``model.language_model.``."""
+    prefix = text_prefix(cfg)
+    return prefix + hf_module.removeprefix("model.") if hf_module.startswith("model.") else hf_module
+
+
+def out_of_text_model(cfg: ModelConfig, hf_module: str) -> str:
+    """Inverse of :func:`in_text_model`."""
+    prefix = text_prefix(cfg)
+    return "model." + hf_module.removeprefix(prefix) if hf_module.startswith(prefix) else hf_module
+
+
+def text_prefix(cfg: ModelConfig) -> str:
+    """The prefix of the embeddings in ``cfg``'s HF layout (``model.``, ``model.language_model.``)."""
+    for rule in get_family(cfg.model_type).hf_layout(cfg).head:
+        if rule.canonical == ("tok_embeddings.weight",) and rule.native.endswith("embed_tokens.weight"):
+            return rule.native.removesuffix("embed_tokens.weight")
+    return "model."

@@ -68,6 +68,8 @@ def moe_params(cfg: ModelConfig) -> list[MoeParam]:
     out = []
     for rule in get_family(cfg.model_type).hf_layout(stacked).expand(cfg.num_layers):
         modules = tuple(c.removesuffix(".weight") for c in rule.canonical)
+        if not modules[0].startswith("layers."):  # the MTP layers' experts (carried, never adapted)
+            continue
         if isinstance(rule.kind, Stacked):
             out.append(MoeParam(rule.native, modules, rule.kind.k))
         elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.(shared\.)?(router|w1|w2|w3)", modules[0]):

@@ -13,6 +13,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.features import LocalRope, PartialRotary
+from ckptkit.models.hybrid import HybridFields
 
 
 def local_theta(cfg: ModelConfig) -> float | None:
@@ -28,7 +29,7 @@ def _rope_type(scaling: dict[str, Any] | None) -> str:
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse rotary frequencies (float32), with Llama 3 or YaRN scaling if configured;
     ``local``: those of sliding-window layers with their own base (``local_rope_theta``, unscaled)."""
-    partial = cfg.feature(PartialRotary)
+    partial = cfg.feature(PartialRotary) or cfg.feature(HybridFields)  # Qwen3.5's mRoPE: plain rope on text
     dim = int(cfg.head_dim * (partial.partial_rotary_factor if partial else 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     own = local_theta(cfg) if local else None

@@ -7,7 +7,8 @@ embeddings, norm placement, q/k norms) and the groups of fields they carry
 (:mod:`ckptkit.models.features`, experts, DeepSeek's latent attention), so one module tree
 composes them all and never asks which family it runs. Each mechanism is a module of its
 own: :mod:`~ckptkit.train.attention` (grouped-query attention, masks, KV cache),
-:mod:`~ckptkit.train.mla` (latent attention), :mod:`~ckptkit.train.experts` and
+:mod:`~ckptkit.train.mla` (latent attention), :mod:`~ckptkit.train.deltanet` (Gated DeltaNet,
+the linear attention of the hybrid Qwen3-Next and Qwen3.5 layers), :mod:`~ckptkit.train.experts` and
 :mod:`~ckptkit.train.routers` (mixtures of experts), :mod:`~ckptkit.train.rope`,
 :mod:`~ckptkit.train.layers` (norms, MLPs). Module and parameter names are the canonical
 tensor names, so ``Transformer(cfg).load_state_dict(canonical_sd)`` just works.
@@ -30,10 +31,12 @@ from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import MTP_PREFIX, DeepseekV3Fields
 from ckptkit.models.features import SoftCapping
 from ckptkit.models.gpt_oss import GptOssFields
+from ckptkit.models.hybrid import LINEAR, VISION, HybridFields
 from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.train.attention import Attention, KVCache, causal_mask
 from ckptkit.train.chunked import ChunkedAttention, chunked_mask
+from ckptkit.train.deltanet import GatedDeltaNet
 from ckptkit.train.experts import Llama4MoE, SparseMoE, StackedMoE
 from ckptkit.train.layers import GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
@@ -42,8 +45,9 @@ from ckptkit.train.rope import RotaryEmbedding, local_theta
 
 
 class Carried(nn.Module):
-    """Tensors a checkpoint holds that the decoder does not run (DeepSeek's and GLM's MTP
-    layers), as buffers under their canonical names: loaded, never trained, saved back as read."""
+    """Tensors a checkpoint holds that the decoder does not run (the MTP layers of DeepSeek,
+    GLM, Qwen3-Next and Qwen3.5; Qwen3.5's vision tower), as buffers under their canonical
+    names: loaded, never trained, saved back as read."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
         super().__init__()
@@ -58,7 +62,8 @@ class Carried(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; in the
+    hybrid families' linear layers ``linear_attn`` (Gated DeltaNet) takes the place of ``attn``."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -68,9 +73,17 @@ class Block(nn.Module):
         if decoder.input_norms:
             self.sa_norm = RMSNorm(h, eps, plus)
         latent, llama4 = cfg.feature(DeepseekV3Fields) is not None, cfg.feature(Llama4Fields)
-        self.attn = LatentAttention(cfg, layer_idx) if latent else Attention(cfg, layer_idx)
-        if llama4 is not None:
-            self.attn = ChunkedAttention(cfg, layer_idx)
+        hybrid = cfg.feature(HybridFields)
+        self.linear = hybrid is not None and hybrid.kind(layer_idx) == LINEAR
+        if self.linear:
+            split = get_family(cfg.model_type).split_in_proj  # type: ignore[attr-defined]
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx, split)
+        else:
+            self.attn: nn.Module = (
+                ChunkedAttention(cfg, layer_idx) if llama4 is not None
+                else LatentAttention(cfg, layer_idx) if latent
+                else Attention(cfg, layer_idx)
+            )  # fmt: skip
         if decoder.input_norms:
             self.mlp_norm = RMSNorm(h, eps, plus)
         self.mlp: nn.Module = SparseMoE(cfg) if is_moe_layer(cfg, layer_idx) else GatedMLP(cfg)
@@ -92,8 +105,11 @@ class Block(nn.Module):
         cache: KVCache | None,
         positions: torch.Tensor,
     ) -> torch.Tensor:
+        """``mask``: the attention mask, or for a linear layer the (B, T) padding mask."""
         h = self.sa_norm(x) if self.input_norms else x
-        if isinstance(self.attn, ChunkedAttention):  # its temperature goes by position
+        if self.linear:
+            a = self.linear_attn(h, mask, cache.linear if cache is not None else None)
+        elif isinstance(self.attn, ChunkedAttention):  # its temperature goes by position
             a = self.attn(h, cos, sin, mask, cache, positions)
         else:
             a = self.attn(h, cos, sin, mask, cache)
@@ -118,8 +134,11 @@ class Transformer(nn.Module):
         llama4 = cfg.feature(Llama4Fields)
         self.chunks = [llama4.chunk(i) if llama4 else None for i in range(cfg.num_layers)]
         self.rope_dtype = torch.float32 if llama4 else None  # its rope multiplies in float32
-        carried = {k[len(MTP_PREFIX) :]: v for k, v in canonical_shapes(cfg).items() if k.startswith(MTP_PREFIX)}
+        shapes = canonical_shapes(cfg)
+        carried = {k[len(MTP_PREFIX) :]: v for k, v in shapes.items() if k.startswith(MTP_PREFIX)}
         self.mtp = Carried(carried) if carried else None
+        vision = {k[len(VISION) :]: v for k, v in shapes.items() if k.startswith(VISION)}
+        self.visual = Carried(vision) if vision else None
         _check_supported(self, cfg)
 
     def forward(
@@ -156,9 +175,10 @@ class Transformer(nn.Module):
         for kind in masks:
             if kind[1] is not None:
                 masks[kind] = chunked_mask(masks[kind], attention_mask, past, position_ids, kind[1])
+        pad = linear_padding(attention_mask, T)
         for layer, kind in zip(self.layers, kinds, strict=True):
             c, s = (cos, sin) if kind[0] is None else local
-            x = layer(x, c, s, masks[kind], cache, position_ids)
+            x = layer(x, c, s, pad if layer.linear else masks[kind], cache, position_ids)
         if cache is not None:
             cache.length += T
         x = self.norm(x)
@@ -188,7 +208,13 @@ class Transformer(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random init for training from scratch (normal linears/embeddings, unit norms)."""
         for name, p in self.named_parameters():
-            if name.endswith(".scale"):
+            if name.endswith("linear_attn.norm.scale"):  # the gated norm: x * w (and silu(z))
+                nn.init.ones_(p)
+            elif name.endswith("A_log"):  # Gated DeltaNet's decay rates, log(uniform(0.01, 16)) as transformers
+                p.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
+            elif name.endswith("dt_bias"):
+                nn.init.ones_(p)
+            elif name.endswith(".scale"):
                 nn.init.zeros_(p) if self.config.decoder.norm_plus_one else nn.init.ones_(p)
             elif name.endswith((".bias", "_bias")):  # gpt-oss: experts.gate_up_proj_bias...
                 nn.init.zeros_(p)
@@ -235,6 +261,19 @@ def load_model(
     _check_keys(model, state_dict)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
     return model.to(device).eval()
+
+
+def linear_padding(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """The (B, T) padding mask of the new tokens for linear attention (None: none padded).
+
+    A packed batch's 4-D document mask is refused: the linear layers' state would carry
+    from one document into the next."""
+    if attention_mask is None or T == 1:
+        return None
+    if attention_mask.dim() == 4:
+        return attention_mask
+    mask = attention_mask[:, -T:]
+    return None if bool(mask.all()) else mask
 
 
 def _check_supported(model: nn.Module, cfg: ModelConfig) -> None:

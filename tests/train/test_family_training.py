@@ -23,7 +23,7 @@ from conftest import FIXTURES, raw_layout, tree_hashes
 from train_helpers import TOL, hf_model, native_model
 
 NEW = ["qwen3", "qwen3_moe", "qwen3_moe-stacked", "mixtral", "mixtral-stacked", "gemma2", "gemma3_text", "olmo2"]
-NEW += ["glm4_moe", "deepseek_v3", "deepseek_v3-qproj", "gpt_oss"]
+NEW += ["glm4_moe", "deepseek_v3", "deepseek_v3-qproj", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl"]
 SHORT = ["epochs=1", "max_steps_per_epoch=2", "batch_size=2", "quiet=true"]
 ATTENTION = ["q", "k", "v", "o"]
 TARGETS = {  # every linear the family has, and for MoE experts and router
@@ -33,6 +33,11 @@ TARGETS = {  # every linear the family has, and for MoE experts and router
     "deepseek_v3": ["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down", "experts", "router"],
     "deepseek_v3-qproj": ["q", "kv_a", "kv_b", "o", "experts", "router"],
     "gpt_oss": ATTENTION,  # its stacked experts and router: not yet (refused below)
+    # hybrids: gated full attention and Gated DeltaNet's projections (its conv1d is no linear)
+    "qwen3_next": [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj", "gate", "up", "down", "experts", "router"],
+    "qwen3_5": [*ATTENTION, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "gate", "up", "down"],
+    "qwen3_5_moe": [*ATTENTION, "in_proj_qkv", "in_proj_z", "out_proj", "gate", "up", "down", "experts", "router"],
+    "qwen3_5-vl": ["q", "v", "in_proj_qkv", "in_proj_b", "out_proj", "gate", "up", "down"],
 }
 
 
@@ -81,6 +86,9 @@ def test_full_fine_tuning_writes_the_input_layout(name: str, tmp_path: Path) -> 
     before = {k: t for f in raw_layout(src).values() for k, t in f}
     after = {k: t for f in raw_layout(out).values() for k, t in f}
     assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
+    carried = [k for k in before if k.startswith(("mtp.", "model.visual."))]  # hybrids' MTP layers, vision tower
+    assert bool(carried) == name.startswith(("qwen3_next", "qwen3_5"))
+    assert all(torch.equal(before[k], after[k]) for k in carried)  # loaded, never trained, written as read
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     assert loaded.state_dict().keys() == reference.state_dict().keys()
@@ -96,11 +104,13 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
     name: str, float32: dict[str, Path], tmp_path: Path
 ) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from ckptkit.train.peft_io import load_adapter
     from ckptkit.train.transformer import load_model
 
+    # a multimodal release's adapter names its text model as the release does (model.language_model.)
+    auto = AutoModelForImageTextToText if name.endswith("-vl") else AutoModelForCausalLM
     family = name.removesuffix("-stacked")
     targets = TARGETS.get(name, TARGETS.get(family, [*ATTENTION, "gate", "up", "down"]))
     base = float32[name]
@@ -112,14 +122,14 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
     assert bool(config["target_parameters"]) == moe  # stacked experts and router: PEFT's target_parameters
 
     ids = torch.randint(0, 384, (2, 13), generator=torch.Generator().manual_seed(5))
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), out / "adapter")
+    peft = PeftModel.from_pretrained(auto.from_pretrained(base, dtype=torch.float32), out / "adapter")
     ours = load_adapter(load_model(str(base), dtype=torch.float32), out / "adapter")
     want = _logits(peft.eval(), ids, hf=True)
     assert (_logits(ours, ids, hf=False) - want).abs().max().item() <= TOL
     assert (want - _logits(load_model(str(base), dtype=torch.float32), ids, hf=False)).abs().max().item() > 1e-3
 
     assert layout(out) == layout(base)  # the merged model in the input's layout
-    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    merged = auto.from_pretrained(out, dtype=torch.float32).eval()
     theirs = peft.merge_and_unload().state_dict()
     worst = {k: (v - theirs[k]).abs().max().item() for k, v in merged.state_dict().items()}
     assert max(worst.values()) < 1e-6, worst  # float32 rounding of W + s * B @ A
@@ -135,9 +145,11 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
     assert (_logits(merged, ids, hf=True) - want).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next"])
 def test_peft_expert_and_router_adapters_load_in_ckptkit(family: str, tmp_path: Path) -> None:
     # PEFT's own adapters: one stacked tensor, both nested, the router; ckptkit's logits equal.
+    # qwen3_next: also its linear attention's fused projections and out_proj.
+    modules = ["k_proj", *(["in_proj_qkvz", "in_proj_ba", "out_proj"] if family == "qwen3_next" else [])]
     from peft import LoraConfig, get_peft_model
 
     from ckptkit.train.peft_io import load_adapter
@@ -148,7 +160,7 @@ def test_peft_expert_and_router_adapters_load_in_ckptkit(family: str, tmp_path: 
     ):
         torch.manual_seed(i)
         peft = get_peft_model(
-            hf_model(family), LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj"], target_parameters=params)
+            hf_model(family), LoraConfig(r=2, lora_alpha=6, target_modules=modules, target_parameters=params)
         )
         with torch.no_grad():
             for n, p in peft.named_parameters():

@@ -192,7 +192,7 @@ def test_lora_mistakes_are_one_line_errors_naming_the_module() -> None:
     with pytest.raises(
         CkptkitError,
         match=r"^unknown LoRA target 'qkv'; choose from q, k, v, o, gate, up, down, output, experts, router, "
-        r"q_a, q_b, kv_a, kv_b$",
+        r"q_a, q_b, kv_a, kv_b, in_proj_qkvz, in_proj_ba, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj$",
     ):
         apply_lora(native_model("llama3"), ["qkv"])
     with pytest.raises(CkptkitError, match=r"^LoRA on the output projection is not supported for tied embeddings$"):

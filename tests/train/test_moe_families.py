@@ -145,26 +145,3 @@ def test_gpt_oss_with_mxfp4_experts_runs_them_dequantized(tmp_path: Path) -> Non
     ours, theirs = _models(tmp_path / "bf16")
     with torch.no_grad():
         assert (ours(_ids()) - theirs(_ids()).logits).abs().max().item() <= 6e-5
-
-
-@pytest.mark.parametrize(
-    ("name", "why"),
-    [
-        ("qwen3_next", "would make layers.0.attn.k_norm.scale (35 tensors differ)"),
-    ],
-)
-def test_families_the_decoder_does_not_run_yet_fail_in_one_line(name: str, why: str, tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from ckptkit.cli import app
-
-    args = ["run", "full_finetune", "--config", "tiny_full", "epochs=1", "max_steps_per_epoch=1", "quiet=true"]
-    args += [f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / name}", f"checkpointer.output_dir={tmp_path / 'out'}"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 1
-    model_type = name.removesuffix("-text")
-    decoder = "the native decoder (training, generate, verify --logits)"
-    assert result.output.strip().splitlines() == [
-        f"error: model type {model_type}: {decoder} does not run it yet: it {why}"
-    ]
-    assert not (tmp_path / "out" / "epoch_0").exists()

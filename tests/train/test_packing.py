@@ -36,9 +36,11 @@ def _token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
 
 
 # mistral with a 16-token window: the sliding mask is cut by the document mask too; llama4's
-# chunks (5 positions) and NoPE temperature (steps every 4) restart with each document
+# chunks (5 positions) and NoPE temperature (steps every 4) restart with each document; qwen3_next's
+# linear layers run each document alone
 @pytest.mark.parametrize(
-    ("family", "window"), [("llama3", None), ("mistral", 16), ("qwen3_moe", None), ("llama4-text", None)]
+    ("family", "window"),
+    [("llama3", None), ("mistral", 16), ("qwen3_moe", None), ("llama4-text", None), ("qwen3_next", None)],
 )
 def test_each_packed_document_s_loss_is_its_loss_alone(family: str, window: int | None) -> None:
     """Per document and per token, packed row vs the document as its own batch (float32).

@@ -17,7 +17,7 @@ from ckptkit.train.step import forward_backward, router_aux_weight
 
 from train_helpers import fixture_config, hf_model, native_model
 
-MOE = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}  # family -> transformers module
+MOE = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe"}
 
 
 def _reference(family: str):  # transformers' own function
@@ -66,10 +66,14 @@ def test_training_loss_and_gradients_equal_transformers_causal_lm_loss(family: s
     stats = forward_backward(model, [batch], torch.device("cpu"), aux_weight=coef)
     assert abs(stats.loss - out.loss.item()) <= 1e-5 * out.loss.item()
     assert stats.aux_loss is not None and abs(stats.aux_loss - out.aux_loss.item()) <= 1e-5
-    for layer in (0, 2):
+    for layer in (layer for layer in (0, 2) if hasattr(model.layers[layer].mlp, "router")):  # qwen3_next: 0 dense
         ours = model.layers[layer].mlp.router.weight.grad
         theirs = ref.model.layers[layer].mlp.gate.weight.grad
         assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()
+    if hasattr(model.layers[0], "linear_attn"):  # Gated DeltaNet's backward: its decay rates' and conv's gradients
+        for name in ("A_log", "dt_bias", "conv1d.weight"):
+            ours, theirs = (m.layers[0].linear_attn.get_parameter(name).grad for m in (model, ref.model))
+            assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item()
 
 
 def test_aux_weight_comes_from_config_json_unless_the_recipe_sets_it() -> None:
