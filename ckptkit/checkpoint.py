@@ -129,7 +129,8 @@ def open_checkpoint(
     config: str | Path | None = None,
     check_model_type: bool = False,
 ) -> Checkpoint:
-    """Open a checkpoint directory read-only; nothing but headers is read yet.
+    """Open a checkpoint directory read-only; nothing but headers is read yet (and the few
+    tiny tensors a quantization's shapes depend on: per-channel packed ``weight_shape``).
 
     ``model_type`` overrides detection; with ``check_model_type`` one that contradicts what
     the files say (detection is sure of another) is an error. ``config``: the model config

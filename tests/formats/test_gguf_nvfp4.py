@@ -177,15 +177,40 @@ def _down_proj_quantized(out: Path) -> Path:
     return out
 
 
+def _as_mixtral(out: Path) -> Path:
+    """The MoE fixture renamed as a Mixtral (experts ``block_sparse_moe.experts.E.w1/w2/w3``),
+    whose NVFP4 experts llama.cpp's converter cannot name ("Can not map tensor")."""
+    names = {"mlp.gate.": "block_sparse_moe.gate.", "mlp.experts.": "block_sparse_moe.experts."}
+    names |= {".gate_proj.": ".w1.", ".down_proj.": ".w2.", ".up_proj.": ".w3."}
+    out.mkdir()
+    renamed = {}
+    for name, t in load_file(MOE / "model.safetensors").items():
+        if "_norm." in name and "self_attn" in name:
+            continue  # Mixtral has no Q/K norms
+        for a, b in names.items():
+            name = name.replace(a, b) if "experts" in name or a.startswith("mlp.gate") else name
+        renamed[name] = t
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    doc = json.loads((MOE / "config.json").read_text())
+    doc |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "intermediate_size": 64}
+    doc["quantization_config"]["exclude_modules"] = ["lm_head", "model.layers.*.block_sparse_moe.gate"]
+    (out / "config.json").write_text(json.dumps(doc))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MOE / f, out / f)
+    return out
+
+
 @pytest.mark.parametrize(
     ("source", "dtype", "says"),
     [
         ("rows", None, r"down_proj.weight has rows of 96 values; GGML's NVFP4 type holds rows of whole 64-value"),
         ("fixture", "Q4_K_M", r"--dtype Q4_K_M: ckptkit does not re-quantize NVFP4 weights as llama-quantize does"),
+        ("mixtral", None, r"llama.cpp has no GGUF name for NVFP4 weight 'model.layers.0.block_sparse_moe.experts.0.w"),
     ],
 )
 def test_refused_in_one_line(source: str, dtype: str | None, says: str, tmp_path: Path) -> None:
-    src = _down_proj_quantized(tmp_path / "src") if source == "rows" else NV
+    sources = {"rows": _down_proj_quantized, "mixtral": _as_mixtral}
+    src = sources[source](tmp_path / "src") if source in sources else NV
     with pytest.raises(CkptkitError, match=says):
         convert(src, tmp_path / "out.gguf", ConvertOptions("gguf", dtype=dtype, gguf_pre=PRE))
     assert not (tmp_path / "out.gguf").exists()
