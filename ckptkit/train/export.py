@@ -36,9 +36,11 @@ def merge_adapter_into_checkpoint(
     are read one at a time, as the writer reaches them.
     """
     from ckptkit.checkpoint import open_checkpoint
+    from ckptkit.plan import dequantized_checkpoint
     from ckptkit.save_like import save_checkpoint_like
 
-    with open_checkpoint(base_checkpoint, model_type=model_type) as ckpt:
+    with open_checkpoint(base_checkpoint, model_type=model_type) as stored:
+        ckpt = dequantized_checkpoint(stored, "float32")  # block FP8, MXFP4: merged scaled, written back quantized
         adapter = read_lora_weights(adapter_dir, ckpt.config, str(base_checkpoint), "merge it into the model", True)
         check_base_copies(adapter, {k: ckpt.tensors[k].get() for k in adapter.base_copies if k in ckpt.tensors})
         state: dict[str, Lazy] = dict(ckpt.tensors)

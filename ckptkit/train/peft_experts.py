@@ -34,6 +34,7 @@ import torch
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
+from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import experts
 from ckptkit.tensors.transforms import Stacked
 
@@ -61,7 +62,13 @@ class MoeParam:
 
 def moe_params(cfg: ModelConfig) -> list[MoeParam]:
     """Every stacked expert tensor, router and dense MLP weight of ``cfg``'s HF model
-    (transformers 5) that PEFT adapts as a parameter, in order."""
+    (transformers 5) that PEFT adapts as a parameter, in order; gpt-oss's: its routers (its
+    stacked experts are not adapted)."""
+    if cfg.feature(GptOssFields) is not None:
+        return [
+            MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0)
+            for i in range(cfg.num_layers)
+        ]
     if experts(cfg) is None:
         return []
     stacked = cfg.replace_fields(experts_layout="stacked")

@@ -240,3 +240,12 @@ def test_a_changed_weight_of_a_method_ckptkit_cannot_quantize_is_one_line(tmp_pa
     assert torch.equal(
         merged["model.layers.0.self_attn.q_proj.weight"], state["layers.0.attn.q_proj.weight"].bfloat16()
     )
+
+
+def test_merge_of_the_adapter_into_the_fp8_base_is_the_run_s_merged_model(fp8_run: Path, tmp_path: Path) -> None:
+    """``ckptkit merge`` of the run's adapter into the FP8 base writes the run's merged model, byte for byte."""
+    from train_helpers import ckptkit
+
+    result = ckptkit("merge", str(FP8), str(fp8_run / "adapter"), str(tmp_path / "merged"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "merged" / "model.safetensors").read_bytes() == (fp8_run / "model.safetensors").read_bytes()
