@@ -21,19 +21,27 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; Gemma's variant scales by ``1 + scale``."""
+    """RMSNorm computed in float32; Gemma's variant scales by ``1 + scale``, Gemma 4's
+    (``scaled_in_float``) by ``scale`` in float32 before the cast."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, scaled_in_float: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.plus_one = plus_one
+        self.plus_one, self.scaled_in_float = plus_one, scaled_in_float
         self.scale = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.plus_one:  # Gemma: (x * (1 + w)) in float32, then cast
             return (normed * (1.0 + self.scale.float())).type_as(x)
+        if self.scaled_in_float:  # Gemma 4: (x * w) in float32, then cast
+            return (normed * self.scale.float()).type_as(x)
         return self.scale * normed.type_as(x)  # Llama: cast, then x * w
+
+
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a scale, in float32, cast back (Gemma 4's value norm and router input)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 
 class GatedMLP(nn.Module):

@@ -14,6 +14,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
+from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
@@ -58,6 +59,12 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
         raise CkptkitError(
             f"lora.targets: {names}: LoRA on {cfg.model_type}'s stacked experts and router is not supported yet "
             "(every layer has them instead of a dense MLP); adapt attention (q k v o)"
+        )
+    gemma4 = cfg.feature(Gemma4Fields)
+    if gemma4 is not None and gemma4.enable_moe_block and moe:
+        raise CkptkitError(
+            f"lora.targets: {' '.join(moe)}: LoRA on {cfg.model_type}'s stacked experts and router is not "
+            "supported yet; adapt attention and the dense MLP beside them (q k v o gate up down)"
         )
     if moe and has_experts is None:
         raise CkptkitError(

@@ -28,12 +28,13 @@ from ckptkit.formats.peft_adapter import (
     read_adapter_tensors,
     write_adapter,
 )
-from ckptkit.models import ModelConfig, canonical_key, canonical_shapes, hf_key
+from ckptkit.models import ModelConfig, canonical_key, canonical_shapes, get_family, hf_key
 from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
 from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
 
 _PREFIX = "base_model.model."
+TOK = "tok_embeddings.weight"
 _MAGNITUDE = "lora_magnitude_vector"  # DoRA's, 1-D (out_features)
 
 # Every field PEFT 0.21 writes for a LoraConfig, at PEFT's defaults.
@@ -88,8 +89,19 @@ def prepare_for_peft(model: nn.Module) -> None:
     _peft_tensors(model)
 
 
-def _hf_module(model_type: str, canonical_module: str) -> str:
+def text_prefix(cfg: ModelConfig) -> str:
+    """Where ``cfg``'s checkpoint holds its text model: ``model.``, or a multimodal wrapper's
+    place for it (Gemma 4's ``model.language_model.``), whose towers PEFT must not adapt."""
+    plain = hf_key(cfg.model_type, "tok_embeddings.weight")
+    one = dataclasses.replace(cfg, num_layers=1)
+    native = next(r.native for r in get_family(cfg.model_type).hf_layout(one).expand(1) if r.canonical == (TOK,))
+    rest = plain.removeprefix("model.")
+    return native.removesuffix(rest) if plain.startswith("model.") and native.endswith(rest) else "model."
 
+
+def _hf_module(cfg: ModelConfig, canonical_module: str) -> str:
+
+    model_type = cfg.model_type
     fused = fused_part(model_type, canonical_module)
     if fused is not None:
         return fused[0]
@@ -100,6 +112,9 @@ def _hf_module(model_type: str, canonical_module: str) -> str:
             f"LoRA on {canonical_module} cannot be written in PEFT format for {model_type} "
             f"(no 1:1 Hugging Face module, e.g. Phi-3's fused qkv_proj/gate_up_proj): {exc}"
         ) from None
+    prefix = text_prefix(cfg)
+    if prefix != "model." and name.startswith("model."):
+        name = prefix + name.removeprefix("model.")
     return name.removesuffix(".weight")
 
 
@@ -107,8 +122,11 @@ class NotInBase(CkptkitError):
     """An adapter names a module that the base model's type does not have."""
 
 
-def _canonical_module(model_type: str, hf_module: str) -> str:
+def _canonical_module(cfg: ModelConfig, hf_module: str) -> str:
 
+    model_type, prefix = cfg.model_type, text_prefix(cfg)
+    if prefix != "model." and hf_module.startswith(prefix):
+        hf_module = "model." + hf_module.removeprefix(prefix)
     try:
         if hf_module.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj"):  # fused where model_type is not
             raise KeyError(hf_module)
@@ -156,7 +174,7 @@ def save_adapter(
     ]
     if not modules:
         target_modules = None
-    elif len(candidates) == len(modules):
+    elif len(candidates) == len(modules) and text_prefix(model_config(model)) == "model.":
         target_modules = sorted({hf.rsplit(".", 1)[-1] for hf in hf_names.values()})
     else:
         target_modules = sorted(hf_names.values())
@@ -199,7 +217,7 @@ def _peft_tensors(
         if name in moe_modules:
             moe[name] = (a.detach(), b.detach())
             continue
-        hf = hf_names[name] = _hf_module(model_type, name)
+        hf = hf_names[name] = _hf_module(cfg, name)
         a_key = f"{_PREFIX}{hf}.lora_A.weight"
         part = fused_part(model_type, name)
         if part is not None:
@@ -317,13 +335,13 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
         for mine, theirs, other in zip(got, want, wider[key], strict=False):  # ndims may differ
             if mine != theirs and theirs != other:
                 return f"it was trained on a model with hidden size {mine}; {base} has {theirs}"
-        hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+        hf = _hf_module(model, key.removesuffix(".weight"))
         if len(got) != 2 or len(want) != 2:
             return f"{hf} has shape {list(got)} in the adapter, {list(want)} in {base}"
         return f"{hf} maps {got[1]} -> {got[0]} features in the adapter, {want[1]} -> {want[0]} in {base}"
     for key in weights:
         if key not in shapes:
-            hf = _hf_module(model.model_type, key.removesuffix(".weight"))
+            hf = _hf_module(model, key.removesuffix(".weight"))
             layer = key.split(".")[1] if key.startswith("layers.") else None
             why = (
                 f" ({model.num_layers} layers)" if layer is not None and int(layer) >= model.num_layers
@@ -360,14 +378,14 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
         for suffix, (part, flip) in suffixes.items():
             if body.endswith(suffix):
                 hf_module = body.removesuffix(suffix)
-                module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model_type, hf_module)
+                module = hf_module if fused_parts(model_type, hf_module) else _canonical_module(model, hf_module)
                 pairs.setdefault(module, {})[part] = tensor.T if flip else tensor
                 break
         else:
             if not body.endswith(".weight") or ".lora_" in body:
                 raise CkptkitError(f"unsupported tensor {key!r} in adapter (only LoRA A/B weights of linear layers)")
             hf_module = body.removesuffix(".weight")
-            name = _canonical_module(model_type, hf_module.removesuffix(".base_layer")) + ".weight"
+            name = _canonical_module(model, hf_module.removesuffix(".base_layer")) + ".weight"
             if not hf_module.endswith(".base_layer") and ({hf_module, hf_module.rsplit(".", 1)[-1]} & saved):
                 replaced[name] = tensor
             else:

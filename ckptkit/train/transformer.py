@@ -29,10 +29,12 @@ from ckptkit.models import canonical_shapes, get_family
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import MTP_PREFIX, DeepseekV3Fields
 from ckptkit.models.features import SoftCapping
+from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.train.attention import Attention, KVCache, causal_mask
 from ckptkit.train.experts import SparseMoE, StackedMoE
+from ckptkit.train.gemma4 import Gemma4Block, PerLayerInputs, SharedKV, full_head_dim
 from ckptkit.train.layers import GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
 from ckptkit.train.moe_loss import load_balancing_loss
@@ -41,7 +43,8 @@ from ckptkit.train.rope import RotaryEmbedding, local_theta
 
 class Carried(nn.Module):
     """Tensors a checkpoint holds that the decoder does not run (DeepSeek's and GLM's MTP
-    layers), as buffers under their canonical names: loaded, never trained, saved back as read."""
+    layers, Gemma 4's vision and audio towers), as buffers under their canonical names: loaded,
+    never trained, saved back as read."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
         super().__init__()
@@ -91,15 +94,22 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        gemma4 = cfg.feature(Gemma4Fields)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.decoder.norm_plus_one)
+        block = Gemma4Block if gemma4 is not None else Block
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
+        # Gemma 4: per-layer inputs (PLE); keys and values shared across layers; norms x * w in float32
+        self.ple = PerLayerInputs(cfg) if gemma4 is not None and gemma4.hidden_size_per_layer_input else None
+        self.shares_kv = gemma4 is not None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.decoder.norm_plus_one, scaled_in_float=self.shares_kv)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg)
+        self.rope = RotaryEmbedding(cfg, head_dim=full_head_dim(cfg) if gemma4 is not None else None)
         self.local_rope = RotaryEmbedding(cfg, local=True) if local_theta(cfg) else None
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
         carried = {k[len(MTP_PREFIX) :]: v for k, v in canonical_shapes(cfg).items() if k.startswith(MTP_PREFIX)}
         self.mtp = Carried(carried) if carried else None
+        for head, tensors in _towers(cfg).items():
+            self.add_module(head, Carried(tensors))
         _check_supported(self, cfg)
 
     def forward(
@@ -132,9 +142,14 @@ class Transformer(nn.Module):
         # Sliding-window layers with their own rope base (Gemma 3) use the local tables.
         local = self.local_rope(position_ids, x.dtype) if self.local_rope is not None else (cos, sin)
         masks = {w: causal_mask(attention_mask, past, T, w, x.device) for w in set(self.windows)}
-        for layer, window in zip(self.layers, self.windows, strict=True):
+        per_layer = self.ple(input_ids, x) if self.ple is not None else None
+        shared: SharedKV = {}
+        for i, (layer, window) in enumerate(zip(self.layers, self.windows, strict=True)):
             c, s = (cos, sin) if window is None else local
-            x = layer(x, c, s, masks[window], cache)
+            if self.shares_kv:
+                x = layer(x, c, s, masks[window], cache, None if per_layer is None else per_layer[:, :, i], shared)
+            else:
+                x = layer(x, c, s, masks[window], cache)
         if cache is not None:
             cache.length += T
         x = self.norm(x)
@@ -164,7 +179,7 @@ class Transformer(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random init for training from scratch (normal linears/embeddings, unit norms)."""
         for name, p in self.named_parameters():
-            if name.endswith(".scale"):
+            if name.endswith((".scale", ".per_expert_scale")):
                 nn.init.zeros_(p) if self.config.decoder.norm_plus_one else nn.init.ones_(p)
             elif name.endswith((".bias", "_bias")):  # gpt-oss: experts.gate_up_proj_bias...
                 nn.init.zeros_(p)
@@ -206,6 +221,16 @@ def load_model(
     _check_keys(model, state_dict)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
     return model.to(device).eval()
+
+
+def _towers(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """A multimodal release's tower tensors (Gemma 4's), by their first name component."""
+    gemma4 = cfg.feature(Gemma4Fields)
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in (gemma4.towers if gemma4 is not None else {}).items():
+        head, _, rest = name.partition(".")
+        out.setdefault(head, {})[rest] = shape
+    return out
 
 
 def _check_supported(model: nn.Module, cfg: ModelConfig) -> None:
