@@ -126,8 +126,9 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(name: st
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(TOWERS))
 
 
-def test_lora_on_the_experts_and_a_bidirectional_model_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_lora_on_the_experts_their_loss_and_a_bidirectional_model_are_refused_in_one_line(tmp_path: Path) -> None:
     from ckptkit.train.lora_targets import check_targets
+    from ckptkit.train.step import router_aux_weight
     from ckptkit.train.transformer import load_model
 
     from train_helpers import fixture_config
@@ -136,6 +137,10 @@ def test_lora_on_the_experts_and_a_bidirectional_model_are_refused_in_one_line(t
         check_targets(["q", "experts", "router"], fixture_config("gemma4"))
     with pytest.raises(CkptkitError, match=r"^lora.targets: gemma4 has no experts; remove experts"):
         check_targets(["experts"], fixture_config("gemma4-text"))
+    with pytest.raises(CkptkitError, match=r"load-balancing loss of gemma4's router is not supported yet"):
+        router_aux_weight(0.01, fixture_config("gemma4"))
+    with pytest.raises(CkptkitError, match=r"router_aux_loss_coef applies to mixture-of-experts models; gemma4 has"):
+        router_aux_weight(0.01, fixture_config("gemma4-text"))
     src = shutil.copytree(FIXTURES / "hf" / "gemma4-text", tmp_path / "m")
     doc = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**doc, "use_bidirectional_attention": "all"}))
