@@ -94,7 +94,9 @@ def text_prefix(cfg: ModelConfig) -> str:
     place for it (Gemma 4's ``model.language_model.``), whose towers PEFT must not adapt."""
     plain = hf_key(cfg.model_type, "tok_embeddings.weight")
     one = dataclasses.replace(cfg, num_layers=1)
-    native = next(r.native for r in get_family(cfg.model_type).hf_layout(one).expand(1) if r.canonical == (TOK,))
+    native = next(
+        (r.native for r in get_family(cfg.model_type).hf_layout(one).expand(1) if r.canonical == (TOK,)), plain
+    )
     rest = plain.removeprefix("model.")
     return native.removesuffix(rest) if plain.startswith("model.") and native.endswith(rest) else "model."
 
