@@ -24,7 +24,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.gemma4 import FULL, Gemma4Fields, layer_attention, layer_type, shares_kv
 from ckptkit.train.attention import KVCache, attend
-from ckptkit.train.layers import ACTIVATIONS, GatedMLP, RMSNorm, rms_normed
+from ckptkit.train.layers import ACTIVATIONS, Carried, GatedMLP, RMSNorm, rms_normed
 from ckptkit.train.rope import apply_rope
 
 SharedKV = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -63,11 +63,17 @@ class Gemma4Attention(nn.Module):
         h, d, bias = cfg.hidden_size, self.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
         self.q_norm = _norm(cfg, d)
-        if not self.shared or f.shared_kv_stored:  # a release's unused k/v of shared layers: kept, not run
+        values = not (f.attention_k_eq_v and self.kind == FULL)
+        if not self.shared:
             self.k_proj = nn.Linear(h, kv * d, bias=bias)
             self.k_norm = _norm(cfg, d)
-            if not (f.attention_k_eq_v and self.kind == FULL):
+            if values:
                 self.v_proj = nn.Linear(h, kv * d, bias=bias)
+        elif f.shared_kv_stored:  # Google's releases store them, transformers ignores them: carried
+            stored = {"k_norm.scale": (d,), **{f"{p}.weight": (kv * d, h) for p in ("k_proj", "v_proj")[: 1 + values]}}
+            stored |= {f"{p}.bias": (kv * d,) for p in ("k_proj", "v_proj")[: 1 + values] if bias}
+            for name, module in Carried(stored).named_children():
+                self.add_module(name, module)
         self.output_proj = nn.Linear(cfg.num_heads * d, h, bias=bias)
 
     def forward(

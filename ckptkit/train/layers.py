@@ -1,4 +1,5 @@
-"""The native decoder's small building blocks: RMSNorm, the gated MLP and its activations."""
+"""The native decoder's small building blocks: RMSNorm, the gated MLP and its activations, and
+the tensors it carries without running them."""
 
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ class RMSNorm(nn.Module):
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a scale, in float32, cast back (Gemma 4's value norm and router input)."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
+class Carried(nn.Module):
+    """Tensors a checkpoint holds that the decoder does not run (DeepSeek's and GLM's MTP
+    layers, Gemma 4's vision and audio towers and the k/v its releases store for KV-shared
+    layers), as buffers under their canonical names: loaded, never trained, saved back as read."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            module: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, nn.Module())
+                module = getattr(module, part)
+            module.register_buffer(leaf, torch.empty(shape))
 
 
 class GatedMLP(nn.Module):

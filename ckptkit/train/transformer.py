@@ -35,27 +35,10 @@ from ckptkit.models.moe import MoEFields, is_moe_layer
 from ckptkit.train.attention import Attention, KVCache, causal_mask
 from ckptkit.train.experts import SparseMoE, StackedMoE
 from ckptkit.train.gemma4 import Gemma4Block, PerLayerInputs, SharedKV, full_head_dim
-from ckptkit.train.layers import GatedMLP, RMSNorm
+from ckptkit.train.layers import Carried, GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
 from ckptkit.train.moe_loss import load_balancing_loss
 from ckptkit.train.rope import RotaryEmbedding, local_theta
-
-
-class Carried(nn.Module):
-    """Tensors a checkpoint holds that the decoder does not run (DeepSeek's and GLM's MTP
-    layers, Gemma 4's vision and audio towers), as buffers under their canonical names: loaded,
-    never trained, saved back as read."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        super().__init__()
-        for name, shape in shapes.items():
-            module: nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if not hasattr(module, part):
-                    module.add_module(part, nn.Module())
-                module = getattr(module, part)
-            module.register_buffer(leaf, torch.empty(shape))
 
 
 class Block(nn.Module):

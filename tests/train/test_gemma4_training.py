@@ -170,3 +170,35 @@ def test_lora_on_the_experts_their_loss_and_a_bidirectional_model_are_refused_in
     (src / "config.json").write_text(json.dumps({**doc, "use_bidirectional_attention": "all"}))
     with pytest.raises(CkptkitError, match=r"use_bidirectional_attention 'all' \(not causal\) is not run"):
         load_model(str(src))
+
+
+def test_the_k_v_google_stores_for_kv_shared_layers_are_carried_not_trained(tmp_path: Path) -> None:
+    """Google's small releases store k/v projections and key norms for the KV-shared layers,
+    which transformers ignores: the native model holds them as buffers (no gradient, no LoRA),
+    its logits are the fixture's, and full fine-tuning writes them back as read."""
+    from safetensors.torch import load_file, save_file
+
+    from ckptkit.train.transformer import load_model
+
+    src = shutil.copytree(FIXTURES / "hf" / "gemma4-text", tmp_path / "src")
+    gen = torch.Generator().manual_seed(4)
+    shapes = {}
+    for i, d in ((2, 12), (3, 16)):  # layer 2 sliding (head_dim 12), layer 3 full (16); one KV head
+        a = f"model.layers.{i}.self_attn."
+        shapes |= {a + "k_proj.weight": (d, 40), a + "v_proj.weight": (d, 40), a + "k_norm.weight": (d,)}
+    added = {k: torch.randn(shape, generator=gen).to(torch.bfloat16) for k, shape in shapes.items()}
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    save_file({**load_file(src / last), **added}, src / last, metadata={"format": "pt"})
+    index["weight_map"] |= dict.fromkeys(added, last)
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    model = load_model(str(src), dtype=torch.float32)
+    trained = {n for n, _ in model.named_parameters()}
+    assert "layers.3.attn.k_proj.weight" in model.state_dict() and not any(".3.attn.k" in n for n in trained)
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), load_model(str(FIXTURES / "hf" / "gemma4-text"), dtype=torch.float32)(_ids()))
+    paths = [f"checkpointer.checkpoint_dir={src}", f"checkpointer.output_dir={tmp_path / 'out'}"]
+    _run("full_finetune", "tiny_full", *SHORT, *paths)
+    after = _tensors(tmp_path / "out" / "epoch_0")
+    assert all(torch.equal(after[k], v) for k, v in added.items())
