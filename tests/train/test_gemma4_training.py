@@ -28,14 +28,14 @@ SHORT = ["epochs=1", "max_steps_per_epoch=2", "batch_size=2", "quiet=true"]
 TOWERS = ("model.vision_tower.", "model.embed_vision.")
 
 
-def _hf(src: Path, name: str) -> Any:
-    """transformers' model of ``src`` (the multimodal one for ``gemma4``), float32, eager
-    attention and experts (its default grouped_mm experts sum in another order: 2.0e-6 apart)."""
+def _hf(src: Path, name: str, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model of ``src`` (the multimodal one for ``gemma4``), eager attention and
+    experts (its default grouped_mm experts sum in another order: 2.0e-6 apart in float32)."""
     import transformers
 
     auto = transformers.AutoModelForImageTextToText if name == "gemma4" else transformers.AutoModelForCausalLM
     kw = {"attn_implementation": "eager", "experts_implementation": "eager"}
-    return auto.from_pretrained(src, dtype=torch.float32, **kw).eval()
+    return auto.from_pretrained(src, dtype=dtype, **kw).eval()
 
 
 def _ids(seed: int = 0, length: int = 24) -> torch.Tensor:
@@ -50,15 +50,17 @@ def _tensors(root: Path) -> dict[str, torch.Tensor]:
     return {k: t for f in raw_layout(root).values() for k, t in f}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", NAMES)
-def test_native_logits_equal_transformers(name: str) -> None:
-    """Measured: equal bit for bit over 24 tokens (past the window of 5). Gemma 4 attends with
-    transformers' arithmetic (expanded KV heads, matmul-softmax-matmul): SDPA's sums differ by
-    1e-7, which this fixture's layers (outputs of 0.03 normed back to 1) amplify to 4.2e-5."""
+def test_native_logits_equal_transformers(name: str, dtype: torch.dtype) -> None:
+    """Measured: equal bit for bit over 24 tokens (past the window of 5), in float32 and in
+    bfloat16 (norms scale in float32 before the cast, as transformers' do). Gemma 4 attends with
+    transformers' arithmetic (expanded KV heads, matmul-softmax-matmul): SDPA's float32 sums
+    differ by 1e-7, which this fixture's layers (outputs of 0.03 normed back to 1) amplify to 4.2e-5."""
     from ckptkit.train.transformer import load_model
 
     src = FIXTURES / "hf" / name
-    ours, theirs = load_model(str(src), dtype=torch.float32), _hf(src, name)
+    ours, theirs = load_model(str(src), dtype=dtype), _hf(src, name, dtype)
     with torch.no_grad():
         assert torch.equal(ours(_ids()), theirs(_ids()).logits)
 
