@@ -83,18 +83,18 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    eager: bool = False,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for (B, H, T, D) queries and (B, H_kv, S, D) keys/values
     (grouped heads), causal when ``mask`` is None: SDPA, or transformers' eager arithmetic
-    where scores are soft-capped or ``sinks`` (H,) add one learned logit per head to the
-    softmax's denominator (gpt-oss; SDPA can do neither)."""
+    where scores are soft-capped, ``sinks`` (H,) add one learned logit per head to the
+    softmax's denominator (gpt-oss; SDPA can do neither) or ``eager`` asks for it."""
     T = q.shape[2]
-    if softcap is None and sinks is None:
+    if softcap is None and sinks is None and not eager:
         gqa = k.shape[1] != q.shape[1]
         is_causal = mask is None and T > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, scale=scale)
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -110,6 +110,15 @@ def attend(
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each KV head ``groups`` times (B, H_kv * groups, S, D), as transformers expands them: an
+    expanded view, whose matmuls round as transformers' do (a copy's may not)."""
+    if groups == 1:
+        return x
+    B, H, S, D = x.shape
+    return x[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
 
 
 class Attention(nn.Module):

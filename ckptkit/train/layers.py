@@ -1,4 +1,5 @@
-"""The native decoder's small building blocks: RMSNorm, the gated MLP and its activations."""
+"""The native decoder's small building blocks: RMSNorm, the gated MLP and its activations, and
+the tensors it carries without running them."""
 
 from __future__ import annotations
 
@@ -21,19 +22,45 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; Gemma's variant scales by ``1 + scale``."""
+    """RMSNorm computed in float32; Gemma's variant scales by ``1 + scale``, Gemma 4's
+    (``scaled_in_float``) by ``scale`` in float32 before the cast."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, scaled_in_float: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.plus_one = plus_one
+        self.plus_one, self.scaled_in_float = plus_one, scaled_in_float
         self.scale = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.plus_one:  # Gemma: (x * (1 + w)) in float32, then cast
             return (normed * (1.0 + self.scale.float())).type_as(x)
+        if self.scaled_in_float:  # Gemma 4: (x * w) in float32, then cast
+            return (normed * self.scale.float()).type_as(x)
         return self.scale * normed.type_as(x)  # Llama: cast, then x * w
+
+
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a scale, in float32, cast back (Gemma 4's value norm and router input)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
+class Carried(nn.Module):
+    """Tensors a checkpoint holds that the decoder does not run (the MTP layers of DeepSeek,
+    GLM, Qwen3-Next and Qwen3.5; Qwen3.5's vision tower; Gemma 4's vision and audio towers and
+    the k/v its releases store for KV-shared layers), as buffers under their canonical names:
+    loaded, never trained, saved back as read."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            module: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, nn.Module())
+                module = getattr(module, part)
+            module.register_buffer(leaf, torch.empty(shape))
 
 
 class GatedMLP(nn.Module):

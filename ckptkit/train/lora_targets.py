@@ -14,6 +14,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
+from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.hybrid import HybridFields
 from ckptkit.models.llama4 import Llama4Fields
@@ -73,6 +74,12 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
                 "set lora.dropout to 0 or remove router from lora.targets"
             )
         moe = []
+    gemma4 = cfg.feature(Gemma4Fields)
+    if gemma4 is not None and gemma4.enable_moe_block and moe:
+        raise CkptkitError(
+            f"lora.targets: {' '.join(moe)}: LoRA on {cfg.model_type}'s stacked experts and router is not "
+            "supported yet; adapt attention and the dense MLP beside them (q k v o gate up down)"
+        )
     if moe and has_experts is None:
         raise CkptkitError(
             f"lora.targets: {cfg.model_type} has no experts; remove {' and '.join(moe)} from lora.targets"
@@ -137,24 +144,3 @@ def fused_parts(model_type: str, hf_module: str) -> tuple[str, ...] | None:
     generic = hf_module[: match.start()] + "layers.0." + hf_module[match.end() :]
     members = fused_modules(model_type).get(generic)
     return None if members is None else tuple(m.replace("layers.0.", match.group(0), 1) for m in members)
-
-
-def in_text_model(cfg: ModelConfig, hf_module: str) -> str:
-    """``hf_module`` (``model.layers...``, as :func:`~ckptkit.models.hf_key` names it) where the
-    checkpoint of ``cfg`` keeps its decoder: a multimodal release's ``model.language_model.``."""
-    prefix = text_prefix(cfg)
-    return prefix + hf_module.removeprefix("model.") if hf_module.startswith("model.") else hf_module
-
-
-def out_of_text_model(cfg: ModelConfig, hf_module: str) -> str:
-    """Inverse of :func:`in_text_model`."""
-    prefix = text_prefix(cfg)
-    return "model." + hf_module.removeprefix(prefix) if hf_module.startswith(prefix) else hf_module
-
-
-def text_prefix(cfg: ModelConfig) -> str:
-    """The prefix of the embeddings in ``cfg``'s HF layout (``model.``, ``model.language_model.``)."""
-    for rule in get_family(cfg.model_type).hf_layout(cfg).head:
-        if rule.canonical == ("tok_embeddings.weight",) and rule.native.endswith("embed_tokens.weight"):
-            return rule.native.removesuffix("embed_tokens.weight")
-    return "model."

@@ -1,6 +1,6 @@
 """Rotary position embeddings of the native decoder, computed in float32 as transformers does:
 the inverse frequencies (Llama 3 and YaRN scaling, partial rotary, a local base), the cos/sin tables,
-and the two ways of rotating (halves, HF's layout; interleaved pairs, DeepSeek's)."""
+Gemma 4's proportional rope, and the two ways of rotating (halves, HF's layout; interleaved pairs, DeepSeek's)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ def _rope_type(scaling: dict[str, Any] | None) -> str:
     return (scaling or {}).get("rope_type", scaling and scaling.get("type")) or "default"
 
 
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse rotary frequencies (float32), with Llama 3 or YaRN scaling if configured;
-    ``local``: those of sliding-window layers with their own base (``local_rope_theta``, unscaled)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False, head_dim: int | None = None) -> torch.Tensor:
+    """Inverse rotary frequencies (float32), with Llama 3, YaRN or proportional scaling if
+    configured; ``local``: those of sliding-window layers with their own base (``local_rope_theta``,
+    unscaled); ``head_dim``: the heads' size where it is not ``cfg.head_dim`` (Gemma 4's full layers)."""
+    head_dim = head_dim or cfg.head_dim
     partial = cfg.feature(PartialRotary) or cfg.feature(HybridFields)  # Qwen3.5's mRoPE: plain rope on text
-    dim = int(cfg.head_dim * (partial.partial_rotary_factor if partial else 1.0))
+    dim = int(head_dim * (partial.partial_rotary_factor if partial else 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     own = local_theta(cfg) if local else None
     theta = own or cfg.rope_theta
@@ -41,6 +43,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         return inv_freq
     if scaling is not None and rope_type == "yarn":
         return _yarn(cfg, scaling, theta, dim)
+    if scaling is not None and rope_type == "proportional":
+        return _proportional(scaling, theta, head_dim)
     if rope_type != "llama3" or scaling is None:
         raise CkptkitError(f"rope scaling type {rope_type!r} is not supported by the native model")
     factor = scaling["factor"]
@@ -82,6 +86,16 @@ def _yarn(cfg: ModelConfig, scaling: dict[str, Any], theta: float, dim: int) -> 
     return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
+def _proportional(scaling: dict[str, Any], theta: float, head_dim: int) -> torch.Tensor:
+    """Gemma 4's proportional rope: the first ``partial_rotary_factor`` of the frequency pairs
+    with exponents over the whole head (``i / head_dim``), the rest zero (not rotated), all
+    divided by ``factor``; rotated in halves over the whole head."""
+    angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - angles, device="cpu")))
+    return inv_freq / scaling.get("factor", 1.0)
+
+
 def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
     """The factor YaRN scales cos and sin by (1.0 for every other rope)."""
     scaling = None if local else cfg.rope_scaling
@@ -104,10 +118,10 @@ def yarn_mscale(scaling: dict[str, Any] | None) -> float:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for arbitrary (per-row) position ids, computed in float32."""
 
-    def __init__(self, cfg: ModelConfig, local: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, local: bool = False, head_dim: int | None = None) -> None:
         super().__init__()
         # A plain attribute, not a buffer: model.to(bfloat16) must not round it.
-        self.inv_freq = rope_inv_freq(cfg, local)
+        self.inv_freq = rope_inv_freq(cfg, local, head_dim)
         self.factor = rope_attention_factor(cfg, local)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

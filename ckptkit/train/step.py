@@ -25,6 +25,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
+from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import experts
@@ -56,7 +57,9 @@ def router_aux_weight(coef: float | None, model: ModelConfig) -> float:
     """The weight of the router's load-balancing loss: ``coef`` (the recipe's
     ``router_aux_loss_coef``), else the model's own (``config.json``); 0 without experts."""
     moe = experts(model)
-    if model.feature(GptOssFields) is not None or model.feature(Llama4Fields) is not None:
+    gemma4 = model.feature(Gemma4Fields)
+    stacked = model.feature(GptOssFields) is not None or model.feature(Llama4Fields) is not None
+    if stacked or (gemma4 is not None and gemma4.enable_moe_block):
         if coef:  # (transformers' Llama4ForCausalLM adds none: its config's coefficient is unused)
             raise CkptkitError(
                 f"router_aux_loss_coef: the load-balancing loss of {model.model_type}'s router is not supported yet; "

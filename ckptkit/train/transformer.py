@@ -30,6 +30,7 @@ from ckptkit.models import canonical_shapes, get_family
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import MTP_PREFIX, DeepseekV3Fields
 from ckptkit.models.features import SoftCapping
+from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.hybrid import LINEAR, VISION, HybridFields
 from ckptkit.models.llama4 import Llama4Fields
@@ -38,27 +39,11 @@ from ckptkit.train.attention import Attention, KVCache, causal_mask
 from ckptkit.train.chunked import ChunkedAttention, chunked_mask
 from ckptkit.train.deltanet import GatedDeltaNet
 from ckptkit.train.experts import Llama4MoE, SparseMoE, StackedMoE
-from ckptkit.train.layers import GatedMLP, RMSNorm
+from ckptkit.train.gemma4 import Gemma4Block, PerLayerInputs, SharedKV, full_head_dim
+from ckptkit.train.layers import Carried, GatedMLP, RMSNorm
 from ckptkit.train.mla import LatentAttention
 from ckptkit.train.moe_loss import load_balancing_loss
 from ckptkit.train.rope import RotaryEmbedding, local_theta
-
-
-class Carried(nn.Module):
-    """Tensors a checkpoint holds that the decoder does not run (the MTP layers of DeepSeek,
-    GLM, Qwen3-Next and Qwen3.5; Qwen3.5's vision tower), as buffers under their canonical
-    names: loaded, never trained, saved back as read."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        super().__init__()
-        for name, shape in shapes.items():
-            module: nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if not hasattr(module, part):
-                    module.add_module(part, nn.Module())
-                module = getattr(module, part)
-            module.register_buffer(leaf, torch.empty(shape))
 
 
 class Block(nn.Module):
@@ -124,11 +109,16 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        gemma4 = cfg.feature(Gemma4Fields)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.decoder.norm_plus_one)
+        block = Gemma4Block if gemma4 is not None else Block
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
+        # Gemma 4: per-layer inputs (PLE); keys and values shared across layers; norms x * w in float32
+        self.ple = PerLayerInputs(cfg) if gemma4 is not None and gemma4.hidden_size_per_layer_input else None
+        self.shares_kv = gemma4 is not None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.decoder.norm_plus_one, scaled_in_float=self.shares_kv)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg)
+        self.rope = RotaryEmbedding(cfg, head_dim=full_head_dim(cfg) if gemma4 is not None else None)
         self.local_rope = RotaryEmbedding(cfg, local=True) if local_theta(cfg) else None
         self.windows = get_family(cfg.model_type).sliding_windows(cfg)
         llama4 = cfg.feature(Llama4Fields)
@@ -139,6 +129,8 @@ class Transformer(nn.Module):
         self.mtp = Carried(carried) if carried else None
         vision = {k[len(VISION) :]: v for k, v in shapes.items() if k.startswith(VISION)}
         self.visual = Carried(vision) if vision else None
+        for head, tensors in _towers(cfg).items():
+            self.add_module(head, Carried(tensors))
         _check_supported(self, cfg)
 
     def forward(
@@ -176,9 +168,14 @@ class Transformer(nn.Module):
             if kind[1] is not None:
                 masks[kind] = chunked_mask(masks[kind], attention_mask, past, position_ids, kind[1])
         pad = linear_padding(attention_mask, T)
-        for layer, kind in zip(self.layers, kinds, strict=True):
+        per_layer = self.ple(input_ids, x) if self.ple is not None else None
+        shared: SharedKV = {}
+        for i, (layer, kind) in enumerate(zip(self.layers, kinds, strict=True)):
             c, s = (cos, sin) if kind[0] is None else local
-            x = layer(x, c, s, pad if layer.linear else masks[kind], cache, position_ids)
+            if self.shares_kv:  # Gemma 4
+                x = layer(x, c, s, masks[kind], cache, None if per_layer is None else per_layer[:, :, i], shared)
+            else:
+                x = layer(x, c, s, pad if layer.linear else masks[kind], cache, position_ids)
         if cache is not None:
             cache.length += T
         x = self.norm(x)
@@ -214,7 +211,7 @@ class Transformer(nn.Module):
                 p.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
             elif name.endswith("dt_bias"):
                 nn.init.ones_(p)
-            elif name.endswith(".scale"):
+            elif name.endswith((".scale", ".per_expert_scale")):
                 nn.init.zeros_(p) if self.config.decoder.norm_plus_one else nn.init.ones_(p)
             elif name.endswith((".bias", "_bias")):  # gpt-oss: experts.gate_up_proj_bias...
                 nn.init.zeros_(p)
@@ -274,6 +271,16 @@ def linear_padding(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor 
         return attention_mask
     mask = attention_mask[:, -T:]
     return None if bool(mask.all()) else mask
+
+
+def _towers(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """A multimodal release's tower tensors (Gemma 4's), by their first name component."""
+    gemma4 = cfg.feature(Gemma4Fields)
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in (gemma4.towers if gemma4 is not None else {}).items():
+        head, _, rest = name.partition(".")
+        out.setdefault(head, {})[rest] = shape
+    return out
 
 
 def _check_supported(model: nn.Module, cfg: ModelConfig) -> None:
