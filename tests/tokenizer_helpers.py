@@ -23,6 +23,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -175,6 +176,49 @@ def _fetch_mistral(ready: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         for name in MISTRAL_SHA256:
             (staging / name).write_bytes(zf.read(f"mistral_common/data/{name}"))
+    wheel.unlink()
+    os.replace(staging, ready)
+
+
+LLAMA_MODELS = "0.3.0"
+# Meta's Llama 4 tokenizer as its release has it: the tiktoken rank file and the code that reads
+# it (llama_models.llama4.tokenizer, with the helper it imports), from the llama-models wheel.
+LLAMA_MODELS_SHA256 = {
+    "llama_models/llama4/tokenizer.model": "d0bdbaf59b0762c8c807617e2d8ea51420eb1b1de266df2495be755c8e0ed6ed",
+    "llama_models/llama4/tokenizer.py": "606f0473436ebd847589149d7bb1b6761a85269c4b846767b813183ed5cd5795",
+    "llama_models/tokenizer_utils.py": "562f69d8b94eea8c8d75fcd258602d130c712d51d65f76914933065032827c08",
+}
+
+
+def llama4_meta_tokenizer() -> tuple[Any, Path]:
+    """(Meta's Llama 4 ``Tokenizer`` (tiktoken), its rank file ``tokenizer.model``), from the
+    llama-models wheel unpacked once into the cache (only those files, as its package lays them out)."""
+    import importlib
+
+    ready = cache_dir() / f"llama-models-{LLAMA_MODELS}"
+    with _cache_lock():
+        if not all((ready / name).is_file() for name in LLAMA_MODELS_SHA256):
+            _fetch_llama_models(ready)
+    _checked(ready, LLAMA_MODELS_SHA256)
+    sys.path.insert(0, str(ready))
+    try:
+        module = importlib.import_module("llama_models.llama4.tokenizer")
+    finally:
+        sys.path.remove(str(ready))
+    path = ready / "llama_models" / "llama4" / "tokenizer.model"
+    return module.Tokenizer(path), path
+
+
+def _fetch_llama_models(ready: Path) -> None:
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=ready.parent))
+    wheel = _pip_download(f"llama-models=={LLAMA_MODELS}", staging, sdist=False)
+    with zipfile.ZipFile(wheel) as zf:
+        for name in LLAMA_MODELS_SHA256:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(zf.read(name))
+    for package in ("llama_models", "llama_models/llama4"):
+        (staging / package / "__init__.py").touch()
     wheel.unlink()
     os.replace(staging, ready)
 

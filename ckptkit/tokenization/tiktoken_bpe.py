@@ -72,9 +72,12 @@ def _rank(item: tuple[bytes, int]) -> int:
     return item[1]
 
 
-def build_tokenizer(ranks: dict[bytes, int], specials: list[str], bos: str | None) -> Any:
-    """A ``tokenizers.Tokenizer`` encoding like Meta's tiktoken tokenizer: ranked tokens,
-    then ``specials`` with ids following the last rank, BOS added by the post-processor."""
+def build_tokenizer(
+    ranks: dict[bytes, int], specials: list[str], bos: str | None, pattern: str = LLAMA3_PATTERN
+) -> Any:
+    """A ``tokenizers.Tokenizer`` encoding like Meta's tiktoken tokenizer: text split by
+    ``pattern`` (its ``pat_str``: Llama 3's by default), ranked tokens, then ``specials``
+    with ids following the last rank, BOS added by the post-processor."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {bytes_to_text(tok): rank for tok, rank in ranks.items()}
@@ -82,7 +85,7 @@ def build_tokenizer(ranks: dict[bytes, int], specials: list[str], bos: str | Non
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
