@@ -15,12 +15,12 @@ from ckptkit.train.lora_targets import fused_part
 def module_names(cfg: ModelConfig) -> dict[str, str]:
     """Canonical module -> HF module of each 1:1-mapped weight of ``cfg``'s own HF layout (a
     multimodal release's names: ``language_model.model.layers...``)."""
-    rules = get_family(cfg.model_type).hf_layout(cfg).expand(cfg.num_layers)
-    return {
-        r.canonical[0].removesuffix(".weight"): r.native.removesuffix(".weight")
-        for r in rules
-        if len(r.canonical) == 1 and r.canonical[0].endswith(".weight") and r.native.endswith(".weight")
-    }
+    names: dict[str, str] = {}
+    for r in get_family(cfg.model_type).hf_layout(cfg).expand(cfg.num_layers):
+        if len(r.canonical) == 1 and r.canonical[0].endswith(".weight") and r.native.endswith(".weight"):
+            # the first rule of a weight names its module (a tied model's lm_head is a second one)
+            names.setdefault(r.canonical[0].removesuffix(".weight"), r.native.removesuffix(".weight"))
+    return names
 
 
 def hf_module(model_type: str, canonical_module: str, names: Mapping[str, str] | None = None) -> str:

@@ -94,8 +94,8 @@ def test_a_gguf_that_reads_back_otherwise_is_not_published(
 ) -> None:
     encoded = rows._encoded
 
-    def flipped(raw, dtype: str, kind: str):  # type: ignore[no-untyped-def]
-        out = encoded(raw, dtype, kind).copy()
+    def flipped(raw, dtype: str, kind: str, plus_one: bool = False):  # type: ignore[no-untyped-def]
+        out = encoded(raw, dtype, kind, plus_one).copy()
         out.reshape(-1)[byte] ^= bit  # in the first value of every chunk
         return out
 
