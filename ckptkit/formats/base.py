@@ -307,8 +307,9 @@ def read_json(path: Path) -> tuple[str, dict[str, Any]]:
     return text, _json_object(text, path)
 
 
-_SHARED: dict[str, tuple[str, dict[str, Any]]] = {}  # path -> (text, parsed), the latest few
-SHARED_KEEP = 4
+# path -> (text, parsed), the few used last (a parsed Llama 3 tokenizer.json: ~70 MiB)
+_SHARED: dict[str, tuple[str, dict[str, Any]]] = {}
+SHARED_KEEP = 3
 
 
 def read_json_shared(path: Path) -> dict[str, Any]:
@@ -316,11 +317,11 @@ def read_json_shared(path: Path) -> dict[str, Any]:
     same (one conversion reads a tokenizer.json several times): read again each call, parsed
     only when its text differs from the last parsed at ``path``. Callers must not change it."""
     text, key = _json_text(path), str(path)
-    cached = _SHARED.get(key)
+    cached = _SHARED.pop(key, None)
     if cached is not None and cached[0] == text:
+        _SHARED[key] = cached  # the latest used
         return cached[1]
     data = _json_object(text, path)
-    _SHARED.pop(key, None)
     _SHARED[key] = text, data
     while len(_SHARED) > SHARED_KEEP:
         del _SHARED[next(iter(_SHARED))]
