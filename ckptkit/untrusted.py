@@ -12,6 +12,7 @@ import json
 import os
 import re
 import stat
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -137,19 +138,18 @@ def _finite(text: str) -> float:
 
 def _depth(value: object, limit: int) -> int:
     """The nesting depth of a parsed JSON value (a scalar: 1; a container: one more than its
-    deepest item, 1 when empty), counted no further than ``limit + 1``: level by level, only
-    the containers of a level are kept for the next (a 128k-entry vocabulary costs one pass)."""
+    deepest item, 1 when empty), counted no further than ``limit + 1``: level by level, the
+    items of a whole level flattened at once and only its containers kept for the next (a
+    128k-entry vocabulary or 280k two-item merges cost one pass, no loop per container)."""
     containers = (dict, list)
     level = [value] if isinstance(value, containers) else []
-    depth = deepest = 1
+    deepest = 1
     while level and deepest <= limit:
-        nxt: list[Any] = []
-        for v in level:
-            items = v.values() if isinstance(v, dict) else v
-            if items:
-                deepest = depth + 1
-                nxt += [x for x in items if isinstance(x, containers)]
-        level, depth = nxt, depth + 1
+        items = list(chain.from_iterable([v.values() if isinstance(v, dict) else v for v in level]))
+        if not items:
+            break
+        deepest += 1
+        level = [x for x in items if isinstance(x, containers)]
     return deepest
 
 

@@ -275,8 +275,8 @@ class OpenedCheckpoint(Protocol):
     def extra_files(self) -> list[Path]: ...
 
 
-def read_json(path: Path) -> tuple[str, dict[str, Any]]:
-    """A JSON object file as (text, parsed); one-line errors for unreadable or invalid ones."""
+def _json_text(path: Path) -> str:
+    """The text of a JSON file, at most MAX_JSON_BYTES; one-line errors when it is unreadable."""
     try:
         src = open_source(path)
         try:
@@ -291,10 +291,41 @@ def read_json(path: Path) -> tuple[str, dict[str, Any]]:
         raise CkptkitError(f"{path}: not valid UTF-8 JSON") from None
     if len(text) > MAX_JSON_BYTES:
         raise CkptkitError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB; not a checkpoint's JSON file")
+    return text
+
+
+def _json_object(text: str, path: Path) -> dict[str, Any]:
     data = loads_json(text, path)
     if not isinstance(data, dict):
         raise CkptkitError(f"{path}: expected a JSON object")
-    return text, data
+    return data
+
+
+def read_json(path: Path) -> tuple[str, dict[str, Any]]:
+    """A JSON object file as (text, parsed); one-line errors for unreadable or invalid ones."""
+    text = _json_text(path)
+    return text, _json_object(text, path)
+
+
+# path -> (text, parsed), the few used last (a parsed Llama 3 tokenizer.json: ~70 MiB)
+_SHARED: dict[str, tuple[str, dict[str, Any]]] = {}
+SHARED_KEEP = 3
+
+
+def read_json_shared(path: Path) -> dict[str, Any]:
+    """:func:`read_json`'s parsed object, parsed and checked once while the file's text stays the
+    same (one conversion reads a tokenizer.json several times): read again each call, parsed
+    only when its text differs from the last parsed at ``path``. Callers must not change it."""
+    text, key = _json_text(path), str(path)
+    cached = _SHARED.pop(key, None)
+    if cached is not None and cached[0] == text:
+        _SHARED[key] = cached  # the latest used
+        return cached[1]
+    data = _json_object(text, path)
+    _SHARED[key] = text, data
+    while len(_SHARED) > SHARED_KEEP:
+        del _SHARED[next(iter(_SHARED))]
+    return data
 
 
 def read_config(path: Path) -> tuple[str, dict[str, Any]]:

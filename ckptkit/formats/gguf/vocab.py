@@ -57,9 +57,25 @@ def _look_special(token: str) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    from ckptkit.formats.base import read_json
+    """The JSON object in ``path`` ({} when absent), parsed once however often it is asked for
+    (not to be changed)."""
+    from ckptkit.formats.base import read_json_shared
 
-    return read_json(path)[1] if path.is_file() else {}
+    return read_json_shared(path) if path.is_file() else {}
+
+
+def _llama_hf_style(doc: dict[str, Any]) -> bool:
+    """Whether ``gguf.LlamaHfVocab`` takes this tokenizer.json for a sentencepiece-style BPE (byte
+    fallback, a Sequence decoder), as llama.cpp's ``_set_vocab_llama_hf`` would; ckptkit's
+    gpt2 path writes the others (llama.cpp's ``_set_vocab_gpt2``)."""
+    model, decoder = doc.get("model"), doc.get("decoder")
+    return (
+        isinstance(model, dict)
+        and model.get("type") == "BPE"
+        and bool(model.get("byte_fallback", False))
+        and isinstance(decoder, dict)
+        and decoder.get("type") == "Sequence"
+    )
 
 
 def _normalization_note(path: Path, model: Any) -> list[str]:
@@ -305,14 +321,11 @@ def add_vocab(
         if (folder / "tokenizer.model").is_file():
             gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
         else:
-            try:
-                gguf.LlamaHfVocab(folder)
-            except (FileNotFoundError, TypeError):
-                gpt2_keys()
-            else:
+            if _llama_hf_style(_read_json(folder / "tokenizer.json")):
                 raise CkptkitError(
                     f"{folder}: a sentencepiece-style tokenizer.json without tokenizer.model is not supported"
                 )
+            gpt2_keys()
     elif kind == "gemma":
         gguf.SpecialVocab(folder, n_vocab=spm_keys()).add_to_gguf(w)
         special = gguf.SpecialVocab(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
-from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json
+from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json_shared
 from ckptkit.formats.gguf.hybrid import hybrid_hparams
 from ckptkit.formats.gguf.imatrix import load_imatrix
 from ckptkit.formats.gguf.mix import keep_types, kept_dtype, quantize_type
@@ -138,7 +138,7 @@ def _check_vocab_rows(folder: Path, tensors: list[Any]) -> None:
     if (folder / "tokenizer.model").is_file() or not (folder / "tokenizer.json").is_file():
         return
 
-    doc = read_json(folder / "tokenizer.json")[1]
+    doc = read_json_shared(folder / "tokenizer.json")
     n = len((doc.get("model") or {}).get("vocab") or {}) + len(doc.get("added_tokens") or [])
     rows = next((t.shape[0] for t in tensors if t.name == "token_embd.weight"), 0)
     if n < rows:
