@@ -16,7 +16,6 @@ import pytest
 from test_gguf_pre import llama_cpp_pre_tokenizers
 
 from ckptkit.formats.gguf.vocab import CHKTXT, pre_tokenizer, same_split
-from ckptkit.tokenization.bpe import bos_template
 from ckptkit.tokenization.tiktoken_bpe import build_tokenizer, read_ranks
 
 from tokenizer_helpers import litellm_tokenizers, llama4_meta_tokenizer, vocab_tests
@@ -78,19 +77,19 @@ def test_gpt_oss_release_tokenizer_is_llama_cpp_s_gpt_4o(
 
 
 @pytest.mark.slow
-def test_deepseek_v3_release_tokenizer_is_llama_cpp_s_deepseek_v3(llama_cpp: Path, tmp_path: Path) -> None:
+def test_deepseek_v3_release_tokenizer_is_llama_cpp_s_joyai_llm_or_deepseek_v3(llama_cpp: Path, tmp_path: Path) -> None:
     """DeepSeek V3's ``tokenizer.json`` (the litellm wheel's copy). Its own post-processor adds
     no BOS, nor does ``AutoTokenizer`` (transformers 5), which llama.cpp's converter encodes the
     probe text with: llama.cpp's hash of those ids names ``joyai-llm``, and ckptkit's writer
     agrees. With BOS first, as the release's ``tokenizer_config.json`` (``add_bos_token``,
-    ``LlamaTokenizerFast``) had transformers 4 encode, both name ``deepseek-v3``; its split is
-    ckptkit's ``deepseek-v3`` rule, and the tokenizer rebuilt from a GGUF of it (written by
-    ckptkit, read back) gives the original's ids."""
+    ``LlamaTokenizerFast``) had transformers 4 encode, both name ``deepseek-v3``. Its split is
+    ckptkit's rule for both (llama.cpp's vocabulary loader splits them alike), and the tokenizer
+    ckptkit rebuilds from a GGUF it wrote of the file gives the original's ids."""
     import gguf
-    from tokenizers import Tokenizer, processors
+    from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from ckptkit.formats.gguf.reader import read_header
+    from ckptkit.formats.gguf.reader import meta_str, read_header
     from ckptkit.formats.gguf.tokenizer import tokenizer_files
     from ckptkit.formats.gguf.vocab import add_vocab
 
@@ -105,17 +104,15 @@ def test_deepseek_v3_release_tokenizer_is_llama_cpp_s_deepseek_v3(llama_cpp: Pat
     notes: list[str] = []
     ours = [pre_tokenizer(path, ids, None, notes) for ids in (probe, [bos, *probe])]
     assert (named, ours, notes) == (["joyai-llm", "deepseek-v3"], ["joyai-llm", "deepseek-v3"], [])
-    assert same_split(path, "deepseek-v3")
-    tok.post_processor = processors.Sequence([tok.post_processor, bos_template("<｜begin▁of▁sentence｜>", bos)])
-    (tmp_path / "src").mkdir()
-    tok.save(str(tmp_path / "src" / "tokenizer.json"))  # the release as transformers 4 loaded it
+    assert same_split(path, "deepseek-v3") and same_split(path, "joyai-llm")
     w = gguf.GGUFWriter(tmp_path / "v.gguf", "deepseek2")
-    assert add_vocab(w, "bpe", tmp_path / "src", {"vocab_size": tok.get_vocab_size()}) == []
+    assert add_vocab(w, "bpe", path.parent, {"vocab_size": tok.get_vocab_size()}) == []
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    files, notes = tokenizer_files(read_header(tmp_path / "v.gguf"), None)
-    assert notes == []
+    header = read_header(tmp_path / "v.gguf")
+    files, notes = tokenizer_files(header, None)
+    assert (meta_str(header, "tokenizer.ggml.pre"), notes) == ("joyai-llm", [])
     back = Tokenizer.from_str(files["tokenizer.json"].decode())
     texts = [CHKTXT, *(text for text, _ in vocab_tests("llama-bpe"))]
     want = [tok.encode(t, add_special_tokens=False).ids for t in texts]

@@ -60,6 +60,8 @@ PRE_TOKENIZER_RULES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "gpt-4o": ((O200K_PATTERN,), False, False),
     "llama4": ((O200K_PATTERN,), False, False),
     "deepseek-v3": (DEEPSEEK_V3_PATTERNS, False, False),
+    # DeepSeek V3's tokenizer.json encoded without BOS (transformers 5): llama.cpp splits it as deepseek-v3
+    "joyai-llm": (DEEPSEEK_V3_PATTERNS, False, False),
 }
 # general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
 SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
