@@ -1,12 +1,14 @@
 """Shared by the tokenizer tests: the real vocabularies (Meta's Llama 3 rank file, llama.cpp's
-Llama 2 / Llama 3 vocabularies and test texts, Mistral's sentencepiece models), a tiny Meta
+Llama 2 / Llama 3 vocabularies and test texts, Mistral's sentencepiece models, Llama 4's rank
+file, OpenAI's o200k_base ranks, DeepSeek V3's tokenizer.json), a tiny Meta
 model around Llama 3's, a varied corpus, and AutoTokenizer run where tiktoken, protobuf and
 sentencepiece cannot load.
 
 The real vocabularies come the way users get them, from PyPI packages: ``llama-models``
-(installed), the ``llama-cpp-python`` and ``sentencepiece`` sdists and the ``mistral-common`` wheel (fetched once
-with pip into ``CKPTKIT_TEST_CACHE``, default: the system temp dir). Every file taken from
-them is checked by SHA-256.
+(installed), the ``llama-cpp-python`` and ``sentencepiece`` sdists and the ``mistral-common``,
+``llama-models`` and ``litellm`` wheels (fetched once with pip into ``CKPTKIT_TEST_CACHE``,
+default: the system temp dir; only the files used are kept). Every file taken from them is
+checked by SHA-256.
 """
 
 from __future__ import annotations
@@ -414,3 +416,42 @@ def autotokenizer_without_extras(jobs: list[tuple[Path, list[str], list[dict] | 
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.splitlines()[-1])
+
+
+LITELLM = "1.110.2"
+# Two release tokenizers, as the litellm wheel ships them (data files only, its code unused): OpenAI's
+# o200k_base rank file (tiktoken's cache name for its URL; gpt-oss's o200k_harmony is these ranks and
+# harmony's special tokens) and DeepSeek V3's tokenizer.json (MIT, its license beside it).
+LITELLM_TOKENIZERS = "litellm/litellm_core_utils/tokenizers/"
+LITELLM_SHA256 = {
+    "fb374d419588a4632f3f557e76b4b70aebbca790": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+    "deepseek_tokenizer.json": "4607b3d1929c5ca263a81d7153c6d6ecdbc71c9e933c0fb2df2abf181bf6df61",
+}
+
+
+def litellm_tokenizers() -> dict[str, Path]:
+    """``o200k_base`` (the rank file, under the name tiktoken caches it by: ``TIKTOKEN_CACHE_DIR``
+    may point at its folder) and ``deepseek-v3`` (a folder holding DeepSeek V3's ``tokenizer.json``),
+    from the litellm wheel, unpacked once into the cache."""
+    ready = cache_dir() / f"litellm-{LITELLM}"
+    with _cache_lock():
+        if not all((ready / name).is_file() for name in LITELLM_SHA256):
+            _fetch_litellm(ready)
+    _checked(ready, LITELLM_SHA256)
+    deepseek = ready / "deepseek-v3"
+    with _cache_lock():
+        if not (deepseek / "tokenizer.json").is_file():
+            deepseek.mkdir(exist_ok=True)
+            os.link(ready / "deepseek_tokenizer.json", deepseek / "tokenizer.json")
+    return {"o200k_base": ready / "fb374d419588a4632f3f557e76b4b70aebbca790", "deepseek-v3": deepseek}
+
+
+def _fetch_litellm(ready: Path) -> None:
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=ready.parent))
+    wheel = _pip_download(f"litellm=={LITELLM}", staging, sdist=False)
+    with zipfile.ZipFile(wheel) as zf:
+        for name in LITELLM_SHA256:
+            (staging / name).write_bytes(zf.read(LITELLM_TOKENIZERS + name))
+    wheel.unlink()
+    os.replace(staging, ready)

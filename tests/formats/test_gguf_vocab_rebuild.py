@@ -133,7 +133,7 @@ def test_a_pre_tokenizer_not_rebuilt_still_converts_with_one_note(tmp_path: Path
     assert verify_paths(src, back).identical == verify_paths(src, src).identical
     assert notes == [
         "byte-level BPE pre-tokenizer 'kimi-k2' is not one ckptkit rebuilds "
-        "(llama-bpe, qwen2, qwen35, glm4, gpt-4o, llama4, deepseek-v3): the output has none; "
+        "(llama-bpe, qwen2, qwen35, glm4, gpt-4o, llama4, deepseek-v3, joyai-llm): the output has none; "
         "to use the model with a tokenizer, copy the original model's tokenizer files beside it"
     ]
     assert not (back / "tokenizer.json").exists()

@@ -38,12 +38,15 @@ QWEN35_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# DeepSeek V3's three splits in turn: digits by three, CJK runs, then words and punctuation
+# DeepSeek V3's three splits in turn: digits by three, CJK runs, then words and punctuation (CR and
+# LF written as the characters themselves, as the release's tokenizer.json has them)
 DEEPSEEK_V3_PATTERNS = (
     r"\p{N}{1,3}",
     "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
-    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    (
+        r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ).replace(r"\r\n", "\r\n"),
 )
 # tokenizer.ggml.pre -> (split regexes applied in turn, ignore_merges as llama.cpp's vocabulary loader
 # takes them, NFC as the release tokenizers normalize text: Qwen2's; llama.cpp does not, nor does
@@ -57,6 +60,8 @@ PRE_TOKENIZER_RULES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "gpt-4o": ((O200K_PATTERN,), False, False),
     "llama4": ((O200K_PATTERN,), False, False),
     "deepseek-v3": (DEEPSEEK_V3_PATTERNS, False, False),
+    # DeepSeek V3's tokenizer.json encoded without BOS (transformers 5): llama.cpp splits it as deepseek-v3
+    "joyai-llm": (DEEPSEEK_V3_PATTERNS, False, False),
 }
 # general.sampling.* -> generation_config.json (the names llama.cpp reads them from)
 SAMPLING = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "temp": "temperature"}
