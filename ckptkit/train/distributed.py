@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.dcp import DcpCheckpoint, holds_checkpoint, open_state, state_keys
+from ckptkit.train import nf4
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.lora import decoder_layers
 
@@ -147,9 +148,11 @@ def load_full_tensors(
         tensor = full(name).to(device, param.dtype)
         if isinstance(param, DTensor):
             mesh, placements = param.device_mesh, param.placements
-            view = distribute_tensor(tensor, mesh, placements, src_data_rank=None).to_local()
-            # a copy: the shard is a view that would keep the whole tensor alive
-            tensor = DTensor.from_local(view.clone(), mesh, placements, shape=param.shape, stride=param.stride())
+            if nf4.local_is_nf4(param):  # QLoRA: quantized whole, each rank keeps its rows' blocks
+                local = nf4.shard(nf4.to_nf4(tensor), mesh.size(), mesh.get_local_rank())
+            else:  # a copy: the shard is a view that would keep the whole tensor alive
+                local = distribute_tensor(tensor, mesh, placements, src_data_rank=None).to_local().clone()
+            tensor = DTensor.from_local(local, mesh, placements, shape=param.shape, stride=param.stride())
         sharded[name] = tensor
     missing, unexpected = model.load_state_dict(sharded, strict=False, assign=True)
     if set(missing) != again or unexpected:

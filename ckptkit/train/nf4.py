@@ -52,6 +52,36 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight().to(tensor.dtype)  # type: ignore[attr-defined]
 
 
+def shard(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Rows ``index`` of ``parts`` of an NF4 tensor (as FSDP2 splits dim 0), in storage of its
+    own. Quantized whole, each part keeps the full tensor's blocks and scales (torchao's clone
+    would quantize the part again, and ``distribute_tensor`` splits the scales wrongly)."""
+    part = torch.chunk(tensor, parts, dim=0)[index]
+    inner = {name: getattr(part, name).clone() for name in part.__tensor_flatten__()[0]}  # type: ignore[attr-defined]
+    nf4_tensor = _torchao()
+    return nf4_tensor.NF4Tensor(*nf4_tensor.construct_nf4_args(part, inner))
+
+
+def check_shardable(model: nn.Module, parts: int) -> None:
+    """Refuse, before FSDP2 shards ``model`` over ``parts`` ranks, an NF4 weight whose shards
+    would not hold whole blocks of scales (each needs a multiple of 64 x 256 values), and a
+    world of one (torch's FSDP2 then skips the all-gather that rebuilds NF4 weights)."""
+    if parts == 1:
+        raise CkptkitError("quantize_base under FSDP2 needs 2 or more processes; run lora_finetune on one device")
+    per_rank = BLOCK_SIZE * SCALER_BLOCK_SIZE * parts
+    for name, param in model.named_parameters():
+        if local_is_nf4(param) and (param.shape[0] % parts or param.numel() % per_rank):
+            raise CkptkitError(
+                f"{name} {tuple(param.shape)} does not split into {parts} NF4 shards of whole blocks "
+                f"(a multiple of {per_rank} values); run on fewer processes or lora_finetune on one device"
+            )
+
+
+def local_is_nf4(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``, or this rank's shard of it (an FSDP2 DTensor), is an NF4 tensor."""
+    return is_nf4(getattr(tensor, "_local_tensor", tensor))
+
+
 def quantized_linears(model: nn.Module) -> list[str]:
     """Names of the linears whose weights NF4 replaces: every linear inside a decoder layer."""
     return [n for n, m in model.named_modules() if n.startswith("layers.") and isinstance(m, nn.Linear)]
@@ -60,11 +90,16 @@ def quantized_linears(model: nn.Module) -> list[str]:
 @torch.no_grad()
 def quantize_base(model: nn.Module) -> list[str]:
     """Replace the (frozen) weight of every decoder-layer linear by its NF4 tensor, on the
-    weight's own device; returns the weights' state-dict keys."""
+    weight's own device (on the meta device: the NF4 layout FSDP2 shards, filled when the
+    weights are loaded); returns the weights' state-dict keys. Weights already NF4 (sharded
+    by FSDP2) stay as they are."""
     keys = []
     for name in quantized_linears(model):
         module = model.get_submodule(name)
         assert isinstance(module, nn.Linear)
+        if local_is_nf4(module.weight):
+            keys.append(f"{name}.weight")
+            continue
         if module.weight.requires_grad:
             raise CkptkitError(f"{name}.weight trains; only frozen base weights can be kept in NF4")
         if module.weight.dim() != 2 or module.weight.numel() % (BLOCK_SIZE * SCALER_BLOCK_SIZE):

@@ -26,6 +26,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.plan import dequantized_checkpoint
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train import distributed as D
+from ckptkit.train import nf4
 from ckptkit.train.checkpointer import RECIPE_STATE_DIR, Checkpointer
 from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import MixedPrecisionConfig, RecipeConfig
@@ -195,6 +196,8 @@ class FSDP2(Placement):
         tied = D.tied_parameters(model)
         model.to("meta")
         D.tie_parameters(model, tied)
+        if any(nf4.local_is_nf4(p) for p in model.parameters()):  # QLoRA: the NF4 layout, on the meta device
+            nf4.check_shardable(model, self.world_size)
         D.shard_model(model, self.mesh, self.param_dtype, self.reduce_dtype)
         D.load_full_tensors(model, lambda k: made[k] if k in made else source(k), self.device, tied)
 

@@ -263,9 +263,3 @@ class LoRAFinetuneDistributedConfig(LoRAFinetuneConfig):
     """``lora_finetune_distributed``: ``lora_finetune``'s keys (``batch_size`` per rank) plus FSDP2's."""
 
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
-
-    @model_validator(mode="after")
-    def _no_qlora(self) -> LoRAFinetuneDistributedConfig:
-        if self.lora.quantize_base is not None:
-            raise ValueError("quantize_base is not supported under FSDP2 yet; run lora_finetune (one device)")
-        return self

@@ -126,6 +126,8 @@ class LoRAAdapters(Trainable):
             checkpointer.load_adapter_into(model)
         checkpointer.merge_dtype = "bfloat16" if cfg.merge_dtype == "bf16" else None
         self.checkpointer = checkpointer
+        if cfg.quantize_base == "nf4":  # on the meta device: FSDP2 shards the NF4 layout
+            nf4.quantize_base(model)
 
     def placed(self, model: nn.Module) -> None:
         if self.cfg.quantize_base == "nf4":
@@ -157,11 +159,14 @@ class LoRAAdapters(Trainable):
         if not (when == "every" or (final and when == "final")):
             return None  # an adapter-only checkpoint
         weights, modules = model.state_dict(), lora_modules(model)
+        quantized = {k for k, v in weights.items() if nf4.local_is_nf4(v)}
 
         def merged(key: str) -> torch.Tensor:
             name = key.removesuffix(".weight")
             w = full(key).detach()
-            if nf4.is_nf4(w):  # QLoRA: the base lora.merge_base names
+            if key in quantized:  # QLoRA: the base lora.merge_base names
+                # under FSDP2 ``full`` reads the frozen base from the input: NF4 again, as trained
+                w = w if nf4.is_nf4(w) else nf4.to_nf4(w)
                 w = nf4.merge_base_weight(self.cfg.merge_base, w, lambda: _base_tensor(self.checkpointer, key))
             if name not in modules or not key.endswith(".weight"):
                 return w

@@ -150,10 +150,20 @@ def test_qlora_config_spellings_and_mistakes() -> None:
     assert (cfg.lora.quantize_base, cfg.lora.merge_base) == (None, "nf4")
     with pytest.raises(CkptkitError, match="quantize_base must be nf4, true or false, not 'int4'"):
         parse_config(load_config("tiny_lora", ["lora.quantize_base=int4"]), schema)
-    with pytest.raises(CkptkitError, match="not supported under FSDP2"):
-        parse_config(
-            load_config("tiny_lora_distributed", ["quantize_base=nf4"]), RECIPES["lora_finetune_distributed"][0]
-        )
+    distributed = load_config("tiny_lora_distributed", ["quantize_base=nf4"])
+    assert parse_config(distributed, RECIPES["lora_finetune_distributed"][0]).lora.quantize_base == "nf4"
+
+
+def test_fsdp2_refuses_nf4_shards_without_whole_blocks() -> None:
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.Linear(256, 256, bias=False)])})
+    model.requires_grad_(False)
+    assert nf4.quantize_base(model) == ["layers.0.weight"]
+    nf4.check_shardable(model, 2)  # 65536 values: two shards of 2 x 16384
+    with pytest.raises(CkptkitError, match=r"^layers.0.weight \(256, 256\) does not split into 8 NF4 shards of "):
+        nf4.check_shardable(model, 8)
+    with pytest.raises(CkptkitError, match="quantize_base under FSDP2 needs 2 or more processes; run lora_finetune"):
+        nf4.check_shardable(model, 1)
 
 
 def test_without_torchao_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
