@@ -37,6 +37,7 @@ from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.moe import experts
 from ckptkit.tensors.transforms import Stacked
+from ckptkit.train.stacked_lora import STACKED
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 """A LoRA pair (A (r, in), B (out, r)) of one canonical module."""
@@ -48,7 +49,8 @@ class MoeParam:
 
     name: str  # model.layers.N.mlp.experts.gate_up_proj
     modules: tuple[str, ...]  # the canonical modules it holds, expert by expert
-    parts: int  # canonical modules per expert (2: gate and up); 0: not stacked (router)
+    parts: int  # canonical modules per expert (2: gate and up); 0: one module (router, stacked whole)
+    experts: int = 0  # a stacked parameter adapted whole (gpt-oss): its number of experts
 
     @property
     def module(self) -> str:
@@ -62,12 +64,20 @@ class MoeParam:
 
 def moe_params(cfg: ModelConfig) -> list[MoeParam]:
     """Every stacked expert tensor, router and dense MLP weight of ``cfg``'s HF model
-    (transformers 5) that PEFT adapts as a parameter, in order; gpt-oss's: its routers (its
-    stacked experts are not adapted)."""
-    if cfg.feature(GptOssFields) is not None:
+    (transformers 5) that PEFT adapts as a parameter, in order; gpt-oss's: its routers and its
+    stacked experts, canonical as they are (:mod:`ckptkit.train.stacked_lora`)."""
+    gpt_oss = cfg.feature(GptOssFields)
+    if gpt_oss is not None:
         return [
-            MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0)
+            p
             for i in range(cfg.num_layers)
+            for p in (
+                MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0),
+                *(
+                    MoeParam(f"model.layers.{i}.mlp.experts.{t}", (f"layers.{i}.mlp.experts.{t}",), 0, n)
+                    for t, n in ((t, gpt_oss.num_local_experts) for t in STACKED)
+                ),
+            )
         ]
     if experts(cfg) is None:
         return []
@@ -148,6 +158,10 @@ def from_peft(cfg: ModelConfig, targets: list[str], tensors: Mapping[str, torch.
         except KeyError as exc:
             raise CkptkitError(f"adapter has no LoRA pair {exc.args[0]} for {p.name}") from None
         if not p.parts:
+            if p.experts and (a.ndim != 2 or b.ndim != 2 or a.shape[0] % p.experts or b.shape[1] != a.shape[0]):
+                raise CkptkitError(
+                    f"adapter LoRA A/B shapes {tuple(a.shape)}, {tuple(b.shape)} do not fit {p.experts} experts"
+                )
             out[p.modules[0]] = (a, b)
             continue
         n = len(p.modules) // p.parts
@@ -168,3 +182,21 @@ def moe_keys(cfg: ModelConfig, targets: list[str]) -> set[str]:
     adapted = [p for p in params if any(p.name == t or p.name.endswith("." + t) for t in targets)]
     stems = _keys(adapted)
     return {f"{stems[p.name]}lora_{x}.weight" for p in adapted for x in "AB"}
+
+
+def stacked_experts_of(cfg: ModelConfig, module: str) -> int:
+    """The number of experts of ``module`` when it is a stacked parameter adapted whole, else 0."""
+    return next((p.experts for p in moe_params(cfg) if p.modules == (module,)), 0)
+
+
+def moe_rank(cfg: ModelConfig, module: str, a: torch.Tensor) -> int:
+    """The LoRA rank of ``module``'s A (a stacked parameter's A stacks one per expert)."""
+    return a.shape[0] // (stacked_experts_of(cfg, module) or 1)
+
+
+def adapted_shape(cfg: ModelConfig, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """The canonical tensor a LoRA pair of ``module`` adapts and the shape the pair implies for it."""
+    n = stacked_experts_of(cfg, module)
+    if not n:
+        return f"{module}.weight", (b.shape[0], a.shape[1])
+    return module, (n, a.shape[1], b.shape[0])  # gpt-oss: [E, in, out]
