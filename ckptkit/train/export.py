@@ -11,7 +11,7 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train.lora import base_state_dict, merged_weight
-from ckptkit.train.peft_experts import adapted_shape, stacked_experts_of
+from ckptkit.train.peft_experts import MoeParam, adapted_shape, stacked_param
 from ckptkit.train.peft_io import AdapterWeights, check_base_copies, read_lora_weights
 from ckptkit.train.stacked_lora import delta
 
@@ -53,8 +53,7 @@ def merge_adapter_into_checkpoint(
             base = state[key]
             if shape != tuple(base.shape):
                 raise CkptkitError(f"adapter for {key} has shape {shape}, weight is {tuple(base.shape)}")
-            experts = stacked_experts_of(ckpt.config, module)
-            state[key] = Lazy(base.shape, base.dtype, partial(_merged, base, w, experts))
+            state[key] = Lazy(base.shape, base.dtype, partial(_merged, base, w, stacked_param(ckpt.config, module)))
         for key, whole in adapter.replaced.items():  # modules_to_save: the adapter's tensor, in the base's dtype
             if key not in state or tuple(whole.shape) != tuple(state[key].shape):
                 raise CkptkitError(f"adapter replaces {key} with shape {tuple(whole.shape)}, which does not fit")
@@ -68,8 +67,8 @@ def _replaced(whole: torch.Tensor, dtype: str) -> torch.Tensor:
     return whole.to(to_torch(dtype))
 
 
-def _merged(base: Lazy, w: AdapterWeights, experts: int = 0) -> torch.Tensor:
-    if experts:  # a stacked expert tensor, [E, in, out] (gpt-oss): PEFT's merge
+def _merged(base: Lazy, w: AdapterWeights, stacked: MoeParam | None = None) -> torch.Tensor:
+    if stacked is not None:  # a stacked expert tensor (gpt-oss, Llama 4): PEFT's merge
         weight = base.get()
-        return weight + delta(w.a, w.b, w.scaling, experts, transposed=True).to(weight.dtype)
+        return weight + delta(w.a, w.b, w.scaling, stacked.experts, stacked.transposed).to(weight.dtype)
     return merged_weight(base.get(), w.a, w.b, w.scaling, w.magnitude)

@@ -17,7 +17,6 @@ from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.hybrid import HybridFields
-from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
@@ -61,11 +60,6 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
         raise CkptkitError(
             f"lora.targets: {names} adapt dense MLPs and every {cfg.model_type} layer has stacked experts "
             "instead: use experts (and router)"
-        )
-    if cfg.feature(Llama4Fields) is not None and EXPERTS in leaves:
-        raise CkptkitError(
-            f"lora.targets: experts: LoRA on {cfg.model_type}'s stacked experts is not supported yet; adapt "
-            "attention (q k v o), the dense and shared MLPs (gate up down) and the router"
         )
     if cfg.feature(GptOssFields) is not None:  # router and stacked experts: bare parameters, as PEFT adapts them
         if moe and dropout:

@@ -19,6 +19,9 @@ so PEFT adapts them through ``target_parameters`` (its ``ParamWrapper``), not
   such a model, even by full name, for transformers 4's per-expert modules and rewrites them
   into the stacked experts, so they cannot be named there.
 
+gpt-oss's and Llama 4's experts are canonical as they are stacked: their adapters are PEFT's
+pair as it is (:mod:`ckptkit.train.stacked_lora`), adapted whole.
+
 ckptkit's native model has one LoRA module per expert projection and on the router; this
 module converts between the two. Which HF tensor holds which canonical ones comes from the
 family's stacked HF layout.
@@ -35,7 +38,7 @@ import torch
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gpt_oss import GptOssFields
-from ckptkit.models.moe import experts
+from ckptkit.models.moe import MoEFields, experts
 from ckptkit.tensors.transforms import Stacked
 from ckptkit.train.stacked_lora import STACKED
 
@@ -50,7 +53,8 @@ class MoeParam:
     name: str  # model.layers.N.mlp.experts.gate_up_proj
     modules: tuple[str, ...]  # the canonical modules it holds, expert by expert
     parts: int  # canonical modules per expert (2: gate and up); 0: one module (router, stacked whole)
-    experts: int = 0  # a stacked parameter adapted whole (gpt-oss): its number of experts
+    experts: int = 0  # a stacked parameter adapted whole (gpt-oss, Llama 4): its number of experts
+    transposed: bool = True  # [E, in, out] to PEFT (gpt-oss); else [E, out, in] (Llama 4)
 
     @property
     def module(self) -> str:
@@ -91,6 +95,8 @@ def moe_params(cfg: ModelConfig) -> list[MoeParam]:
             out.append(MoeParam(rule.native, modules, rule.kind.k))
         elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.(shared\.)?(router|w1|w2|w3)", modules[0]):
             out.append(MoeParam(rule.native, modules, 0))
+        elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)", modules[0]):
+            out.append(MoeParam(rule.native, modules, 0, cfg.fields(MoEFields).num_experts, transposed=False))
     return out
 
 
@@ -184,19 +190,20 @@ def moe_keys(cfg: ModelConfig, targets: list[str]) -> set[str]:
     return {f"{stems[p.name]}lora_{x}.weight" for p in adapted for x in "AB"}
 
 
-def stacked_experts_of(cfg: ModelConfig, module: str) -> int:
-    """The number of experts of ``module`` when it is a stacked parameter adapted whole, else 0."""
-    return next((p.experts for p in moe_params(cfg) if p.modules == (module,)), 0)
+def stacked_param(cfg: ModelConfig, module: str) -> MoeParam | None:
+    """``module``'s parameter when it is a stacked expert tensor adapted whole, else None."""
+    return next((p for p in moe_params(cfg) if p.experts and p.modules == (module,)), None)
 
 
 def moe_rank(cfg: ModelConfig, module: str, a: torch.Tensor) -> int:
     """The LoRA rank of ``module``'s A (a stacked parameter's A stacks one per expert)."""
-    return a.shape[0] // (stacked_experts_of(cfg, module) or 1)
+    p = stacked_param(cfg, module)
+    return a.shape[0] // (p.experts if p is not None else 1)
 
 
 def adapted_shape(cfg: ModelConfig, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     """The canonical tensor a LoRA pair of ``module`` adapts and the shape the pair implies for it."""
-    n = stacked_experts_of(cfg, module)
-    if not n:
+    p = stacked_param(cfg, module)
+    if p is None:
         return f"{module}.weight", (b.shape[0], a.shape[1])
-    return module, (n, a.shape[1], b.shape[0])  # gpt-oss: [E, in, out]
+    return module, (p.experts, *((a.shape[1], b.shape[0]) if p.transposed else (b.shape[0], a.shape[1])))
