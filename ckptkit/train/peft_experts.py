@@ -72,17 +72,13 @@ def moe_params(cfg: ModelConfig) -> list[MoeParam]:
     stacked experts, canonical as they are (:mod:`ckptkit.train.stacked_lora`)."""
     gpt_oss = cfg.feature(GptOssFields)
     if gpt_oss is not None:
-        return [
-            p
-            for i in range(cfg.num_layers)
-            for p in (
-                MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0),
-                *(
-                    MoeParam(f"model.layers.{i}.mlp.experts.{t}", (f"layers.{i}.mlp.experts.{t}",), 0, n)
-                    for t, n in ((t, gpt_oss.num_local_experts) for t in STACKED)
-                ),
-            )
-        ]
+        params = []
+        for i in range(cfg.num_layers):
+            params.append(MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0))
+            for t in STACKED:
+                name, module = f"model.layers.{i}.mlp.experts.{t}", f"layers.{i}.mlp.experts.{t}"
+                params.append(MoeParam(name, (module,), 0, gpt_oss.num_local_experts))
+        return params
     if experts(cfg) is None:
         return []
     stacked = cfg.replace_fields(experts_layout="stacked")

@@ -88,3 +88,16 @@ def test_peft_made_expert_adapter_loads_and_merges_as_peft() -> None:
 def test_dropout_on_stacked_experts_is_refused_in_one_line() -> None:
     with pytest.raises(CkptkitError, match="LoRA on stacked experts takes no dropout and no DoRA"):
         apply_lora(native_model("gpt_oss"), ["q", "experts"], rank=2, dropout=0.1)
+
+
+def test_an_expert_adapter_of_another_shape_is_refused_in_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = apply_lora(native_model("gpt_oss"), ["experts"], rank=2)
+    save_adapter(model, tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"  # down_proj's A: [E * r, I]
+    tensors[key] = tensors[key][:7]
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(CkptkitError, match=r"adapter LoRA A/B shapes \(7, 24\), \(40, 8\) do not fit 4 experts"):
+        load_adapter(native_model("gpt_oss"), tmp_path)
