@@ -38,6 +38,7 @@ from ckptkit.train.metrics import METRICS_FILE
 from ckptkit.train.peft_io import copy_lora_weights, read_lora_weights, save_adapter
 from ckptkit.train.recipe_state import RecipeState, RunProgress
 from ckptkit.train.schema import CheckpointerConfig
+from ckptkit.train.stacked_lora import stacked_modules
 
 RECIPE_STATE = "recipe_state.pt"
 RECIPE_STATE_DIR = "recipe_state"
@@ -225,7 +226,7 @@ class Checkpointer:
             raise CkptkitError(f"{path}: no {ADAPTER_WEIGHTS} there; check checkpointer.adapter_checkpoint")
         fix = "check checkpointer.adapter_checkpoint, or set checkpointer.checkpoint_dir to the model"
         adapter = read_lora_weights(folder, model_config(model), str(self.checkpoint_dir), fix)
-        modules = lora_modules(model)
+        modules = {*lora_modules(model), *stacked_modules(model)}
         if set(adapter.lora) != set(modules):
             odd = sorted(set(adapter.lora) ^ set(modules))
             raise CkptkitError(

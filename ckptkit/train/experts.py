@@ -18,6 +18,7 @@ from ckptkit.models.hybrid import HybridFields
 from ckptkit.models.moe import MoEFields, expert_size
 from ckptkit.train.layers import ACTIVATIONS, GatedMLP, clamped_swiglu
 from ckptkit.train.routers import TopKSigmoid, TopKSoftmax, has_expert_bias, routing
+from ckptkit.train.stacked_lora import weight
 
 
 class SparseMoE(nn.Module):
@@ -64,7 +65,10 @@ class SparseMoE(nn.Module):
 
 class StackedExperts(nn.Module):
     """gpt-oss's experts as stored: ``gate_up_proj`` [E, hidden, 2I] (gate and up columns
-    interleaved), ``down_proj`` [E, I, hidden], each with a bias; ``x @ W + b`` per expert."""
+    interleaved), ``down_proj`` [E, I, hidden], each with a bias; ``x @ W + b`` per expert
+    (LoRA-adaptable, :mod:`ckptkit.train.stacked_lora`)."""
+
+    transposed = True  # [E, in, out], as transformers marks it (PEFT's LoRA follows)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -79,10 +83,11 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """``x`` (N, hidden) through each token's ``chosen`` experts (N, k), summed by ``weights``."""
         out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):  # every expert, in index order as transformers sums
+        gate_up, down = weight(self, "gate_up_proj"), weight(self, "down_proj")
+        for e in range(gate_up.shape[0]):  # every expert, in index order as transformers sums
             slot, token = torch.where((chosen == e).T)
-            gated = clamped_swiglu(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], self.alpha, self.limit)
-            y = (gated @ self.down_proj[e] + self.down_proj_bias[e]) * weights[token, slot, None]
+            gated = clamped_swiglu(x[token] @ gate_up[e] + self.gate_up_proj_bias[e], self.alpha, self.limit)
+            y = (gated @ down[e] + self.down_proj_bias[e]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
@@ -109,7 +114,9 @@ class StackedMoE(nn.Module):
 class FusedExperts(nn.Module):
     """Llama 4's experts as stored: ``gate_up_proj`` [E, hidden, 2I] (gate columns, then up),
     ``down_proj`` [E, I, hidden], no biases; ``x @ W`` per expert, the router's weight applied
-    to each expert's input, not its output."""
+    to each expert's input, not its output (LoRA-adaptable, :mod:`ckptkit.train.stacked_lora`)."""
+
+    transposed = False  # transformers does not mark it [E, in, out]: PEFT's LoRA swaps in and out
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -122,10 +129,11 @@ class FusedExperts(nn.Module):
         """``x`` (N, hidden), each token scaled by its ``chosen`` experts' (N, k) ``weights``
         and through them, summed."""
         out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):  # every expert, in index order as transformers sums
+        gate_up, down = weight(self, "gate_up_proj"), weight(self, "down_proj")
+        for e in range(gate_up.shape[0]):  # every expert, in index order as transformers sums
             slot, token = torch.where((chosen == e).T)
-            gate, up = ((x[token] * weights[token, slot, None]) @ self.gate_up_proj[e]).chunk(2, dim=-1)
-            out.index_add_(0, token, (up * self.act(gate)) @ self.down_proj[e])
+            gate, up = ((x[token] * weights[token, slot, None]) @ gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, token, (up * self.act(gate)) @ down[e])
         return out
 
 

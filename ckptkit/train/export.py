@@ -11,7 +11,9 @@ from torch import nn
 from ckptkit.errors import CkptkitError
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.train.lora import base_state_dict, merged_weight
+from ckptkit.train.peft_experts import MoeParam, adapted_shape, stacked_param
 from ckptkit.train.peft_io import AdapterWeights, check_base_copies, read_lora_weights
+from ckptkit.train.stacked_lora import delta
 
 
 def export_merged(model: nn.Module, base_checkpoint: str | Path, out_dir: str | Path) -> None:
@@ -45,15 +47,13 @@ def merge_adapter_into_checkpoint(
         check_base_copies(adapter, {k: ckpt.tensors[k].get() for k in adapter.base_copies if k in ckpt.tensors})
         state: dict[str, Lazy] = dict(ckpt.tensors)
         for module, w in adapter.lora.items():
-            key = f"{module}.weight"
+            key, shape = adapted_shape(ckpt.config, module, w.a, w.b)
             if key not in state:
                 raise CkptkitError(f"adapter targets {key}, which the checkpoint does not have")
             base = state[key]
-            if (w.b.shape[0], w.a.shape[1]) != tuple(base.shape):
-                raise CkptkitError(
-                    f"adapter for {key} has shape {(w.b.shape[0], w.a.shape[1])}, weight is {tuple(base.shape)}"
-                )
-            state[key] = Lazy(base.shape, base.dtype, partial(_merged, base, w))
+            if shape != tuple(base.shape):
+                raise CkptkitError(f"adapter for {key} has shape {shape}, weight is {tuple(base.shape)}")
+            state[key] = Lazy(base.shape, base.dtype, partial(_merged, base, w, stacked_param(ckpt.config, module)))
         for key, whole in adapter.replaced.items():  # modules_to_save: the adapter's tensor, in the base's dtype
             if key not in state or tuple(whole.shape) != tuple(state[key].shape):
                 raise CkptkitError(f"adapter replaces {key} with shape {tuple(whole.shape)}, which does not fit")
@@ -67,5 +67,8 @@ def _replaced(whole: torch.Tensor, dtype: str) -> torch.Tensor:
     return whole.to(to_torch(dtype))
 
 
-def _merged(base: Lazy, w: AdapterWeights) -> torch.Tensor:
+def _merged(base: Lazy, w: AdapterWeights, stacked: MoeParam | None = None) -> torch.Tensor:
+    if stacked is not None:  # a stacked expert tensor (gpt-oss, Llama 4): PEFT's merge
+        weight = base.get()
+        return weight + delta(w.a, w.b, w.scaling, stacked.experts, stacked.transposed).to(weight.dtype)
     return merged_weight(base.get(), w.a, w.b, w.scaling, w.magnitude)

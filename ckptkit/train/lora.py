@@ -19,6 +19,7 @@ from torch import nn
 
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig
+from ckptkit.train.stacked_lora import add_stacked_lora, merge_stacked, merged_stacked, stacked_names
 
 # Short target names -> canonical module leaf names (ckptkit.models.config docstring).
 # gate/up/down are the dense MLPs' projections; ``experts`` every expert's three (a
@@ -243,10 +244,14 @@ def apply_lora(
         if keep is not None and name.startswith("layers.") and int(name.split(".")[1]) not in keep:
             continue
         names.append(name)
-    if not names:
+    stacked = [n for n in stacked_names(model) if EXPERTS in leaves and (keep is None or int(n.split(".")[1]) in keep)]
+    if not names and not stacked:
         raise CkptkitError(f"no module matches LoRA targets {sorted(leaves)}")
-    ranks = {n: (ranks or {}).get(n, rank) for n in names}
-    return add_lora(model, ranks, alpha, dropout, use_rslora, lora_dtype, use_dora)
+    if stacked and (dropout or use_dora):
+        raise CkptkitError("LoRA on stacked experts takes no dropout and no DoRA (PEFT has neither there)")
+    add_lora(model, {n: (ranks or {}).get(n, rank) for n in names}, alpha, dropout, use_rslora, lora_dtype, use_dora)
+    add_stacked_lora(model, {n: (ranks or {}).get(n, rank) for n in stacked}, alpha, use_rslora, lora_dtype)
+    return model
 
 
 def add_lora(
@@ -304,12 +309,14 @@ def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight (forward then skips the adapters)."""
     for m in lora_modules(model).values():
         m.merge()
+    merge_stacked(model)
 
 
 def unmerge_lora(model: nn.Module) -> None:
     """Undo :func:`merge_lora`."""
     for m in lora_modules(model).values():
         m.unmerge()
+    merge_stacked(model, merge=False)
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -331,6 +338,7 @@ def base_state_dict(model: nn.Module, merged: bool = True) -> dict[str, torch.Te
                 out[f"{name}.weight"] = merged_weight(
                     m.weight.detach(), m.lora_a.detach(), m.lora_b.detach(), m.scaling, magnitude
                 )
+        out.update(merged_stacked(model))
     return out
 
 

@@ -17,7 +17,6 @@ from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gemma4 import Gemma4Fields
 from ckptkit.models.gpt_oss import GptOssFields
 from ckptkit.models.hybrid import HybridFields
-from ckptkit.models.llama4 import Llama4Fields
 from ckptkit.models.moe import experts
 from ckptkit.train.lora import EXPERTS, TARGETS, LoRALinear, lora_modules, model_config, resolve_targets
 
@@ -56,22 +55,17 @@ def check_targets(targets: list[str], cfg: ModelConfig, dropout: float = 0.0) ->
     short = {leaf: name for name, leaf in TARGETS.items()}
     moe = sorted(leaves & {EXPERTS, "router"})
     has_experts = experts(cfg)
-    if cfg.feature(GptOssFields) is not None and leaves & {EXPERTS, "w1", "w2", "w3"}:
-        names = " ".join(short.get(leaf, leaf) for leaf in sorted(leaves & {EXPERTS, "w1", "w2", "w3"}))
+    if cfg.feature(GptOssFields) is not None and leaves & {"w1", "w2", "w3"}:
+        names = " ".join(short.get(leaf, leaf) for leaf in sorted(leaves & {"w1", "w2", "w3"}))
         raise CkptkitError(
-            f"lora.targets: {names}: LoRA on {cfg.model_type}'s stacked experts is not supported yet "
-            "(every layer has them instead of a dense MLP); adapt attention (q k v o) and the router"
+            f"lora.targets: {names} adapt dense MLPs and every {cfg.model_type} layer has stacked experts "
+            "instead: use experts (and router)"
         )
-    if cfg.feature(Llama4Fields) is not None and EXPERTS in leaves:
-        raise CkptkitError(
-            f"lora.targets: experts: LoRA on {cfg.model_type}'s stacked experts is not supported yet; adapt "
-            "attention (q k v o), the dense and shared MLPs (gate up down) and the router"
-        )
-    if cfg.feature(GptOssFields) is not None:  # its router: a bare parameter in transformers, as PEFT adapts it
-        if "router" in leaves and dropout:
+    if cfg.feature(GptOssFields) is not None:  # router and stacked experts: bare parameters, as PEFT adapts them
+        if moe and dropout:
             raise CkptkitError(
-                f"lora.dropout: PEFT adapts {cfg.model_type}'s router as a parameter, without dropout; "
-                "set lora.dropout to 0 or remove router from lora.targets"
+                f"lora.dropout: PEFT adapts {cfg.model_type}'s {' and '.join(moe)} as parameters, without dropout; "
+                f"set lora.dropout to 0 or remove {' and '.join(moe)} from lora.targets"
             )
         moe = []
     gemma4 = cfg.feature(Gemma4Fields)

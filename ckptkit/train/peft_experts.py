@@ -19,6 +19,9 @@ so PEFT adapts them through ``target_parameters`` (its ``ParamWrapper``), not
   such a model, even by full name, for transformers 4's per-expert modules and rewrites them
   into the stacked experts, so they cannot be named there.
 
+gpt-oss's and Llama 4's experts are canonical as they are stacked: their adapters are PEFT's
+pair as it is (:mod:`ckptkit.train.stacked_lora`), adapted whole.
+
 ckptkit's native model has one LoRA module per expert projection and on the router; this
 module converts between the two. Which HF tensor holds which canonical ones comes from the
 family's stacked HF layout.
@@ -35,8 +38,9 @@ import torch
 from ckptkit.errors import CkptkitError
 from ckptkit.models import ModelConfig, get_family
 from ckptkit.models.gpt_oss import GptOssFields
-from ckptkit.models.moe import experts
+from ckptkit.models.moe import MoEFields, experts
 from ckptkit.tensors.transforms import Stacked
+from ckptkit.train.stacked_lora import STACKED
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 """A LoRA pair (A (r, in), B (out, r)) of one canonical module."""
@@ -48,7 +52,9 @@ class MoeParam:
 
     name: str  # model.layers.N.mlp.experts.gate_up_proj
     modules: tuple[str, ...]  # the canonical modules it holds, expert by expert
-    parts: int  # canonical modules per expert (2: gate and up); 0: not stacked (router)
+    parts: int  # canonical modules per expert (2: gate and up); 0: one module (router, stacked whole)
+    experts: int = 0  # a stacked parameter adapted whole (gpt-oss, Llama 4): its number of experts
+    transposed: bool = True  # [E, in, out] to PEFT (gpt-oss); else [E, out, in] (Llama 4)
 
     @property
     def module(self) -> str:
@@ -62,13 +68,17 @@ class MoeParam:
 
 def moe_params(cfg: ModelConfig) -> list[MoeParam]:
     """Every stacked expert tensor, router and dense MLP weight of ``cfg``'s HF model
-    (transformers 5) that PEFT adapts as a parameter, in order; gpt-oss's: its routers (its
-    stacked experts are not adapted)."""
-    if cfg.feature(GptOssFields) is not None:
-        return [
-            MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0)
-            for i in range(cfg.num_layers)
-        ]
+    (transformers 5) that PEFT adapts as a parameter, in order; gpt-oss's: its routers and its
+    stacked experts, canonical as they are (:mod:`ckptkit.train.stacked_lora`)."""
+    gpt_oss = cfg.feature(GptOssFields)
+    if gpt_oss is not None:
+        params = []
+        for i in range(cfg.num_layers):
+            params.append(MoeParam(f"model.layers.{i}.mlp.router.weight", (f"layers.{i}.mlp.router",), 0))
+            for t in STACKED:
+                name, module = f"model.layers.{i}.mlp.experts.{t}", f"layers.{i}.mlp.experts.{t}"
+                params.append(MoeParam(name, (module,), 0, gpt_oss.num_local_experts))
+        return params
     if experts(cfg) is None:
         return []
     stacked = cfg.replace_fields(experts_layout="stacked")
@@ -81,6 +91,8 @@ def moe_params(cfg: ModelConfig) -> list[MoeParam]:
             out.append(MoeParam(rule.native, modules, rule.kind.k))
         elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.(shared\.)?(router|w1|w2|w3)", modules[0]):
             out.append(MoeParam(rule.native, modules, 0))
+        elif len(modules) == 1 and re.fullmatch(r"layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)", modules[0]):
+            out.append(MoeParam(rule.native, modules, 0, cfg.fields(MoEFields).num_experts, transposed=False))
     return out
 
 
@@ -148,6 +160,10 @@ def from_peft(cfg: ModelConfig, targets: list[str], tensors: Mapping[str, torch.
         except KeyError as exc:
             raise CkptkitError(f"adapter has no LoRA pair {exc.args[0]} for {p.name}") from None
         if not p.parts:
+            if p.experts and (a.ndim != 2 or b.ndim != 2 or a.shape[0] % p.experts or b.shape[1] != a.shape[0]):
+                raise CkptkitError(
+                    f"adapter LoRA A/B shapes {tuple(a.shape)}, {tuple(b.shape)} do not fit {p.experts} experts"
+                )
             out[p.modules[0]] = (a, b)
             continue
         n = len(p.modules) // p.parts
@@ -168,3 +184,22 @@ def moe_keys(cfg: ModelConfig, targets: list[str]) -> set[str]:
     adapted = [p for p in params if any(p.name == t or p.name.endswith("." + t) for t in targets)]
     stems = _keys(adapted)
     return {f"{stems[p.name]}lora_{x}.weight" for p in adapted for x in "AB"}
+
+
+def stacked_param(cfg: ModelConfig, module: str) -> MoeParam | None:
+    """``module``'s parameter when it is a stacked expert tensor adapted whole, else None."""
+    return next((p for p in moe_params(cfg) if p.experts and p.modules == (module,)), None)
+
+
+def moe_rank(cfg: ModelConfig, module: str, a: torch.Tensor) -> int:
+    """The LoRA rank of ``module``'s A (a stacked parameter's A stacks one per expert)."""
+    p = stacked_param(cfg, module)
+    return a.shape[0] // (p.experts if p is not None else 1)
+
+
+def adapted_shape(cfg: ModelConfig, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """The canonical tensor a LoRA pair of ``module`` adapts and the shape the pair implies for it."""
+    p = stacked_param(cfg, module)
+    if p is None:
+        return f"{module}.weight", (b.shape[0], a.shape[1])
+    return module, (p.experts, *((a.shape[1], b.shape[0]) if p.transposed else (b.shape[0], a.shape[1])))

@@ -31,8 +31,9 @@ from ckptkit.formats.peft_adapter import (
 from ckptkit.models import ModelConfig, canonical_shapes
 from ckptkit.train.lora import LoRALinear, add_lora, lora_modules, merge_lora, model_config, targeted
 from ckptkit.train.lora_targets import fused_part, fused_parts, share_fused_lora
-from ckptkit.train.peft_experts import from_peft, moe_keys, moe_params, to_peft
+from ckptkit.train.peft_experts import adapted_shape, from_peft, moe_keys, moe_params, moe_rank, to_peft
 from ckptkit.train.peft_names import NotInBase, canonical_module, hf_module, module_names
+from ckptkit.train.stacked_lora import StackedLoRA, add_stacked_lora, stacked_modules, stacked_names
 
 _PREFIX = "base_model.model."
 _MAGNITUDE = "lora_magnitude_vector"  # DoRA's, 1-D (out_features)
@@ -100,21 +101,22 @@ def save_adapter(
     ``weights`` (``<module>.lora_a``/``.lora_b`` -> full tensor) replaces the modules' own
     tensors, e.g. when those are shards of a distributed model.
     """
-    modules = lora_modules(model)
-    if not modules:
+    modules, stacked = lora_modules(model), list(stacked_modules(model).values())
+    if not modules and not stacked:
         raise CkptkitError("model has no LoRA adapters to save")
-    alphas = {m.alpha for m in modules.values()}
-    dropouts = {m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0 for m in modules.values()}
-    rslora = {m.use_rslora for m in modules.values()}
-    dora = {m.use_dora for m in modules.values()}
+    alphas = {m.alpha for m in [*modules.values(), *stacked]}
+    dropouts = {m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0 for m in modules.values()} or {0.0}
+    rslora = {m.use_rslora for m in [*modules.values(), *stacked]}
+    dora = {m.use_dora for m in modules.values()} or {False}
     if len(alphas) > 1 or len(dropouts) > 1 or len(rslora) > 1 or len(dora) > 1:
         raise CkptkitError("PEFT format needs one lora_alpha, lora_dropout, use_rslora and use_dora for all adapters")
-    if any(m.merged for m in modules.values()):
+    if any(m.merged for m in [*modules.values(), *stacked]):
         raise CkptkitError("unmerge the LoRA adapters before saving them")
 
     tensors, hf_names, target_parameters = _peft_tensors(model, weights)
-    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
-    if target_parameters and (dropouts != {0.0} or any(modules[n].rank != rank for n in modules if n not in hf_names)):
+    rank = Counter(m.rank for m in [*modules.values(), *stacked]).most_common(1)[0][0]
+    moe_ranks = [m.rank for n, m in modules.items() if n not in hf_names] + [m.rank for m in stacked]
+    if target_parameters and (dropouts != {0.0} or any(r != rank for r in moe_ranks)):
         raise CkptkitError("LoRA on experts or router takes one rank for every adapter and no dropout in PEFT format")
     modules = {n: m for n, m in modules.items() if n in hf_names}  # linear modules: target_modules
 
@@ -194,6 +196,13 @@ def _peft_tensors(
             raise CkptkitError(f"LoRA adapts only some parts of the fused {hf}; PEFT adapts it whole")
         for key in {k for _, k, _ in parts}:
             tensors[f"{_PREFIX}{hf}.{key}"] = torch.cat([t.detach() for _, k, t in sorted(parts) if k == key])
+    for name, sm in stacked_modules(model).items():  # gpt-oss's stacked experts: PEFT's pair as it is
+        a, b = (
+            (sm.lora_a, sm.lora_b)
+            if weights is None
+            else (weights[f"{name}_lora.lora_a"], weights[f"{name}_lora.lora_b"])
+        )
+        moe[name] = (a.detach(), b.detach())
     moe_tensors, target_parameters, _ = to_peft(cfg, moe)
     tensors.update({_PREFIX + k: v for k, v in moe_tensors.items()})
     return {k: v if v.is_meta else v.contiguous().cpu() for k, v in tensors.items()}, hf_names, target_parameters
@@ -283,7 +292,7 @@ def _misfit(adapter: Adapter, model: ModelConfig, base: str) -> str | None:
     shapes = canonical_shapes(model)
     # the dimensions that are the hidden size: those that change with it
     wider = canonical_shapes(dataclasses.replace(model, hidden_size=model.hidden_size + 1))
-    weights: dict[str, tuple[int, ...]] = {f"{m}.weight": (w.b.shape[0], w.a.shape[1]) for m, w in adapter.lora.items()}
+    weights: dict[str, tuple[int, ...]] = dict(adapted_shape(model, m, w.a, w.b) for m, w in adapter.lora.items())
     weights |= {k: tuple(t.shape) for k, t in (adapter.base_copies | adapter.replaced).items()}
     for key, got in weights.items():
         want = shapes.get(key)
@@ -356,7 +365,8 @@ def _read_lora_weights(adapter_dir: str | Path, model: ModelConfig, merging: boo
     if config.get("use_dora") and moe:
         raise CkptkitError(f"{adapter_dir}: DoRA on experts or routers (target_parameters), which PEFT lacks")
     for module, (a, b) in moe.items():
-        lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(a.shape[0]) if config.get("use_rslora") else a.shape[0]))
+        rank = moe_rank(model, module, a)
+        lora[module] = AdapterWeights(a, b, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
     for module, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B", *(("magnitude",) if config.get("use_dora") else ())}:
             raise CkptkitError(f"adapter has an incomplete LoRA pair for {module}")
@@ -392,10 +402,10 @@ def check_base_copies(adapter: Adapter, base: dict[str, torch.Tensor]) -> None:
 
 def copy_lora_weights(model: nn.Module, adapter: Adapter) -> None:
     """Copy an adapter's A/B matrices into the model's existing LoRA modules of the same shapes."""
-    modules = lora_modules(model)
+    modules: dict[str, LoRALinear | StackedLoRA] = {**lora_modules(model), **stacked_modules(model)}
     with torch.no_grad():
         for name, w in adapter.lora.items():
-            m: LoRALinear = modules[name]
+            m = modules[name]
             if w.a.shape != m.lora_a.shape or w.b.shape != m.lora_b.shape:
                 raise CkptkitError(
                     f"adapter shapes for {name} ({tuple(w.a.shape)}, {tuple(w.b.shape)}) "
@@ -417,7 +427,17 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, merge: bool = False,
     alpha = float(adapter.config.get("lora_alpha", 8))
     dropout = float(adapter.config.get("lora_dropout") or 0.0)
     rslora, dora = bool(adapter.config.get("use_rslora")), bool(adapter.config.get("use_dora"))
-    add_lora(model, {name: w.a.shape[0] for name, w in adapter.lora.items()}, alpha, dropout, rslora, None, dora)
+    cfg, stacked = model_config(model), set(stacked_names(model))
+    add_lora(
+        model,
+        {n: w.a.shape[0] for n, w in adapter.lora.items() if n not in stacked},
+        alpha,
+        dropout,
+        rslora,
+        None,
+        dora,
+    )
+    add_stacked_lora(model, {n: moe_rank(cfg, n, w.a) for n, w in adapter.lora.items() if n in stacked}, alpha, rslora)
     share_fused_lora(model)
     copy_lora_weights(model, adapter)
     if merge:

@@ -24,6 +24,7 @@ from ckptkit.train.lora import ADAPTER_SUFFIXES, apply_lora, dora_magnitude, lor
 from ckptkit.train.lora_targets import check_targets
 from ckptkit.train.peft_io import prepare_for_peft
 from ckptkit.train.schema import LoRAConfig
+from ckptkit.train.stacked_lora import delta, stacked_modules
 
 Gather = Callable[[str], torch.Tensor]
 """A whole tensor of the model's state dict, by name."""
@@ -158,7 +159,7 @@ class LoRAAdapters(Trainable):
         when = self.cfg.save_merged
         if not (when == "every" or (final and when == "final")):
             return None  # an adapter-only checkpoint
-        weights, modules = model.state_dict(), lora_modules(model)
+        weights, modules, stacked = model.state_dict(), lora_modules(model), stacked_modules(model)
         quantized = {k for k, v in weights.items() if nf4.local_is_nf4(v)}
 
         def merged(key: str) -> torch.Tensor:
@@ -168,6 +169,10 @@ class LoRAAdapters(Trainable):
                 # under FSDP2 ``full`` reads the frozen base from the input: NF4 again, as trained
                 w = w if nf4.is_nf4(w) else nf4.to_nf4(w)
                 w = nf4.merge_base_weight(self.cfg.merge_base, w, lambda: _base_tensor(self.checkpointer, key))
+            if key in stacked:  # a stacked expert tensor: PEFT's merge
+                m = stacked[key]
+                a, b = (full(f"{key}_lora.{part}").detach() for part in ("lora_a", "lora_b"))
+                return w + delta(a, b, m.scaling, m.experts, m.transposed).to(w.dtype)
             if name not in modules or not key.endswith(".weight"):
                 return w
             a, b = (full(f"{name}.{part}").detach() for part in ("lora_a", "lora_b"))

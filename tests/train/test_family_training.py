@@ -32,7 +32,7 @@ TARGETS = {  # every linear the family has, and for MoE experts and router
     "glm4_moe": [*ATTENTION, "gate", "up", "down", "experts", "router"],  # gate/up/down: dense and shared
     "deepseek_v3": ["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down", "experts", "router"],
     "deepseek_v3-qproj": ["q", "kv_a", "kv_b", "o", "experts", "router"],
-    "gpt_oss": ATTENTION,  # its stacked experts and router: not yet (refused below)
+    "gpt_oss": [*ATTENTION, "experts", "router"],  # stacked experts, as PEFT's target_parameters adapt them
     # hybrids: gated full attention and Gated DeltaNet's projections (its conv1d is no linear)
     "qwen3_next": [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj", "gate", "up", "down", "experts", "router"],
     "qwen3_5": [*ATTENTION, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "gate", "up", "down"],
@@ -194,12 +194,13 @@ def test_moe_lora_targets_are_checked_before_training(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="lora.dropout: PEFT adapts experts as stacked tensors, without dropout"):
         check_targets(["experts"], fixture_config("qwen3_moe"), dropout=0.1)
     check_targets(["gate", "experts"], fixture_config("qwen3_moe"))  # its layer 1 is dense
-    for targets in (["q", "experts"], ["q", "gate"]):
-        with pytest.raises(CkptkitError, match="LoRA on gpt_oss's stacked experts is not supported yet"):
-            check_targets(targets, fixture_config("gpt_oss"))
-    check_targets(["q", "router"], fixture_config("gpt_oss"))
-    with pytest.raises(CkptkitError, match="PEFT adapts gpt_oss's router as a parameter, without dropout"):
+    with pytest.raises(CkptkitError, match="every gpt_oss layer has stacked experts instead: use experts"):
+        check_targets(["q", "gate"], fixture_config("gpt_oss"))
+    check_targets(["q", "experts", "router"], fixture_config("gpt_oss"))
+    with pytest.raises(CkptkitError, match="PEFT adapts gpt_oss's router as parameters, without dropout"):
         check_targets(["router"], fixture_config("gpt_oss"), dropout=0.1)
+    with pytest.raises(CkptkitError, match="PEFT adapts gpt_oss's experts as parameters, without dropout"):
+        check_targets(["q", "experts"], fixture_config("gpt_oss"), dropout=0.1)
     gpt_oss = f"checkpointer.checkpoint_dir={FIXTURES / 'hf' / 'gpt_oss'}"
     with pytest.raises(CkptkitError, match="load-balancing loss of gpt_oss's router is not supported yet"):
         run(

@@ -218,15 +218,15 @@ def test_full_fine_tuning_writes_the_input_layout(name: str, tmp_path: Path) -> 
 def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
     name: str, float32: dict[str, Path], tmp_path: Path
 ) -> None:
-    """LoRA on attention, the dense MLPs, the shared experts and the router: the adapter in
-    PEFT gives the native model's logits, the merged output (in the input's layout, the vision
-    tower as read) is PEFT's merge."""
+    """LoRA on attention, the dense MLPs, the shared experts, the stacked experts and the router:
+    the adapter in PEFT gives the native model's logits, the merged output (in the input's
+    layout, the vision tower as read) is PEFT's merge, ``ckptkit merge``'s too."""
     from peft import PeftModel
 
     from ckptkit.train.peft_io import load_adapter
 
     base = float32[name]
-    _run("lora_finetune", "tiny_lora", base, tmp_path, "lora.targets=[q,k,v,o,gate,up,down,router]")
+    _run("lora_finetune", "tiny_lora", base, tmp_path, "lora.targets=[q,k,v,o,gate,up,down,experts,router]")
     out = tmp_path / "epoch_0"
     ids = _ids(6, 13)
     peft = PeftModel.from_pretrained(_reference(base), out / "adapter").eval()
@@ -240,20 +240,49 @@ def test_lora_adapter_loads_in_peft_and_merged_output_equals_peft_merge(
     theirs = peft.merge_and_unload().state_dict()
     worst = max((v - theirs[k]).abs().max().item() for k, v in merged.state_dict().items())
     assert worst < 1e-6  # float32 rounding of W + s * B @ A
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert {"feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"} <= set(config["target_parameters"])
+    experts = [k for k in theirs if k.endswith("experts.gate_up_proj")]
+    assert experts and all(torch.equal(merged.state_dict()[k], theirs[k]) for k in experts)
+    assert not torch.equal(_tensors(out)[experts[0]], _tensors(base)[experts[0]])
+    from ckptkit.train.export import merge_adapter_into_checkpoint
+
+    merge_adapter_into_checkpoint(base, out / "adapter", tmp_path / "merged")
+    assert all(torch.equal(t, _tensors(out)[k]) for k, t in _tensors(tmp_path / "merged").items())
     before, after = _tensors(base), _tensors(out)
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(("vision_model.", "multi_modal")))
     with torch.no_grad():
         assert (_logits(merged, ids) - want).abs().max().item() <= PARITY
 
 
-def test_lora_on_llama4_experts_and_its_aux_loss_are_refused(tmp_path: Path) -> None:
+def test_llama4_aux_loss_and_dropout_on_its_experts_are_refused(tmp_path: Path) -> None:
     from ckptkit.train.lora_targets import check_targets
 
     from train_helpers import fixture_config
 
-    with pytest.raises(CkptkitError, match="LoRA on llama4's stacked experts is not supported yet"):
-        check_targets(["q", "experts"], fixture_config("llama4-text"))
-    check_targets(["q", "gate", "up", "down", "router"], fixture_config("llama4-text"))
+    with pytest.raises(CkptkitError, match="lora.dropout: PEFT adapts experts as stacked tensors, without dropout"):
+        check_targets(["q", "experts"], fixture_config("llama4-text"), dropout=0.1)
+    check_targets(["q", "gate", "up", "down", "experts", "router"], fixture_config("llama4-text"))
     with pytest.raises(CkptkitError, match="load-balancing loss of llama4's router is not supported yet"):
         _run("full_finetune", "tiny_full", FIXTURES / "hf" / "llama4-text", tmp_path, "router_aux_loss_coef=0.01")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_peft_made_stacked_expert_adapter_loads_in_ckptkit(tmp_path: Path) -> None:
+    """PEFT's own adapter on Llama 4's stacked experts, which transformers does not mark
+    [E, in, out] (so PEFT's A is [E * r, 2I] for gate_up_proj): ckptkit's logits are PEFT's."""
+    from peft import LoraConfig, get_peft_model
+
+    from ckptkit.train.peft_io import load_adapter
+
+    src = FIXTURES / "hf" / "llama4-text"
+    params = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=params, init_lora_weights=False)
+    torch.manual_seed(0)
+    peft = get_peft_model(_reference(src), config).eval()
+    peft.save_pretrained(tmp_path)
+    ours, ids = load_adapter(_ours(src), tmp_path), _ids(3, 10)
+    with torch.no_grad():
+        want = _logits(peft, ids)
+        assert (want - _logits(_reference(src), ids)).abs().max().item() > 0.1  # the adapter acts
+        assert (ours(ids) - want).abs().max().item() <= PARITY
