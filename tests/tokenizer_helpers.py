@@ -166,18 +166,24 @@ def mistral_tokenizer_models() -> dict[str, Path]:
     ready = cache_dir() / f"mistral-common-{MISTRAL_COMMON}"
     with _cache_lock():
         if not all((ready / name).is_file() for name in MISTRAL_SHA256):
-            _fetch_mistral(ready)
+            members = {name: f"mistral_common/data/{name}" for name in MISTRAL_SHA256}
+            _fetch_wheel_files(ready, f"mistral-common=={MISTRAL_COMMON}", members)
     _checked(ready, MISTRAL_SHA256)
     return {"v1": ready / "tokenizer.model.v1", "v3": ready / "mistral_instruct_tokenizer_240323.model.v3"}
 
 
-def _fetch_mistral(ready: Path) -> None:
+def _fetch_wheel_files(ready: Path, requirement: str, members: dict[str, str], packages: tuple[str, ...] = ()) -> None:
+    """Unpack ``members`` (name in ``ready`` -> path in the wheel) of ``requirement``'s wheel into
+    ``ready``, whole or not at all; ``packages``: folders given an ``__init__.py`` (importable)."""
     ready.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=ready.parent))
-    wheel = _pip_download(f"mistral-common=={MISTRAL_COMMON}", staging, sdist=False)
+    wheel = _pip_download(requirement, staging, sdist=False)
     with zipfile.ZipFile(wheel) as zf:
-        for name in MISTRAL_SHA256:
-            (staging / name).write_bytes(zf.read(f"mistral_common/data/{name}"))
+        for name, member in members.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(zf.read(member))
+    for package in packages:
+        (staging / package / "__init__.py").touch()
     wheel.unlink()
     os.replace(staging, ready)
 
@@ -200,7 +206,9 @@ def llama4_meta_tokenizer() -> tuple[Any, Path]:
     ready = cache_dir() / f"llama-models-{LLAMA_MODELS}"
     with _cache_lock():
         if not all((ready / name).is_file() for name in LLAMA_MODELS_SHA256):
-            _fetch_llama_models(ready)
+            members = {name: name for name in LLAMA_MODELS_SHA256}
+            packages = ("llama_models", "llama_models/llama4")
+            _fetch_wheel_files(ready, f"llama-models=={LLAMA_MODELS}", members, packages)
     _checked(ready, LLAMA_MODELS_SHA256)
     sys.path.insert(0, str(ready))
     try:
@@ -209,20 +217,6 @@ def llama4_meta_tokenizer() -> tuple[Any, Path]:
         sys.path.remove(str(ready))
     path = ready / "llama_models" / "llama4" / "tokenizer.model"
     return module.Tokenizer(path), path
-
-
-def _fetch_llama_models(ready: Path) -> None:
-    ready.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=ready.parent))
-    wheel = _pip_download(f"llama-models=={LLAMA_MODELS}", staging, sdist=False)
-    with zipfile.ZipFile(wheel) as zf:
-        for name in LLAMA_MODELS_SHA256:
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            (staging / name).write_bytes(zf.read(name))
-    for package in ("llama_models", "llama_models/llama4"):
-        (staging / package / "__init__.py").touch()
-    wheel.unlink()
-    os.replace(staging, ready)
 
 
 SENTENCEPIECE = "0.2.0"
@@ -436,7 +430,8 @@ def litellm_tokenizers() -> dict[str, Path]:
     ready = cache_dir() / f"litellm-{LITELLM}"
     with _cache_lock():
         if not all((ready / name).is_file() for name in LITELLM_SHA256):
-            _fetch_litellm(ready)
+            members = {name: LITELLM_TOKENIZERS + name for name in LITELLM_SHA256}
+            _fetch_wheel_files(ready, f"litellm=={LITELLM}", members)
     _checked(ready, LITELLM_SHA256)
     deepseek = ready / "deepseek-v3"
     with _cache_lock():
@@ -444,14 +439,3 @@ def litellm_tokenizers() -> dict[str, Path]:
             deepseek.mkdir(exist_ok=True)
             os.link(ready / "deepseek_tokenizer.json", deepseek / "tokenizer.json")
     return {"o200k_base": ready / "fb374d419588a4632f3f557e76b4b70aebbca790", "deepseek-v3": deepseek}
-
-
-def _fetch_litellm(ready: Path) -> None:
-    ready.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=ready.parent))
-    wheel = _pip_download(f"litellm=={LITELLM}", staging, sdist=False)
-    with zipfile.ZipFile(wheel) as zf:
-        for name in LITELLM_SHA256:
-            (staging / name).write_bytes(zf.read(LITELLM_TOKENIZERS + name))
-    wheel.unlink()
-    os.replace(staging, ready)

@@ -30,6 +30,8 @@ NEW = {  # config -> recipe
     "olmo2_7B_full": "full_finetune",
     "moonlight_16B_A3B_lora_distributed": "lora_finetune_distributed",
     "glm4_5_air_lora_distributed": "lora_finetune_distributed",
+    "qwen3_5_35B_A3B_lora": "lora_finetune",
+    "gpt_oss_20B_lora": "lora_finetune",
 }
 ON_THE_FIXTURE = [  # what a CPU test must change: device, dtype, paths, sizes
     "device=cpu",

@@ -32,6 +32,8 @@ RECIPES: dict[str, list[str]] = {
         "qwen3_30B_A3B_lora",
         "mixtral_8x7B_lora",
         "gemma2_9B_lora",
+        "qwen3_5_35B_A3B_lora",
+        "gpt_oss_20B_lora",
     ],
     "full_finetune_distributed": [
         "tiny_full_distributed",
