@@ -84,7 +84,10 @@ def run(job, kill_at=None, kill_after=None, modules=None):
         except ProcessLookupError:
             pass
     _, status = os.waitpid(pid, 0)
-    out = json.load(open(report)) if os.path.exists(report) else {"code": None, "steps": None, "modules": []}
+    try:  # none, or cut short, where a timed kill lands after the job, as the child writes it
+        out = json.load(open(report))
+    except (OSError, ValueError):
+        out = {"code": None, "steps": None, "modules": []}
     (modules if modules is not None else []).extend(out.pop("modules"))
     out["killed"] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     out["seconds"] = time.perf_counter() - start
