@@ -18,7 +18,7 @@ from ckptkit.train.loop import RECIPES
 from ckptkit.train.lora import apply_lora, lora_modules
 from ckptkit.train.recipes import recipe_entry
 
-from train_helpers import hf_dir
+from train_helpers import TOL, hf_dir
 
 pytest.importorskip("torchao")
 from torchao.quantization import to_nf4  # noqa: E402  (the reference: torchao's own API)
@@ -181,19 +181,120 @@ def test_a_weight_nf4_cannot_block_is_named() -> None:
         nf4.quantize_base(model)
 
 
-def test_peft_loads_the_adapter_on_the_dequantized_base_like_the_merged_model(base: Path, trained: Path) -> None:
+def _peft_on_the_dequantized_base(base: Path, adapter: Path) -> torch.nn.Module:
+    """transformers' model of ``base`` in float32, its decoder linears replaced by their
+    dequantized NF4 weights (the base the adapter trained on), with PEFT's ``adapter`` loaded."""
     import transformers
     from peft import PeftModel
 
-    merged = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for module in model.model.layers.modules():
-            if isinstance(module, torch.nn.Linear):  # the base the adapter trained on
+            if isinstance(module, torch.nn.Linear):
                 deq = to_nf4(module.weight.to(torch.bfloat16), 64, 256).get_original_weight()
                 module.weight.copy_(deq.float())
-    peft = PeftModel.from_pretrained(model, trained / "adapter")
+    return PeftModel.from_pretrained(model, adapter).eval()
+
+
+def test_peft_loads_the_adapter_on_the_dequantized_base_like_the_merged_model(base: Path, trained: Path) -> None:
+    import transformers
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    peft = _peft_on_the_dequantized_base(base, trained / "adapter")
     ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (peft(ids).logits - merged(ids).logits).abs().max().item()
     assert diff < 2e-3  # measured 8.4e-4: the merged weights are rounded to bf16 once, PEFT's are not
+
+
+# Qwen3.5-27B's QLoRA config on a tiny qwen3_5 whose decoder linears are whole NF4 blocks
+# (fixtures/hf/qwen3_5-nf4: Gated DeltaNet in layer 0, gated full attention in layer 1).
+QWEN_NF4 = hf_dir("qwen3_5-nf4")
+ON_THE_FIXTURE = ["device=cpu", "dataset.source=tiny_alpaca", "dataset.max_seq_len=64", "batch_size=2",
+                  "gradient_accumulation_steps=1", "max_steps_per_epoch=2", "quiet=true",
+                  "optimizer.lr=1e-2", "lr_scheduler.warmup_steps=0"]  # fmt: skip  # adapters that move the logits
+
+
+@pytest.fixture(scope="module")
+def qwen27(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The last checkpoint of ``qwen3_5_27B_qlora`` (its bf16, targets and NF4) run on the fixture."""
+    cfg = parse_config(load_config("qwen3_5_27B_qlora"), RECIPES["lora_finetune"][0])
+    assert (cfg.device, cfg.dtype, cfg.checkpointer.model_type) == ("cuda", "bf16", "qwen3_5")
+    assert (cfg.lora.quantize_base, cfg.lora.merge_base) == ("nf4", "nf4")
+    out = tmp_path_factory.mktemp("qwen27")
+    overrides = [*ON_THE_FIXTURE, f"checkpointer.checkpoint_dir={QWEN_NF4}", f"checkpointer.output_dir={out}"]
+    recipe_entry("lora_finetune")(load_config("qwen3_5_27B_qlora", overrides))
+    return out / "epoch_0"
+
+
+def test_qwen3_5_27B_qlora_merges_into_the_input_layout_on_the_dequantized_base(qwen27: Path) -> None:
+    from conftest import raw_layout
+
+    def layout(root: Path) -> dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+        return {f: [(k, t.dtype, tuple(t.shape)) for k, t in tensors] for f, tensors in raw_layout(root).items()}
+
+    assert layout(qwen27) == layout(QWEN_NF4)  # files, names in order, dtypes, shapes
+    cfg = json.loads((qwen27 / "adapter" / "adapter_config.json").read_text())
+    assert sorted(cfg["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+         "gate_proj", "up_proj", "down_proj"]
+    )  # fmt: skip
+    adapter = load_file(qwen27 / "adapter" / "adapter_model.safetensors")
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    orig = {k: v for f in sorted(QWEN_NF4.glob("*.safetensors")) for k, v in load_file(f).items()}
+    merged = {k: v for f in sorted(qwen27.glob("*.safetensors")) for k, v in load_file(f).items()}
+    kinds = {"adapted": 0, "quantized": 0, "as read": 0}
+    for key, w in orig.items():
+        stem = key.removesuffix(".weight")
+        if ".layers." in key and w.dim() == 2:  # every decoder linear: NF4 whole blocks
+            deq = to_nf4(w, 64, 256).get_original_weight()
+            a = adapter.get(f"base_model.model.{stem}.lora_A.weight")
+            if a is None:  # in_proj_a / in_proj_b: quantized, not adapted
+                assert torch.equal(merged[key], deq), key
+                kinds["quantized"] += 1
+            else:
+                b = adapter[f"base_model.model.{stem}.lora_B.weight"]
+                assert b.abs().max() > 0 and torch.equal(merged[key], _expected_merge(deq, a, b, scaling)), key
+                kinds["adapted"] += 1
+        else:  # embeddings, norms, conv1d, A_log, dt_bias, the output projection: as read
+            assert torch.equal(merged[key], w), key
+            kinds["as read"] += 1
+    assert kinds == {"adapted": 2 * 3 + 3 + 4, "quantized": 2, "as read": len(orig) - 15}
+
+
+def test_qwen3_5_27B_qlora_adapter_loads_in_peft_and_merges_as_peft_does(qwen27: Path) -> None:
+    from ckptkit.train.peft_io import load_adapter
+    from ckptkit.train.transformer import load_model
+
+    peft = _peft_on_the_dequantized_base(QWEN_NF4, qwen27 / "adapter")
+    ours = load_model(str(QWEN_NF4), dtype=torch.float32)
+    with torch.no_grad():
+        for name in nf4.quantized_linears(ours):  # the same dequantized base, in ckptkit's model
+            weight = ours.get_submodule(name).weight
+            weight.copy_(to_nf4(weight.to(torch.bfloat16), 64, 256).get_original_weight().float())
+    ids = torch.randint(3, 384, (2, 70), generator=torch.Generator().manual_seed(1))  # two delta-rule chunks
+    with torch.no_grad():
+        plain = ours.eval()(ids)
+        ours = load_adapter(ours, qwen27 / "adapter").eval()
+        want = peft(ids).logits
+        same = (ours(ids) - want).abs().max().item()
+        moved = (plain - want).abs().max().item()
+    theirs = {f"model.{k}": v for k, v in peft.merge_and_unload().model.state_dict().items()}
+    merged = {k: v for f in sorted(qwen27.glob("*.safetensors")) for k, v in load_file(f).items()}
+    off = {k: int((merged[k] != theirs[k].to(torch.bfloat16)).sum()) for k in merged if k.startswith("model.")}
+    assert same <= TOL and moved > 1e-2  # measured 1.1e-6 and 2.1
+    assert not any(off.values()), off  # PEFT's merge on the dequantized base, rounded to bf16 once
+
+
+def test_weights_that_are_not_whole_nf4_blocks_are_one_line(tmp_path: Path) -> None:
+    from train_helpers import ckptkit
+
+    old = hf_dir("qwen3_5")  # the 40-wide fixture
+    result = ckptkit("run", "lora_finetune", "--config", "qwen3_5_27B_qlora", *ON_THE_FIXTURE,
+                     f"checkpointer.checkpoint_dir={old}", f"checkpointer.output_dir={tmp_path / 'out'}")  # fmt: skip
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "error: layers.0.linear_attn.in_proj_qkv.weight (64, 40) is not a multiple of 16384 values; "
+        "NF4 cannot quantize it"
+    ]
+    assert list(tmp_path.iterdir()) == []

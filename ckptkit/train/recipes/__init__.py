@@ -34,6 +34,7 @@ RECIPES: dict[str, list[str]] = {
         "gemma2_9B_lora",
         "qwen3_5_35B_A3B_lora",
         "gpt_oss_20B_lora",
+        "qwen3_5_27B_qlora",
     ],
     "full_finetune_distributed": [
         "tiny_full_distributed",
