@@ -136,7 +136,13 @@ class SingleDevice(Placement):
         self._state: RecipeState | None = None
 
     def place(self, model: nn.Module, source: TensorSource) -> None:
-        missing = {k: source(k).to(v.dtype) for k, v in model.state_dict().items() if v.is_meta}
+        """QLoRA's weights (NF4 on the meta device) are quantized on the device one at a time, as
+        read: the 16-bit decoder is never on the device (nor in memory) whole."""
+        missing = {}
+        for key, value in model.state_dict().items():
+            if value.is_meta:
+                tensor = source(key).to(value.dtype)
+                missing[key] = nf4.to_nf4(tensor.to(self.device)) if nf4.is_nf4(value) else tensor
         model.load_state_dict(missing, strict=False, assign=True)
         model.to(self.device)
 

@@ -298,3 +298,21 @@ def test_weights_that_are_not_whole_nf4_blocks_are_one_line(tmp_path: Path) -> N
         "NF4 cannot quantize it"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_one_device_quantizes_each_weight_as_it_is_placed() -> None:
+    """The 16-bit decoder is never on the device whole: each weight is NF4 once placed."""
+    from ckptkit import open_checkpoint
+    from ckptkit.train.placement import SingleDevice
+    from ckptkit.train.transformer import build_model
+
+    cfg = parse_config(load_config("qwen3_5_27B_qlora", ON_THE_FIXTURE), RECIPES["lora_finetune"][0])
+    with open_checkpoint(QWEN_NF4) as ckpt:
+        model = build_model(ckpt.config, device="meta", dtype=torch.bfloat16).requires_grad_(False)
+        keys = nf4.quantize_base(model)  # the NF4 layout, on the meta device
+        SingleDevice(cfg).place(model, lambda k: ckpt.tensors[k].get())
+        for key in keys:
+            q, ref = model.get_parameter(key), to_nf4(ckpt.tensors[key].get(), 64, 256)
+            assert nf4.is_nf4(q) and torch.equal(q.quantized_data, ref.quantized_data), key
+            assert torch.equal(q.quantized_scalers, ref.quantized_scalers), key
+    assert not nf4.is_nf4(model.output.weight) and len(keys) == 15
