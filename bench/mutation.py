@@ -61,7 +61,8 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
          "tests/models/test_meta_ffn.py", "tests/models/test_families.py", *ROUND_TRIPS],
     ),
     "readers/writers": (
-        ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_zip.py"],
+        ["ckptkit/formats/safetensors_io.py", "ckptkit/formats/torch_io.py", "ckptkit/formats/torch_writer.py",
+         "ckptkit/formats/torch_zip.py"],
         ["tests/formats/test_torch_zip.py", "tests/io/test_rawcopy.py", "tests/io/test_untrusted.py",
          "tests/io/test_streamcopy.py", "tests/formats/test_layouts.py",
          "tests/models/test_rope_freqs.py::test_writers_write_bytes_like_write", *FORMATS, *ROUND_TRIPS],

@@ -13,7 +13,7 @@ import dataclasses
 from ckptkit.checkpoint import Checkpoint
 from ckptkit.errors import CkptkitError, FlagError, note
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
-from ckptkit.formats.base import FilePlan, Options, Plan
+from ckptkit.formats.base import FilePlan, Options, Plan, shared_json
 from ckptkit.formats.planning import with_experts
 from ckptkit.models import EXPERTS_LAYOUTS
 from ckptkit.models.moe import experts as experts_of
@@ -35,11 +35,14 @@ def target_format(name: str) -> CheckpointFormat:
 
 
 def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
-    """Decide file names, partition, order and metadata of the output."""
+    """Decide file names, partition, order and metadata of the output. Each JSON file the plan
+    reads through :func:`~ckptkit.formats.base.read_json_shared` (the GGUF vocabulary's
+    tokenizer.json) is parsed once, and nothing parsed is kept once the plan is made."""
     fmt = target_format(opts.to)
     check_experts_choice(ckpt, fmt, opts.experts)
     ckpt, opts = quantization_for(ckpt, fmt, opts)
-    return fmt.plan(ckpt, opts)
+    with shared_json():
+        return fmt.plan(ckpt, opts)
 
 
 # --dtype fp8 from an unquantized source: DeepSeek's and Qwen's release config

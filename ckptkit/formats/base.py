@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -307,24 +310,36 @@ def read_json(path: Path) -> tuple[str, dict[str, Any]]:
     return text, _json_object(text, path)
 
 
-# path -> (text, parsed), the few used last (a parsed Llama 3 tokenizer.json: ~70 MiB)
-_SHARED: dict[str, tuple[str, dict[str, Any]]] = {}
-SHARED_KEEP = 3
+# path -> (text, parsed) while a shared_json() scope is open (a parsed Llama 3 tokenizer.json: ~70 MiB)
+_SHARED: ContextVar[dict[str, tuple[str, dict[str, Any]]] | None] = ContextVar("ckptkit_shared_json", default=None)
+
+
+@contextmanager
+def shared_json() -> Iterator[None]:
+    """A scope (one conversion's) in which :func:`read_json_shared` keeps what it parses; all of
+    it is dropped when the outermost scope ends, so nothing stays between conversions."""
+    if _SHARED.get() is not None:  # nested: the outer scope keeps and drops
+        yield
+        return
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def read_json_shared(path: Path) -> dict[str, Any]:
-    """:func:`read_json`'s parsed object, parsed and checked once while the file's text stays the
-    same (one conversion reads a tokenizer.json several times): read again each call, parsed
-    only when its text differs from the last parsed at ``path``. Callers must not change it."""
-    text, key = _json_text(path), str(path)
-    cached = _SHARED.pop(key, None)
+    """:func:`read_json`'s parsed object, parsed and checked once per :func:`shared_json` scope
+    while the file's text stays the same (one conversion reads a tokenizer.json several times):
+    read again each call, parsed only when its text differs from the last parse of ``path`` in
+    the scope; outside a scope, parsed each call. Callers must not change it."""
+    text, key, kept = _json_text(path), str(path), _SHARED.get()
+    cached = kept.get(key) if kept is not None else None
     if cached is not None and cached[0] == text:
-        _SHARED[key] = cached  # the latest used
         return cached[1]
     data = _json_object(text, path)
-    _SHARED[key] = text, data
-    while len(_SHARED) > SHARED_KEEP:
-        del _SHARED[next(iter(_SHARED))]
+    if kept is not None:
+        kept[key] = text, data
     return data
 
 

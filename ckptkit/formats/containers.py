@@ -84,7 +84,7 @@ def tensor_file_writer(
     ``archive``: the zip facts of the file it restores, see :func:`archive_facts`)."""
     if is_safetensors(path.name):
         return SafetensorsWriter(path, entries, metadata, direct=direct)
-    from ckptkit.formats.torch_io import TorchPickleWriter
+    from ckptkit.formats.torch_writer import TorchPickleWriter
 
     return TorchPickleWriter(path, entries, aliases, direct=direct, facts=archive)
 

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.quant import scaled
-from ckptkit.quant.method import QuantMethod, Stored, register_method
+from ckptkit.quant.method import (
+    QuantMethod,
+    Stored,
+    check_e8m0_codes,
+    check_finite_nonnegative,
+    register_method,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -90,17 +96,9 @@ class BlockFP8(QuantMethod):
         import torch
 
         if scale.dtype == torch.float8_e8m0fnu:
-            bad = int((scale.view(torch.uint8) == 0xFF).sum())
-            if bad:
-                raise CkptkitError(f"{name}: {bad} scale(s) are the e8m0 NaN code 0xFF; the checkpoint is corrupt")
+            check_e8m0_codes(scale.view(torch.uint8), name)
             return
-        finite = torch.isfinite(scale)
-        if not bool(finite.all()):
-            raise CkptkitError(
-                f"{name}: {int((~finite).sum())} scale(s) are NaN or infinite; the checkpoint is corrupt"
-            )
-        if bool((scale < 0).any()):
-            raise CkptkitError(f"{name}: negative block scales; not a block-FP8 scale tensor")
+        check_finite_nonnegative(scale, name, "block-FP8 scale tensor")
         if self.scale_fmt == "ue8m0":
             mantissa, _ = torch.frexp(scale[scale != 0])
             if bool((mantissa != 0.5).any()):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
 from ckptkit.quant import scaled
-from ckptkit.quant.method import QuantMethod, Stored
+from ckptkit.quant.method import QuantMethod, Stored, check_finite_nonnegative
 
 if TYPE_CHECKING:
     import torch
@@ -106,15 +106,7 @@ class GridScaled(QuantMethod):
         return block
 
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
-        import torch
-
-        finite = torch.isfinite(scale)
-        if not bool(finite.all()):
-            raise CkptkitError(
-                f"{name}: {int((~finite).sum())} scale(s) are NaN or infinite; the checkpoint is corrupt"
-            )
-        if bool((scale < 0).any()):
-            raise CkptkitError(f"{name}: negative scales; not a {self.name} weight scale")
+        check_finite_nonnegative(scale, name, f"{self.name} weight scale")
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self._block(weight, scale), dtype)

@@ -160,6 +160,28 @@ class QuantMethod:
 METHODS: dict[str, type[QuantMethod]] = {}
 
 
+E8M0_NAN = 0xFF  # the one NaN code of float8 e8m0 (no inf, no sign)
+
+
+def check_e8m0_codes(codes: torch.Tensor, name: str) -> None:
+    """A one-line error naming ``name`` when the e8m0 scale bytes ``codes`` (uint8) hold NaN codes."""
+    bad = int((codes.reshape(-1) == E8M0_NAN).sum())
+    if bad:
+        raise CkptkitError(f"{name}: {bad} scale(s) are the e8m0 NaN code 0xFF; the checkpoint is corrupt")
+
+
+def check_finite_nonnegative(scale: torch.Tensor, name: str, what: str) -> None:
+    """A one-line error naming ``name`` when a float ``scale`` holds NaN, inf or negative values
+    (``what``: the kind of tensor it should be)."""
+    import torch
+
+    finite = torch.isfinite(scale)
+    if not bool(finite.all()):
+        raise CkptkitError(f"{name}: {int((~finite).sum())} scale(s) are NaN or infinite; the checkpoint is corrupt")
+    if bool((scale < 0).any()):
+        raise CkptkitError(f"{name}: negative scales; not a {what}")
+
+
 def register_method(cls: type[QuantMethod], *names: str) -> None:
     for name in names or (cls.name,):
         METHODS[name] = cls

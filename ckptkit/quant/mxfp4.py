@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.quant.method import QuantMethod, Stored, register_method
+from ckptkit.quant.method import QuantMethod, Stored, check_e8m0_codes, register_method
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E8M0_NAN = 0xFF
 
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
@@ -98,9 +97,7 @@ class MXFP4(QuantMethod):
             )
 
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
-        bad = int((scale.view(-1) == E8M0_NAN).sum())
-        if bad:
-            raise CkptkitError(f"{name}: {bad} scale(s) are the e8m0 NaN code 0xFF; the checkpoint is corrupt")
+        check_e8m0_codes(scale, name)
 
     def block_rows(self) -> int:
         return 1

@@ -26,7 +26,7 @@ from ckptkit.checkpoint import Checkpoint, open_checkpoint
 from ckptkit.errors import CkptkitError, ConfigError
 from ckptkit.formats import formats_read_by, source_file_format, transformers_format
 from ckptkit.formats.peft_adapter import ADAPTER_WEIGHTS
-from ckptkit.formats.torch_io import save_torch
+from ckptkit.formats.torch_writer import save_torch
 from ckptkit.hub import hub_source, parse_ref
 from ckptkit.io import publishing, retire, sweep
 from ckptkit.models import ModelConfig

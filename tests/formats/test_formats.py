@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from ckptkit.checkpoint import open_checkpoint
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter, library_order
-from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
+from ckptkit.formats.torch_io import TorchPickleReader
+from ckptkit.formats.torch_writer import TorchPickleWriter
 from ckptkit.inspection import inspect_path
 
 from conftest import FIXTURES

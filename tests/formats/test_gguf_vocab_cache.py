@@ -1,5 +1,6 @@
-"""One conversion parses each tokenizer file once; a file rewritten between two conversions in
-the same process is read again, not taken from what the first one parsed."""
+"""One conversion parses each tokenizer file once and keeps nothing after it; a file rewritten
+between two conversions in the same process is read again, not taken from what the first one
+parsed."""
 
 from __future__ import annotations
 
@@ -47,7 +48,44 @@ def test_a_tokenizer_json_rewritten_between_two_conversions_is_read_again(tmp_pa
     }
 
 
-def test_one_conversion_parses_tokenizer_json_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+class _Parsed(dict):  # type: ignore[type-arg]
+    """A parsed JSON object a weak reference can follow (a plain dict cannot be)."""
+
+
+def test_one_conversion_parses_tokenizer_json_once_and_keeps_nothing_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside one conversion tokenizer.json is parsed once; once it returns nothing in the
+    process holds that parse (a library user converting many models holds none of them)."""
+    import gc
+    import weakref
+
+    import ckptkit.formats.base as base
+
+    parsed: list[str] = []
+    alive: list[weakref.ref[_Parsed]] = []
+    loads = base.loads_json
+
+    def counted(text: str | bytes, where: Path, *args: object, **kwargs: object) -> object:
+        parsed.append(where.name)
+        out = _Parsed(loads(text, where, *args, **kwargs))  # type: ignore[arg-type]
+        if where.name == "tokenizer.json":
+            alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(base, "loads_json", counted)
+    src = tmp_path / "qwen3"
+    shutil.copytree(FIXTURES / "hf" / "qwen3", src)
+    convert(src, tmp_path / "a.gguf", OPTS)
+    assert parsed.count("tokenizer.json") == 1, parsed
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True]
+    assert base._SHARED.get() is None
+
+
+def test_read_json_shared_parses_once_in_a_scope_and_each_call_outside_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import ckptkit.formats.base as base
 
     parsed: list[str] = []
@@ -58,10 +96,19 @@ def test_one_conversion_parses_tokenizer_json_once(tmp_path: Path, monkeypatch: 
         return loads(text, where, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(base, "loads_json", counted)
-    src = tmp_path / "qwen3"
-    shutil.copytree(FIXTURES / "hf" / "qwen3", src)
-    convert(src, tmp_path / "a.gguf", OPTS)
-    assert parsed.count("tokenizer.json") == 1, parsed
+    path = tmp_path / "t.json"
+    path.write_text('{"a": 1}')
+    assert base.read_json_shared(path) == base.read_json_shared(path) == {"a": 1}
+    assert len(parsed) == 2  # no scope: nothing kept
+    with base.shared_json():
+        first = base.read_json_shared(path)
+        with base.shared_json():  # nested: the outer scope's parses
+            assert base.read_json_shared(path) is first
+        assert base.read_json_shared(path) is first
+        path.write_text('{"a": 2}')  # rewritten within the scope: parsed again
+        assert base.read_json_shared(path) == {"a": 2}
+    assert len(parsed) == 4
+    assert base._SHARED.get() is None
 
 
 def test_a_sentencepiece_style_tokenizer_json_alone_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.formats.torch_io import TorchPickleWriter
+from ckptkit.formats.torch_writer import TorchPickleWriter
 from ckptkit.formats.torch_zip import write_skeleton
 
 SERIALIZATION_ID = ".data/serialization_id"  # random in every torch.save archive
@@ -163,7 +163,7 @@ def test_a_failed_torch_save_is_an_oserror_with_the_real_errno(tmp_path: Path, m
     import resource
     import signal
 
-    from ckptkit.formats.torch_io import save_torch
+    from ckptkit.formats.torch_writer import save_torch
 
     path = tmp_path / "x.pth"
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -259,16 +259,16 @@ def test_the_skeleton_is_written_without_torch_save_exactly_when_every_dtype_has
 ) -> None:
     """torch.save (slow, in memory) writes the skeleton only for dtypes the torch-free pickle
     cannot name (float8): the others never reach it, and both give a file torch loads."""
-    import ckptkit.formats.torch_io as torch_io
+    import ckptkit.formats.torch_writer as torch_writer
 
     calls: list[list[str]] = []
-    skeleton = torch_io._torch_skeleton
+    skeleton = torch_writer._torch_skeleton
 
     def spy(path: Path, named: list[tuple[str, str, tuple[int, ...]]], *args: object) -> object:
         calls.append([d for _, d, _ in named])
         return skeleton(path, named, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(torch_io, "_torch_skeleton", spy)
+    monkeypatch.setattr(torch_writer, "_torch_skeleton", spy)
     base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     sd = {f"t{i}": base.to(getattr(torch, d)) for i, d in enumerate(dtypes)}
     w = TorchPickleWriter(tmp_path / "m.pth", [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()])

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.safetensors_io import SafetensorsReader, SafetensorsWriter
-from ckptkit.formats.torch_io import TorchPickleReader, TorchPickleWriter
+from ckptkit.formats.torch_io import TorchPickleReader
+from ckptkit.formats.torch_writer import TorchPickleWriter
 from ckptkit.io import transfer
 from ckptkit.io.spans import Span, coalesce, take, take_rows
 from ckptkit.io.stream import crc32_range

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.formats.base import ORIGIN_FILE
 from ckptkit.formats.safetensors_io import SafetensorsWriter
-from ckptkit.formats.torch_io import TorchPickleWriter
+from ckptkit.formats.torch_writer import TorchPickleWriter
 from ckptkit.models.rope_freqs import (
     NEAR_MIDPOINT_ULPS,
     bf16_bits,

@@ -248,14 +248,20 @@ def interleaved_experts(hf_name: str, lazy: Lazy, tmap: Any, halves: bool = Fals
         return make
 
     def named(hf: str) -> str:
-        name: str | None = tmap.get_name(prefix + hf + suffix, try_suffixes=(".weight", ".bias"))
-        if name is None:  # pragma: no cover - the gguf package names each for gpt-oss and llama4
-            raise CkptkitError(f"llama.cpp has no GGUF name for {prefix + hf + suffix}")
-        return name
+        return expert_gguf_name(tmap, prefix + hf + suffix)
 
     if proj == "down_proj":
         return [(named("down_proj"), shape, part(0, whole=True))]
     return [(named("gate_proj"), half, part(0)), (named("up_proj"), half, part(1))]
+
+
+def expert_gguf_name(tmap: Any, hf_name: str) -> str:
+    """llama.cpp's GGUF name of one projection of stacked experts (``hf_name``, e.g.
+    ``model.layers.0.mlp.experts.gate_proj.weight``) in the gguf package's name map ``tmap``."""
+    found: str | None = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if found is None:  # pragma: no cover - the gguf package names each for gpt-oss and llama4
+        raise CkptkitError(f"llama.cpp has no GGUF name for {hf_name}")
+    return found
 
 
 def stacked_experts(spec: GGUFSpec, hf_name: str, lazy: Lazy, tmap: Any) -> list[Merged] | None:

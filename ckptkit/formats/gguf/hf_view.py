@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import RawCheckpoint
 from ckptkit.formats.gguf import mxfp4_read
-from ckptkit.formats.gguf.experts import per_expert
+from ckptkit.formats.gguf.experts import expert_gguf_name, per_expert
 from ckptkit.formats.gguf.made import Made, Reader, expert
 from ckptkit.formats.gguf.tensors import gguf_name, name_map
 from ckptkit.formats.tensor_info import TensorInfo
@@ -197,10 +197,7 @@ def _interleaved(reader: Reader, tmap: Any, m: re.Match[str], shape: tuple[int, 
     suffix = ".bias" if bias else ".weight"
 
     def named(hf: str) -> str:
-        found: str | None = tmap.get_name(prefix + hf + suffix, try_suffixes=(".weight", ".bias"))
-        if found is None:  # pragma: no cover - the gguf package names each for gpt-oss and llama4
-            raise CkptkitError(f"llama.cpp has no GGUF name for {prefix + hf + suffix}")
-        return found
+        return expert_gguf_name(tmap, prefix + hf + suffix)
 
     if proj == "down_proj":
         down = reader.info(named("down_proj"))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.experts import expert_gguf_name
 from ckptkit.quant.mxfp4 import BLOCK, BLOCKS
 
 if TYPE_CHECKING:
@@ -88,9 +89,7 @@ def expert_tensors(ckpt: OpenedCheckpoint, order: list[str], targets: dict[str, 
         else:
             parts, rows = [("gate_proj", 0, 2), ("up_proj", 1, 2)], rows // 2
         for name, start, step in parts:
-            new = tmap.get_name(hf_name.removesuffix(proj + BLOCKS) + name + ".weight", try_suffixes=(".weight",))
-            if new is None:  # pragma: no cover - the gguf package names each for gpt-oss
-                raise CkptkitError(f"llama.cpp has no GGUF name for {hf_name}")
+            new = expert_gguf_name(tmap, hf_name.removesuffix(proj + BLOCKS) + name + ".weight")
             out.append((new, (e, rows, n * BLOCK), _maker(lazy, scale, start, step)))
     return out
 

@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
+from ckptkit.formats.gguf.experts import expert_gguf_name
 from ckptkit.formats.gguf.made import Made, Reader
 from ckptkit.formats.gguf.mxfp4 import release_blocks
 from ckptkit.quant.mxfp4 import BLOCK, BLOCKS, SCALES
@@ -50,7 +51,7 @@ def experts(reader: Reader, tmap: Any, name: str, shape: tuple[int, ...]) -> tup
     ``ffn_up_exps`` (``gate_up_proj``: their rows interleaved, gate first)."""
     prefix, proj = name.removesuffix(BLOCKS).rsplit(".", 1)
     parts = [proj] if proj == "down_proj" else ["gate_proj", "up_proj"]
-    names = [_gguf_name(tmap, f"{prefix}.{p}.weight") for p in parts]
+    names = [expert_gguf_name(tmap, f"{prefix}.{p}.weight") for p in parts]
     where = reader.raw.root / reader.raw.config_name
     for part in names:
         info = reader.info(part)
@@ -84,13 +85,6 @@ def experts(reader: Reader, tmap: Any, name: str, shape: tuple[int, ...]) -> tup
 
 def scales_name(blocks: str) -> str:
     return blocks.removesuffix(BLOCKS) + SCALES
-
-
-def _gguf_name(tmap: Any, hf: str) -> str:
-    found: str | None = tmap.get_name(hf, try_suffixes=(".weight",))
-    if found is None:  # pragma: no cover - the gguf package names each for gpt-oss
-        raise CkptkitError(f"llama.cpp has no GGUF name for {hf}")
-    return found
 
 
 def _kind(reader: Reader, name: str) -> str:
