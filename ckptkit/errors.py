@@ -31,6 +31,11 @@ class FlagError(CkptkitError):
     """Command-line options that contradict each other or the target: bad usage (exit 2), in one line."""
 
 
+class NoMetaLayout(CkptkitError):
+    """The model family has no Meta layout (nor a DCP one of Meta's names); the formats
+    layer adds the formats that do write it."""
+
+
 class WriteError(CkptkitError, OSError):
     """An OS error while writing a destination (disk full, permission denied...), in one
     line naming the destination; still an OSError for callers that catch those."""

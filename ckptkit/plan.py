@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from ckptkit.checkpoint import Checkpoint
-from ckptkit.errors import CkptkitError, FlagError, note
+from ckptkit.errors import CkptkitError, FlagError, NoMetaLayout, note
 from ckptkit.formats import REGISTRY, CheckpointFormat, find_format, format_names
 from ckptkit.formats.base import FilePlan, Options, Plan, shared_json
 from ckptkit.formats.planning import with_experts
+from ckptkit.formats.registry import formats_writing
 from ckptkit.models import EXPERTS_LAYOUTS
 from ckptkit.models.moe import experts as experts_of
 from ckptkit.quant import DEFAULT_DEQUANTIZED, FP8_DTYPE, dequantized, keeps_in, quantized
@@ -42,7 +43,10 @@ def plan_conversion(ckpt: Checkpoint, opts: Options) -> Plan:
     check_experts_choice(ckpt, fmt, opts.experts)
     ckpt, opts = quantization_for(ckpt, fmt, opts)
     with shared_json():
-        return fmt.plan(ckpt, opts)
+        try:
+            return fmt.plan(ckpt, opts)
+        except NoMetaLayout as e:
+            raise CkptkitError(f"{e}; convert it to {formats_writing(ckpt.family)}") from None
 
 
 # --dtype fp8 from an unquantized source: DeepSeek's and Qwen's release config

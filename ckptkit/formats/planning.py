@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ckptkit.errors import CkptkitError, note
+from ckptkit.errors import CkptkitError, NoMetaLayout, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan
 from ckptkit.formats.containers import tensor_file_writer
 from ckptkit.formats.writers import TensorWriter
@@ -78,7 +78,10 @@ class FolderPlanner:
         """The layout written: the format's layout of the family."""
         try:
             return self.fmt.layout(ckpt.family, ckpt.config)
-        except CkptkitError as e:  # "qwen2 has no Meta layout": say which checkpoint
+        except NoMetaLayout as e:  # "qwen2 has no Meta layout": which checkpoint (the plan adds where it can go)
+            uses = "" if self.fmt.name == "meta" else f" (which {self.fmt.name} writes)"
+            raise NoMetaLayout(f"{ckpt.path}: {e}{uses}") from None
+        except CkptkitError as e:
             raise CkptkitError(f"{ckpt.path}: {e}") from None
 
     def rules(self, ckpt: OpenedCheckpoint) -> list[tuple[str, tuple[str, ...], Transform]]:

@@ -9,12 +9,16 @@ this registry, so a new format needs no edit anywhere else.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base import ORIGIN_FILE, OpenedCheckpoint
 from ckptkit.formats.containers import holds_weights
 from ckptkit.formats.format import CheckpointFormat
 from ckptkit.io import entries, exists, is_dir
+
+if TYPE_CHECKING:
+    from ckptkit.models.family import Family
 
 REGISTRY: dict[str, CheckpointFormat] = {}
 
@@ -87,6 +91,13 @@ def torchtune_checkpointers() -> tuple[str, ...]:
 def formats_read_by(component: str) -> tuple[str, ...]:
     """The names of the registered formats torchtune's checkpointer ``component`` reads."""
     return tuple(f.name for f in REGISTRY.values() if component in f.info.torchtune_checkpointers)
+
+
+def formats_writing(family: Family) -> str:
+    """The registered formats that write checkpoints of ``family``, as a sentence's list
+    ("hf, hf-bin, internal or gguf")."""
+    names = [f.name for f in REGISTRY.values() if f.support(family).writes]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def transformers_format() -> CheckpointFormat:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.family import Family
 from ckptkit.models.fields import boolean, non_negative_int, optional, positive_float, positive_int
@@ -296,9 +295,6 @@ class DeepseekV3(Family):
         ]
         rules += mtp_rules(cfg, MTP_PREFIX + "{j}.", self.layer_parts)
         return Layout(tuple(rules), ())
-
-    def meta_layout(self, cfg: ModelConfig) -> Layout:
-        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin, internal, dcp(-titan) or gguf")
 
     def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
         """Its HF config.json: torchtitan keeps no config of its own in a checkpoint."""

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import NoMetaLayout
 from ckptkit.models.config import FamilyFields, ModelConfig
 from ckptkit.models.features import SlidingWindow
 from ckptkit.models.gguf_spec import GGUFSpec
@@ -71,7 +71,7 @@ class Family:
         raise NotImplementedError
 
     def meta_layout(self, cfg: ModelConfig) -> Layout:
-        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
+        raise NoMetaLayout(f"{self.name} has no Meta layout")
 
     def dcp_layout(self, cfg: ModelConfig, titan: bool) -> Layout | None:
         """The family's own DCP names, torchtitan's 2026 spelling if ``titan`` (read: the
@@ -107,10 +107,10 @@ class Family:
         raise NotImplementedError
 
     def config_from_meta(self, src: MetaSource) -> ModelConfig:
-        raise CkptkitError(f"{self.name} has no Meta layout")
+        raise NoMetaLayout(f"{self.name} has no Meta layout")
 
     def config_to_meta(self, cfg: ModelConfig) -> dict[str, Any]:
-        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin or internal")
+        raise NoMetaLayout(f"{self.name} has no Meta layout")
 
     def refine_config(self, cfg: ModelConfig, names: Iterable[str]) -> ModelConfig:
         """What the tensor names of a checkpoint add to its config (which on-disk layout

@@ -247,9 +247,6 @@ class Gemma4(Family):
         """The canonical names (torchtitan has no Gemma model), the towers' beside them."""
         return Layout(tuple(Rule(n, (n,)) for n in self.canonical_shapes(cfg)), ())
 
-    def meta_layout(self, cfg: ModelConfig) -> Layout:
-        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin, internal or dcp")
-
     def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
         """Its HF config.json (the wrapper's, towers' configs included)."""
         return "config.json", self.config_to_hf(cfg, dtype)

@@ -132,9 +132,6 @@ class GptOss(Family):
         rules = [Rule(name, (name,)) for name in self.canonical_shapes(cfg)]
         return Layout(tuple(rules), ())
 
-    def meta_layout(self, cfg: ModelConfig) -> Layout:
-        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin, internal, dcp(-titan) or gguf")
-
     def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
         """Its HF config.json: DCP keeps no config of its own in a checkpoint."""
         return "config.json", self.config_to_hf(cfg, dtype)

@@ -268,9 +268,6 @@ class Hybrid:
         rules = self.layout_rules(cfg, "", "tok_embeddings.weight", "norm.scale", "output.weight")
         return Layout(tuple(rules), ())
 
-    def meta_layout(self, cfg: ModelConfig) -> Layout:
-        raise CkptkitError(f"{cfg.model_type} has no Meta layout; convert it to hf, hf-bin, internal or dcp")
-
     def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
         """Its HF config.json (no other tool has a config of its own for these models)."""
         return "config.json", self.config_to_hf(cfg, dtype)

@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ckptkit.errors import CkptkitError
 from ckptkit.models.config import ModelConfig
 from ckptkit.models.deepseek_v3 import Part
 from ckptkit.models.family import Family
@@ -198,9 +197,6 @@ class Llama4(Family):
         """The canonical names (torchtitan's Llama 4 adapter is not matched), the vision tower beside them."""
         names = self.canonical_shapes(cfg)
         return Layout(tuple(Rule(n, (n,)) for n in names), (), (), unused=VISION)
-
-    def meta_layout(self, cfg: ModelConfig) -> Layout:
-        raise CkptkitError(f"{self.name} has no Meta layout; convert it to hf, hf-bin, internal, dcp or gguf")
 
     def dcp_config(self, cfg: ModelConfig, dtype: str) -> tuple[str, dict[str, Any]]:
         """Its HF config.json (the vision config with it)."""

@@ -717,7 +717,19 @@ for _family in ("qwen2", "gemma", "phi3"):
     @case(f"no-meta-layout-{_family}")
     def _(tmp: Path, family: str = _family) -> Case:
         src = copy_fixture(f"hf/{family}", tmp / "src")
-        return converting(src, tmp, "src", family, "no Meta layout")
+        return converting(src, tmp, "src", family, "no Meta layout; convert it to hf, hf-bin, internal or gguf")
+
+
+@case("no-meta-layout-gemma4")  # the formats that write it: the support matrix's, not a list of the family's own
+def _(tmp: Path) -> Case:
+    src = copy_fixture("hf/gemma4", tmp / "src")
+    return converting(src, tmp, "gemma4 has no Meta layout; convert it to hf, hf-bin, internal, dcp, dcp-titan or gguf")
+
+
+@case("no-dcp-layout-qwen2")
+def _(tmp: Path) -> Case:
+    src = copy_fixture("hf/qwen2", tmp / "src")
+    return converting(src, tmp, "qwen2 has no Meta layout (which dcp writes); convert it to", to="dcp")
 
 
 def with_flags(base: str, tmp: Path, phrases: tuple[str, ...], *flags: str, to: str, code: int = 1) -> Case:
