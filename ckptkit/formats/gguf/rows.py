@@ -209,8 +209,25 @@ def _encoded(raw: np.ndarray, dtype: str, kind: str, moved: Moved | None = None)
         return raw.view(np.float16).astype(np.float32).view(np.uint8)
     if dtype == "bfloat16":  # BF16 as float32 -> BF16 rounding gives it: NaNs get their quiet bit
         bits = raw.view(np.uint16)
-        nan = (bits & 0x7FFF) > 0x7F80
-        if nan.any():  # a new array: the read buffer stays as read
+        if _has_nan_bf16(bits):  # a new array: the read buffer stays as read
+            nan = (bits & 0x7FFF) > 0x7F80
             return (bits | np.where(nan, np.uint16(0x0040), np.uint16(0))).view(np.uint8)
         return raw
     return raw  # F32 from float32, F16 from float16: the stored bytes
+
+
+NAN_SCAN = 1 << 16  # bfloat16 values checked at a time, in a scratch array that stays in cache
+
+
+def _has_nan_bf16(bits: np.ndarray) -> bool:
+    """Whether the bfloat16 values ``bits`` hold a NaN (no temporaries the size of ``bits``)."""
+    import numpy as np
+
+    scratch = np.empty(min(bits.size, NAN_SCAN), np.uint16)
+    for start in range(0, bits.size, NAN_SCAN):
+        part = bits[start : start + NAN_SCAN]
+        magnitude = scratch[: part.size]
+        np.bitwise_and(part, 0x7FFF, out=magnitude)
+        if magnitude.max() > 0x7F80:
+            return True
+    return False
