@@ -1,8 +1,10 @@
 """``-exp(x)`` of bfloat16 values as llama.cpp's converter computes Qwen3.5's and Qwen3-Next's
 ``ssm_a`` from ``A_log``, without torch: torch's float32 ``exp`` of the values widened to
-float32 (x86-64 builds: MKL's vector exp, whatever ATen's CPU capability), which is the
-correctly rounded exp but at 45 of the 65,536 inputs (:mod:`.torch_exp_table`, made by
-``fixtures/make_torch_exp_table.py``; every input checked against torch by the tests)."""
+float32, which is the correctly rounded exp but at 45 of the 65,536 inputs
+(:mod:`.torch_exp_table`, made by ``fixtures/make_torch_exp_table.py``; every input checked
+against the installed torch by the tests). Measured with torch 2.13.0+cpu on x86-64: the same
+under ATen's AVX2 and default CPU capabilities and MKL's SSE4.2 code path, not glibc's
+``expf`` (MKL's vector exp, by all signs); another build may differ, which the test reports."""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ if TYPE_CHECKING:
 
 
 def rounded_exp(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
-    """The correctly rounded float32 exp of bfloat16 values (``bits``): float64's exp, whose
-    error is far below the distance of these inputs' exps from a float32 rounding boundary,
-    rounded to float32."""
+    """The correctly rounded float32 exp of bfloat16 values (``bits``): float64's exp rounded
+    to float32 (at every finite input the correctly rounded value: checked with mpmath)."""
     import numpy as np
 
     wide = (bits.astype(np.uint32) << 16).view(np.float32)
