@@ -32,6 +32,7 @@ def canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tupl
     duplicates: list[str] = []
     used: set[str] = set()
     cache: dict[str, Any] = {}
+    span_cache: dict[int, Any] = {}
     for rule in layout.expand(cfg.num_layers):
         info = raw.infos.get(rule.native)
         if info is None and rule.optional:
@@ -53,7 +54,7 @@ def canonical_view(raw: RawCheckpoint, layout: Layout, cfg: ModelConfig) -> tupl
             ) from None
         for j, (name, shape) in enumerate(zip(rule.canonical, shapes, strict=True)):
             getter = _forward_getter(raw, rule, cfg, shapes, j, cache)
-            spans, rows = _forward_spans(raw, rule, cfg, shapes, j), _forward_rows(raw, rule, cfg)
+            spans, rows = _forward_spans(raw, rule, cfg, shapes, j, span_cache), _forward_rows(raw, rule, cfg)
             found[name] = Lazy(shape, info.dtype, getter, info.file, spans, rows=rows)
     unused: dict[str, Lazy] = {}
     unknown = []
@@ -101,14 +102,22 @@ def _forward_getter(
     return get
 
 
+SPLITS_KEPT = 8  # native tensors whose parts' spans are kept (a rule held keeps its id unique)
+
+
 def _forward_spans(
-    raw: RawCheckpoint, rule: Rule, cfg: ModelConfig, shapes: list[tuple[int, ...]], j: int
+    raw: RawCheckpoint, rule: Rule, cfg: ModelConfig, shapes: list[tuple[int, ...]], j: int, cache: dict[int, Any]
 ) -> Callable[[], list[Span] | None]:
     def spans() -> list[Span] | None:
-        native = raw.spans(rule.native)
-        if native is None:
-            return None
-        return rule.kind.forward_spans(native, raw.info(rule.native).shape, cfg, shapes)[j]
+        key = id(rule)  # the last few rules' splits kept: a layer's stacks' parts are asked for in turn
+        if key not in cache:
+            native = raw.spans(rule.native)
+            shape = raw.info(rule.native).shape
+            cache[key] = rule, None if native is None else rule.kind.forward_spans(native, shape, cfg, shapes)
+            if len(cache) > SPLITS_KEPT:
+                del cache[next(iter(cache))]
+        parts = cache[key][1]
+        return None if parts is None or parts[j] is None else list(parts[j])
 
     return spans
 

@@ -159,3 +159,24 @@ def test_unknown_experts_layout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CkptkitError, match="--experts must be one of per-expert, stacked, not 'fused'"):
         convert(FIXTURES / "mixtral", tmp_path / "out", ConvertOptions("hf", experts="fused"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stack_is_split_into_its_experts_spans_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each expert's bytes in a stacked tensor come from one split of the whole stack (not one
+    per expert: quadratic in the experts, minutes of planning for 256 of them)."""
+    from ckptkit.tensors.transforms import Stacked
+
+    splits: list[int] = []
+    real = Stacked.forward_spans
+
+    def counted(self: Stacked, *args: object) -> object:
+        splits.append(1)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Stacked, "forward_spans", counted)
+    src = FIXTURES / "qwen3_moe-stacked"
+    with open_checkpoint(src) as ckpt:
+        experts = [lazy for name, lazy in ckpt.tensors.items() if ".experts." in name]
+        assert all(lazy.spans() is not None for lazy in experts)
+    stacks = [k for k in _tensors(src) if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 24 and len(splits) == len(stacks) == 4  # 4 experts x 3 in 2 layers

@@ -107,11 +107,13 @@ def lazy_in_file(path: Path, data: np.ndarray, dtype: str) -> Lazy:
 def test_every_bfloat16_pattern_streamed_is_the_gguf_package_bytes_of_its_float32_cast(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """BF16 keeps the bits but quiets NaNs as the package's rounding does; F32 widens."""
+    """BF16 keeps the bits but quiets NaNs as the package's rounding does (NaNs looked for 96
+    values at a time: past the first 96 of a chunk too); F32 widens."""
     from gguf import GGMLQuantizationType
     from gguf import quants as ref
 
     monkeypatch.setattr(rows, "CHUNK_BYTES", 256 * 2 * 5)  # five rows at a time
+    monkeypatch.setattr(rows, "NAN_SCAN", 96)
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
     chunks = rows.row_chunks(lazy_in_file(tmp_path / "t", bits, "bfloat16"), kind, None)
     assert chunks is not None

@@ -19,15 +19,17 @@ if TYPE_CHECKING:
 class Moved:
     """How each block of ``rows`` consecutive source rows is rearranged: viewed as an array of
     ``shape`` elements, its axes put in the order ``axes`` (empty: as they are); with
-    ``plus_one``, its values + 1 in float32 (a norm llama.cpp stores as ``1 + w``, as F32)."""
+    ``plus_one``, its values + 1 in float32 (a norm llama.cpp stores as ``1 + w``, as F32); with
+    ``neg_exp``, bfloat16 values as ``-exp`` of them in float32 (``A_log``, as F32)."""
 
     rows: int = 1
     shape: tuple[int, ...] = ()
     axes: tuple[int, ...] = ()
     plus_one: bool = False
+    neg_exp: bool = False
 
     def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """The same rearrangement of a whole tensor, with torch (``plus_one`` aside)."""
+        """The same rearrangement of a whole tensor, with torch (``plus_one`` and ``neg_exp`` aside)."""
         if not self.axes:
             return t
         blocks = t.reshape(-1, *self.shape).permute(0, *(a + 1 for a in self.axes))
@@ -35,6 +37,7 @@ class Moved:
 
 
 PLUS_ONE = Moved(plus_one=True)
+NEG_EXP = Moved(neg_exp=True)
 
 
 @dataclass

@@ -142,15 +142,16 @@ def plus_one(name: str) -> bool:
 
 
 def transform(name: str, h: dict[str, Any], reorder: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What llama.cpp does to the tensor HF names ``name`` (None: nothing), with torch: the
-    row order and column moves of :func:`row_order` and :func:`moved_columns`, then arithmetic."""
-    import torch
-
+    """What llama.cpp does to the tensor HF names ``name`` (None: nothing), with torch (imported
+    only when it runs): the row order and column moves of :func:`row_order` and
+    :func:`moved_columns`, then arithmetic."""
     steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
     if ".conv1d" in name:
         steps.append(lambda t: t.squeeze())
 
     def rows(t: torch.Tensor) -> torch.Tensor:
+        import torch
+
         order = row_order(name, h, reorder, t.shape[0])
         return t if order is None else t[torch.from_numpy(order)]
 
@@ -161,7 +162,7 @@ def transform(name: str, h: dict[str, Any], reorder: bool) -> Callable[[torch.Te
     if "linear_attn." in name and reorder:
         steps += [rows, cols]
     if name.endswith(".A_log"):
-        steps.append(lambda t: -torch.exp(t))
+        steps.append(lambda t: -t.exp())
     elif plus_one(name):
         steps.append(lambda t: t + 1)
     if not steps:

@@ -7,7 +7,8 @@ bytes lie in the source files as stored (:meth:`~ckptkit.tensors.lazy.Lazy.spans
 most two dimensions, untransformed, Q/K-permuted, its rows taken in another order
 (:func:`reordered`) or blocks of its rows transposed (:class:`Moved`: DeepSeek's
 ``attn_k_b``, Qwen3.5's ``ssm_out`` columns), written as its own type, as F32 (a norm's
-``1 + w`` added in float32 as llama.cpp adds it), or as Q8_0. Anything else (a cast that
+``1 + w`` added in float32 as llama.cpp adds it, bfloat16 ``A_log`` as torch's ``-exp`` of it,
+:mod:`.torch_exp`), or as Q8_0. Anything else (a cast that
 may overflow, computed tensors) is :func:`~ckptkit.formats.gguf.quants.quantized_chunks`'
 work, with torch.
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.gguf_tensor import Moved
 from ckptkit.formats.gguf.quants import quantize_q8_0
+from ckptkit.formats.gguf.torch_exp import neg_exp_bf16
 from ckptkit.io import ALIGN, Span, SpanReader, take, take_rows
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.tensors.transforms import rope_rows
@@ -64,6 +66,8 @@ def streamable(lazy: Lazy, kind: str, moved: Moved | None = None) -> bool:
         return False
     if moved is not None and moved.plus_one:  # llama.cpp adds 1 to a float16 norm in float16
         return kind == "F32" and lazy.dtype in ("float32", "bfloat16")
+    if moved is not None and moved.neg_exp:  # torch's float32 exp, reproduced for bfloat16 inputs only
+        return kind == "F32" and lazy.dtype == "bfloat16"
     return kind in ("F32", "Q8_0") or SAME[lazy.dtype] == kind
 
 
@@ -172,7 +176,7 @@ def _chunks(
                 axes = (0, *(a + 1 for a in moved.axes), len(moved.shape) + 1)
                 out.reshape([blocks.shape[a] for a in axes])[...] = blocks.transpose(axes)
                 raw = out
-            encoded = _encoded(raw, dtype, kind, moved.plus_one)
+            encoded = _encoded(raw, dtype, kind, moved)
             yield encoded.reshape(-1).data
     except BaseException:
         if shared is None:
@@ -182,11 +186,14 @@ def _chunks(
         reader.close()  # the source records' CRC-32s, before the tensor counts as written
 
 
-def _encoded(raw: np.ndarray, dtype: str, kind: str, plus_one: bool = False) -> np.ndarray:
-    """``raw`` (stored bytes of ``dtype``) as GGML type ``kind`` (``plus_one``: F32, values + 1)."""
+def _encoded(raw: np.ndarray, dtype: str, kind: str, moved: Moved | None = None) -> np.ndarray:
+    """``raw`` (stored bytes of ``dtype``) as GGML type ``kind`` (F32 of its values + 1 or of
+    their ``-exp`` where ``moved`` says so)."""
     import numpy as np
 
-    if plus_one:  # a float32 addition rounds as llama.cpp's torch addition does (IEEE, to nearest)
+    if moved is not None and moved.neg_exp:
+        return neg_exp_bf16(raw.view(np.uint16)).view(np.uint8)
+    if moved is not None and moved.plus_one:  # float32 addition rounds as llama.cpp's torch's (IEEE, to nearest)
         values = _encoded(raw, dtype, "F32").view(np.float32)
         return np.add(values, np.float32(1), dtype=np.float32).view(np.uint8)
 
@@ -202,8 +209,25 @@ def _encoded(raw: np.ndarray, dtype: str, kind: str, plus_one: bool = False) -> 
         return raw.view(np.float16).astype(np.float32).view(np.uint8)
     if dtype == "bfloat16":  # BF16 as float32 -> BF16 rounding gives it: NaNs get their quiet bit
         bits = raw.view(np.uint16)
-        nan = (bits & 0x7FFF) > 0x7F80
-        if nan.any():  # a new array: the read buffer stays as read
+        if _has_nan_bf16(bits):  # a new array: the read buffer stays as read
+            nan = (bits & 0x7FFF) > 0x7F80
             return (bits | np.where(nan, np.uint16(0x0040), np.uint16(0))).view(np.uint8)
         return raw
     return raw  # F32 from float32, F16 from float16: the stored bytes
+
+
+NAN_SCAN = 1 << 16  # bfloat16 values checked at a time, in a scratch array that stays in cache
+
+
+def _has_nan_bf16(bits: np.ndarray) -> bool:
+    """Whether the bfloat16 values ``bits`` hold a NaN (no temporaries the size of ``bits``)."""
+    import numpy as np
+
+    scratch = np.empty(min(bits.size, NAN_SCAN), np.uint16)
+    for start in range(0, bits.size, NAN_SCAN):
+        part = bits[start : start + NAN_SCAN]
+        magnitude = scratch[: part.size]
+        np.bitwise_and(part, 0x7FFF, out=magnitude)
+        if magnitude.max() > 0x7F80:
+            return True
+    return False

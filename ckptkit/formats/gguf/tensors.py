@@ -26,7 +26,7 @@ from ckptkit.formats.gguf.experts import (
     source_of,
     stacked_experts,
 )
-from ckptkit.formats.gguf.gguf_tensor import PLUS_ONE, GGUFTensor
+from ckptkit.formats.gguf.gguf_tensor import NEG_EXP, PLUS_ONE, GGUFTensor, Moved
 from ckptkit.formats.gguf.imatrix import Imatrix
 from ckptkit.formats.gguf.mix import FILE_TYPES, model_facts, quantize_type, requantized
 from ckptkit.formats.gguf.params import rope
@@ -373,10 +373,11 @@ def _linear_attention(
     tiled = spec.linear_attention == "tiled"
     change = hybrid.transform(hf_name, hparams, tiled)
     made = _maker(lazy, change, hybrid.arithmetic(hf_name))
-    if hf_name.endswith(".A_log"):  # -exp: torch's own exp (not correctly rounded), as llama.cpp computes it
-        return [GGUFTensor(new, shape, qtype(new, shape, ftype), made)]
     source = reordered(lazy, hybrid.row_order(hf_name, hparams, tiled, shape[0]), shape)
-    moved = PLUS_ONE if hybrid.plus_one(hf_name) else hybrid.moved_columns(hf_name, hparams, tiled, shape[-1])
+    if hf_name.endswith(".A_log"):  # -exp as torch computes it (bfloat16 only; else torch itself)
+        moved: Moved | None = NEG_EXP
+    else:
+        moved = PLUS_ONE if hybrid.plus_one(hf_name) else hybrid.moved_columns(hf_name, hparams, tiled, shape[-1])
     return [GGUFTensor(new, shape, qtype(new, shape, ftype), made, source, moved=moved)]
 
 
