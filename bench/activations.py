@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024, help="offloading: tokens per row")
     parser.add_argument("--batch", type=int, default=2, help="offloading: rows per step")
     parser.add_argument("--steps", type=int, default=3, help="offloading: optimizer steps")
+    parser.add_argument("--part", choices=["offloading"], help=argparse.SUPPRESS)  # packing: bench/train.py
     parser.add_argument("--worker")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--out", type=Path)

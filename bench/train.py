@@ -125,9 +125,8 @@ def prepare(work: Path, args: argparse.Namespace) -> int:
         shape["num_hidden_layers"] = args.layers
     shape["max_position_embeddings"] = max(shape["max_position_embeddings"], args.seq)
     need = args.steps * args.batch * args.seq
-    params = make_model(
-        work / "model", shape, repeat=need // 800 + 2, bf16=args.dtype == "bf16"
-    )  # the corpus: over 1000 tokens
+    repeat = need // 800 + 2  # the corpus holds over 1000 tokens
+    params = make_model(work / "model", shape, repeat=repeat, bf16=args.dtype == "bf16")
     write_documents(work / "model" / "docs.jsonl", need // 40 + args.steps * args.batch)  # each over 40 tokens
     return params
 
