@@ -6,7 +6,8 @@ padded to its longest document, or ``dataset.packed`` rows of up to ``--seq`` to
 documents masked from each other). LoRA: rank 8 on q, k, v, o, no dropout.
 
 Each case trains the same model (a Llama written by transformers' ``save_pretrained``) on the
-same batches in the same order (ckptkit's data pipeline collates them once for every peer),
+same batches in the same order (ckptkit's data pipeline; every peer collates each batch inside
+its clocked step, as the recipe's step does),
 with the same fused AdamW at a constant learning rate and the same clipping. ckptkit runs its
 own recipe (``ckptkit.train.loop.run``), each optimizer step being the recipe's ``_step``;
 the peer is a plain transformers loop, wrapped by PEFT's ``get_peft_model`` for the adapter
@@ -153,14 +154,21 @@ def recipe_config(model: Path, out: Path, args: argparse.Namespace, case: str) -
     return cfg
 
 
-def bench_batches(model: Path, args: argparse.Namespace, case: str) -> list[dict]:
-    """The collated batches every peer trains on, in order (the recipe's first epoch)."""
-    from ckptkit.train.data import DatasetConfig, build_dataset, collate, epoch_batches
+def bench_batches(model: Path, args: argparse.Namespace, case: str) -> list[list]:
+    """The samples of each batch every peer trains on, in order (the recipe's first epoch);
+    each peer collates them with ``collate`` inside its clocked step, as the recipe's step does."""
+    from ckptkit.train.data import DatasetConfig, build_dataset, epoch_batches
     from ckptkit.train.tokenizer import load_tokenizer
 
     data = build_dataset(DatasetConfig(**dataset_section(model, args, case)), load_tokenizer(model, 2))
-    batches = epoch_batches(len(data), args.batch, 0, 0)[: args.steps]
-    return [collate([data[i] for i in b], 0) for b in batches]
+    return [[data[i] for i in b] for b in epoch_batches(len(data), args.batch, 0, 0)[: args.steps]]
+
+
+def collate(samples: list, device: str) -> dict:
+    """One batch as the recipe collates it (pad id 0), on ``device``."""
+    from ckptkit.train.data import collate
+
+    return {k: v.to(device) for k, v in collate(samples, 0).items()}
 
 
 class StepClock:
@@ -247,9 +255,9 @@ def worker_transformers(model: Path, args: argparse.Namespace, case: str) -> dic
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=True)
     first, clock = None, StepClock(args.device)
-    for batch in bench_batches(model, args, case):
+    for samples in bench_batches(model, args, case):
         clock.start()
-        batch = {k: v.to(args.device) for k, v in batch.items()}
+        batch = collate(samples, args.device)
         inputs = {"input_ids": batch["input_ids"]}
         if "position_ids" in batch:  # packed: transformers finds the documents from the restarting positions
             inputs["position_ids"] = batch["position_ids"]
@@ -302,9 +310,9 @@ def worker_torchtune(model: Path, args: argparse.Namespace, case: str) -> dict:
     net.train()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=True)
     first, clock = None, StepClock(args.device)
-    for batch in bench_batches(model, args, case):
+    for samples in bench_batches(model, args, case):
         clock.start()
-        batch = {k: v.to(args.device) for k, v in batch.items()}
+        batch = collate(samples, args.device)
         labels = batch["labels"]  # already shifted, like torchtune's hstack of labels[..., 1:]
         num_tokens = (labels != -100).sum()
         loss = loss_fn(net(batch["input_ids"]), labels) * num_tokens
