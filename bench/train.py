@@ -206,6 +206,7 @@ class StepClock:
 
 
 def worker_ckptkit(model: Path, out: Path, args: argparse.Namespace, case: str) -> dict:
+    """ckptkit's recipe on the case's config, each optimizer step (the recipe's ``_step``) clocked."""
     from ckptkit.train.loop import Recipe, run
 
     clock, step = StepClock(args.device), Recipe._step
