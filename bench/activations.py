@@ -1,20 +1,13 @@
-"""Packed vs padded batches (tokens/s) and activation offloading (peak memory) in the recipes.
+"""Activation offloading (peak memory) in the recipes, with and without checkpointing.
 
-Both run ckptkit's ``lora_finetune`` recipe, each run its own process under GNU ``time``
-(peak RSS), on a small Llama written by transformers' ``save_pretrained`` (bench/train.py's
-model builder, float32).
-
-* **packing**: the bundled instruct data (``tiny_alpaca``, alpaca template) with
-  ``dataset.packed`` false (each batch padded to its longest sample) and true (rows of up to
-  ``--pack-len`` tokens, documents masked from each other). tokens/s counts real tokens
-  (padding excluded), over every optimizer step but the first, summed time; rounds alternate
-  which mode runs first. The loss is not compared: the batches differ.
-* **offloading**: fixed-length chunks of the fixture corpus, ``--seq`` x ``--batch``, a few
-  steps with: nothing, ``enable_activation_checkpointing``, checkpointing plus
-  ``enable_activation_offloading`` (on CPU: saved activations to files in the output folder),
-  and offloading alone. Every mode must log the same losses (offloading changes where
-  activations live, not what they are); peak RSS includes torch and the weights, so the
-  activations' share is the difference between the rows.
+ckptkit's ``lora_finetune`` recipe, each run its own process under GNU ``time`` (peak RSS),
+on a small Llama written by transformers' ``save_pretrained`` (bench/train.py's model
+builder, float32), on fixed-length chunks of the fixture corpus, ``--seq`` x ``--batch``, a
+few steps with: nothing, ``enable_activation_checkpointing``, checkpointing plus
+``enable_activation_offloading`` (on CPU: saved activations to files in the output folder),
+and offloading alone. Every mode must log the same losses (offloading changes where
+activations live, not what they are); peak RSS includes torch and the weights, so the
+activations' share is the difference between the rows. (Packed vs padded batches: bench/train.py.)
 
     python bench/activations.py                          # CPU, prints a markdown table
     python bench/activations.py --device cuda --seq 4096 # peak = torch.cuda.max_memory_allocated
@@ -36,8 +29,6 @@ from report import reporting
 from train import MODEL, make_model
 
 MODES = {
-    "padded": {"dataset.packed": False},
-    "packed": {"dataset.packed": True},
     "plain": {},
     "checkpointing": {"enable_activation_checkpointing": True},
     "checkpointing+offloading": {"enable_activation_checkpointing": True, "enable_activation_offloading": True},
@@ -46,13 +37,8 @@ MODES = {
 
 
 def config(mode: str, model: Path, out: Path, args: argparse.Namespace) -> dict:
-    packing = mode in ("padded", "packed")
-    if packing:
-        data = {"source": "tiny_alpaca", "max_seq_len": args.pack_len}
-        steps = {"epochs": args.epochs, "batch_size": args.pack_batch}
-    else:
-        data = {"type": "text", "source": str(model / "data.txt"), "max_seq_len": args.seq}
-        steps = {"epochs": 1, "batch_size": args.batch, "max_steps_per_epoch": args.steps}
+    data = {"type": "text", "source": str(model / "data.txt"), "max_seq_len": args.seq}
+    steps = {"epochs": 1, "batch_size": args.batch, "max_steps_per_epoch": args.steps}
     cfg: dict = {
         "seed": 0, "device": args.device, "dtype": "fp32", "quiet": True,
         "checkpointer": {"checkpoint_dir": str(model), "output_dir": str(out)},
@@ -101,7 +87,7 @@ def measure(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dic
     stats = work / f"{mode}.time"
     cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model), "--out", str(out),
            *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in vars(args).items()
-                 if k in ("device", "seq", "batch", "steps", "pack_len", "pack_batch", "epochs")), [])]  # fmt: skip
+                 if k in ("device", "seq", "batch", "steps")), [])]  # fmt: skip
     proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(stats), *cmd], stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed with status {proc.returncode}")
@@ -119,11 +105,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024, help="offloading: tokens per row")
     parser.add_argument("--batch", type=int, default=2, help="offloading: rows per step")
     parser.add_argument("--steps", type=int, default=3, help="offloading: optimizer steps")
-    parser.add_argument("--pack-len", type=int, default=256, help="packing: dataset.max_seq_len")
-    parser.add_argument("--pack-batch", type=int, default=4, help="packing: batch_size")
-    parser.add_argument("--epochs", type=int, default=4, help="packing: epochs over the 48 samples")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of the packing runs")
-    parser.add_argument("--part", default="both", choices=["both", "packing", "offloading"])
+    parser.add_argument("--part", choices=["offloading"], help=argparse.SUPPRESS)  # packing: bench/train.py
     parser.add_argument("--worker")
     parser.add_argument("--model", type=Path)
     parser.add_argument("--out", type=Path)
@@ -141,32 +123,10 @@ def main() -> None:
         print(f"model: {params / 1e6:.1f}M parameters ({MODEL['num_hidden_layers']} layers, hidden "
               f"{MODEL['hidden_size']}), float32, LoRA rank 8 on q/k/v/o, device {args.device}; torch "
               f"{torch.__version__}, {os.cpu_count()} CPU cores, load average before {load:.1f}")  # fmt: skip
-        if args.part in ("both", "packing"):
-            packing(work, args)
-        if args.part in ("both", "offloading"):
-            offloading(work, args)
+        offloading(work, args)
         print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def packing(work: Path, args: argparse.Namespace) -> None:
-    """tokens/s of the recipe on padded and on packed batches, interleaved rounds."""
-    print(
-        f"\npacking: tiny_alpaca (48 samples), batch {args.pack_batch}, max_seq_len {args.pack_len}, "
-        f"{args.epochs} epochs, {args.rounds} interleaved rounds\n"
-    )
-    print("| mode | optimizer steps | real tokens per step | tokens/s (rounds) | packed / padded |")
-    print("| --- | ---: | ---: | --- | --- |")
-    runs: dict[str, list[dict]] = {"padded": [], "packed": []}
-    for r in range(args.rounds):
-        for mode in ["padded", "packed"] if r % 2 == 0 else ["packed", "padded"]:
-            runs[mode].append(measure(mode, work / "model", work, args))
-    for mode, got in runs.items():
-        ratios = [p["tokens_per_s"] / q["tokens_per_s"] for p, q in zip(got, runs["padded"], strict=True)]
-        speeds = " / ".join(f"{g['tokens_per_s']:.0f}" for g in got)
-        print(f"| {mode} | {len(got[0]['clock'])} | {got[0]['tokens_per_step']:.0f} | {speeds} | "
-              f"{' / '.join(f'{x:.2f}x' for x in ratios)} |")  # fmt: skip
 
 
 def offloading(work: Path, args: argparse.Namespace) -> None:
@@ -175,7 +135,7 @@ def offloading(work: Path, args: argparse.Namespace) -> None:
     peak = "peak CUDA memory" if args.device == "cuda" else "peak RSS"
     print(f"| mode | {peak} | vs checkpointing | tokens/s | losses equal to plain |")
     print("| --- | ---: | ---: | ---: | --- |")
-    results = {m: measure(m, work / "model", work, args) for m in list(MODES)[2:]}
+    results = {m: measure(m, work / "model", work, args) for m in MODES}
     key = "cuda_peak" if args.device == "cuda" else "peak_rss_mb"
     scale = 1 / 2**20 if args.device == "cuda" else 1.0
     base = results["checkpointing"][key] * scale
