@@ -215,10 +215,11 @@ def _prepared(
             tables = tables.view(np.uint16)
 
         def gather(codes: np.ndarray, e: int, r0: int, into: torch.Tensor) -> None:
-            if by_four:
-                kernels.gather4(codes, tables[e], br, bc, r0, _bits(into).view(np.uint16))
+            out = _bits(into)
+            if by_four and codes.flags.c_contiguous and out.flags.c_contiguous:
+                kernels.gather4(codes, tables[e], br, bc, r0, out.view(np.uint16))
             else:
-                kernels.gather(codes, tables[e], br, bc, r0, _bits(into))
+                kernels.gather(codes, tables[e], br, bc, r0, out)
 
         return gather
     wide, scales = lut.numpy(), s.numpy()

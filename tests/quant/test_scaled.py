@@ -111,6 +111,15 @@ def test_pieces_of_a_weight_on_disk_read_a_piece_at_a_time(monkeypatch: pytest.M
         assert torch.equal(torch.cat(got).view(torch.uint8), want.view(torch.uint8))
 
 
+def test_a_strided_weight_gives_the_contiguous_ones_bytes() -> None:
+    """Codes whose rows are not contiguous (a transposed view) go through the one-code gather."""
+    w = torch.randint(0, 256, (512, 384), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(3, 4)
+    got = scaled.dequantize(w.t(), s, (128, 128), torch.bfloat16)
+    want = scaled.dequantize(w.t().contiguous(), s, (128, 128), torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_stacked_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
     w = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8).view(torch.float8_e4m3fn)
