@@ -2,7 +2,7 @@
 GGUF against a durable ``dd`` of the output's size, llama.cpp's converter and DeepSeek's
 ``fp8_cast_bf16.py`` run on the CPU, in the same rounds, until on disk.
 
-The source is a synthetic HF folder of ``--layers`` decoder layers (default 2) of Llama-3-8B's
+The source is a synthetic HF folder of ``--layers`` decoder layers (default 4) of Llama-3-8B's
 shapes (hidden 4096, intermediate 14336, 32 heads over 8 KV heads), every linear weight
 quantized by the published formula (``scale_inv = amax / 448`` per 128 x 128 block, e4m3),
 float32 ``weight_scale_inv``, DeepSeek's ``quantization_config``, bf16 norms, with the
@@ -13,8 +13,11 @@ warm the source, then time each command as its own process under GNU ``time`` (w
 RSS) followed by a timed ``sync``; the Python tools run from compiled bytecode (compiled
 first, as an installed package is):
 
-* ``ckptkit convert SRC OUT --to hf --dtype bfloat16`` (each weight dequantized and written
-  a few MiB at a time, while the next few are made);
+* ``ckptkit convert SRC OUT --to hf --dtype bfloat16`` (each weight read, dequantized and
+  written a few MiB at a time, while the next few are made);
+* ``ckptkit convert BF16 OUT --to hf`` of a bf16 copy of the source (ckptkit's own output,
+  made once): ckptkit writing the same output bytes without dequantizing, what the
+  dequantizing write is measured against inside ckptkit;
 * ``ckptkit convert SRC OUT.gguf --to gguf --dtype bfloat16``;
 * llama.cpp's ``convert_hf_to_gguf.py SRC --outtype bf16`` (llama-cpp-python 0.3.36, the
   tests' copy), which dequantizes FP8 sources itself;
@@ -27,7 +30,7 @@ In the last round the outputs are compared: ckptkit's HF tensors with DeepSeek's
 ckptkit's GGUF with llama.cpp's (sha256 of each tensor). Medians, each round, GiB/s of bf16
 output, CPU seconds (user + system), peak RSS and the 1-minute load average (the machine is shared). Run::
 
-    python bench/quant.py [--layers 2] [--repeat 3] [--deepseek-script PATH]
+    python bench/quant.py [--layers 4] [--repeat 3] [--deepseek-script PATH]
         [--out bench/out/quant] [--report docs/bench/quant.md]
 """
 
@@ -118,6 +121,18 @@ def build(root: Path, layers: int) -> tuple[Path, int]:
     return src, bf16_bytes
 
 
+def bf16_copy(src: Path) -> Path:
+    """The source dequantized to bf16 by ckptkit (made once, kept beside it): the bf16
+    checkpoint of the same output bytes, for ckptkit's plain write of them."""
+    from ckptkit.convert import ConvertOptions, convert
+
+    out = src.parent / f"{src.name}-bf16"
+    if not (out / "config.json").exists():
+        remove(out)
+        convert(src, out, ConvertOptions("hf", dtype="bfloat16"))
+    return out
+
+
 def same_safetensors(a: Path, b: Path) -> bool:
     """The same tensor names, dtypes and bytes in the ``*.safetensors`` of two folders."""
     import torch
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizer_helpers import llama_cpp_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--deepseek-script", type=Path, help="DeepSeek-V3's inference/fp8_cast_bf16.py")
     parser.add_argument("--out", type=Path, default=Path("bench/out/quant"))
@@ -158,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
     src, size = build(work, args.layers)
+    bf16 = bf16_copy(src)
     llama_cpp = llama_cpp_dir()
     # every Python tool runs from bytecode compiled once, as installed packages do (an
     # environment that writes none would have each run compile ckptkit's and gguf-py's modules)
@@ -169,12 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     if not blob.exists() or blob.stat().st_size != size:
         with blob.open("wb") as f:
             f.truncate(size)
-    outs = {"hf": work / "ckptkit-hf", "gguf": work / "ckptkit.gguf", "llama.cpp": work / "llama-cpp.gguf"}
+    outs = {"hf": work / "ckptkit-hf", "hf-bf16": work / "ckptkit-hf-bf16", "gguf": work / "ckptkit.gguf"}
+    outs["llama.cpp"] = work / "llama-cpp.gguf"
     outs |= {"deepseek": work / "deepseek", "dd": work / "dd.out"}
     ckptkit = [sys.executable, "-m", "ckptkit", "convert", str(src)]
     env = f"PYTHONPATH={llama_cpp / 'gguf-py'}"
     commands = {
         "hf": [*ckptkit, str(outs["hf"]), "--to", "hf", "--dtype", "bfloat16", "--quiet"],
+        "hf-bf16": [*ckptkit[:-1], str(bf16), str(outs["hf-bf16"]), "--to", "hf", "--quiet"],
         "gguf": [*ckptkit, str(outs["gguf"]), "--to", "gguf", "--dtype", "bfloat16", "--gguf-pre", PRE, "--quiet"],
         "llama.cpp": ["env", env, sys.executable, "-c", CONVERTER, str(src), PRE, str(outs["llama.cpp"]), "bf16"],
         "dd": durable_copy(blob, outs["dd"]),
@@ -199,13 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             remove(outs[name])
-            warm([blob] if name == "dd" else [src])
+            warm([blob] if name == "dd" else [bf16] if name == "hf-bf16" else [src])
             cwd = llama_cpp if name == "llama.cpp" else None
             runs[name].append(timed(commands[name], work / f"{name}-{r}.log", cwd))
             if r < args.repeat - 1 or name == "dd":
                 remove(outs[name])
         if r == args.repeat - 1:
             same["gguf"] = digest(outs["gguf"]) == digest(outs["llama.cpp"])
+            same["hf-bf16"] = same_safetensors(outs["hf"], outs["hf-bf16"])
             if "deepseek" in outs and outs["deepseek"].exists():
                 same["deepseek"] = same_safetensors(outs["hf"], outs["deepseek"])
         load.append(os.getloadavg()[0])
@@ -214,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         remove(out)
     print(f"load average (1 min) before and after each round: {', '.join(f'{x:.1f}' for x in load)}")
     print(f"ckptkit's GGUF tensors identical to llama.cpp's: {'yes' if same['gguf'] else 'NO'}")
+    print(f"ckptkit's dequantized HF tensors identical to its bf16 source's: {'yes' if same['hf-bf16'] else 'NO'}")
     if "deepseek" in same:
         print(f"ckptkit's HF tensors identical to DeepSeek's script's: {'yes' if same['deepseek'] else 'NO'}")
     labels = {
         "hf": "ckptkit convert --to hf --dtype bfloat16",
+        "hf-bf16": "ckptkit convert --to hf, bf16 source",
         "gguf": "ckptkit convert --to gguf --dtype bfloat16",
         "llama.cpp": "convert_hf_to_gguf.py --outtype bf16",
         "deepseek": "DeepSeek fp8_cast_bf16.py (CPU stand-in)",
@@ -235,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         if name != "dd":
             ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs[name], runs["dd"], strict=True)]
             print(f"{labels[name]} / dd, per round: {', '.join(f'{x:.2f}x' for x in ratio)}")
+    ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs["hf"], runs["hf-bf16"], strict=True)]
+    cpu = [(a.user_s + a.sys_s) / (b.user_s + b.sys_s) for a, b in zip(runs["hf"], runs["hf-bf16"], strict=True)]
+    print(f"{labels['hf']} / {labels['hf-bf16']}, per round: {', '.join(f'{x:.2f}x' for x in ratio)} until on disk,")
+    print(f"  {', '.join(f'{x:.2f}x' for x in cpu)} CPU s")
     return 0
 
 

@@ -9,9 +9,7 @@ directory beside the destination, put in place at the end by :func:`ckptkit.io.p
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec
@@ -22,23 +20,12 @@ from ckptkit.formats import REGISTRY, CheckpointFormat
 from ckptkit.formats.base import QuantOptions
 from ckptkit.formats.gguf.mix import CONVERTER_NAMES, FILE_TYPES, ggml_type, quantize_type
 from ckptkit.formats.peft_adapter import ADAPTER_CONFIG, adapter_base, is_adapter_folder
-from ckptkit.formats.writers import Job, TensorWriter
 from ckptkit.hub import hub_source, parse_ref
-from ckptkit.io import (
-    AUTO,
-    COPY_METHODS,
-    Overlap,
-    check_replaceable,
-    direct_pays,
-    publishing,
-    publishing_file,
-    total_bytes,
-)
-from ckptkit.plan import FilePlan, Options, Plan, check_experts_choice, plan_conversion, target_format
-from ckptkit.progress import byte_progress
+from ckptkit.io import AUTO, COPY_METHODS, check_replaceable
+from ckptkit.plan import Options, Plan, check_experts_choice, plan_conversion, target_format
 from ckptkit.tensors.casting import counted_casts
-from ckptkit.tensors.dtypes import CAST_TARGETS, dtype_name
-from ckptkit.tensors.transforms import RANKS
+from ckptkit.tensors.dtypes import CAST_TARGETS
+from ckptkit.writing import COMPUTED, publishing_output, write_plan
 
 if TYPE_CHECKING:
     from ckptkit.verify import Report
@@ -47,126 +34,6 @@ __all__ = [
     "COMPUTED", "ConvertOptions", "Options", "Plan", "Result", "convert", "plan_conversion", "write_checkpoint",
     "write_files", "write_plan",
 ]  # fmt: skip
-
-COMPUTED = "computed"  # bytes_by_method label of tensors materialised and written from memory
-
-
-# --- writing -------------------------------------------------------------------------
-
-
-def write_plan(
-    plan: Plan, out: Path, quiet: bool = False, label: str = "converting", copy_method: str | None = AUTO
-) -> dict[str, int]:
-    """Write every target tensor of ``plan`` into its files: under the folder ``out``, or
-    ``out`` itself for a format whose output is one file.
-
-    A tensor whose bytes the source holds as they are to be written (its lazy has spans:
-    unchanged, or rows moved by a transform) is copied file to file on worker threads with
-    ``copy_method`` (one of :data:`~ckptkit.io.COPY_METHODS`, or, for tests, a fallback of
-    :data:`ckptkit.io.transfer.METHODS` forced; None: never), while this thread computes the
-    others (casts, generated tensors: those with ``raw`` bytes, unless split across ranks,
-    without torch; a writer that makes a tensor's bytes itself, a chunk at a time, has each
-    chunk written on the workers while the next is made). ``auto`` writes whole pages past
-    the page cache when the output is larger than the kernel's dirty limit
-    (:func:`~ckptkit.io.direct_pays`). Returns the bytes written by each method
-    (:data:`COMPUTED` for those computed in memory).
-    """
-    where: dict[str, list[FilePlan]] = {}
-    for f in plan.files:
-        for k in f.keys:
-            where.setdefault(k, []).append(f)
-    total = sum(plan.nbytes(k) for k in where)
-    direct = direct_pays(total)  # auto: whole pages past the page cache when the output is big
-    fmt = target_format(plan.format)
-    writers: dict[str, TensorWriter] = {}
-    try:
-        for f in plan.files:  # the format says which writer writes each file
-            writers[f.name] = plan.writer(out if fmt.info.file_suffix else out / f.name, f, direct)
-        by_method = _write_tensors(plan, where, writers, total, label, quiet, copy_method)
-        for w in writers.values():
-            w.close()
-    except BaseException:
-        for w in writers.values():  # no descriptor outlives a failure (ENOSPC: blocks held)
-            w.discard()
-        raise
-    return by_method
-
-
-def _write_tensors(
-    plan: Plan,
-    where: dict[str, list[FilePlan]],
-    writers: dict[str, TensorWriter],
-    total: int,
-    label: str,
-    quiet: bool,
-    copy_method: str | None,
-) -> dict[str, int]:
-    """The tensor loop of :func:`write_plan`: returns the bytes written by each method."""
-    computed = 0
-    with byte_progress(label, total, quiet) as bar, Overlap(on_done=bar.advance) as copies:
-        for key, files in where.items():
-            lazy = plan.targets[key]
-            if all(key in f.aliases for f in files):  # stored as another tensor's storage
-                bar.advance(lazy.nbytes)
-                continue
-            ranks, dim = files[0].ranks, plan.split_dims.get(key)
-            if copy_method is not None and (spans := lazy.spans()) is not None:
-                if total_bytes(spans) != lazy.nbytes:
-                    raise RuntimeError(f"{key}: {total_bytes(spans)} stored bytes, planned {lazy.nbytes}")
-                pieces = RANKS.inverse_spans(spans, lazy.shape, ranks, dim) if ranks > 1 else [spans]
-                for f in files:
-                    job = functools.partial(writers[f.name].write_spans, key, pieces[f.rank], copy_method)
-                    copies.submit(job, total_bytes(pieces[f.rank]) if dim is not None or f is files[0] else 0)
-                continue
-            if lazy.raw is not None and (ranks == 1 or dim is None):  # bytes in memory: no torch
-                data = lazy.raw()
-                if len(data) != lazy.nbytes:
-                    raise RuntimeError(f"{key}: produced {len(data)} bytes, planned {lazy.nbytes}")
-                for f in files:
-                    writers[f.name].write_bytes(key, data)
-                computed += lazy.nbytes
-                bar.advance(lazy.nbytes)
-                continue
-            chunks = writers[files[0].name].chunks(key, lazy) if len(files) == 1 else None
-            if chunks is not None:  # made by the writer a chunk at a time, each written on a worker
-                for write, nbytes in chunks:
-                    copies.submit(functools.partial(_computed, write), nbytes)
-                continue
-            if lazy.pieces is not None and len(files) == 1 and (ranks == 1 or dim is None):  # a piece at a time
-                submit = functools.partial(_submit_computed, copies)
-                writers[files[0].name].write_pieces(key, lazy.pieces(), submit)
-                continue
-            tensor = lazy.get()
-            if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:
-                raise RuntimeError(f"{key}: produced {tuple(tensor.shape)} {tensor.dtype}, planned {lazy.shape}")
-            parts = RANKS.inverse(tensor, ranks, dim) if ranks > 1 else [tensor]
-            for f in files:
-                writers[f.name].write(key, parts[f.rank] if len(parts) > 1 else parts[0])
-            del tensor, parts
-            computed += lazy.nbytes
-            bar.advance(lazy.nbytes)
-    by_method = dict(copies.bytes_by_label)
-    if computed:
-        by_method[COMPUTED] = by_method.get(COMPUTED, 0) + computed
-    return by_method
-
-
-def _computed(write: Job) -> str:
-    write()
-    return COMPUTED
-
-
-def _submit_computed(copies: Overlap, write: Job, nbytes: int) -> Future[str]:
-    return copies.submit(functools.partial(_computed, write), nbytes)
-
-
-@contextmanager
-def publishing_output(fmt: CheckpointFormat, dst: Path, force: bool) -> Iterator[Path]:
-    """A temporary output beside ``dst`` (a folder, or one file for a format whose output is
-    one), fsynced and put in place of ``dst`` when the block succeeds (:mod:`ckptkit.io`)."""
-    with (publishing_file if fmt.info.file_suffix else publishing)(dst, force) as tmp:
-        yield tmp
-
 
 # --- the command ---------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The writers of output files: the one protocol the write engine (``convert.write_plan``)
+"""The writers of output files: the one protocol the write engine (``writing.write_plan``)
 drives, and the base class the built-in writers share.
 
 Every output file (a safetensors file, a torch pickle, a DCP rank file, a GGUF) is laid out

@@ -266,7 +266,7 @@ def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> di
             return quant.method.loaded(w.get(), quant.scale(name), to_torch(dtype))
 
         def pieces(w: Lazy = w, name: str = name) -> Iterator[torch.Tensor]:
-            return quant.method.loaded_pieces(w.get(), quant.scale(name), to_torch(dtype))
+            return quant.method.loaded_pieces(w, quant.scale(name), to_torch(dtype))
 
         new, shape = quant.method.dequantized_as(name, w.shape)
         out[new] = Lazy(shape, dtype, get, w.file, pieces=pieces)

@@ -27,6 +27,8 @@ from ckptkit.quant.method import (
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.tensors.lazy import Lazy
+
 SCALE_SUFFIX = "_scale_inv"
 E4M3_MAX = 448.0
 ACTIVATION_SCALES = (".input_scale", ".activation_scale", "_activation_scale", ".k_scale", ".v_scale")
@@ -112,7 +114,7 @@ class BlockFP8(QuantMethod):
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self.block, dtype)
 
-    def loaded_pieces(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         return scaled.dequantized_pieces(weight, scale, self.block, dtype)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ from ckptkit.quant.method import QuantMethod, Stored, check_finite_nonnegative
 if TYPE_CHECKING:
     import torch
 
+    from ckptkit.tensors.lazy import Lazy
+
 E4M3 = "float8_e4m3fn"
 INT8 = "int8"
 
@@ -96,7 +98,7 @@ class GridScaled(QuantMethod):
                 f"{list(old)} and {list(block)} blocks; ckptkit cannot tell them apart"
             )
 
-    def _block(self, weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    def _block(self, weight: torch.Tensor | Lazy, scale: torch.Tensor) -> tuple[int, int]:
         grids: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]] = self.__dict__.get("_grids", {})
         block = grids.get((tuple(weight.shape), tuple(scale.shape)))
         if block is None:  # a weight not checked on read (quantized in memory): per tensor or per block of the grid
@@ -111,7 +113,7 @@ class GridScaled(QuantMethod):
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self._block(weight, scale), dtype)
 
-    def loaded_pieces(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         if type(self).dequantize is not GridScaled.dequantize or type(self).loaded is not QuantMethod.loaded:
             return super().loaded_pieces(weight, scale, dtype)  # a subclass's own arithmetic or layout
         return scaled.dequantized_pieces(weight, scale, self._block(weight, scale), dtype)

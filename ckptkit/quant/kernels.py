@@ -8,9 +8,14 @@ a block row (``r0``: the chunk's first row in the matrix). Codes are bytes, so a
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import numpy as np
+
 from ckptkit.tensors.compiled import kernel
+
+LITTLE_ENDIAN = sys.byteorder == "little"  # what gather4 reads four codes as
 
 
 @kernel
@@ -39,3 +44,26 @@ def widen_scale(codes: Any, wide: Any, scales: Any, br: int, bc: int, r0: int, i
             s = row[b]
             for j in range(b * bc, min(cols, (b + 1) * bc)):
                 into[i, j] = wide[codes[i, j]] * s
+
+
+@kernel
+def gather4(codes: Any, tables: Any, br: int, bc: int, r0: int, into: Any) -> None:
+    """:func:`gather` of two-byte results (``tables`` uint16, ``into`` uint16) four codes at a
+    time: one four-byte read of codes and one eight-byte write of results (the columns and
+    ``bc`` multiples of 4; rows contiguous)."""
+    rows, cols = codes.shape
+    sc = (cols + bc - 1) // bc
+    words = codes.view(np.uint32)  # little-endian: the first code in the low byte
+    out = into.view(np.uint64)
+    for i in range(rows):
+        first = (r0 + i) // br * sc
+        for b in range(sc):
+            t = tables[first + b]
+            for j in range(b * bc // 4, min(cols, (b + 1) * bc) // 4):
+                w = words[i, j]
+                out[i, j] = (
+                    np.uint64(t[w & 0xFF])
+                    | (np.uint64(t[(w >> 8) & 0xFF]) << 16)
+                    | (np.uint64(t[(w >> 16) & 0xFF]) << 32)
+                    | (np.uint64(t[w >> 24]) << 48)
+                )

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from ckptkit.tensors.lazy import Lazy
+
 
 class Stored(Protocol):
     """A stored tensor's metadata (a format's ``TensorInfo``)."""
@@ -135,10 +137,11 @@ class QuantMethod:
         """The dequantized weight as the model holds it (:meth:`dequantize`'s by default)."""
         return self.dequantize(weight, scale, dtype)
 
-    def loaded_pieces(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         """:meth:`loaded`'s result flat, in order, a piece at a time, each valid until the one
-        after the next is asked for (written while the next is made); by default one piece."""
-        yield self.loaded(weight, scale, dtype).reshape(-1)
+        after the next is asked for (written while the next is made), of the stored ``weight``
+        (read whole, or a piece at a time where the method can); by default one piece."""
+        yield self.loaded(weight.get(), scale, dtype).reshape(-1)
 
     def unloaded(self, values: torch.Tensor) -> torch.Tensor:
         """:meth:`loaded`'s layout back to :meth:`dequantize`'s (the same by default)."""

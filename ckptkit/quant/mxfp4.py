@@ -12,7 +12,7 @@ transpose that where they hold the experts as [E, cols, rows]).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,8 @@ from ckptkit.quant.method import QuantMethod, Stored, check_e8m0_codes, register
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptkit.tensors.lazy import Lazy
 
 BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK = 32
@@ -118,6 +120,14 @@ class MXFP4(QuantMethod):
     def loaded(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """As transformers' ``Mxfp4Config(dequantize=True)`` loader holds it: [E, cols, rows]."""
         return self.dequantize(weight, scale, dtype).transpose(-1, -2).contiguous()
+
+    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """:meth:`loaded` one expert at a time (its columns are the result's rows: an expert
+        is the least that makes whole rows), never every expert's result at once."""
+        codes = weight.get()
+        experts, scales = codes.reshape(-1, *codes.shape[-3:]), scale.reshape(-1, *scale.shape[-2:])
+        for e in range(experts.shape[0]):
+            yield self.loaded(experts[e], scales[e], dtype).reshape(-1)
 
     def unloaded(self, values: torch.Tensor) -> torch.Tensor:
         return values.transpose(-1, -2)

@@ -11,7 +11,7 @@ rounding), one round-to-nearest-even cast to the output dtype.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,8 @@ from ckptkit.quant.scaled import CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptkit.tensors.lazy import Lazy
 
 BLOCK = 16  # values per e4m3 scale: 8 packed bytes
 GLOBAL_SUFFIX = "_scale_2"
@@ -105,6 +107,14 @@ class ModelOptNVFP4(ModelOptFP8):
             part = e2m1_values(weight[r : r + step]).reshape(-1, cols // BLOCK, BLOCK)
             out[r : r + step] = part.mul_(scale[r : r + step].unsqueeze(-1)).reshape(-1, cols).to(dtype)
         return out
+
+    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """:meth:`dequantize` a few MiB of rows at a time, never the whole result at once."""
+        codes = weight.get()
+        rows, cols = codes.shape[0], codes.shape[1] * 2
+        step = self._rows(rows, cols).step
+        for r in self._rows(rows, cols):
+            yield self.dequantize(codes[r : r + step], scale[r : r + step], dtype).reshape(-1)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The packed codes whose :meth:`dequantize` with ``scale`` is ``values``: each value

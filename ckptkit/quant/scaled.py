@@ -7,22 +7,30 @@ float32 scale (one rounding), one round-to-nearest-even cast to the output dtype
 byte has 256 values, so where a block holds more elements than that, each block's 256 possible
 results are computed by that recipe (torch's multiply and cast) into a table and the matrix is
 one compiled gather from the tables (:mod:`ckptkit.quant.kernels`: a read of each code and a
-write of each element); smaller blocks are widened and multiplied by their scale in one
-compiled pass, then cast by torch. The work goes a few MiB of rows at a time, the chunks on
-torch's threads (the compiled loops release the GIL).
+write of each element, four at a time for two-byte results); smaller blocks are widened and
+multiplied by their scale in one compiled pass, then cast by torch. The work goes a few MiB of
+rows at a time, the chunks on this thread and a pool's (torch's thread count in all: the
+compiled loops release the GIL); a weight written in pieces is read from the source a piece
+at a time too (:func:`dequantized_pieces`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING
 
+from ckptkit.io import SpanReader, take
+from ckptkit.tensors.dtypes import to_torch
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ckptkit.tensors.lazy import Lazy
 
 CHUNK_ELEMENTS = 1 << 20  # elements a chunk of rows holds, about (4 MiB of float32)
 TABLE_MIN_BLOCK = 1024  # elements a block needs for a table of its 256 results to pay
@@ -45,18 +53,34 @@ def _row_chunks(rows: int, cols: int, br: int) -> Iterator[tuple[int, int]]:
             yield r0, min(b1, r0 + per)
 
 
-def _each(jobs: list[Callable[[], None]]) -> None:
-    """Run ``jobs`` on up to torch's thread count of threads."""
+def _each(jobs: Sequence[Callable[[], None]]) -> None:
+    """Run ``jobs`` on this thread and up to torch's thread count less one of the pool's."""
     import torch
 
-    workers = min(len(jobs), torch.get_num_threads())
-    if workers <= 1:
+    threads = torch.get_num_threads()
+    if threads <= 1 or len(jobs) <= 1:
         for job in jobs:
             job()
         return
-    with ThreadPoolExecutor(workers) as pool:
-        for f in [pool.submit(job) for job in jobs]:
+    pool = _pool(threads - 1)
+    futures = [pool.submit(job) for job in jobs[1:]]
+    try:
+        jobs[0]()
+    finally:
+        for f in futures:
             f.result()
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads, made once (not a pool and its threads per chunk)."""
+    with _pools_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="ckptkit-quant")
+        return _pools[workers]
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -95,78 +119,119 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
     out = torch.empty(weight.shape, dtype=dtype)
     if weight.numel():
-        fill, parts = _prepared(weight, scale, block, dtype)
         rows, cols = weight.shape[-2:]
+        fill = _prepared(weight.dtype, rows, cols, scale, block, dtype)
+        codes = _bits(weight.reshape(-1, rows, cols))
         flat = out.view(-1, rows, cols)
-        _each([partial(fill, e, r0, r1, flat[e, r0:r1]) for e, r0, r1 in parts])
+        _each([partial(fill, codes[e, r0:r1], e, r0, flat[e, r0:r1]) for e, r0, r1 in _parts(weight.shape, block)])
     return out
 
 
 def dequantized_pieces(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+    weight: torch.Tensor | Lazy, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> Iterator[torch.Tensor]:
     """:func:`dequantize`'s result flat, in order, :data:`PIECE_ELEMENTS` or so at a time,
     made in two buffers in turn: a piece is valid until the one after the next is asked for
-    (so that one is written while the next is made, and the whole result is never held)."""
+    (so that one is written while the next is made, and the whole result is never held).
+
+    ``weight`` may be lazy: where its bytes lie in the source files (:meth:`Lazy.spans`),
+    each piece's codes are read from there into a buffer (the weight is never held whole)."""
+    import numpy as np
     import torch
 
-    if not weight.numel():
+    from ckptkit.tensors.lazy import Lazy
+
+    shape = tuple(weight.shape)
+    if not math.prod(shape):
         return
-    fill, parts = _prepared(weight, scale, block, dtype)
-    cols = weight.shape[-1]
+    rows, cols = shape[-2:]
+    stored = to_torch(weight.dtype) if isinstance(weight, Lazy) else weight.dtype
+    spans = weight.spans() if isinstance(weight, Lazy) else None
+    held = None if spans is not None else weight.get() if isinstance(weight, Lazy) else weight
+    fill = _prepared(stored, rows, cols, scale, block, dtype)
     pieces: list[list[tuple[int, int, int]]] = [[]]
-    for part in parts:
+    for part in _parts(shape, block):
         if sum(r1 - r0 for _, r0, r1 in pieces[-1]) * cols >= PIECE_ELEMENTS:
             pieces.append([])
         pieces[-1].append(part)
-    size = max(sum(r1 - r0 for _, r0, r1 in piece) for piece in pieces) * cols
-    buffers = [torch.empty(size, dtype=dtype) for _ in range(min(2, len(pieces)))]
-    for n, piece in enumerate(pieces):
-        buf, at = buffers[n % 2], 0
-        jobs: list[Callable[[], None]] = []
-        for e, r0, r1 in piece:
-            jobs.append(partial(fill, e, r0, r1, buf[at : at + (r1 - r0) * cols].view(r1 - r0, cols)))
-            at += (r1 - r0) * cols
-        _each(jobs)
-        yield buf[:at]
+    most = max(sum(r1 - r0 for _, r0, r1 in piece) for piece in pieces) * cols  # elements of the largest piece
+    size = torch.empty((), dtype=dtype).element_size() * most
+    taken = [np.empty(size, np.uint8) for _ in range(min(2, len(pieces)))]
+    read = np.empty(most if spans is not None else 0, np.uint8)
+    reader = SpanReader()
+    try:
+        codes = None if held is None else _bits(held.reshape(-1, rows, cols))
+        for n, piece in enumerate(pieces):
+            e0, first, _ = piece[0]
+            count = sum(r1 - r0 for _, r0, r1 in piece) * cols
+            if spans is not None:  # the piece's codes: one run of the weight's bytes
+                reader.read_into(take(spans, (e0 * rows + first) * cols, count), read[:count].data)
+                run = read[:count].reshape(-1, cols)
+            out = torch.from_numpy(taken[n % 2][: count * (size // most)]).view(dtype)
+            jobs: list[Callable[[], None]] = []
+            at = 0
+            for e, r0, r1 in piece:
+                here = run[at : at + r1 - r0] if codes is None else codes[e, r0:r1]
+                jobs.append(partial(fill, here, e, r0, out[at * cols : (at + r1 - r0) * cols].view(r1 - r0, cols)))
+                at += r1 - r0
+            _each(jobs)
+            yield out
+    except BaseException:
+        reader.close(check=False)
+        raise
+    reader.close()  # a zip source's record CRC-32s, before the weight counts as written
 
 
-Fill = Callable[[int, int, int, "torch.Tensor"], None]
+Fill = Callable[["np.ndarray", int, int, "torch.Tensor"], None]
+
+
+def _parts(shape: tuple[int, ...], block: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """The (e, r0, r1) chunks of rows that make matrices ``e`` of a weight of ``shape``."""
+    rows, cols = shape[-2:]
+    count = math.prod(shape[:-2])
+    return [(e, r0, r1) for e in range(count) for r0, r1 in _row_chunks(rows, cols, min(block[0], rows))]
 
 
 def _prepared(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-) -> tuple[Fill, list[tuple[int, int, int]]]:
-    """(``fill(e, r0, r1, into)``: rows ``r0:r1`` of matrix ``e`` of ``weight``
-    dequantized into ``into``, the (e, r0, r1) chunks that make the whole)."""
+    stored: torch.dtype, rows: int, cols: int, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> Fill:
+    """``fill(codes, e, r0, into)``: the one-byte ``codes`` (uint8) of rows ``r0:`` of matrix
+    ``e`` of a weight of ``stored`` [..., rows, cols] with ``scale``, dequantized into ``into``."""
+    import numpy as np
     import torch
 
     from ckptkit.quant import kernels
 
-    rows, cols = weight.shape[-2:]
     br, bc = min(block[0], rows), min(block[1], cols)
     sr, sc = math.ceil(rows / br), math.ceil(cols / bc)
-    codes = _bits(weight.reshape(-1, rows, cols))
     s = scale.to(torch.float32).reshape(-1, sr, sc)
-    lut = widened(weight.dtype)
-    parts = [(e, r0, r1) for e in range(codes.shape[0]) for r0, r1 in _row_chunks(rows, cols, br)]
+    lut = widened(stored)
     if br * bc >= TABLE_MIN_BLOCK:  # each block's 256 results cast by torch, then one gather
-        tables = _bits((lut * s.unsqueeze(-1)).to(dtype)).reshape(s.shape[0], sr * sc, CODES)
+        products = torch.empty(s.numel(), CODES)
+        torch.mul(s.reshape(-1, 1), lut, out=products)
+        tables = _bits(products.to(dtype)).reshape(s.shape[0], sr * sc, CODES)
+        by_four = tables.itemsize == 2 and cols % 4 == 0 and bc % 4 == 0 and kernels.LITTLE_ENDIAN
+        if by_four:  # four codes a read (kernels.gather4)
+            tables = tables.view(np.uint16)
 
-        def gather(e: int, r0: int, r1: int, into: torch.Tensor) -> None:
-            kernels.gather(codes[e, r0:r1], tables[e], br, bc, r0, _bits(into))
+        def gather(codes: np.ndarray, e: int, r0: int, into: torch.Tensor) -> None:
+            out = _bits(into)
+            if by_four and codes.flags.c_contiguous and out.flags.c_contiguous:
+                kernels.gather4(codes, tables[e], br, bc, r0, out.view(np.uint16))
+            else:
+                kernels.gather(codes, tables[e], br, bc, r0, out)
 
-        return gather, parts
+        return gather
     wide, scales = lut.numpy(), s.numpy()
 
-    def widen_scale(e: int, r0: int, r1: int, into: torch.Tensor) -> None:
+    def widen_scale(codes: np.ndarray, e: int, r0: int, into: torch.Tensor) -> None:
         """Each code widened times its block's scale in float32, then torch's one cast."""
         product = into if into.dtype == torch.float32 else torch.empty(into.shape, dtype=torch.float32)
-        kernels.widen_scale(codes[e, r0:r1], wide, scales[e], br, bc, r0, product.numpy())
+        kernels.widen_scale(codes, wide, scales[e], br, bc, r0, product.numpy())
         if product is not into:
             into.copy_(product)
 
-    return widen_scale, parts
+    return widen_scale
 
 
 def requantize(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], stored: torch.dtype) -> torch.Tensor:

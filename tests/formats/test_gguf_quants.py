@@ -441,7 +441,7 @@ def test_a_gguf_written_past_the_page_cache_is_the_same_file(
     rows written as stored (the bfloat16 fixtures as BF16) go from the buffer they were
     read into, placed in memory as their pages are in the file: never through the staging
     copy."""
-    from ckptkit import convert as convert_module
+    from ckptkit import writing
     from ckptkit.io import direct as directio
 
     monkeypatch.setattr(rows, "CHUNK_BYTES", 10_000)  # chunks ending off page boundaries
@@ -452,7 +452,7 @@ def test_a_gguf_written_past_the_page_cache_is_the_same_file(
     staging, write_direct = directio.staging, directio._write_direct
     monkeypatch.setattr(directio, "staging", lambda: staged.append(1) or staging())
     monkeypatch.setattr(directio, "_write_direct", lambda *a: went_direct.append(1) or write_direct(*a))
-    monkeypatch.setattr(convert_module, "direct_pays", lambda nbytes: True)
+    monkeypatch.setattr(writing, "direct_pays", lambda nbytes: True)
     convert(src, tmp_path / "direct.gguf", ConvertOptions("gguf", dtype=dtype))
     assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "cached.gguf").read_bytes()
     assert went_direct and (staged if dtype == "float32" else not staged)  # widened: new arrays, staged

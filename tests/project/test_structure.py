@@ -20,6 +20,7 @@ LAYERS = [
     ["formats"],
     ["checkpoint", "hub"],
     ["plan", "inspection", "support", "verify"],
+    ["writing"],
     ["convert"],
     ["save_like"],
     ["train"],

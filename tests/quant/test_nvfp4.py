@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from ckptkit.convert import ConvertOptions, convert
 from ckptkit.errors import CkptkitError
 from ckptkit.inspection import inspect_path
+from ckptkit.quant import nvfp4
 from ckptkit.verify import verify_paths
 
 from conftest import FIXTURES
@@ -48,7 +49,9 @@ def test_inspect_shows_method_and_dtypes() -> None:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_dequantized_by_modelopts_recipe(dtype: str, tmp_path: Path) -> None:
+def test_dequantized_by_modelopts_recipe(dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each weight made and written a row at a time."""
+    monkeypatch.setattr(nvfp4, "CHUNK_ELEMENTS", 1)
     convert(NV, tmp_path / "out", ConvertOptions("hf", dtype=dtype))
     ours, stored = load_file(tmp_path / "out" / "model.safetensors"), load_file(NV / "model.safetensors")
     weights = _quantized(stored)

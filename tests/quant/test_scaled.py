@@ -5,11 +5,14 @@ at the edges, across chunk boundaries (small chunks), for every byte code (NaN i
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from ckptkit.io import Span
 from ckptkit.quant import scaled
+from ckptkit.tensors.lazy import Lazy
 
 CASES = [
     (300, 520, (128, 128)),  # cropped blocks both ways: the table gather
@@ -83,6 +86,38 @@ def test_pieces_are_the_result_in_order(monkeypatch: pytest.MonkeyPatch, block: 
     want = scaled.dequantize(w, s, block, torch.bfloat16).view(-1)
     assert torch.equal(torch.cat(got).view(torch.int16), want.view(torch.int16))
     assert list(scaled.dequantized_pieces(w[:, :0], s, block, torch.bfloat16)) == []
+
+
+def test_pieces_of_a_weight_on_disk_read_a_piece_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A lazy weight whose bytes lie in files (two spans, split inside a row) is read a
+    piece's rows at a time, never whole, and gives the in-memory weight's pieces."""
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 3 * 4096)
+    w = torch.randint(0, 256, (2, 300, 260), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, 3)
+    data = w.view(torch.uint8).numpy().tobytes()
+    (tmp_path / "a").write_bytes(b"x" * 7 + data[:1001])
+    (tmp_path / "b").write_bytes(data[1001:])
+    spans = [Span(tmp_path / "a", 7, 1001), Span(tmp_path / "b", 0, len(data) - 1001)]
+
+    def whole() -> torch.Tensor:
+        raise AssertionError("the weight was read whole")
+
+    lazy = Lazy((2, 300, 260), "float8_e4m3fn", whole, spans=lambda: spans)
+    for dtype in (torch.bfloat16, torch.float32):  # four codes a read, and one
+        got = [p.clone() for p in scaled.dequantized_pieces(lazy, s, (128, 128), dtype)]
+        assert len(got) > 4
+        want = scaled.dequantize(w, s, (128, 128), dtype).view(-1)
+        assert torch.equal(torch.cat(got).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_strided_weight_gives_the_contiguous_ones_bytes() -> None:
+    """Codes whose rows are not contiguous (a transposed view) go through the one-code gather."""
+    w = torch.randint(0, 256, (512, 384), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(3, 4)
+    got = scaled.dequantize(w.t(), s, (128, 128), torch.bfloat16)
+    want = scaled.dequantize(w.t().contiguous(), s, (128, 128), torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_stacked_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
