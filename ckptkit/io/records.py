@@ -132,7 +132,10 @@ class SpanReader:
             if span.path not in self._sources:
                 self._sources[span.path] = open_source(span.path)
             part = view[at : at + span.nbytes]
-            read_fully(self._sources[span.path], part, span.offset)
+            try:
+                read_fully(self._sources[span.path], part, span.offset)
+            except EOFError:
+                raise CkptkitError(f"{span.path}: changed while it was read (shorter than its size)") from None
             if span.check is not None:
                 self._checks.setdefault((id(span.check.verifier), span.check.key), span.check)
                 span.check.verifier.feed(span.check, span.offset, part)

@@ -17,9 +17,10 @@ at a time too (:func:`dequantized_pieces`).
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -67,12 +68,23 @@ def _each(jobs: Sequence[Callable[[], None]]) -> None:
     try:
         jobs[0]()
     finally:
-        for f in futures:
-            f.result()
+        wait(futures)  # every job done (none still filling a buffer) before any error is raised
+    for f in futures:
+        f.result()
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pools, whose threads the child does not have, dropped."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:

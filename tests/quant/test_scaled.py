@@ -5,11 +5,15 @@ at the edges, across chunk boundaries (small chunks), for every byte code (NaN i
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from ckptkit.errors import CkptkitError
 from ckptkit.io import Span
 from ckptkit.quant import scaled
 from ckptkit.tensors.lazy import Lazy
@@ -109,6 +113,50 @@ def test_pieces_of_a_weight_on_disk_read_a_piece_at_a_time(monkeypatch: pytest.M
         assert len(got) > 4
         want = scaled.dequantize(w, s, (128, 128), dtype).view(-1)
         assert torch.equal(torch.cat(got).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_source_shortened_while_read_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A source file cut short between opening and the read of a piece: the one-line error
+    naming the file, not an EOFError's traceback."""
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 4096)
+    w = torch.randint(0, 256, (300, 260), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    data = w.view(torch.uint8).numpy().tobytes()
+    (tmp_path / "a").write_bytes(data)
+    lazy = Lazy((300, 260), "float8_e4m3fn", lambda: w, spans=lambda: [Span(tmp_path / "a", 0, len(data))])
+    pieces = scaled.dequantized_pieces(lazy, torch.rand(3, 3), (128, 128), torch.bfloat16)
+    next(pieces)
+    (tmp_path / "a").write_bytes(data[:5000])
+    with pytest.raises(CkptkitError, match=r"a: changed while it was read \(shorter than its size\)"):
+        list(pieces)
+
+
+def test_a_forked_child_dequantizes_with_its_own_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept thread pool does not survive a fork (its threads stay in the parent): a child
+    process dequantizing after its parent did gets a pool of its own, not a hang."""
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 4096)
+    w = torch.randint(0, 256, (512, 512), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(4, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = scaled.dequantize(w, s, (128, 128), torch.bfloat16)  # the parent's pool made and used
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 when equal; a hang is ended by the parent's kill below
+            got = scaled.dequantize(w, s, (128, 128), torch.bfloat16)
+            os._exit(0 if torch.equal(got.view(torch.int16), want.view(torch.int16)) else 1)
+        for _ in range(200):  # 20 s at most
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung on the parent's thread pool")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_strided_weight_gives_the_contiguous_ones_bytes() -> None:

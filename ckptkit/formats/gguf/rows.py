@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ckptkit.formats.gguf.gguf_tensor import Moved
 from ckptkit.formats.gguf.quants import quantize_q8_0
-from ckptkit.formats.gguf.torch_exp import neg_exp_bf16
+from ckptkit.formats.gguf.torch_exp import TORCH_EXP_MEASURED, neg_exp_bf16
 from ckptkit.io import ALIGN, Span, SpanReader, take, take_rows
 from ckptkit.tensors.lazy import Lazy
 from ckptkit.tensors.transforms import rope_rows
@@ -67,7 +67,7 @@ def streamable(lazy: Lazy, kind: str, moved: Moved | None = None) -> bool:
     if moved is not None and moved.plus_one:  # llama.cpp adds 1 to a float16 norm in float16
         return kind == "F32" and lazy.dtype in ("float32", "bfloat16")
     if moved is not None and moved.neg_exp:  # torch's float32 exp, reproduced for bfloat16 inputs only
-        return kind == "F32" and lazy.dtype == "bfloat16"
+        return kind == "F32" and lazy.dtype == "bfloat16" and TORCH_EXP_MEASURED
     return kind in ("F32", "Q8_0") or SAME[lazy.dtype] == kind
 
 

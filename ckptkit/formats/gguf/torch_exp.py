@@ -8,7 +8,13 @@ under ATen's AVX2 and default CPU capabilities and MKL's SSE4.2 code path, not g
 
 from __future__ import annotations
 
+import platform
 from typing import TYPE_CHECKING
+
+TORCH_EXP_MEASURED = platform.machine().lower() in ("x86_64", "amd64")
+"""Whether torch here is a build whose exp the table was measured on (x86-64, MKL's vector
+exp): elsewhere (aarch64's torch, without MKL) ``A_log`` goes through torch itself, as
+llama.cpp's converter on that machine computes it."""
 
 if TYPE_CHECKING:
     import numpy as np
