@@ -110,14 +110,15 @@ def _forward_spans(
 ) -> Callable[[], list[Span] | None]:
     def spans() -> list[Span] | None:
         key = id(rule)  # the last few rules' splits kept: a layer's stacks' parts are asked for in turn
-        if key not in cache:
+        entry: tuple[Rule, list[list[Span] | None] | None] | None = cache.get(key)  # held: safe from eviction
+        if entry is None:
             native = raw.spans(rule.native)
             shape = raw.info(rule.native).shape
-            cache[key] = rule, None if native is None else rule.kind.forward_spans(native, shape, cfg, shapes)
-            if len(cache) > SPLITS_KEPT:
-                del cache[next(iter(cache))]
-        parts = cache[key][1]
-        return None if parts is None or parts[j] is None else list(parts[j])
+            entry = cache[key] = rule, None if native is None else rule.kind.forward_spans(native, shape, cfg, shapes)
+            while len(cache) > SPLITS_KEPT:
+                cache.pop(next(iter(cache)), None)
+        part = None if entry[1] is None else entry[1][j]
+        return None if part is None else list(part)
 
     return spans
 
