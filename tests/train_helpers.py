@@ -80,3 +80,33 @@ def ckptkit(*args: str) -> Result:
     from ckptkit.cli import app
 
     return CliRunner().invoke(app, list(args))
+
+
+def one_layer_llama(folder: Path, hidden: int, head_dim: int) -> Path:
+    """A one-layer bf16 Llama in ``folder`` (HF safetensors, the llama2 fixture's config and
+    tokenizer; intermediate size ``2 * hidden``): random linears (x 0.05, seed 0), embeddings
+    and output, unit norms; sizes NF4 can block when ``hidden`` is a multiple of 128."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    inter = 2 * hidden
+    config = json.loads((hf_dir("llama2") / "config.json").read_text())
+    config.update(hidden_size=hidden, intermediate_size=inter, head_dim=head_dim, num_hidden_layers=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, hidden),
+              "self_attn.v_proj": (hidden, hidden), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.0.{k}.weight": torch.randn(s, generator=gen) * 0.05 for k, s in shapes.items()}
+    tensors |= {"model.embed_tokens.weight": torch.randn(384, hidden, generator=gen),
+                "lm_head.weight": torch.randn(384, hidden, generator=gen) * 0.05}  # fmt: skip
+    norms = ("model.norm", "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm")
+    tensors |= {f"{k}.weight": torch.ones(hidden) for k in norms}
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, folder / "model.safetensors", {"format": "pt"})
+    for f in hf_dir("llama2").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            shutil.copy(f, folder)
+    return folder

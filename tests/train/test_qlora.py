@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ckptkit.errors import CkptkitError
 from ckptkit.train import nf4
@@ -18,7 +17,7 @@ from ckptkit.train.loop import RECIPES
 from ckptkit.train.lora import apply_lora, lora_modules
 from ckptkit.train.recipes import recipe_entry
 
-from train_helpers import TOL, hf_dir
+from train_helpers import TOL, hf_dir, one_layer_llama
 
 pytest.importorskip("torchao")
 from torchao.quantization import to_nf4  # noqa: E402  (the reference: torchao's own API)
@@ -30,34 +29,7 @@ HF = {"attn.q_proj": "self_attn.q_proj", "attn.v_proj": "self_attn.v_proj", "att
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-layer bf16 Llama whose linears NF4 can block (128 x 128 and 256 x 128)."""
-    folder = tmp_path_factory.mktemp("qlora_base")
-    config = json.loads((hf_dir("llama2") / "config.json").read_text())
-    config.update(hidden_size=128, intermediate_size=256, head_dim=32, num_hidden_layers=1)
-    (folder / "config.json").write_text(json.dumps(config))
-    shapes = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (128, 128), "self_attn.v_proj": (128, 128),
-              "self_attn.o_proj": (128, 128), "mlp.gate_proj": (256, 128), "mlp.up_proj": (256, 128),
-              "mlp.down_proj": (128, 256)}  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
-    tensors = {f"model.layers.0.{k}.weight": torch.randn(s, generator=gen) * 0.05 for k, s in shapes.items()}
-    tensors |= {
-        "model.embed_tokens.weight": torch.randn(384, 128, generator=gen),
-        "lm_head.weight": torch.randn(384, 128, generator=gen) * 0.05,
-    }
-    tensors |= {
-        k: torch.ones(128)
-        for k in (
-            "model.norm.weight",
-            "model.layers.0.input_layernorm.weight",
-            "model.layers.0.post_attention_layernorm.weight",
-        )
-    }
-    save_file(
-        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"}
-    )
-    for f in hf_dir("llama2").iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
-            shutil.copy(f, folder)
-    return folder
+    return one_layer_llama(tmp_path_factory.mktemp("qlora_base"), hidden=128, head_dim=32)
 
 
 def _train(base: Path, out: Path, *extra: str) -> None:

@@ -12,25 +12,20 @@ Measured: per-step losses 8e-8 (QLoRA) and 1.7e-7 (DoRA) relative, adapters 1.2e
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_distributed import ADAPTER_ATOL, assert_close_losses, bf16_ulps, losses, run_single, torchrun
 
 from ckptkit.formats.dcp import state_keys
 
-from train_helpers import hf_dir
+from train_helpers import one_layer_llama
 
 pytest.importorskip("torchao")
 from torchao.quantization import to_nf4  # noqa: E402  (the reference: torchao's own API)
 
-SHAPES = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (256, 256), "self_attn.v_proj": (256, 256),
-          "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
-          "mlp.down_proj": (256, 512)}  # fmt: skip
 COMMON = ["epochs=1", "max_steps_per_epoch=3", "dtype=fp32", "quiet=true", "save_every_n_steps=2",
           "dataset.max_seq_len=64", "lora.targets=[q,v,down]"]  # fmt: skip
 
@@ -38,21 +33,7 @@ COMMON = ["epochs=1", "max_steps_per_epoch=3", "dtype=fp32", "quiet=true", "save
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-layer bf16 Llama, hidden size 256, 4 heads of 64."""
-    folder = tmp_path_factory.mktemp("fsdp_qlora_base")
-    config = json.loads((hf_dir("llama2") / "config.json").read_text())
-    config.update(hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=1)
-    (folder / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(0)
-    tensors = {f"model.layers.0.{k}.weight": torch.randn(s, generator=gen) * 0.05 for k, s in SHAPES.items()}
-    tensors |= {"model.embed_tokens.weight": torch.randn(384, 256, generator=gen),
-                "lm_head.weight": torch.randn(384, 256, generator=gen) * 0.05}  # fmt: skip
-    norms = ("model.norm", "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm")
-    tensors |= {f"{k}.weight": torch.ones(256) for k in norms}
-    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, folder / "model.safetensors", {"format": "pt"})
-    for f in hf_dir("llama2").iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
-            shutil.copy(f, folder)
-    return folder
+    return one_layer_llama(tmp_path_factory.mktemp("fsdp_qlora_base"), hidden=256, head_dim=64)
 
 
 def one_and_two(base: Path, out: Path, *extra: str) -> tuple[Path, Path]:
