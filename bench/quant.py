@@ -14,10 +14,12 @@ RSS) followed by a timed ``sync``; the Python tools run from compiled bytecode (
 first, as an installed package is):
 
 * ``ckptkit convert SRC OUT --to hf --dtype bfloat16`` (each weight read, dequantized and
-  written a few MiB at a time, while the next few are made);
+  written a few MiB at a time, while the next few are made, without torch, written past the
+  page cache from the buffers the pieces are made in);
 * ``ckptkit convert BF16 OUT --to hf`` of a bf16 copy of the source (ckptkit's own output,
   made once): ckptkit writing the same output bytes without dequantizing, what the
-  dequantizing write is measured against inside ckptkit;
+  dequantizing write is measured against inside ckptkit, as ``auto`` copies it (through the
+  page cache under the kernel's dirty limit) and with ``--copy-method direct``;
 * ``ckptkit convert SRC OUT.gguf --to gguf --dtype bfloat16``;
 * llama.cpp's ``convert_hf_to_gguf.py SRC --outtype bf16`` (llama-cpp-python 0.3.36, the
   tests' copy), which dequantizes FP8 sources itself;
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         with blob.open("wb") as f:
             f.truncate(size)
     outs = {"hf": work / "ckptkit-hf", "hf-bf16": work / "ckptkit-hf-bf16", "gguf": work / "ckptkit.gguf"}
+    outs["hf-bf16-direct"] = work / "ckptkit-hf-bf16-direct"
     outs["llama.cpp"] = work / "llama-cpp.gguf"
     outs |= {"deepseek": work / "deepseek", "dd": work / "dd.out"}
     ckptkit = [sys.executable, "-m", "ckptkit", "convert", str(src)]
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "hf": [*ckptkit, str(outs["hf"]), "--to", "hf", "--dtype", "bfloat16", "--quiet"],
         "hf-bf16": [*ckptkit[:-1], str(bf16), str(outs["hf-bf16"]), "--to", "hf", "--quiet"],
+        "hf-bf16-direct": [*ckptkit[:-1], str(bf16), str(outs["hf-bf16-direct"]), "--to", "hf", "--quiet"]
+        + ["--copy-method", "direct"],
         "gguf": [*ckptkit, str(outs["gguf"]), "--to", "gguf", "--dtype", "bfloat16", "--gguf-pre", PRE, "--quiet"],
         "llama.cpp": ["env", env, sys.executable, "-c", CONVERTER, str(src), PRE, str(outs["llama.cpp"]), "bf16"],
         "dd": durable_copy(blob, outs["dd"]),
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeat):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             remove(outs[name])
-            warm([blob] if name == "dd" else [bf16] if name == "hf-bf16" else [src])
+            warm([blob] if name == "dd" else [bf16] if name.startswith("hf-bf16") else [src])
             cwd = llama_cpp if name == "llama.cpp" else None
             runs[name].append(timed(commands[name], work / f"{name}-{r}.log", cwd))
             if r < args.repeat - 1 or name == "dd":
@@ -240,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = {
         "hf": "ckptkit convert --to hf --dtype bfloat16",
         "hf-bf16": "ckptkit convert --to hf, bf16 source",
+        "hf-bf16-direct": "the same, --copy-method direct",
         "gguf": "ckptkit convert --to gguf --dtype bfloat16",
         "llama.cpp": "convert_hf_to_gguf.py --outtype bf16",
         "deepseek": "DeepSeek fp8_cast_bf16.py (CPU stand-in)",
@@ -257,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         if name != "dd":
             ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs[name], runs["dd"], strict=True)]
             print(f"{labels[name]} / dd, per round: {', '.join(f'{x:.2f}x' for x in ratio)}")
-    ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs["hf"], runs["hf-bf16"], strict=True)]
-    cpu = [(a.user_s + a.sys_s) / (b.user_s + b.sys_s) for a, b in zip(runs["hf"], runs["hf-bf16"], strict=True)]
-    print(f"{labels['hf']} / {labels['hf-bf16']}, per round: {', '.join(f'{x:.2f}x' for x in ratio)} until on disk,")
-    print(f"  {', '.join(f'{x:.2f}x' for x in cpu)} CPU s")
+    for base in ("hf-bf16", "hf-bf16-direct"):
+        ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs["hf"], runs[base], strict=True)]
+        cpu = [(a.user_s + a.sys_s) / (b.user_s + b.sys_s) for a, b in zip(runs["hf"], runs[base], strict=True)]
+        print(f"{labels['hf']} / {labels[base]}, per round: {', '.join(f'{x:.2f}x' for x in ratio)} until on disk,")
+        print(f"  {', '.join(f'{x:.2f}x' for x in cpu)} CPU s")
     return 0
 
 

@@ -37,8 +37,8 @@ def write_plan(
     others (casts, generated tensors: those with ``raw`` bytes, unless split across ranks,
     without torch; a writer that makes a tensor's bytes itself, a chunk at a time, has each
     chunk written on the workers while the next is made). ``auto`` writes whole pages past
-    the page cache when the output is larger than the kernel's dirty limit
-    (:func:`~ckptkit.io.direct_pays`). Returns the bytes written by each method
+    the page cache when the output is larger than the kernel's dirty limit or holds
+    dequantized weights of some size (:func:`~ckptkit.io.direct_pays`). Returns the bytes written by each method
     (:data:`COMPUTED` for those computed in memory).
     """
     where: dict[str, list[FilePlan]] = {}
@@ -46,7 +46,8 @@ def write_plan(
         for k in f.keys:
             where.setdefault(k, []).append(f)
     total = sum(plan.nbytes(k) for k in where)
-    direct = direct_pays(total)  # auto: whole pages past the page cache when the output is big
+    made = sum(plan.nbytes(k) for k in where if plan.targets[k].pieces is not None)
+    direct = direct_pays(total, made)  # auto: whole pages past the page cache (a big output, dequantized weights)
     fmt = target_format(plan.format)
     writers: dict[str, TensorWriter] = {}
     try:
@@ -104,7 +105,7 @@ def _write_tensors(
                 continue
             if lazy.pieces is not None and len(files) == 1 and (ranks == 1 or dim is None):  # a piece at a time
                 submit = functools.partial(_submit_computed, copies)
-                writers[files[0].name].write_pieces(key, lazy.pieces(), submit)
+                writers[files[0].name].write_pieces(key, lazy.pieces, submit)
                 continue
             tensor = lazy.get()
             if tuple(tensor.shape) != tuple(lazy.shape) or dtype_name(tensor.dtype) != lazy.dtype:

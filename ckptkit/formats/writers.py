@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ckptkit.io import AUTO, OutputFile, Span, crc32, total_bytes
+from ckptkit.io import ALIGN, AUTO, OutputFile, Span, crc32, total_bytes
 from ckptkit.tensors.dtypes import tensor_bytes
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 Job = Callable[[], object]  # one chunk's write, run on a worker thread
 Submit = Callable[[Job, int], "Future[Any]"]  # runs a job of so many bytes on a worker thread
+Pieces = Callable[[int], Iterator["torch.Tensor | memoryview"]]  # Lazy.pieces: a tensor's bytes a piece at a time
 
 
 class TensorWriter(Protocol):
@@ -48,10 +49,13 @@ class TensorWriter(Protocol):
         the copy method used. Thread-safe for distinct names."""
         ...
 
-    def write_pieces(self, name: str, pieces: Iterator[torch.Tensor], submit: Submit) -> None:
-        """Write tensor ``name`` from ``pieces`` (its bytes in order, each valid until the one
-        after the next is made: :attr:`Lazy.pieces <ckptkit.tensors.lazy.Lazy>`), each piece's
-        write given to ``submit`` (run on a worker) while the next is made."""
+    def write_pieces(self, name: str, pieces: Pieces, submit: Submit) -> None:
+        """Write tensor ``name`` from ``pieces(lead)`` (its bytes in order, tensors or bytes,
+        each valid until the one after the next is made: :attr:`Lazy.pieces
+        <ckptkit.tensors.lazy.Lazy>`; ``lead``: the tensor's offset within a page of the
+        file), each piece's write given to ``submit`` (run on a worker) while the next is made.
+        Returns while the last pieces may still be written (the next tensor is made
+        meanwhile): the engine waits for every job it ran before :meth:`close`."""
         ...
 
     def chunks(self, name: str, lazy: Lazy) -> Iterator[tuple[Job, int]] | None:
@@ -105,12 +109,12 @@ class FileWriter:
         self._out.write(data, offset)
         self._done(name, crc32(data) if self.want_crc else None)
 
-    def write_pieces(self, name: str, pieces: Iterator[torch.Tensor], submit: Submit) -> None:
+    def write_pieces(self, name: str, pieces: Pieces, submit: Submit) -> None:
         offset, nbytes = self._place(name)
         at, crc = 0, 0
         pending: deque[Future[Any]] = deque()
-        for piece in pieces:
-            data = tensor_bytes(piece)
+        for piece in pieces(offset % ALIGN):
+            data = piece if isinstance(piece, memoryview) else tensor_bytes(piece)
             size = memoryview(data).nbytes
             if at + size > nbytes:
                 raise ValueError(f"{name}: more than the {nbytes} bytes of the {self.unit}")
@@ -120,8 +124,6 @@ class FileWriter:
             at += size
             if len(pending) == 2:  # the piece before this one is written: its buffer is free
                 pending.popleft().result()
-        for future in pending:
-            future.result()
         if at != nbytes:
             raise ValueError(f"{name}: {at} bytes for a {nbytes}-byte {self.unit}")
         self._done(name, crc if self.want_crc else None)

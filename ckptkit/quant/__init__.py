@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError, note
+from ckptkit.io import read_spans
 from ckptkit.quant import compressed, fp8, mistral, modelopt, mxfp4, nvfp4, packed
 from ckptkit.quant.method import METHODS, QuantMethod, Stored, method_for
-from ckptkit.tensors.dtypes import to_torch
+from ckptkit.tensors import float_bits
+from ckptkit.tensors.dtypes import tensor_bytes, to_torch
 from ckptkit.tensors.lazy import Lazy
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ class Quantization:
 
     def scale(self, name: str) -> torch.Tensor:
         """Weight ``name``'s scale as the method's arithmetic takes it (:meth:`QuantMethod.combined`)."""
-        return self.method.combined(tuple(s.get() for s in self.scales[name]))
+        return self.method.scale_of(self.scales[name])
 
     def describe(self, weights: dict[str, Lazy]) -> dict[str, Any]:
         """What ``inspect`` shows: the method, its blocks, stored and dequantized dtypes."""
@@ -237,7 +239,8 @@ def whole_heads(kind: Transform, method: QuantMethod, head_dim: int) -> bool:
 
 
 def checked_scale(method: QuantMethod, info: Stored, reader: Any) -> Lazy:
-    """The scale tensor ``info``, its values checked whenever it is read or copied."""
+    """The scale tensor ``info``, its values checked whenever it is read or copied: by
+    ``raw()`` without torch where the method checks arrays and the bytes lie in the source."""
     where = f"{method.where.parent / info.file}: {info.name}"
 
     def get() -> torch.Tensor:
@@ -245,12 +248,20 @@ def checked_scale(method: QuantMethod, info: Stored, reader: Any) -> Lazy:
         method.check_scale_values(t, where)
         return t
 
+    def raw() -> bytes:
+        found = reader.spans(info.name) if method.checks_arrays else None
+        if found is None:
+            return bytes(tensor_bytes(get()))
+        data = read_spans(found)
+        method.check_scale_array(float_bits.as_float32(data, info.dtype, tuple(info.shape)), info.dtype, where)
+        return data
+
     def spans() -> list[Span] | None:
-        get()  # a scale is small: checked before its bytes are copied
+        raw()  # a scale is small: checked before its bytes are copied
         found: list[Span] | None = reader.spans(info.name)
         return found
 
-    return Lazy(info.shape, info.dtype, get, info.file, spans)
+    return Lazy(info.shape, info.dtype, get, info.file, spans, raw=raw)
 
 
 def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> dict[str, Lazy]:
@@ -265,8 +276,8 @@ def dequantized(tensors: dict[str, Lazy], quant: Quantization, dtype: str) -> di
         def get(w: Lazy = w, name: str = name) -> torch.Tensor:
             return quant.method.loaded(w.get(), quant.scale(name), to_torch(dtype))
 
-        def pieces(w: Lazy = w, name: str = name) -> Iterator[torch.Tensor]:
-            return quant.method.loaded_pieces(w, quant.scale(name), to_torch(dtype))
+        def pieces(lead: int, w: Lazy = w, name: str = name) -> Iterator[torch.Tensor | memoryview]:
+            return quant.method.loaded_pieces(w, quant.scales[name], dtype, lead)
 
         new, shape = quant.method.dequantized_as(name, w.shape)
         out[new] = Lazy(shape, dtype, get, w.file, pieces=pieces)

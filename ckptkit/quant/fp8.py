@@ -19,12 +19,13 @@ from ckptkit.quant import scaled
 from ckptkit.quant.method import (
     QuantMethod,
     Stored,
-    check_e8m0_codes,
     check_finite_nonnegative,
+    e8m0_nans,
     register_method,
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ckptkit.tensors.lazy import Lazy
@@ -94,16 +95,16 @@ class BlockFP8(QuantMethod):
                 f"are {' or '.join(allowed)}"
             )
 
-    def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
-        import torch
+    def check_scale_array(self, values: np.ndarray, stored: str, name: str) -> None:
+        import numpy as np
 
-        if scale.dtype == torch.float8_e8m0fnu:
-            check_e8m0_codes(scale.view(torch.uint8), name)
+        if stored == "float8_e8m0fnu":  # 0xFF is the one code read as NaN
+            e8m0_nans(int(np.isnan(values).sum()), name)
             return
-        check_finite_nonnegative(scale, name, "block-FP8 scale tensor")
+        check_finite_nonnegative(values, name, "block-FP8 scale tensor")
         if self.scale_fmt == "ue8m0":
-            mantissa, _ = torch.frexp(scale[scale != 0])
-            if bool((mantissa != 0.5).any()):
+            mantissa, _ = np.frexp(values[values != 0])
+            if (mantissa != 0.5).any():
                 raise CkptkitError(
                     f"{name}: scales that are not powers of two, but quantization_config says scale_fmt 'ue8m0'"
                 )
@@ -114,8 +115,8 @@ class BlockFP8(QuantMethod):
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self.block, dtype)
 
-    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        return scaled.dequantized_pieces(weight, scale, self.block, dtype)
+    def loaded_pieces(self, weight: Lazy, scales: tuple[Lazy, ...], dtype: str, lead: int = 0) -> Iterator[memoryview]:
+        return scaled.dequantized_pieces(weight, scaled.scale_values(scales), self.block, dtype, lead)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         import torch

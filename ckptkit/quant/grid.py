@@ -22,6 +22,7 @@ from ckptkit.quant import scaled
 from ckptkit.quant.method import QuantMethod, Stored, check_finite_nonnegative
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ckptkit.tensors.lazy import Lazy
@@ -98,25 +99,28 @@ class GridScaled(QuantMethod):
                 f"{list(old)} and {list(block)} blocks; ckptkit cannot tell them apart"
             )
 
-    def _block(self, weight: torch.Tensor | Lazy, scale: torch.Tensor) -> tuple[int, int]:
+    def _block(self, weight: torch.Tensor | Lazy, scale: torch.Tensor | np.ndarray) -> tuple[int, int]:
         grids: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int]] = self.__dict__.get("_grids", {})
         block = grids.get((tuple(weight.shape), tuple(scale.shape)))
         if block is None:  # a weight not checked on read (quantized in memory): per tensor or per block of the grid
             rows, cols = weight.shape
-            sr, sc = (1, 1) if scale.dim() < 2 else scale.shape
+            sr, sc = (1, 1) if len(scale.shape) < 2 else scale.shape
             block = (math.ceil(rows / sr), math.ceil(cols / sc))
         return block
 
-    def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
-        check_finite_nonnegative(scale, name, f"{self.name} weight scale")
+    def check_scale_array(self, values: np.ndarray, stored: str, name: str) -> None:
+        check_finite_nonnegative(values, name, f"{self.name} weight scale")
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scaled.dequantize(weight, scale, self._block(weight, scale), dtype)
 
-    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    def loaded_pieces(
+        self, weight: Lazy, scales: tuple[Lazy, ...], dtype: str, lead: int = 0
+    ) -> Iterator[torch.Tensor | memoryview]:
         if type(self).dequantize is not GridScaled.dequantize or type(self).loaded is not QuantMethod.loaded:
-            return super().loaded_pieces(weight, scale, dtype)  # a subclass's own arithmetic or layout
-        return scaled.dequantized_pieces(weight, scale, self._block(weight, scale), dtype)
+            return super().loaded_pieces(weight, scales, dtype, lead)  # a subclass's own arithmetic or layout
+        scale = scaled.scale_values(scales)
+        return scaled.dequantized_pieces(weight, scale, self._block(weight, scale), dtype, lead)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         import torch

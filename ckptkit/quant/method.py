@@ -16,6 +16,7 @@ from ckptkit.errors import CkptkitError
 if TYPE_CHECKING:
     from pathlib import Path
 
+    import numpy as np
     import torch
 
     from ckptkit.tensors.lazy import Lazy
@@ -107,8 +108,28 @@ class QuantMethod:
         raise NotImplementedError
 
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
-        """A one-line error naming ``name`` for a scale no dequantization may use (NaN, inf)."""
+        """A one-line error naming ``name`` for a scale no dequantization may use (NaN, inf);
+        by default :meth:`check_scale_array` of its values."""
+        import torch
+
+        from ckptkit.tensors.dtypes import dtype_name
+
+        self.check_scale_array(scale.to(torch.float32).numpy(), dtype_name(scale.dtype), name)
+
+    def check_scale_array(self, values: np.ndarray, stored: str, name: str) -> None:
+        """:meth:`check_scale_values` of a scale stored as ``stored``, given as float32 values
+        (:func:`ckptkit.tensors.float_bits.as_float32`)."""
         raise NotImplementedError
+
+    @property
+    def checks_arrays(self) -> bool:
+        """Whether :meth:`check_scale_array` is the whole check of a scale (no torch needed):
+        the method gives it and checks nothing more."""
+        cls = type(self)
+        return (
+            cls.check_scale_values is QuantMethod.check_scale_values
+            and cls.check_scale_array is not QuantMethod.check_scale_array
+        )
 
     def settle(self, pairs: Mapping[str, tuple[Stored, ...]], read: Callable[[str], torch.Tensor]) -> None:
         """Settle what the stored shapes leave open from the values of the weights' small
@@ -137,11 +158,21 @@ class QuantMethod:
         """The dequantized weight as the model holds it (:meth:`dequantize`'s by default)."""
         return self.dequantize(weight, scale, dtype)
 
-    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        """:meth:`loaded`'s result flat, in order, a piece at a time, each valid until the one
-        after the next is asked for (written while the next is made), of the stored ``weight``
-        (read whole, or a piece at a time where the method can); by default one piece."""
-        yield self.loaded(weight.get(), scale, dtype).reshape(-1)
+    def loaded_pieces(
+        self, weight: Lazy, scales: tuple[Lazy, ...], dtype: str, lead: int = 0
+    ) -> Iterator[torch.Tensor | memoryview]:
+        """:meth:`loaded`'s result in ``dtype`` flat, in order, a piece at a time (a tensor,
+        or its bytes), each valid until the one after the next is asked for (written while
+        the next is made), of the stored ``weight`` with its ``scales`` (:meth:`scale_names`
+        order; read whole, or a piece at a time where the method can); by default one piece.
+        ``lead``: where in a page the output's first byte goes (:attr:`Lazy.pieces`)."""
+        from ckptkit.tensors.dtypes import to_torch
+
+        yield self.loaded(weight.get(), self.scale_of(scales), to_torch(dtype)).reshape(-1)
+
+    def scale_of(self, scales: tuple[Lazy, ...]) -> torch.Tensor:
+        """:meth:`combined` of the stored ``scales``, read."""
+        return self.combined(tuple(s.get() for s in scales))
 
     def unloaded(self, values: torch.Tensor) -> torch.Tensor:
         """:meth:`loaded`'s layout back to :meth:`dequantize`'s (the same by default)."""
@@ -166,22 +197,26 @@ METHODS: dict[str, type[QuantMethod]] = {}
 E8M0_NAN = 0xFF  # the one NaN code of float8 e8m0 (no inf, no sign)
 
 
-def check_e8m0_codes(codes: torch.Tensor, name: str) -> None:
+def check_e8m0_codes(codes: np.ndarray, name: str) -> None:
     """A one-line error naming ``name`` when the e8m0 scale bytes ``codes`` (uint8) hold NaN codes."""
-    bad = int((codes.reshape(-1) == E8M0_NAN).sum())
-    if bad:
-        raise CkptkitError(f"{name}: {bad} scale(s) are the e8m0 NaN code 0xFF; the checkpoint is corrupt")
+    e8m0_nans(int((codes == E8M0_NAN).sum()), name)
 
 
-def check_finite_nonnegative(scale: torch.Tensor, name: str, what: str) -> None:
-    """A one-line error naming ``name`` when a float ``scale`` holds NaN, inf or negative values
+def e8m0_nans(count: int, name: str) -> None:
+    """A one-line error naming ``name`` when ``count`` e8m0 scales are NaN (the code 0xFF)."""
+    if count:
+        raise CkptkitError(f"{name}: {count} scale(s) are the e8m0 NaN code 0xFF; the checkpoint is corrupt")
+
+
+def check_finite_nonnegative(values: np.ndarray, name: str, what: str) -> None:
+    """A one-line error naming ``name`` when float ``values`` hold NaN, inf or negative values
     (``what``: the kind of tensor it should be)."""
-    import torch
+    import numpy as np
 
-    finite = torch.isfinite(scale)
-    if not bool(finite.all()):
+    finite = np.isfinite(values)
+    if not finite.all():
         raise CkptkitError(f"{name}: {int((~finite).sum())} scale(s) are NaN or infinite; the checkpoint is corrupt")
-    if bool((scale < 0).any()):
+    if (values < 0).any():
         raise CkptkitError(f"{name}: negative scales; not a {what}")
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.quant.method import QuantMethod, Stored, check_e8m0_codes, register_method
+from ckptkit.tensors.dtypes import to_torch
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +100,7 @@ class MXFP4(QuantMethod):
             )
 
     def check_scale_values(self, scale: torch.Tensor, name: str) -> None:
-        check_e8m0_codes(scale, name)
+        check_e8m0_codes(scale.numpy(), name)
 
     def block_rows(self) -> int:
         return 1
@@ -121,13 +122,15 @@ class MXFP4(QuantMethod):
         """As transformers' ``Mxfp4Config(dequantize=True)`` loader holds it: [E, cols, rows]."""
         return self.dequantize(weight, scale, dtype).transpose(-1, -2).contiguous()
 
-    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    def loaded_pieces(
+        self, weight: Lazy, scales: tuple[Lazy, ...], dtype: str, lead: int = 0
+    ) -> Iterator[torch.Tensor]:
         """:meth:`loaded` one expert at a time (its columns are the result's rows: an expert
         is the least that makes whole rows), never every expert's result at once."""
-        codes = weight.get()
-        experts, scales = codes.reshape(-1, *codes.shape[-3:]), scale.reshape(-1, *scale.shape[-2:])
+        codes, scale = weight.get(), self.scale_of(scales)
+        experts, each = codes.reshape(-1, *codes.shape[-3:]), scale.reshape(-1, *scale.shape[-2:])
         for e in range(experts.shape[0]):
-            yield self.loaded(experts[e], scales[e], dtype).reshape(-1)
+            yield self.loaded(experts[e], each[e], to_torch(dtype)).reshape(-1)
 
     def unloaded(self, values: torch.Tensor) -> torch.Tensor:
         return values.transpose(-1, -2)

@@ -21,6 +21,7 @@ from ckptkit.quant.method import Stored
 from ckptkit.quant.modelopt import ModelOptFP8, fields
 from ckptkit.quant.mxfp4 import e2m1_packed, e2m1_values
 from ckptkit.quant.scaled import CHUNK_ELEMENTS
+from ckptkit.tensors.dtypes import to_torch
 
 if TYPE_CHECKING:
     import torch
@@ -108,13 +109,15 @@ class ModelOptNVFP4(ModelOptFP8):
             out[r : r + step] = part.mul_(scale[r : r + step].unsqueeze(-1)).reshape(-1, cols).to(dtype)
         return out
 
-    def loaded_pieces(self, weight: Lazy, scale: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    def loaded_pieces(
+        self, weight: Lazy, scales: tuple[Lazy, ...], dtype: str, lead: int = 0
+    ) -> Iterator[torch.Tensor]:
         """:meth:`dequantize` a few MiB of rows at a time, never the whole result at once."""
-        codes = weight.get()
+        scale, codes, dtype_ = self.scale_of(scales), weight.get(), to_torch(dtype)
         rows, cols = codes.shape[0], codes.shape[1] * 2
         step = self._rows(rows, cols).step
         for r in self._rows(rows, cols):
-            yield self.dequantize(codes[r : r + step], scale[r : r + step], dtype).reshape(-1)
+            yield self.dequantize(codes[r : r + step], scale[r : r + step], dtype_).reshape(-1)
 
     def requantize(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The packed codes whose :meth:`dequantize` with ``scale`` is ``values``: each value

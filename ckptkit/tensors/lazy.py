@@ -33,9 +33,11 @@ class Lazy:
     composed before any span is made, not one span per row; None when its bytes do not
     lie in the source as stored (as ``spans()`` would say). Unset: ask ``spans()``.
     ``raw``, where set, returns those bytes from memory without torch (generated or
-    recorded tensors). ``pieces``, where set, returns ``get()``'s result flat, in order, a
-    piece at a time, each valid until the one after the next is asked for (a dequantized
-    weight: written while the next piece is made, never held whole).
+    recorded tensors). ``pieces(lead)``, where set, returns ``get()``'s result flat, in
+    order, a piece at a time (a tensor, or its bytes), each valid until the one after the
+    next is asked for (a dequantized weight: written while the next piece is made, never
+    held whole); ``lead``: where in a page of the output file the first byte goes (pieces
+    made in memory may be placed to match, for a direct write).
     """
 
     shape: tuple[int, ...]
@@ -45,7 +47,7 @@ class Lazy:
     spans: Callable[[], list[Span] | None] = no_spans
     raw: Callable[[], bytes] | None = None
     rows: Callable[[Rows], list[Span] | None] | None = None
-    pieces: Callable[[], Iterator[torch.Tensor]] | None = None
+    pieces: Callable[[int], Iterator[torch.Tensor | memoryview]] | None = None
 
     @property
     def nbytes(self) -> int:

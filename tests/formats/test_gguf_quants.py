@@ -452,7 +452,7 @@ def test_a_gguf_written_past_the_page_cache_is_the_same_file(
     staging, write_direct = directio.staging, directio._write_direct
     monkeypatch.setattr(directio, "staging", lambda: staged.append(1) or staging())
     monkeypatch.setattr(directio, "_write_direct", lambda *a: went_direct.append(1) or write_direct(*a))
-    monkeypatch.setattr(writing, "direct_pays", lambda nbytes: True)
+    monkeypatch.setattr(writing, "direct_pays", lambda nbytes, made=0: True)
     convert(src, tmp_path / "direct.gguf", ConvertOptions("gguf", dtype=dtype))
     assert (tmp_path / "direct.gguf").read_bytes() == (tmp_path / "cached.gguf").read_bytes()
     assert went_direct and (staged if dtype == "float32" else not staged)  # widened: new arrays, staged

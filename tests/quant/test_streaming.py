@@ -88,3 +88,50 @@ def test_dequantizing_holds_one_tensor_not_the_model(to: str, dtype: str, source
     # bf16 and 118 MiB in float32 (a dequantizer keeping its outputs grew by 108 MiB)
     # Q4_K_M: measured 30.2 MiB (the float32 tensor, the encoders' chunks on 2 threads, the blocks)
     assert grown < (10 if dtype == "Q4_K_M" else 6) * LARGEST * 4  # a few copies of one tensor, not the model
+
+
+@pytest.mark.parametrize("made_direct", [1 << 20, None])  # past a lowered threshold; the default (256 MiB)
+def test_a_dequantizing_write_goes_direct_from_where_its_pieces_lie(
+    made_direct: int | None, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past :data:`MADE_DIRECT` bytes of dequantized weights, ``auto`` writes the output
+    direct, each piece's whole pages from the buffer it was made in (placed in memory as its
+    pages lie in the file: no staging copy); under it (this 59 MiB model by default) buffered.
+    The bytes are the same either way."""
+    from ckptkit.convert import ConvertOptions, convert
+    from ckptkit.io import direct as directio
+
+    monkeypatch.setattr(directio, "dirty_limit", lambda: None)  # the output's size alone never decides
+    opts = ConvertOptions("hf", dtype="bfloat16")
+    convert(source, tmp_path / "buffered", opts)
+    if made_direct is not None:
+        monkeypatch.setattr(directio, "MADE_DIRECT", made_direct)
+    in_place, staged = [], []
+    write_direct = directio._write_direct
+
+    def spy(direct: directio.DirectFd, data: memoryview, offset: int) -> int:
+        (staged if data.obj is directio.staging().obj else in_place).append(len(data))
+        return write_direct(direct, data, offset)
+
+    monkeypatch.setattr(directio, "_write_direct", spy)
+    convert(source, tmp_path / "out", opts)
+    for f in (tmp_path / "buffered").iterdir():
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    dequantized = 2 * LAYERS * (2 * HIDDEN * HIDDEN + 2 * 128 * HIDDEN + 3 * INTER * HIDDEN)  # bf16 bytes
+    if made_direct is None:
+        assert not in_place and not staged
+    else:  # all but the partial pages at each tensor's ends; the bf16 embeddings are copies (read into place)
+        assert sum(in_place) > 0.99 * dequantized, (sum(in_place), dequantized)
+
+
+def test_a_dequantizing_write_never_imports_torch(source: Path, tmp_path: Path) -> None:
+    """FP8 weights and their float32 scales read from the source, dequantized and written
+    without torch (its import alone costs more CPU than dequantizing an 8B layer)."""
+    code = (
+        "import sys; from pathlib import Path; from ckptkit.convert import ConvertOptions, convert; "
+        f"convert(Path({str(source)!r}), Path({str(tmp_path / 'out')!r}), ConvertOptions('hf', dtype='bfloat16')); "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "False"

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
-from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
+from ckptkit.formats.gguf.rows import SAME, ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import (
     GGUFTensor,
     hf_hparams,
@@ -40,8 +41,9 @@ from ckptkit.formats.gguf.tensors import (
 )
 from ckptkit.formats.gguf.vocab import ASKED, PRE_NAMES, RECORDED, add_vocab, no_tokenizer
 from ckptkit.formats.registry import transformers_format
-from ckptkit.formats.writers import FileWriter, Job
+from ckptkit.formats.writers import FileWriter, Job, Pieces
 from ckptkit.io import ALIGN, DEPTH, OutputFile, SpanReader, copy_file, is_dir
+from ckptkit.tensors.dtypes import tensor_bytes
 
 if TYPE_CHECKING:
     import gguf
@@ -249,7 +251,10 @@ def gguf_plan(fmt: str, w: gguf.GGUFWriter, tensors: list[GGUFTensor], file_name
     """The plan of one GGUF file (format ``fmt``): header ``w`` and ``tensors`` in file order."""
     from ckptkit.tensors.lazy import Lazy
 
-    targets = {t.name: Lazy(t.shape, t.source.dtype if t.source is not None else "float32", t.make) for t in tensors}
+    targets = {
+        t.name: Lazy(t.shape, t.source.dtype if t.source is not None else "float32", t.make, pieces=streamed(t))
+        for t in tensors
+    }
     files = [FilePlan(file_name, list(targets))]
     return GGUFPlan(fmt, targets, files, header=w, tensors={t.name: t for t in tensors}, checked=checked)
 
@@ -276,6 +281,26 @@ class HeldBuffers(ChunkBuffers):
 
     def release(self, turn: int) -> None:
         self._free[turn].set()
+
+
+def streamed(t: GGUFTensor) -> Pieces | None:
+    """The pieces ``t``'s GGML bytes are, as they are made (a dequantized weight written in
+    its own dtype: BF16's NaNs already quiet, as the ``gguf`` package's rounding leaves them),
+    or None: ``t`` is made otherwise (moved rows, another type, imatrix weights)."""
+    import gguf
+
+    source = t.source
+    if source is None or source.pieces is None or t.heads is not None or t.moved is not None or t.weights is not None:
+        return None
+    return source.pieces if SAME.get(source.dtype) == gguf.GGMLQuantizationType(t.qtype).name else None
+
+
+def _write_then_set(out: OutputFile, chunk: bytes | memoryview, offset: int, written: threading.Event) -> None:
+    """Write ``chunk`` at ``offset``, then say so (also when the write fails)."""
+    try:
+        out.write(chunk, offset)
+    finally:
+        written.set()
 
 
 def _write_then_release(
@@ -341,6 +366,9 @@ class GGUFFileWriter(FileWriter):
     def _chunk_jobs(self, name: str) -> Iterator[tuple[Job, int]]:
         t = self._tensors[name]
         offset, nbytes = self._places[name]
+        if (pieces := streamed(t)) is not None:
+            yield from self._piece_jobs(name, pieces, offset, nbytes)
+            return
         written = 0
         self._buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
         made = self._buffers.made
@@ -351,6 +379,30 @@ class GGUFFileWriter(FileWriter):
             yield functools.partial(_write_then_release, self._out, chunk, offset + written, self._buffers, turn), n
             written += n
             self._buffers.lead = (offset + written) % ALIGN
+        if written != nbytes:
+            raise RuntimeError(f"{name}: wrote {written} bytes, planned {nbytes}")
+        self._done(name, None)
+
+    def _piece_jobs(self, name: str, pieces: Pieces, offset: int, nbytes: int) -> Iterator[tuple[Job, int]]:
+        """The writes of a tensor made a piece at a time (:func:`streamed`), each piece asked
+        for once the one two before it is written (it is valid until then)."""
+        written = 0
+        held: deque[threading.Event] = deque()
+        made = pieces(offset % ALIGN)
+        while True:
+            if len(held) == 2:
+                held.popleft().wait()
+            piece = next(made, None)
+            if piece is None:
+                break
+            data = piece if isinstance(piece, memoryview) else tensor_bytes(piece)
+            n = data.nbytes
+            if written + n > nbytes:
+                raise RuntimeError(f"{name}: more than the {nbytes} bytes planned")
+            done = threading.Event()
+            yield functools.partial(_write_then_set, self._out, data, offset + written, done), n
+            held.append(done)
+            written += n
         if written != nbytes:
             raise RuntimeError(f"{name}: wrote {written} bytes, planned {nbytes}")
         self._done(name, None)
