@@ -14,6 +14,7 @@ from pathlib import Path
 from ckptkit.formats import CheckpointFormat
 from ckptkit.formats.writers import Job, TensorWriter
 from ckptkit.io import AUTO, Overlap, direct_pays, publishing, publishing_file, total_bytes
+from ckptkit.io.transfer import STREAM
 from ckptkit.plan import FilePlan, Plan, target_format
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import dtype_name
@@ -47,7 +48,8 @@ def write_plan(
             where.setdefault(k, []).append(f)
     total = sum(plan.nbytes(k) for k in where)
     made = sum(plan.nbytes(k) for k in where if plan.targets[k].pieces is not None)
-    direct = direct_pays(total, made)  # auto: whole pages past the page cache (a big output, dequantized weights)
+    # auto: whole pages past the page cache (a big output, dequantized weights); stream: never
+    direct = copy_method != STREAM and direct_pays(total, made)
     fmt = target_format(plan.format)
     writers: dict[str, TensorWriter] = {}
     try:

@@ -7,6 +7,7 @@ llama.cpp's converter in ``test_gguf.py``, is the reference for Q/K-permuted row
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -213,7 +214,7 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
 
     from ckptkit.formats.gguf import writer
 
-    real = writer._write_then_release
+    real = writer.write_then_release
 
     def late(*args: object) -> None:
         time.sleep(0.002)  # the main thread makes the next chunks meanwhile
@@ -226,10 +227,51 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
             convert(src, tmp_path / f"{name}-torch.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         with monkeypatch.context() as m:
             m.setattr(rows, "CHUNK_BYTES", 512)  # several chunks a tensor
-            m.setattr(writer, "_write_then_release", late)
+            m.setattr(writer, "write_then_release", late)
             m.setattr(writer, "DEPTH", in_flight)  # chunk buffer sets: writes in flight + 1
             convert(src, tmp_path / f"{name}-late.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         assert (tmp_path / f"{name}-late.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("in_flight", [1, 4])
+def test_dequantized_pieces_written_by_a_lagging_worker_are_the_whole_tensors_bytes(
+    in_flight: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An FP8 source's weights go to a BF16 GGUF a dequantized piece at a time, Q/K rows
+    permuted by whole heads (pieces of 3 rows end inside the fixture's heads of 10: carried
+    over), each piece kept until its write is done however late it comes: the bytes of
+    dequantizing each tensor whole (the path test_gguf_fp8 checks against llama.cpp)."""
+    import time
+
+    from ckptkit.formats.gguf import in_flight as flight
+    from ckptkit.formats.gguf import writer
+    from ckptkit.quant import scaled
+
+    src = FIXTURES / "fp8" / "llama-overhang"
+    opts = ConvertOptions("gguf", dtype="bfloat16", gguf_pre="llama-bpe")
+    with monkeypatch.context() as m:
+        m.setattr(writer, "streamed", lambda t: None)  # each tensor dequantized whole
+        convert(src, tmp_path / "whole.gguf", opts)
+    streamed = []
+    late_set, late_release = flight.write_then_set, flight.write_then_release
+
+    def lagging(real: Callable[..., None]) -> Callable[..., None]:
+        def late(*args: object) -> None:
+            time.sleep(0.002)  # the main thread makes the next pieces meanwhile
+            real(*args)
+
+        return late
+
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 40)  # a row of the fixture's 40 columns
+    monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 120)  # 3 rows
+    monkeypatch.setattr(scaled, "ALIGN", 2)  # each piece where the one two before it lay (not placed by page)
+    monkeypatch.setattr(flight, "write_then_set", lagging(late_set))
+    monkeypatch.setattr(flight, "write_then_release", lagging(late_release))
+    monkeypatch.setattr(writer, "DEPTH", in_flight)
+    monkeypatch.setattr(writer, "piece_jobs", lambda *a: streamed.append(a[1].name) or flight.piece_jobs(*a))
+    convert(src, tmp_path / "pieces.gguf", opts)
+    assert {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.1.ffn_down.weight"} <= set(streamed), streamed
+    assert (tmp_path / "pieces.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
 
 
 @pytest.mark.parametrize("name", ["llama2", "llama3-2rank"])

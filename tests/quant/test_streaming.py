@@ -90,14 +90,16 @@ def test_dequantizing_holds_one_tensor_not_the_model(to: str, dtype: str, source
     assert grown < (10 if dtype == "Q4_K_M" else 6) * LARGEST * 4  # a few copies of one tensor, not the model
 
 
-@pytest.mark.parametrize("made_direct", [1 << 20, None])  # past a lowered threshold; the default (256 MiB)
+@pytest.mark.parametrize(
+    ("made_direct", "method"), [(1 << 20, "auto"), (None, "auto"), (1 << 20, "stream")]
+)  # past a lowered threshold; the default (256 MiB); --copy-method stream
 def test_a_dequantizing_write_goes_direct_from_where_its_pieces_lie(
-    made_direct: int | None, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    made_direct: int | None, method: str, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past :data:`MADE_DIRECT` bytes of dequantized weights, ``auto`` writes the output
     direct, each piece's whole pages from the buffer it was made in (placed in memory as its
-    pages lie in the file: no staging copy); under it (this 59 MiB model by default) buffered.
-    The bytes are the same either way."""
+    pages lie in the file: no staging copy); under it (this 59 MiB model by default), or
+    with ``--copy-method stream``, buffered. The bytes are the same either way."""
     from ckptkit.convert import ConvertOptions, convert
     from ckptkit.io import direct as directio
 
@@ -114,11 +116,11 @@ def test_a_dequantizing_write_goes_direct_from_where_its_pieces_lie(
         return write_direct(direct, data, offset)
 
     monkeypatch.setattr(directio, "_write_direct", spy)
-    convert(source, tmp_path / "out", opts)
+    convert(source, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16", copy_method=method))
     for f in (tmp_path / "buffered").iterdir():
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
     dequantized = 2 * LAYERS * (2 * HIDDEN * HIDDEN + 2 * 128 * HIDDEN + 3 * INTER * HIDDEN)  # bf16 bytes
-    if made_direct is None:
+    if made_direct is None or method == "stream":
         assert not in_place and not staged
     else:  # all but the partial pages at each tensor's ends; the bf16 embeddings are copies (read into place)
         assert sum(in_place) > 0.99 * dequantized, (sum(in_place), dequantized)
@@ -135,3 +137,30 @@ def test_a_dequantizing_write_never_imports_torch(source: Path, tmp_path: Path) 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "False"
+
+
+def test_pieces_written_by_a_lagging_worker_keep_their_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece's buffer is made into again (two pieces later) only once its write is done,
+    however late the write comes: the same files as dequantizing each tensor whole."""
+    import time
+
+    from ckptkit.convert import ConvertOptions, convert
+    from ckptkit.io import OutputFile
+    from ckptkit.quant import scaled
+
+    src = FIXTURES / "fp8" / "llama-overhang"
+    opts = ConvertOptions("hf", dtype="bfloat16")
+    convert(src, tmp_path / "whole", opts)
+    monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 40)  # a row of the fixture's 40 columns
+    monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 120)  # 3 rows
+    monkeypatch.setattr(scaled, "ALIGN", 2)  # each piece where the one two before it lay (not placed by page)
+    write = OutputFile.write
+
+    def late(self: OutputFile, *args: object, **kwargs: object) -> None:
+        time.sleep(0.002)  # the main thread makes the next pieces meanwhile
+        write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OutputFile, "write", late)
+    convert(src, tmp_path / "pieces", opts)
+    for f in (tmp_path / "whole").iterdir():
+        assert (tmp_path / "pieces" / f.name).read_bytes() == f.read_bytes(), f.name

@@ -13,8 +13,6 @@ import functools
 import json
 import os
 import tempfile
-import threading
-from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,12 +23,13 @@ from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json_shared
 from ckptkit.formats.gguf.hybrid import hybrid_hparams
 from ckptkit.formats.gguf.imatrix import load_imatrix
+from ckptkit.formats.gguf.in_flight import HeldBuffers, piece_jobs, streamed, write_then_release
 from ckptkit.formats.gguf.mix import keep_types, kept_dtype, quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
 from ckptkit.formats.gguf.quants import quantized_chunks
 from ckptkit.formats.gguf.reader import PLAIN
-from ckptkit.formats.gguf.rows import SAME, ChunkBuffers, row_chunks
+from ckptkit.formats.gguf.rows import ChunkBuffers, row_chunks
 from ckptkit.formats.gguf.tensors import (
     GGUFTensor,
     hf_hparams,
@@ -41,9 +40,8 @@ from ckptkit.formats.gguf.tensors import (
 )
 from ckptkit.formats.gguf.vocab import ASKED, PRE_NAMES, RECORDED, add_vocab, no_tokenizer
 from ckptkit.formats.registry import transformers_format
-from ckptkit.formats.writers import FileWriter, Job, Pieces
-from ckptkit.io import ALIGN, DEPTH, OutputFile, SpanReader, copy_file, is_dir
-from ckptkit.tensors.dtypes import tensor_bytes
+from ckptkit.formats.writers import FileWriter, Job
+from ckptkit.io import ALIGN, DEPTH, SpanReader, copy_file, is_dir
 
 if TYPE_CHECKING:
     import gguf
@@ -259,61 +257,6 @@ def gguf_plan(fmt: str, w: gguf.GGUFWriter, tensors: list[GGUFTensor], file_name
     return GGUFPlan(fmt, targets, files, header=w, tensors={t.name: t for t in tensors}, checked=checked)
 
 
-class HeldBuffers(ChunkBuffers):
-    """:class:`ChunkBuffers` whose sets are handed out again only once the write of the chunk
-    made in them is done (:meth:`release`): the engine's workers may finish writes out of
-    order, so the oldest chunk in flight is not always the one whose set comes round next."""
-
-    def __init__(self, sets: int) -> None:
-        super().__init__(sets)
-        self._free = [threading.Event() for _ in range(max(1, sets))]
-        for e in self._free:
-            e.set()
-        self.made = 0  # chunks made in a set so far
-        self.turn = -1  # the set the last of them was made in
-
-    def next_set(self) -> int:
-        turn = super().next_set()
-        self._free[turn].wait()  # its chunk's write is done (a worker runs it whatever this thread does)
-        self._free[turn].clear()
-        self.made, self.turn = self.made + 1, turn
-        return turn
-
-    def release(self, turn: int) -> None:
-        self._free[turn].set()
-
-
-def streamed(t: GGUFTensor) -> Pieces | None:
-    """The pieces ``t``'s GGML bytes are, as they are made (a dequantized weight written in
-    its own dtype: BF16's NaNs already quiet, as the ``gguf`` package's rounding leaves them),
-    or None: ``t`` is made otherwise (moved rows, another type, imatrix weights)."""
-    import gguf
-
-    source = t.source
-    if source is None or source.pieces is None or t.heads is not None or t.moved is not None or t.weights is not None:
-        return None
-    return source.pieces if SAME.get(source.dtype) == gguf.GGMLQuantizationType(t.qtype).name else None
-
-
-def _write_then_set(out: OutputFile, chunk: bytes | memoryview, offset: int, written: threading.Event) -> None:
-    """Write ``chunk`` at ``offset``, then say so (also when the write fails)."""
-    try:
-        out.write(chunk, offset)
-    finally:
-        written.set()
-
-
-def _write_then_release(
-    out: OutputFile, chunk: bytes | memoryview, offset: int, buffers: HeldBuffers, turn: int
-) -> None:
-    """Write ``chunk`` at ``offset``, then hand its buffer set (``turn``; -1: none) back."""
-    try:
-        out.write(chunk, offset)
-    finally:
-        if turn >= 0:
-            buffers.release(turn)
-
-
 class GGUFFileWriter(FileWriter):
     """One GGUF file: header, key/values and tensor infos written when it is made, then each
     tensor's bytes at its aligned offset, made a chunk at a time (:meth:`chunks`)."""
@@ -367,7 +310,8 @@ class GGUFFileWriter(FileWriter):
         t = self._tensors[name]
         offset, nbytes = self._places[name]
         if (pieces := streamed(t)) is not None:
-            yield from self._piece_jobs(name, pieces, offset, nbytes)
+            yield from piece_jobs(self._out, t, pieces, offset, nbytes, self._buffers)
+            self._done(name, None)
             return
         written = 0
         self._buffers.lead = offset % ALIGN  # each chunk made where its pages can go direct
@@ -376,33 +320,9 @@ class GGUFFileWriter(FileWriter):
             n = memoryview(chunk).nbytes
             turn = self._buffers.turn if self._buffers.made != made else -1  # -1: not made in a set
             made = self._buffers.made
-            yield functools.partial(_write_then_release, self._out, chunk, offset + written, self._buffers, turn), n
+            yield functools.partial(write_then_release, self._out, chunk, offset + written, self._buffers, turn), n
             written += n
             self._buffers.lead = (offset + written) % ALIGN
-        if written != nbytes:
-            raise RuntimeError(f"{name}: wrote {written} bytes, planned {nbytes}")
-        self._done(name, None)
-
-    def _piece_jobs(self, name: str, pieces: Pieces, offset: int, nbytes: int) -> Iterator[tuple[Job, int]]:
-        """The writes of a tensor made a piece at a time (:func:`streamed`), each piece asked
-        for once the one two before it is written (it is valid until then)."""
-        written = 0
-        held: deque[threading.Event] = deque()
-        made = pieces(offset % ALIGN)
-        while True:
-            if len(held) == 2:
-                held.popleft().wait()
-            piece = next(made, None)
-            if piece is None:
-                break
-            data = piece if isinstance(piece, memoryview) else tensor_bytes(piece)
-            n = data.nbytes
-            if written + n > nbytes:
-                raise RuntimeError(f"{name}: more than the {nbytes} bytes planned")
-            done = threading.Event()
-            yield functools.partial(_write_then_set, self._out, data, offset + written, done), n
-            held.append(done)
-            written += n
         if written != nbytes:
             raise RuntimeError(f"{name}: wrote {written} bytes, planned {nbytes}")
         self._done(name, None)
