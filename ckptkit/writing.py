@@ -13,8 +13,7 @@ from pathlib import Path
 
 from ckptkit.formats import CheckpointFormat
 from ckptkit.formats.writers import Job, TensorWriter
-from ckptkit.io import AUTO, Overlap, direct_pays, publishing, publishing_file, total_bytes
-from ckptkit.io.transfer import STREAM
+from ckptkit.io import AUTO, STREAM, Overlap, direct_pays, publishing, publishing_file, total_bytes
 from ckptkit.plan import FilePlan, Plan, target_format
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import dtype_name
