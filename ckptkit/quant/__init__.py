@@ -252,7 +252,10 @@ def checked_scale(method: QuantMethod, info: Stored, reader: Any) -> Lazy:
         found = reader.spans(info.name) if method.checks_arrays else None
         if found is None:
             return bytes(tensor_bytes(get()))
-        data = read_spans(found)
+        try:
+            data = read_spans(found)
+        except EOFError:
+            raise CkptkitError(f"{where}: changed while it was read (shorter than its size)") from None
         method.check_scale_array(float_bits.as_float32(data, info.dtype, tuple(info.shape)), info.dtype, where)
         return data
 

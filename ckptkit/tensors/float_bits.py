@@ -3,14 +3,16 @@ dtype, small stored tensors (scales) widened to float32, and float32 rounded to
 nearest-even into bfloat16 or float16 bits, each bit for bit what torch's CPU kernels give
 (``tests/tensors/test_float_bits.py`` compares every code and the edge cases).
 
-NaN outputs are the one place where torch's kernels differ between CPUs: on x86-64 its
-vectorized float32 -> bfloat16 cast writes every NaN as ``0xFFFF`` (its scalar path would
-write ``0x7FC0``). :data:`LIKE_TORCH` says where these conversions are known to match torch;
-elsewhere callers that must equal torch's bytes ask torch itself.
+NaN outputs are the one place where torch's kernels differ between CPUs: its AVX2 and
+AVX-512 float32 -> bfloat16 casts write every NaN as ``0xFFFF``, its scalar one (a CPU
+without AVX2, or ``ATEN_CPU_CAPABILITY=default``) as ``0x7FC0``. :data:`LIKE_TORCH` says
+where these conversions are known to match torch; elsewhere callers that must equal
+torch's bytes ask torch itself.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from typing import TYPE_CHECKING
 
@@ -19,7 +21,22 @@ import numpy as np
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-LIKE_TORCH = platform.machine().lower() in ("x86_64", "amd64")
+
+def _vectorized_x86() -> bool:
+    """Whether torch's CPU kernels here are its AVX2 / AVX-512 ones: an x86-64 CPU with AVX2
+    (Linux's ``/proc/cpuinfo`` says; unknown elsewhere: no) not told to use the scalar ones."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "default":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " avx2" in line for line in f)
+    except OSError:
+        return False
+
+
+LIKE_TORCH = _vectorized_x86()
 BF16_NAN = 0xFFFF  # every NaN, as torch's vectorized x86-64 cast writes it
 F16_QUIET_NAN = 0x7E00  # float16's exponent of all ones and quiet bit
 CODES = 256

@@ -32,12 +32,13 @@ class Lazy:
     HF's layout): where its rows ``order`` (in that order) lie, the two permutations
     composed before any span is made, not one span per row; None when its bytes do not
     lie in the source as stored (as ``spans()`` would say). Unset: ask ``spans()``.
-    ``raw``, where set, returns those bytes from memory without torch (generated or
-    recorded tensors). ``pieces(lead)``, where set, returns ``get()``'s result flat, in
-    order, a piece at a time (a tensor, or its bytes), each valid until the one after the
-    next is asked for (a dequantized weight: written while the next piece is made, never
-    held whole); ``lead``: where in a page of the output file the first byte goes (pieces
-    made in memory may be placed to match, for a direct write).
+    ``raw``, where set, returns those bytes (generated or recorded tensors, from memory
+    without torch; a checked scale, read and checked without torch where its method can).
+    ``pieces(lead)``, where set, returns ``get()``'s result flat, in order, a piece at a
+    time (a tensor, or its bytes), each valid until the one after the next is asked for (a
+    dequantized weight: written while the next piece is made, never held whole); ``lead``:
+    where in a page of the output file the first byte goes (pieces made in memory may be
+    placed to match, for a direct write).
     """
 
     shape: tuple[int, ...]

@@ -325,3 +325,22 @@ def test_broken_sources_are_one_line_and_write_nothing(case: str, tmp_path: Path
         convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_source_cut_short_while_a_scale_is_read_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The safetensors file shrinks after its header was read, before a scale's bytes are
+    (read without torch): one line naming the scale, nothing written."""
+    import ckptkit.quant
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "fp8" / "llama-overhang", src)
+    read_spans = ckptkit.quant.read_spans
+
+    def cut_first(spans: Any) -> bytes:
+        (src / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:200])
+        return read_spans(spans)
+
+    monkeypatch.setattr(ckptkit.quant, "read_spans", cut_first)
+    with pytest.raises(CkptkitError, match=r"weight_scale_inv: changed while it was read \(shorter than its size\)"):
+        convert(src, tmp_path / "out", ConvertOptions("hf", dtype="bfloat16"))
+    assert not (tmp_path / "out").exists()
