@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if r == args.repeat - 1:
             same["gguf"] = digest(outs["gguf"]) == digest(outs["llama.cpp"])
             same["hf-bf16"] = same_safetensors(outs["hf"], outs["hf-bf16"])
+            same["hf-bf16"] &= same_safetensors(outs["hf"], outs["hf-bf16-direct"])
             if "deepseek" in outs and outs["deepseek"].exists():
                 same["deepseek"] = same_safetensors(outs["hf"], outs["deepseek"])
         load.append(os.getloadavg()[0])
@@ -253,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1 min) before and after each round: {', '.join(f'{x:.1f}' for x in load)}")
     print(f"ckptkit's GGUF tensors identical to llama.cpp's: {'yes' if same['gguf'] else 'NO'}")
     baseline = "yes" if same["hf-bf16"] else "NO"  # like for like (its source is ckptkit's own dequantization)
-    print(f"the bf16 baseline writes the dequantizing write's tensors (same output): {baseline}")
+    print(f"the bf16 baselines write the dequantizing write's tensors (same output): {baseline}")
     if "deepseek" in same:
         print(f"ckptkit's HF tensors identical to DeepSeek's script's: {'yes' if same['deepseek'] else 'NO'}")
     labels = {
         "hf": "ckptkit convert --to hf --dtype bfloat16",
         "hf-bf16": "ckptkit convert --to hf, bf16 source",
-        "hf-bf16-direct": "the same, --copy-method direct",
+        "hf-bf16-direct": "ckptkit convert --to hf, bf16 source, direct",
         "gguf": "ckptkit convert --to gguf --dtype bfloat16",
         "llama.cpp": "convert_hf_to_gguf.py --outtype bf16",
         "deepseek": "DeepSeek fp8_cast_bf16.py (CPU stand-in)",
@@ -279,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("dd", "start"):
             ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs[name], runs["dd"], strict=True)]
             print(f"{labels[name]} / dd, per round: {', '.join(f'{x:.2f}x' for x in ratio)}")
-    for name in ("hf", "hf-bf16-direct"):  # what the bytes cost past the start every command pays
-        each = zip(runs[name], runs["start"], runs["dd"], strict=True)
-        ratio = [(on_disk(a) - on_disk(s)) / on_disk(b) for a, s, b in each]
-        print(f"{labels[name]}, less the tiny source's time, / dd, per round: {', '.join(f'{x:.2f}x' for x in ratio)}")
+    each = zip(runs["hf"], runs["start"], runs["dd"], strict=True)  # the bytes' cost past the start the command pays
+    ratio = [(on_disk(a) - on_disk(s)) / on_disk(b) for a, s, b in each]
+    print(f"{labels['hf']}, less the tiny source's time, / dd, per round: {', '.join(f'{x:.2f}x' for x in ratio)}")
     for base in ("hf-bf16", "hf-bf16-direct"):
         ratio = [on_disk(a) / on_disk(b) for a, b in zip(runs["hf"], runs[base], strict=True)]
         cpu = [(a.user_s + a.sys_s) / (b.user_s + b.sys_s) for a, b in zip(runs["hf"], runs[base], strict=True)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckptkit.formats import CheckpointFormat
 from ckptkit.formats.writers import Job, TensorWriter
-from ckptkit.io import AUTO, STREAM, Overlap, direct_pays, publishing, publishing_file, total_bytes
+from ckptkit.io import AUTO, DIRECT, STREAM, Overlap, direct_pays, publishing, publishing_file, total_bytes
 from ckptkit.plan import FilePlan, Plan, target_format
 from ckptkit.progress import byte_progress
 from ckptkit.tensors.dtypes import dtype_name
@@ -46,9 +46,9 @@ def write_plan(
         for k in f.keys:
             where.setdefault(k, []).append(f)
     total = sum(plan.nbytes(k) for k in where)
-    made = sum(plan.nbytes(k) for k in where if plan.targets[k].pieces is not None)
-    # auto: whole pages past the page cache (a big output, dequantized weights); stream: never
-    direct = copy_method != STREAM and direct_pays(total, made)
+    made = sum(plan.nbytes(k) for k, files in where.items() if _by_pieces(plan, k, files))
+    # auto: whole pages past the page cache (a big output, dequantized weights); direct: always; stream: never
+    direct = copy_method == DIRECT or (copy_method != STREAM and direct_pays(total, made))
     fmt = target_format(plan.format)
     writers: dict[str, TensorWriter] = {}
     try:
@@ -104,7 +104,7 @@ def _write_tensors(
                 for write, nbytes in chunks:
                     copies.submit(functools.partial(_computed, write), nbytes)
                 continue
-            if lazy.pieces is not None and len(files) == 1 and (ranks == 1 or dim is None):  # a piece at a time
+            if lazy.pieces is not None and _by_pieces(plan, key, files):  # a piece at a time
                 submit = functools.partial(_submit_computed, copies)
                 writers[files[0].name].write_pieces(key, lazy.pieces, submit)
                 continue
@@ -121,6 +121,13 @@ def _write_tensors(
     if computed:
         by_method[COMPUTED] = by_method.get(COMPUTED, 0) + computed
     return by_method
+
+
+def _by_pieces(plan: Plan, key: str, files: list[FilePlan]) -> bool:
+    """Whether target ``key`` (in ``files``) is written a piece at a time as it is made
+    (:attr:`Lazy.pieces`: one file, not split across ranks), if no faster way takes it first."""
+    whole = files[0].ranks == 1 or plan.split_dims.get(key) is None
+    return plan.targets[key].pieces is not None and len(files) == 1 and whole
 
 
 def _computed(write: Job) -> str:

@@ -133,6 +133,16 @@ def folder_plan(planner: FolderPlanner, ckpt: OpenedCheckpoint, opts: Options) -
         natives: dict[str, tuple[str, Any]] = {}
         for native, canonical, kind in planner.rules(ckpt):
             natives.setdefault(canonical[0], (native, kind))
+            if (
+                canonical[0] in ckpt.quant.scales
+                and native in targets
+                and not (kind.is_identity() or kind.permutes_rows)
+            ):
+                raise CkptkitError(  # a source's quantized weights are kept only where each is stored as itself
+                    f"--dtype fp8: --to {planner.fmt.name} stores {native} as several weights in one tensor (fused "
+                    "or stacked), and ckptkit writes block FP8 only where each weight is stored as itself; pass "
+                    "--experts per-expert for stacked experts, or convert without --dtype fp8"
+                )
         targets, companions = with_scales(targets, ckpt.quant, natives, ckpt.config)
     if opts.dtype is not None:
         kept = [k for k, v in targets.items() if v.dtype not in FLOATING]

@@ -56,7 +56,7 @@ from ckptkit.io.source import (
     size_of,
 )
 from ckptkit.io.spans import RecordCheck, Rows, Span, coalesce, take, take_ranges, take_rows, total_bytes
-from ckptkit.io.transfer import AUTO, COPY_METHODS, STREAM, OutputFile
+from ckptkit.io.transfer import AUTO, COPY_METHODS, DIRECT, STREAM, OutputFile
 
 __all__ = [
     # the source files, wherever they are
@@ -66,7 +66,7 @@ __all__ = [
     "Span", "Rows", "RecordCheck", "Verifier", "coalesce", "take", "take_ranges", "take_rows", "total_bytes",
     "read_spans", "SpanReader", "crc32",
     # writing them
-    "AUTO", "COPY_METHODS", "STREAM", "OutputFile", "Overlap", "DEPTH", "direct_pays", "ALIGN",
+    "AUTO", "COPY_METHODS", "DIRECT", "STREAM", "OutputFile", "Overlap", "DEPTH", "direct_pays", "ALIGN",
     # putting the output in place
     "publishing", "publishing_file", "check_replaceable", "retire", "sweep",
     "tmp_beside",

@@ -286,3 +286,17 @@ def test_dtype_fp8_into_a_restored_sharded_layout_indexes_the_scales(tmp_path: P
     stored = {k: f.name for f in sorted((tmp_path / "fp8").glob("*.safetensors")) for k in load_file(f)}
     assert weight_map == stored
     assert "model.layers.2.mlp.down_proj.weight_scale_inv" in stored
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_moe-stacked", "phi3"])
+def test_dtype_fp8_into_fused_or_stacked_weights_is_one_line(fixture: str, tmp_path: Path) -> None:
+    """Stacked experts and phi3's fused qkv_proj: one block scale cannot stand for the weights
+    one tensor holds (the scale written was the first part's, and the output did not read back):
+    one line, nothing written; stacked experts go per expert when asked."""
+    with pytest.raises(CkptkitError, match=r"--dtype fp8: --to hf stores .* as several weights in one tensor"):
+        convert(FIXTURES / "hf" / fixture, tmp_path / "out", ConvertOptions("hf", dtype="fp8"))
+    assert not (tmp_path / "out").exists()
+    if fixture == "qwen3_moe-stacked":
+        convert(FIXTURES / "hf" / fixture, tmp_path / "per", ConvertOptions("hf", dtype="fp8", experts="per-expert"))
+        read = inspect_path(tmp_path / "per")  # reads back: each expert's weight with its own scale
+        assert read["quantization"]["quantized_tensors"] == 39

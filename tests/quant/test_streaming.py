@@ -93,15 +93,16 @@ def test_dequantizing_holds_one_tensor_not_the_model(to: str, dtype: str, source
 
 
 @pytest.mark.parametrize(
-    ("made_direct", "method"), [(1 << 20, "auto"), (None, "auto"), (1 << 20, "stream")]
-)  # past a lowered threshold; the default (256 MiB); --copy-method stream
+    ("made_direct", "method"), [(1 << 20, "auto"), (None, "auto"), (1 << 20, "stream"), (None, "direct")]
+)  # past a lowered threshold; the default (256 MiB); --copy-method stream; --copy-method direct
 def test_a_dequantizing_write_goes_direct_from_where_its_pieces_lie(
     made_direct: int | None, method: str, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past :data:`MADE_DIRECT` bytes of dequantized weights, ``auto`` writes the output
     direct, each piece's whole pages from the buffer it was made in (placed in memory as its
     pages lie in the file: no staging copy); under it (this 59 MiB model by default), or
-    with ``--copy-method stream``, buffered. The bytes are the same either way."""
+    with ``--copy-method stream``, buffered; ``--copy-method direct`` whatever the size.
+    The bytes are the same either way."""
     from ckptkit.convert import ConvertOptions, convert
     from ckptkit.io import direct as directio
 
@@ -122,7 +123,7 @@ def test_a_dequantizing_write_goes_direct_from_where_its_pieces_lie(
     for f in (tmp_path / "buffered").iterdir():
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
     dequantized = 2 * LAYERS * (2 * HIDDEN * HIDDEN + 2 * 128 * HIDDEN + 3 * INTER * HIDDEN)  # bf16 bytes
-    if made_direct is None or method == "stream":
+    if method == "stream" or (made_direct is None and method == "auto"):
         assert not in_place and not staged
     else:  # all but the partial pages at each tensor's ends; the bf16 embeddings are copies (read into place)
         assert sum(in_place) > 0.99 * dequantized, (sum(in_place), dequantized)
@@ -167,3 +168,23 @@ def test_pieces_written_by_a_lagging_worker_keep_their_bytes(tmp_path: Path, mon
     convert(src, tmp_path / "pieces", opts)
     for f in (tmp_path / "whole").iterdir():
         assert (tmp_path / "pieces" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_only_pieces_written_as_pieces_count_for_direct(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Meta output split over two ranks writes its dequantized weights whole (a rank's part
+    of each): none of its bytes count as made a piece at a time, so ``auto`` is not told to go
+    direct for them; the same weights into one HF file do count."""
+    from ckptkit import writing
+    from ckptkit.convert import ConvertOptions, convert
+
+    asked: list[tuple[int, int]] = []
+    pays = writing.direct_pays
+    monkeypatch.setattr(
+        writing, "direct_pays", lambda nbytes, made=0: asked.append((nbytes, made)) or pays(nbytes, made)
+    )
+    convert(source, tmp_path / "meta", ConvertOptions("meta", dtype="bfloat16", shards=2))
+    convert(source, tmp_path / "hf", ConvertOptions("hf", dtype="bfloat16"))
+    dequantized = 2 * LAYERS * (2 * HIDDEN * HIDDEN + 2 * 128 * HIDDEN + 3 * INTER * HIDDEN)
+    assert [made for _, made in asked] == [0, dequantized]

@@ -72,8 +72,8 @@ def streamed(t: GGUFTensor) -> Pieces | None:
     source = t.source
     if source is None or source.pieces is None or t.moved is not None or t.weights is not None:
         return None
-    if t.heads is not None and t.shape[-2] % (2 * t.heads):
-        return None  # not whole heads of two halves: the torch path says so
+    if t.heads is not None and (len(t.shape) != 2 or t.shape[-2] % (2 * t.heads)):
+        return None  # not a matrix of whole heads of two halves: the torch path says so
     return source.pieces if SAME.get(source.dtype) == gguf.GGMLQuantizationType(t.qtype).name else None
 
 
@@ -94,6 +94,8 @@ def piece_jobs(
         if piece is None:
             break
         data = piece if isinstance(piece, memoryview) else tensor_bytes(piece)
+        if written + data.nbytes > nbytes:  # a permutation carries less than a piece: never more than planned
+            raise RuntimeError(f"{t.name}: more than the {nbytes} bytes planned")
         if permute is None:
             done = threading.Event()
             yield functools.partial(write_then_set, out, data, offset + written, done), data.nbytes
@@ -103,8 +105,6 @@ def piece_jobs(
             for chunk, turn in permute(data, offset + written):
                 yield functools.partial(write_then_release, out, chunk, offset + written, buffers, turn), len(chunk)
                 written += len(chunk)
-        if written > nbytes:
-            raise RuntimeError(f"{t.name}: more than the {nbytes} bytes planned")
     if written != nbytes:
         raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {nbytes}")
 
