@@ -38,8 +38,8 @@ def write_plan(
     without torch; a writer that makes a tensor's bytes itself, a chunk at a time, has each
     chunk written on the workers while the next is made). ``auto`` writes whole pages past
     the page cache when the output is larger than the kernel's dirty limit or holds
-    dequantized weights of some size (:func:`~ckptkit.io.direct_pays`). Returns the bytes written by each method
-    (:data:`COMPUTED` for those computed in memory).
+    dequantized weights of some size (:func:`~ckptkit.io.direct_pays`). Returns the bytes
+    written by each method (:data:`COMPUTED` for those computed in memory).
     """
     where: dict[str, list[FilePlan]] = {}
     for f in plan.files:

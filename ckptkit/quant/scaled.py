@@ -174,7 +174,7 @@ def dequantized_pieces(
     if not math.prod(shape):
         return
     rows, cols = shape[-2:]
-    stored = weight.dtype if isinstance(weight, Lazy) else dtype_name(weight.dtype)
+    stored = dtype_name(weight.dtype)
     spans = weight.spans() if isinstance(weight, Lazy) else None
     held = None if spans is not None else weight.get() if isinstance(weight, Lazy) else weight
     values = scale if isinstance(scale, np.ndarray) else _float32(scale)

@@ -214,7 +214,7 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
 
     from ckptkit.formats.gguf import writer
 
-    real = writer.write_then_release
+    real = writer.write_then
 
     def late(*args: object) -> None:
         time.sleep(0.002)  # the main thread makes the next chunks meanwhile
@@ -227,7 +227,7 @@ def test_chunks_written_by_a_lagging_worker_keep_their_bytes_until_written(
             convert(src, tmp_path / f"{name}-torch.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         with monkeypatch.context() as m:
             m.setattr(rows, "CHUNK_BYTES", 512)  # several chunks a tensor
-            m.setattr(writer, "write_then_release", late)
+            m.setattr(writer, "write_then", late)
             m.setattr(writer, "DEPTH", in_flight)  # chunk buffer sets: writes in flight + 1
             convert(src, tmp_path / f"{name}-late.gguf", ConvertOptions("gguf", dtype="bfloat16"))
         assert (tmp_path / f"{name}-late.gguf").read_bytes() == (tmp_path / f"{name}-torch.gguf").read_bytes()
@@ -253,7 +253,7 @@ def test_dequantized_pieces_written_by_a_lagging_worker_are_the_whole_tensors_by
         m.setattr(writer, "streamed", lambda t: None)  # each tensor dequantized whole
         convert(src, tmp_path / "whole.gguf", opts)
     streamed = []
-    late_set, late_release = flight.write_then_set, flight.write_then_release
+    write_then = flight.write_then
 
     def lagging(real: Callable[..., None]) -> Callable[..., None]:
         def late(*args: object) -> None:
@@ -265,8 +265,7 @@ def test_dequantized_pieces_written_by_a_lagging_worker_are_the_whole_tensors_by
     monkeypatch.setattr(scaled, "CHUNK_ELEMENTS", 40)  # a row of the fixture's 40 columns
     monkeypatch.setattr(scaled, "PIECE_ELEMENTS", 120)  # 3 rows
     monkeypatch.setattr(scaled, "ALIGN", 2)  # each piece where the one two before it lay (not placed by page)
-    monkeypatch.setattr(flight, "write_then_set", lagging(late_set))
-    monkeypatch.setattr(flight, "write_then_release", lagging(late_release))
+    monkeypatch.setattr(flight, "write_then", lagging(write_then))
     monkeypatch.setattr(writer, "DEPTH", in_flight)
     monkeypatch.setattr(writer, "piece_jobs", lambda *a: streamed.append(a[1].name) or flight.piece_jobs(*a))
     convert(src, tmp_path / "pieces.gguf", opts)

@@ -43,23 +43,17 @@ class HeldBuffers(ChunkBuffers):
         self._free[turn].set()
 
 
-def write_then_release(
-    out: OutputFile, chunk: bytes | memoryview, offset: int, buffers: HeldBuffers, turn: int
-) -> None:
-    """Write ``chunk`` at ``offset``, then hand its buffer set (``turn``; -1: none) back."""
+def write_then(out: OutputFile, chunk: bytes | memoryview, offset: int, then: Callable[[], object]) -> None:
+    """Write ``chunk`` at ``offset``, then call ``then`` (also when the write fails): hand the
+    chunk's buffer back, or say it is written."""
     try:
         out.write(chunk, offset)
     finally:
-        if turn >= 0:
-            buffers.release(turn)
+        then()
 
 
-def write_then_set(out: OutputFile, chunk: bytes | memoryview, offset: int, written: threading.Event) -> None:
-    """Write ``chunk`` at ``offset``, then say so (also when the write fails)."""
-    try:
-        out.write(chunk, offset)
-    finally:
-        written.set()
+def nothing() -> None:
+    """What :func:`write_then` does after a chunk that holds no buffer of the writer's."""
 
 
 def streamed(t: GGUFTensor) -> Pieces | None:
@@ -98,12 +92,13 @@ def piece_jobs(
             raise RuntimeError(f"{t.name}: more than the {nbytes} bytes planned")
         if permute is None:
             done = threading.Event()
-            yield functools.partial(write_then_set, out, data, offset + written, done), data.nbytes
+            yield functools.partial(write_then, out, data, offset + written, done.set), data.nbytes
             held.append(done)
             written += data.nbytes
         else:
             for chunk, turn in permute(data, offset + written):
-                yield functools.partial(write_then_release, out, chunk, offset + written, buffers, turn), len(chunk)
+                release = functools.partial(buffers.release, turn)
+                yield functools.partial(write_then, out, chunk, offset + written, release), len(chunk)
                 written += len(chunk)
     if written != nbytes:
         raise RuntimeError(f"{t.name}: wrote {written} bytes, planned {nbytes}")

@@ -23,7 +23,7 @@ from ckptkit.errors import CkptkitError, note
 from ckptkit.formats.base import FilePlan, OpenedCheckpoint, Options, Plan, read_json_shared
 from ckptkit.formats.gguf.hybrid import hybrid_hparams
 from ckptkit.formats.gguf.imatrix import load_imatrix
-from ckptkit.formats.gguf.in_flight import HeldBuffers, piece_jobs, streamed, write_then_release
+from ckptkit.formats.gguf.in_flight import HeldBuffers, nothing, piece_jobs, streamed, write_then
 from ckptkit.formats.gguf.mix import keep_types, kept_dtype, quantize_type
 from ckptkit.formats.gguf.model import assumed_fields
 from ckptkit.formats.gguf.params import add_parameters
@@ -304,13 +304,13 @@ class GGUFFileWriter(FileWriter):
         self._done(name, None)
 
     def chunks(self, name: str, lazy: Lazy) -> Iterator[tuple[Job, int]]:
-        return self._chunk_jobs(name)
+        return self._chunk_jobs(name, lazy)
 
-    def _chunk_jobs(self, name: str) -> Iterator[tuple[Job, int]]:
+    def _chunk_jobs(self, name: str, lazy: Lazy) -> Iterator[tuple[Job, int]]:
         t = self._tensors[name]
         offset, nbytes = self._places[name]
-        if (pieces := streamed(t)) is not None:
-            yield from piece_jobs(self._out, t, pieces, offset, nbytes, self._buffers)
+        if lazy.pieces is not None:  # the plan's streamed(t)
+            yield from piece_jobs(self._out, t, lazy.pieces, offset, nbytes, self._buffers)
             self._done(name, None)
             return
         written = 0
@@ -320,7 +320,8 @@ class GGUFFileWriter(FileWriter):
             n = memoryview(chunk).nbytes
             turn = self._buffers.turn if self._buffers.made != made else -1  # -1: not made in a set
             made = self._buffers.made
-            yield functools.partial(write_then_release, self._out, chunk, offset + written, self._buffers, turn), n
+            then = functools.partial(self._buffers.release, turn) if turn >= 0 else nothing  # -1: no set
+            yield functools.partial(write_then, self._out, chunk, offset + written, then), n
             written += n
             self._buffers.lead = (offset + written) % ALIGN
         if written != nbytes:
